@@ -1,0 +1,63 @@
+"""Device selection in one place: device strings → :class:`~cgdp.backend.base.Device` objects.
+
+``"cpu:N"`` are CPU-emulated devices (any N, each a separate replica in host memory);
+``"cuda:N"`` are real GPUs. One trainer uses one kind.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Sequence
+
+from cgdp.backend.base import Device
+
+_DEVICE = re.compile(r"^(cpu|cuda):(\d+)$")
+
+
+def parse_devices(devices: Sequence[str]) -> tuple[str, list[int]]:
+    """Validate the ``devices`` argument; return (kind, indices)."""
+    if isinstance(devices, str) or not isinstance(devices, Sequence):
+        raise TypeError(f"devices must be a list of device strings such as ['cuda:0', 'cuda:1'] or "
+                        f"['cpu:0', 'cpu:1']; got {devices!r}")
+    if len(devices) == 0:
+        raise ValueError("devices is empty; pass at least one device, e.g. ['cpu:0']")
+    kinds, idx = set(), []
+    for d in devices:
+        m = _DEVICE.match(d) if isinstance(d, str) else None
+        if m is None:
+            raise ValueError(f"unknown device {d!r}: use 'cuda:N' for GPU N or 'cpu:N' for the N-th "
+                             f"CPU-emulated device (the index is required, e.g. 'cpu:0')")
+        kinds.add(m.group(1))
+        idx.append(int(m.group(2)))
+    if len(kinds) > 1:
+        raise ValueError(f"devices mixes CPU-emulated and CUDA devices ({list(devices)}); use one kind")
+    dup = sorted({d for d in devices if list(devices).count(d) > 1})
+    if dup:
+        raise ValueError(f"device(s) {dup} listed more than once; each device holds one replica")
+    kind = kinds.pop()
+    if kind == "cuda":
+        from cgdp.backend.cuda import cuda_count
+        n = cuda_count()
+        missing = [i for i in idx if i >= n]
+        if missing:
+            raise ValueError(f"cuda:{missing[0]} is not there: this machine has {n} CUDA device(s) "
+                             f"visible{' (torch.cuda is not available)' if n == 0 else ''}; "
+                             f"use cuda:0..cuda:{n - 1}" + (" or 'cpu:N' devices" if n == 0 else ""))
+    return kind, idx
+
+
+def make_devices(devices: Sequence[str], fail: Callable[[BaseException], None]) -> list[Device]:
+    kind, idx = parse_devices(devices)
+    if kind == "cuda":
+        from cgdp.backend.cuda import CudaDevice
+        return [CudaDevice(name, i, fail) for name, i in zip(devices, idx)]
+    from cgdp.backend.cpu import CpuDevice
+    return [CpuDevice(name, fail) for name in devices]
+
+
+def default_devices(max_devices: int | None = None, emulated: int = 2) -> list[str]:
+    """All visible GPUs (at most ``max_devices``), or ``emulated`` CPU-emulated devices."""
+    from cgdp.backend.cuda import cuda_count
+    n = cuda_count()
+    if n:
+        return [f"cuda:{i}" for i in range(n if max_devices is None else min(n, max_devices))]
+    return [f"cpu:{i}" for i in range(emulated)]

@@ -1,0 +1,66 @@
+"""Communication between machines: one interface, implementations imported only when used.
+
+The engine's host accumulator produces, per chunk, the local weighted sum of the gradients of this
+machine's devices. With a ``Comm`` attached, each chunk is then summed across all ranks in place
+(the gradient weights already divide by the *global* batch, so a SUM is the mean) before it goes
+back to the devices.
+
+Contract (what the engine relies on):
+
+* ``post(key, buf, on_done)`` starts a non-blocking in-place SUM allreduce of the 1-D NumPy array
+  ``buf`` (a slice of the pinned host accumulator; no extra copy). The engine calls ``post`` from one
+  thread, chunks in plan order, the same order on every rank. ``on_done()`` runs on the comm's own
+  thread when that allreduce has completed, in post order.
+* ``fence(timeout)`` blocks until every posted allreduce has completed; raises the comm error if one
+  failed, ``TimeoutError`` if ``timeout`` seconds pass (a dead or stalled peer).
+* ``allreduce_small(arr)`` is a blocking SUM allreduce of a small array (batch sizes, flags, loss).
+* ``broadcast_object(obj)`` returns rank 0's ``obj`` on every rank (chunk plans, tuner decisions).
+* ``check_same(signature)`` raises ``RuntimeError`` naming the ranks and fields that differ, when the
+  ``dict`` of strings ``signature`` (config, model shape, devices) is not the same on every rank.
+* ``attach(fail)``: the engine hands its failure callback; errors on the comm thread are reported
+  through ``fail(exc)`` so that a step never hangs.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+import numpy as np
+
+
+class Comm(ABC):
+    rank: int = 0
+    size: int = 1
+
+    def attach(self, fail: Callable[[BaseException], None]) -> None:
+        self._fail = fail
+
+    @abstractmethod
+    def post(self, key: int, buf: np.ndarray, on_done: Callable[[], None]) -> None: ...
+
+    @abstractmethod
+    def fence(self, timeout: float | None = None) -> None: ...
+
+    @abstractmethod
+    def allreduce_small(self, arr: np.ndarray) -> np.ndarray: ...
+
+    @abstractmethod
+    def broadcast_object(self, obj: Any) -> Any: ...
+
+    @abstractmethod
+    def check_same(self, signature: dict[str, str]) -> None: ...
+
+    def close(self) -> None:
+        pass
+
+
+def make_comm(spec: object, **options: Any) -> Comm | None:
+    """``None`` → one machine; ``"mpi"`` → :class:`cgdp.comm.mpi.MPIComm`; a ``Comm`` → itself."""
+    if spec is None:
+        return None
+    if isinstance(spec, Comm):
+        return spec
+    if spec == "mpi":
+        from cgdp.comm.mpi import MPIComm  # MPI is imported only when asked for
+        return MPIComm(**options)
+    raise ValueError(f"comm must be None (one machine) or 'mpi' (several machines); got {spec!r}")

@@ -1,0 +1,64 @@
+"""One flat gradient buffer per device, laid out in chunk order.
+
+Parameters are numbered (``pid``) in forward layer order. The layout places the parameters of
+chunk 0 first, then chunk 1, ..., each parameter aligned to ``ALIGN`` elements, so that every chunk
+is one contiguous slice ``[lo, hi)`` and travels as a single copy. ``param.grad`` of every replica is
+a view into its device's buffer: autograd accumulates straight into it (``grad += new`` in place,
+since the buffer is zeroed before backward), so no gradient is ever copied on the device.
+Padding elements stay zero and are summed like the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cgdp.chunks import Plan
+
+ALIGN = 16
+"""Elements: 64 bytes in float32, so every view starts on a cache line / vector boundary."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    plan: Plan
+    offsets: list[int]
+    """Start of each parameter (by pid) in the flat buffer."""
+    numels: list[int]
+    """Element count of each parameter (by pid)."""
+    param_chunk: list[int]
+    """Chunk of each parameter (by pid)."""
+    chunk_bounds: list[tuple[int, int]]
+    """[lo, hi) of each chunk."""
+    chunk_params: list[int]
+    """How many parameters each chunk holds (what its hook countdown starts from)."""
+    total: int
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def make_layout(plan: Plan, layer_pids: list[list[int]], numels: list[int]) -> Layout:
+    offsets = [0] * len(numels)
+    param_chunk = [0] * len(numels)
+    bounds, counts = [], []
+    pos = 0
+    for c, chunk in enumerate(plan):
+        lo, n = pos, 0
+        for layer in chunk:
+            for pid in layer_pids[layer]:
+                offsets[pid] = pos
+                param_chunk[pid] = c
+                pos += _align(numels[pid])
+                n += 1
+        bounds.append((lo, pos))
+        counts.append(n)
+    return Layout(plan, offsets, list(numels), param_chunk, bounds, counts, pos)
+
+
+def attach_grads(flat: torch.Tensor, params: list[torch.nn.Parameter], layout: Layout) -> None:
+    """Point every ``param.grad`` at its slice of ``flat``."""
+    for pid, p in enumerate(params):
+        off = layout.offsets[pid]
+        p.grad = flat[off:off + layout.numels[pid]].view_as(p)

@@ -1,0 +1,64 @@
+"""Per-parameter backward hooks: mark a layer ready, and send its chunk when the chunk is complete.
+
+One hook per trainable parameter per replica (``register_post_accumulate_grad_hook``). It runs on
+the thread that executes backward for that device (the device's own thread on emulated devices,
+autograd's device thread on CUDA), so a device's counters are only ever touched by one thread and
+need no lock. A hook does three things and returns: marks its parameter touched, counts down its
+chunk, and, when the count reaches zero, asks the device to send the chunk (which only enqueues).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+class DeviceHooks:
+    def __init__(self, params: list[torch.nn.Parameter], send: Callable[[int], None]):
+        self.params = params
+        self._send = send
+        self.param_chunk: list[int] = []
+        self._template: list[int] = []
+        self.pending: list[int] = []
+        self.sent: list[bool] = []
+        self.touched = bytearray(len(params))
+        self.ready_at = [0.0] * len(params)
+        self.streaming = False
+        """True in mode 'cgdp': hooks send chunks. Otherwise they only mark parameters touched."""
+        self.timing = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._make(pid))
+                         for pid, p in enumerate(params)]
+
+    def set_layout(self, param_chunk: list[int], chunk_params: list[int]) -> None:
+        self.param_chunk = list(param_chunk)
+        self._template = list(chunk_params)
+
+    def begin_step(self) -> None:
+        self.pending = list(self._template)
+        self.sent = [False] * len(self._template)
+        self.touched[:] = bytes(len(self.touched))
+
+    def _make(self, pid: int):
+        def hook(_p: torch.Tensor) -> None:
+            self.touched[pid] = 1
+            if self.timing:
+                self.ready_at[pid] = time.perf_counter()
+            if self.streaming:
+                c = self.param_chunk[pid]
+                left = self.pending[c] - 1
+                self.pending[c] = left
+                if left == 0:
+                    self._send(c)
+        return hook
+
+    def flush(self) -> None:
+        """Send the chunks that backward never completed (layers unused this step), in plan order."""
+        for c, done in enumerate(self.sent):
+            if not done:
+                self._send(c)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,137 @@
+"""The host side of one machine: pinned slots, the accumulator, and the copy back.
+
+Buffers (owned here, alive for the whole run): ``slots[j]`` receives device j's chunks (D2H), and
+``acc`` holds the averaged gradient that goes back to every device (H2D); pinned on CUDA. That is
+(G + 1) × the gradient bytes of host memory.
+
+Threads: the devices' D2H completions call :meth:`arrived` (any thread). When a chunk has arrived
+from all G devices it is queued to the single accumulator thread, which sums it in device order
+with the Numba kernel (nogil, itself multi-threaded), so the result never depends on arrival order.
+Without a comm, the chunk goes straight back to the devices; with one, chunks are posted to the
+comm in plan order (a chunk that is ready early waits for its predecessors, so every rank runs the
+same collectives in the same order), and each comes back when its allreduce completes.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from cgdp.accumulate import accumulate_unchecked
+from cgdp.backend.base import Device, TraceSink
+from cgdp.comm import Comm
+
+
+class HostAccumulator:
+    def __init__(self, devices: list[Device], dtype: torch.dtype, fail: Callable[[BaseException], None],
+                 comm: Comm | None):
+        self.devices = devices
+        self.dtype = dtype
+        self.comm = comm
+        self._fail = fail
+        self.trace: TraceSink | None = None
+        self._lock = threading.Lock()
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="cgdp-host-accumulate", daemon=True)
+        self._thread.start()
+        self.total = -1
+        self.bounds: list[tuple[int, int]] = []
+        self.flats: list[torch.Tensor] = []
+        self.returned = threading.Event()
+        self.bad: list[int] = []
+
+    def set_layout(self, total: int, bounds: list[tuple[int, int]], flats: list[torch.Tensor]) -> None:
+        """Called between steps only, when no copy is in flight."""
+        if total != self.total:
+            g = len(self.devices)
+            # one allocation: rows 0..G-1 are the devices' slots, row G the accumulator
+            self._host = self.devices[0].host_empty((g + 1, max(total, 1)), self.dtype)
+            self._host_np = self._host.numpy()
+            self.total = total
+        self.bounds = list(bounds)
+        self.flats = flats
+
+    @property
+    def acc(self) -> np.ndarray:
+        return self._host_np[-1, :self.total]
+
+    def slot(self, j: int) -> torch.Tensor:
+        return self._host[j]
+
+    def begin_step(self) -> None:
+        n = len(self.bounds)
+        self._counts = [0] * n
+        self._ready = [False] * n
+        self._next_post = 0
+        self._returned = 0
+        self.bad = [0] * n
+        self.returned = threading.Event()
+        if n == 0:
+            self.returned.set()
+
+    def arrived(self, j: int, c: int) -> None:
+        with self._lock:
+            self._counts[c] += 1
+            full = self._counts[c] == len(self.devices)
+        if full:
+            self._q.put(c)
+
+    def _run(self) -> None:
+        while True:
+            c = self._q.get()  # waits for the next chunk that every device delivered
+            if c is None:
+                return
+            try:
+                if callable(c):
+                    c()
+                else:
+                    self._accumulate(c)
+            except BaseException as exc:
+                self._fail(exc)
+
+    def _accumulate(self, c: int) -> None:
+        lo, hi = self.bounds[c]
+        g = len(self.devices)
+        h = self._host_np
+        t0 = time.perf_counter()
+        self.bad[c] = accumulate_unchecked(h[g, lo:hi], tuple(h[j, lo:hi] for j in range(g)))
+        if self.trace is not None:
+            self.trace("host", "accumulate", f"chunk {c}", t0, time.perf_counter())
+        if self.comm is None:
+            self._give_back(c)
+            return
+        self._ready[c] = True
+        # post in plan order only: the same collectives in the same order on every rank
+        while self._next_post < len(self.bounds) and self._ready[self._next_post]:
+            k = self._next_post
+            klo, khi = self.bounds[k]
+            self.comm.post(k, h[g, klo:khi], lambda k=k: self._give_back(k))
+            self._next_post += 1
+
+    def _give_back(self, c: int) -> None:
+        lo, hi = self.bounds[c]
+        src = self._host[-1, lo:hi]
+        for dev, flat in zip(self.devices, self.flats):
+            dev.give_back(src, flat[lo:hi], f"chunk {c}")
+        with self._lock:
+            self._returned += 1
+            last = self._returned == len(self.bounds)
+        if last:
+            self.returned.set()
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until the accumulator thread has finished what was queued (after a failed step)."""
+        ev = threading.Event()
+        self._q.put(ev.set)
+        return ev.wait(timeout)  # note: host waits for the accumulator thread
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)
+        self._host = None
+        self._host_np = None
+

@@ -1,0 +1,62 @@
+"""Layers: the modules that directly own trainable parameters, in forward order.
+
+Layer i is the i-th module yielded by ``model.modules()`` that directly owns (``recurse=False``) at
+least one trainable parameter. A parameter shared by several modules (tied weights) belongs to the
+first of them in that order: in backward, its gradient is complete only after that earliest user
+has been differentiated, which is when its hook fires. A layer whose parameters were all claimed
+by an earlier layer keeps its number but owns nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    index: int
+    """Position in forward order."""
+    name: str
+    """Qualified module name (``""`` for the root module)."""
+    param_names: tuple[str, ...]
+    """Qualified names of the parameters this layer owns, in registration order."""
+    numels: tuple[int, ...]
+    """Element counts of those parameters."""
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+
+def find_layers(model: nn.Module) -> tuple[list[LayerInfo], list[list[nn.Parameter]]]:
+    """Return the layer table and, per layer, the parameter objects of ``model`` it owns."""
+    infos: list[LayerInfo] = []
+    params: list[list[nn.Parameter]] = []
+    claimed: set[int] = set()
+    for mod_name, module in model.named_modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        mine = [(n, p) for n, p in own if id(p) not in claimed]
+        claimed.update(id(p) for _, p in mine)
+        prefix = f"{mod_name}." if mod_name else ""
+        infos.append(LayerInfo(len(infos), mod_name, tuple(prefix + n for n, _ in mine),
+                               tuple(p.numel() for _, p in mine)))
+        params.append([p for _, p in mine])
+    return infos, params
+
+
+def trainable_dtype(params: list[list[nn.Parameter]]) -> torch.dtype:
+    """The one floating dtype of all trainable parameters (the flat buffers use it)."""
+    dtypes = {p.dtype for layer in params for p in layer}
+    if len(dtypes) != 1:
+        raise TypeError(f"all trainable parameters must share one dtype for the flat gradient buffer; "
+                        f"found {sorted(str(d) for d in dtypes)}. Cast the model with .float() first")
+    dtype = dtypes.pop()
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"trainable parameters are {dtype}; cgdp averages float32 (or float64) gradients "
+                        f"on the host. Keep master weights in float32 (use torch.autocast for "
+                        f"low-precision compute)")
+    return dtype
