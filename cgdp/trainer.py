@@ -303,7 +303,9 @@ class Trainer:
         self._check_usable()
         for r, opt in zip(self.replicas, self.optimizers):
             r.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
+            # each replica needs its own copy: load_state_dict keeps tensors that already have
+            # the right dtype and device, and two optimizers sharing one state corrupt each other
+            opt.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.step_count = int(state.get("step", 0))
         if self.tuner is not None and state.get("tuner") is not None:
             self.tuner.load_state_dict(state["tuner"])
@@ -386,6 +388,8 @@ class Trainer:
         sink = (lambda *e: self._events.append(e)) if timing else None
         for d in self._devs:
             d.trace = sink
+            if hasattr(d, "copies"):
+                d.copies = []
         if self._host is not None:
             self._host.trace = sink
             self._host.begin_step()

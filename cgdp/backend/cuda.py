@@ -38,6 +38,10 @@ class CudaDevice(Device):
         with torch.cuda.device(self.torch_device):
             self.d2h = torch.cuda.Stream(self.torch_device)
             self.h2d = torch.cuda.Stream(self.torch_device)
+        self.copies: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        """(label, start, done) device events of the D2H copies of a traced step."""
+        self.compute_done: torch.cuda.Event | None = None
+        """A device event at the end of backward's compute in a traced step."""
         self._watch: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._complete, name=f"cgdp-{name}-done", daemon=True)
         self._thread.start()
@@ -58,6 +62,8 @@ class CudaDevice(Device):
             dst.copy_(src, non_blocking=True)
             done = self._timing()
             done.record(self.d2h)
+        if self.trace is not None:
+            self.copies.append((label, start, done))
         self._watch.put((start, done, on_arrived, label))
 
     def _complete(self) -> None:
@@ -86,7 +92,11 @@ class CudaDevice(Device):
 
     def compute_wait(self, marker: Any, guard: Guard) -> None:
         # device-side wait: the update kernels queue behind the last H2D copy; the host goes on.
-        torch.cuda.current_stream(self.torch_device).wait_event(marker)
+        stream = torch.cuda.current_stream(self.torch_device)
+        if self.trace is not None:
+            self.compute_done = torch.cuda.Event(enable_timing=True)
+            self.compute_done.record(stream)
+        stream.wait_event(marker)
 
     def synchronize(self, guard: Guard) -> None:
         torch.cuda.synchronize(self.torch_device)  # note: host sync point (plan switches, close)

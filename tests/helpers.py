@@ -1,0 +1,107 @@
+"""Models and the single-device autograd reference the engine is compared with."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+def mlp(widths=(12, 24, 24, 16, 5), seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.relu(self.conv2(x))
+        return self.fc(x.flatten(1))
+
+
+class Tied(nn.Module):
+    """Embedding tied with the output projection: one parameter used twice."""
+    def __init__(self, vocab=11, dim=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mid = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.out(torch.tanh(self.mid(self.emb(idx))))
+
+
+class Gated(nn.Module):
+    """``extra`` runs only on samples whose first feature is > 100 (data-dependent use);
+    ``never`` is never used; ``frozen`` does not train."""
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(6, 4)
+        self.extra = nn.Linear(6, 4)
+        self.never = nn.Linear(6, 4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.base(x)
+        idx = (x[:, 0] > 100).nonzero().squeeze(1)
+        if idx.numel():
+            h = h.index_add(0, idx, self.extra(x[idx] / 100))
+        return self.frozen(h)
+
+
+class WithBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def reference(model, make_opt, batches, loss_fn, n_parts=None):
+    """Plain single-device autograd training. With ``n_parts``, the loss is the batch-weighted sum
+    of the losses of the ``tensor_split`` parts (what data parallelism computes for models whose
+    forward depends on the batch, such as BatchNorm in training mode)."""
+    model = copy.deepcopy(model)
+    opt = make_opt(model.parameters())
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        if n_parts is None:
+            loss = loss_fn(model(x), y)
+        else:
+            n = x.shape[0]
+            loss = sum(loss_fn(model(xp), yp) * (xp.shape[0] / n)
+                       for xp, yp in zip(torch.tensor_split(x, n_parts), torch.tensor_split(y, n_parts)))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def assert_params_close(a: nn.Module, b: nn.Module, rtol=1e-5):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        scale = q.detach().abs().max().clamp_min(1e-12)
+        err = ((p.detach() - q.detach()).abs().max() / scale).item()
+        assert err <= rtol, f"{name}: relative error {err:.3g} > {rtol}"
+
+
+def assert_replicas_identical(trainer):
+    first = trainer.replicas[0].state_dict()
+    for r in trainer.replicas[1:]:
+        for k, v in r.state_dict().items():
+            assert torch.equal(v, first[k]), f"replicas differ in {k}"

@@ -1,0 +1,74 @@
+import numpy as np
+import pytest
+import torch
+
+import cgdp
+from cgdp.accumulate import BLOCK, SERIAL_BELOW
+
+
+@pytest.mark.parametrize("nparts", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("n", [1, 7, BLOCK + 3, SERIAL_BELOW + 17, 3 * SERIAL_BELOW])
+def test_matches_numpy_bitwise(nparts, n):
+    rng = np.random.default_rng(n + nparts)
+    parts = [rng.standard_normal(n).astype(np.float32) for _ in range(nparts)]
+    out = np.empty(n, np.float32)
+    assert cgdp.accumulate(out, parts, scale=0.3) == 0
+    ref = 0.3 * sum(parts)
+    assert ref.dtype == np.float32
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_order_is_the_order_given():
+    # values chosen so that float32 addition is not associative
+    a = np.full(4, 1e8, np.float32)
+    b = np.full(4, -1e8, np.float32)
+    c = np.full(4, 1.0, np.float32)
+    out = np.empty(4, np.float32)
+    cgdp.accumulate(out, [a, b, c])
+    assert (out == 1.0).all()
+    cgdp.accumulate(out, [a, c, b])
+    assert (out == 0.0).all()
+
+
+def test_out_may_alias_first_part_and_float64():
+    x = np.arange(100, dtype=np.float64)
+    y = np.ones(100)
+    cgdp.accumulate(x, [x, y], scale=2.0)
+    np.testing.assert_array_equal(x, 2 * (np.arange(100) + 1.0))
+
+
+def test_counts_non_finite_in_the_same_pass():
+    n = SERIAL_BELOW + 5
+    parts = [np.zeros(n, np.float32) for _ in range(3)]
+    parts[1][3] = np.inf
+    parts[2][n - 1] = np.nan
+    parts[0][10] = np.float32(3e38)
+    parts[2][10] = np.float32(3e38)  # overflows to inf in the sum
+    out = np.empty(n, np.float32)
+    assert cgdp.accumulate(out, parts) == 3
+
+
+def test_bf16_parts_accumulate_in_float32():
+    n = SERIAL_BELOW + 3
+    ts = [torch.randn(n).bfloat16() for _ in range(3)]
+    parts = [t.view(torch.int16).numpy().view(np.uint16) for t in ts]
+    out = np.empty(n, np.float32)
+    cgdp.accumulate(out, parts, scale=0.5)
+    ref = (0.5 * (ts[0].float() + ts[1].float() + ts[2].float())).numpy()
+    np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda o, p: (o.reshape(2, -1), p), "1-D"),
+    (lambda o, p: (o, []), "at least one"),
+    (lambda o, p: (o, [p[0][:-1], p[1]]), "elements"),
+    (lambda o, p: (o, [p[0], p[1].astype(np.float64)]), "one dtype"),
+    (lambda o, p: (o.astype(np.int32), p), "float32"),
+    (lambda o, p: (o, [p[0][::2], p[1][::2]]), "elements|contiguous"),
+])
+def test_bad_arguments_are_rejected(bad, match):
+    out = np.zeros(10, np.float32)
+    parts = [np.ones(10, np.float32), np.ones(10, np.float32)]
+    o, p = bad(out, parts)
+    with pytest.raises((TypeError, ValueError), match=match):
+        cgdp.accumulate(o, p)

@@ -1,0 +1,176 @@
+"""Bad input gets a clear error, and the trainer stays usable after a rejected call."""
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cgdp
+from helpers import assert_replicas_identical, mlp
+
+SGD = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+X, Y = torch.randn(6, 12), torch.randint(0, 5, (6,))
+
+
+@pytest.mark.parametrize("devices, match", [
+    (["gpu:0"], "unknown device 'gpu:0'"),
+    (["cpu"], "index is required"),
+    ("cpu:0", "list of device strings"),
+    ([], "empty"),
+    (["cpu:0", "cpu:0"], "more than once"),
+    (["cpu:0", "cuda:0"], "mixes"),
+])
+def test_bad_devices(devices, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        cgdp.Trainer(mlp(), SGD, devices)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_device_that_is_not_there():
+    with pytest.raises(ValueError, match=r"cuda:0 is not there: this machine has 0 CUDA"):
+        cgdp.Trainer(mlp(), SGD, ["cuda:0"])
+
+
+def test_cuda_index_beyond_count():
+    n = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"cuda:{n} is not there"):
+        cgdp.Trainer(mlp(), SGD, [f"cuda:{n}"])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mode="ddp"), "mode must be one of"),
+    (dict(mode="single"), "one device"),
+    (dict(chunks=0), "k must be >= 1"),
+    (dict(chunks=-3), "k must be >= 1"),
+    (dict(chunks=[[3, 2], [1]]), r"leaves out layer\(s\) \[0\]"),
+    (dict(chunks=[[3, 2, 1, 0, 4]]), "names layer 4, but the model has 4 layers"),
+    (dict(chunks=[[3, 2], [1, 0, 2]]), "appears in chunk 0 and again"),
+    (dict(chunks="fast"), "'auto'"),
+    (dict(chunks=1.5), "int chunk size"),
+    (dict(comm="nccl"), "comm must be None"),
+    (dict(timeout_s=0), "timeout_s"),
+])
+def test_bad_options(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1"], **kw)
+
+
+def test_bad_model_and_optimizer():
+    frozen = mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        cgdp.Trainer(frozen, SGD, ["cpu:0"])
+    with pytest.raises(TypeError, match="nn.Module"):
+        cgdp.Trainer(lambda x: x, SGD, ["cpu:0"])
+    model = mlp()
+    with pytest.raises(TypeError, match="callable that takes parameters"):
+        cgdp.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ["cpu:0"])
+    with pytest.raises(TypeError, match="must return a torch.optim.Optimizer"):
+        cgdp.Trainer(model, lambda p: None, ["cpu:0"])
+    with pytest.raises(TypeError, match="one dtype"):
+        cgdp.Trainer(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()), SGD, ["cpu:0"])
+
+
+def test_rejected_steps_leave_the_trainer_usable():
+    with cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1", "cpu:2"]) as tr:
+        with pytest.raises(ValueError, match="cannot be split across 3 devices"):
+            tr.step(X[:2], Y[:2], F.cross_entropy)
+        with pytest.raises(TypeError, match="scalar tensor"):
+            tr.step(X, Y, lambda o, t: F.cross_entropy(o, t, reduction="none"))
+        with pytest.raises(TypeError, match="scalar tensor"):
+            tr.step(X, Y, lambda o, t: 1.0)
+        with pytest.raises(ValueError, match="does not depend"):
+            tr.step(X, Y, lambda o, t: torch.tensor(1.0))
+        with pytest.raises(ValueError, match="share the batch dimension"):
+            tr.step(X, Y[:5], F.cross_entropy)
+        with pytest.raises(TypeError, match="loss_fn"):
+            tr.step(X, Y, "cross_entropy")
+        with pytest.raises(TypeError, match="inputs must be a tensor"):
+            tr.step([1, 2, 3], Y, F.cross_entropy)
+        assert tr.step_count == 0
+        before = [p.detach().clone() for p in tr.replicas[0].parameters()]
+        loss = tr.step(X, Y, F.cross_entropy)
+        assert loss > 0 and tr.step_count == 1
+        assert any(not torch.equal(a, b) for a, b in zip(before, tr.replicas[0].parameters()))
+        assert_replicas_identical(tr)
+
+
+def test_non_finite_gradient_is_reported_not_applied():
+    with cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1"], chunks=1) as tr:
+        tr.step(X, Y, F.cross_entropy)
+        before = [p.detach().clone() for p in tr.replicas[0].parameters()]
+        bad = X.clone()
+        bad[4, 0] = float("inf")  # only device 1's part is poisoned
+        with pytest.raises(cgdp.NonFiniteGradientError, match="NaN/Inf.*not applied"):
+            tr.step(bad, Y, F.cross_entropy)
+        for a, b in zip(before, tr.replicas[0].parameters()):
+            assert torch.equal(a, b)
+        assert_replicas_identical(tr)
+        tr.step(X, Y, F.cross_entropy)  # and training goes on
+        assert tr.step_count == 2
+
+
+def test_typical_mode_reports_non_finite_too():
+    with cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1"], mode="typical") as tr:
+        bad = X.clone()
+        bad[0, 0] = float("nan")
+        with pytest.raises(cgdp.NonFiniteGradientError):
+            tr.step(bad, Y, F.cross_entropy)
+
+
+def test_failure_on_one_device_thread_surfaces_without_hang():
+    calls = []
+
+    def flaky(out, target):
+        calls.append(threading.current_thread().name)
+        if out.shape[0] == 2:  # the last device's part (uneven split 2,2,... of 7 → 3,2,2)
+            raise RuntimeError("boom on one device")
+        return F.cross_entropy(out, target)
+
+    with cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1", "cpu:2"]) as tr:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="boom on one device"):
+            tr.step(torch.randn(7, 12), torch.randint(0, 5, (7,)), flaky)
+        assert time.monotonic() - t0 < 5
+        assert len(set(calls)) == 3  # every device ran on its own thread
+        tr.step(X, Y, F.cross_entropy)
+        assert_replicas_identical(tr)
+
+
+def test_failure_inside_backward_does_not_hang():
+    """A layer whose backward raises on one device: the other devices wait for its chunks."""
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.bad = x.shape[0] == 2
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            if ctx.bad:
+                raise RuntimeError("backward failed on one device")
+            return g
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(12, 8), nn.Linear(8, 5)
+
+        def forward(self, x):
+            return self.b(Boom.apply(self.a(x)))
+
+    with cgdp.Trainer(M(), SGD, ["cpu:0", "cpu:1"], chunks=1, timeout_s=20) as tr:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="backward failed on one device"):
+            tr.step(torch.randn(5, 12), torch.randint(0, 5, (5,)), F.cross_entropy)
+        assert time.monotonic() - t0 < 10
+        tr.step(torch.randn(6, 12), torch.randint(0, 5, (6,)), F.cross_entropy)
+        assert_replicas_identical(tr)
+
+
+def test_lost_chunk_times_out_with_a_clear_error():
+    with cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1"], chunks=1, timeout_s=0.5) as tr:
+        tr._host.arrived = lambda j, c: None  # the host never hears of any chunk
+        with pytest.raises(TimeoutError, match="waited 0.5 s for the averaged gradients"):
+            tr.step(X, Y, F.cross_entropy)
