@@ -6,6 +6,11 @@ is one contiguous slice ``[lo, hi)`` and travels as a single copy. ``param.grad`
 a view into its device's buffer: autograd accumulates straight into it (``grad += new`` in place,
 since the buffer is zeroed before backward), so no gradient is ever copied on the device.
 Padding elements stay zero and are summed like the rest.
+
+A chunk travels as one or more *segments* of at most ``segment`` elements. Segments of one chunk
+leave together, but the host sums each as soon as it has arrived from every device and sends it
+back at once, so the copy out, the sum and the copy back of a large chunk overlap each other: the
+unhidden tail after backward is about the slowest of the three stages, not their sum.
 """
 from __future__ import annotations
 
@@ -33,13 +38,20 @@ class Layout:
     chunk_params: list[int]
     """How many parameters each chunk holds (what its hook countdown starts from)."""
     total: int
+    segments: list[tuple[int, int]]
+    """[lo, hi) of each segment, chunk by chunk in plan order."""
+    segment_chunk: list[int]
+    """Chunk of each segment."""
+    chunk_segments: list[range]
+    """Segments of each chunk."""
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def make_layout(plan: Plan, layer_pids: list[list[int]], numels: list[int]) -> Layout:
+def make_layout(plan: Plan, layer_pids: list[list[int]], numels: list[int],
+                segment: int | None = None) -> Layout:
     offsets = [0] * len(numels)
     param_chunk = [0] * len(numels)
     bounds, counts = [], []
@@ -54,7 +66,17 @@ def make_layout(plan: Plan, layer_pids: list[list[int]], numels: list[int]) -> L
                 n += 1
         bounds.append((lo, pos))
         counts.append(n)
-    return Layout(plan, offsets, list(numels), param_chunk, bounds, counts, pos)
+    step = _align(segment) if segment else 0
+    segments, segment_chunk, chunk_segments = [], [], []
+    for c, (lo, hi) in enumerate(bounds):
+        first = len(segments)
+        cuts = list(range(lo, hi, step)) if step else [lo]
+        for a, b in zip(cuts, cuts[1:] + [hi]):
+            segments.append((a, b))
+            segment_chunk.append(c)
+        chunk_segments.append(range(first, len(segments)))
+    return Layout(plan, offsets, list(numels), param_chunk, bounds, counts, pos,
+                  segments, segment_chunk, chunk_segments)
 
 
 def attach_grads(flat: torch.Tensor, params: list[torch.nn.Parameter], layout: Layout) -> None:

@@ -4,6 +4,8 @@ Buffers (owned here, alive for the whole run): ``slots[j]`` receives device j's 
 ``acc`` holds the averaged gradient that goes back to every device (H2D); pinned on CUDA. That is
 (G + 1) × the gradient bytes of host memory.
 
+The host works on segments of chunks (:mod:`cgdp.flatgrad`); "chunk" below means either.
+
 Threads: the devices' D2H completions call :meth:`arrived` (any thread). When a chunk has arrived
 from all G devices it is queued to the single accumulator thread, which sums it in device order
 with the Numba kernel (nogil, itself multi-threaded), so the result never depends on arrival order.
@@ -44,7 +46,8 @@ class HostAccumulator:
         self.returned = threading.Event()
         self.bad: list[int] = []
 
-    def set_layout(self, total: int, bounds: list[tuple[int, int]], flats: list[torch.Tensor]) -> None:
+    def set_layout(self, total: int, bounds: list[tuple[int, int]], flats: list[torch.Tensor],
+                   labels: list[str]) -> None:
         """Called between steps only, when no copy is in flight."""
         if total != self.total:
             g = len(self.devices)
@@ -53,6 +56,7 @@ class HostAccumulator:
             self._host_np = self._host.numpy()
             self.total = total
         self.bounds = list(bounds)
+        self.labels = list(labels)
         self.flats = flats
 
     @property
@@ -100,7 +104,7 @@ class HostAccumulator:
         t0 = time.perf_counter()
         self.bad[c] = accumulate_unchecked(h[g, lo:hi], tuple(h[j, lo:hi] for j in range(g)))
         if self.trace is not None:
-            self.trace("host", "accumulate", f"chunk {c}", t0, time.perf_counter())
+            self.trace("host", "accumulate", self.labels[c], t0, time.perf_counter())
         if self.comm is None:
             self._give_back(c)
             return
@@ -116,7 +120,7 @@ class HostAccumulator:
         lo, hi = self.bounds[c]
         src = self._host[-1, lo:hi]
         for dev, flat in zip(self.devices, self.flats):
-            dev.give_back(src, flat[lo:hi], f"chunk {c}")
+            dev.give_back(src, flat[lo:hi], self.labels[c])
         with self._lock:
             self._returned += 1
             last = self._returned == len(self.bounds)

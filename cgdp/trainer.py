@@ -68,12 +68,14 @@ class Trainer:
         timeout_s: longest any thread waits for another before the step fails with
             ``TimeoutError`` (a lost copy, a dead MPI peer). ``None`` waits forever.
         profile: profile every step (``.last_profile``); ``profile_next()`` profiles one.
+        segment_bytes: chunks larger than this travel in segments of this size, so that copy
+            out, host sum and copy back of one chunk overlap (see :mod:`cgdp.flatgrad`).
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
                  devices: Sequence[str], *, mode: str = "cgdp", chunks: int | Plan | str = 1,
                  comm: None | str | Comm = None, timeout_s: float | None = 300.0,
-                 profile: bool = False):
+                 profile: bool = False, segment_bytes: int = 4 << 20):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not isinstance(model, nn.Module):
@@ -93,6 +95,9 @@ class Trainer:
         self._dtype = trainable_dtype(layer_params)
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
+        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1024:
+            raise ValueError(f"segment_bytes must be an int >= 1024, got {segment_bytes!r}")
+        self._segment = segment_bytes
 
         self.mode = mode
         self.devices = list(devices)
@@ -191,7 +196,8 @@ class Trainer:
 
     def _apply_plan(self, plan: Plan) -> None:
         """Lay the flat buffers out for ``plan``. Only between steps, with nothing in flight."""
-        layout = make_layout(plan, self._layer_pids, self._numels)
+        itemsize = torch.tensor([], dtype=self._dtype).element_size()
+        layout = make_layout(plan, self._layer_pids, self._numels, self._segment // itemsize)
         old = self._flats
         old_layout = getattr(self, "_layout", None)
         flats = [torch.zeros(max(layout.total, 1), dtype=self._dtype, device=d.torch_device)
@@ -208,7 +214,8 @@ class Trainer:
         self._flats = flats
         self._layout: Layout = layout
         if self._host is not None:
-            self._host.set_layout(layout.total, layout.chunk_bounds, flats)
+            self._host.set_layout(layout.total, layout.segments, flats,
+                                  [f"chunk {c}" for c in layout.segment_chunk])
 
     # ------------------------------------------------------------------ public API
     @property
@@ -451,11 +458,11 @@ class Trainer:
 
     def _send(self, j: int, c: int) -> None:
         """Chunk ``c`` of device ``j`` is complete: copy it to the host (called from a hook)."""
-        hooks = self._hooks[j]
-        hooks.sent[c] = True
-        lo, hi = self._layout.chunk_bounds[c]
-        self._devs[j].send(self._flats[j][lo:hi], self._host.slot(j)[lo:hi],
-                           partial(self._host.arrived, j, c), f"chunk {c}")
+        self._hooks[j].sent[c] = True
+        flat, slot, dev, label = self._flats[j], self._host.slot(j), self._devs[j], f"chunk {c}"
+        for s in self._layout.chunk_segments[c]:
+            lo, hi = self._layout.segments[s]
+            dev.send(flat[lo:hi], slot[lo:hi], partial(self._host.arrived, j, s), label)
 
     def _finish_backward(self, losses: list[float], weights: list[float]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""
@@ -486,10 +493,8 @@ class Trainer:
     def _bad_layers(self) -> str:
         if self._host is None:
             return "see the gradients of replica 0"
-        names = []
-        for c, b in enumerate(self._host.bad):
-            if b:
-                names += [self.layers[i].name or "<root>" for i in self._layout.plan[c]]
+        chunks = sorted({self._layout.segment_chunk[s] for s, b in enumerate(self._host.bad) if b})
+        names = [self.layers[i].name or "<root>" for c in chunks for i in self._layout.plan[c]]
         return ", ".join(names) or "unknown"
 
     def _gather_on_first(self) -> float:
@@ -590,12 +595,13 @@ class Trainer:
             h2d = by.get(("h2d", key), [])
             acc = by.get(("accumulate", key), [])
             comm = by.get(("comm", key), [])
-            mean = lambda xs: sum(b - a for _, a, b in xs) / len(xs) if xs else 0.0  # noqa: E731
+            g = len(self._devs)
+            busy = lambda xs, k: sum(b - a for _, a, b in xs) / k  # noqa: E731  (segments add up)
             chunks.append(ChunkTiming(
                 index=c, layers=list(layers),
                 bytes=(hi - lo) * self._flats[0].element_size(),
-                d2h_s=mean(d2h), acc_s=mean(acc), comm_s=mean(comm), h2d_s=mean(h2d),
-                sent_s=(sum(a for _, a, _ in d2h) / len(d2h) - t0) if d2h else 0.0,
+                d2h_s=busy(d2h, g), acc_s=busy(acc, 1), comm_s=busy(comm, 1), h2d_s=busy(h2d, g),
+                sent_s=(min(a for _, a, _ in d2h) - t0) if d2h else 0.0,
                 back_s=(max(b for _, _, b in h2d) - t0) if h2d else 0.0))
         s = self.stats
         self.last_profile = StepProfile(

@@ -233,3 +233,17 @@ def test_close_removes_hooks_threads_and_buffers():
     # the user's model is never touched
     assert all(p.grad is None for p in model.parameters())
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize("segment_bytes", [1024, 4096])
+def test_segmented_chunks_are_exact(segment_bytes):
+    """Chunks travel in many small segments, each summed and returned on its own."""
+    model = mlp((12, 200, 100, 5))
+    data = batches(3, 10)
+    ref, _ = reference(model, ADAM, data, F.cross_entropy)
+    with cgdp.Trainer(model, ADAM, devs(3), chunks=[[2, 1], [0]], segment_bytes=segment_bytes) as tr:
+        assert len(tr._layout.segments) > 2 * len(tr.plan)
+        for x, y in data:
+            tr.step(x, y, F.cross_entropy)
+            assert_replicas_identical(tr)
+        assert_params_close(tr.replicas[0], ref)
