@@ -7,7 +7,10 @@ See README.md and the modules, which follow the data path: ``hooks`` → ``chunk
 """
 from cgdp.accumulate import accumulate
 from cgdp.chunks import paper_plan
+from cgdp.costmodel import cgdp_backward_time, typical_backward_time
 from cgdp.trainer import NonFiniteGradientError, Trainer
+from cgdp.tuner import PaperChunkSearch
 
-__all__ = ["Trainer", "accumulate", "paper_plan", "NonFiniteGradientError"]
+__all__ = ["Trainer", "accumulate", "paper_plan", "PaperChunkSearch", "cgdp_backward_time",
+           "typical_backward_time", "NonFiniteGradientError"]
 __version__ = "0.1.0"

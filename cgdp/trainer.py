@@ -169,6 +169,7 @@ class Trainer:
             plan = resolve_plan(chunks, len(self.layers))
         if self._comm is not None:
             plan = self._comm.broadcast_object(plan)
+        self._tuning = self.tuner is not None
 
         for j, dev in enumerate(self._devs):
             init = None
@@ -254,15 +255,18 @@ class Trainer:
         weights = [n / total for n in sizes]
         self._weights = weights
 
-        if self.tuner is not None and not self.tuner.done:
-            plan = self.tuner.plan()
-            if self._comm is not None:
-                plan = self._comm.broadcast_object(plan)  # rank 0 decides, all ranks follow
+        tuning = self._tuning
+        if tuning:
+            plan, done = self.tuner.plan(), self.tuner.done
+            if self._comm is not None:  # rank 0 decides, every rank follows
+                plan, done = self._comm.broadcast_object((plan, done))
             if plan != self._layout.plan:
                 self._quiesce()
                 self._apply_plan(validate_plan(plan, len(self.layers)))
+            if done:  # the final plan is in place; no more measurements
+                self._tuning = tuning = False
         profiling = self._profile_always or self._profile_once or bool(
-            self.tuner is not None and getattr(self.tuner, "wants_profile", False))
+            tuning and getattr(self.tuner, "wants_profile", False))
         tracing = self._trace_once
         self._profile_once = self._trace_once = False
 
@@ -295,7 +299,7 @@ class Trainer:
         }
         if profiling or tracing:
             self._collect(t_start, [b[3] for b in bw], profiling, tracing)
-        if self.tuner is not None and not self.tuner.done:
+        if tuning:
             self.tuner.observe(self.stats["step_s"], self.last_profile if profiling else None)
         return loss
 
@@ -316,6 +320,7 @@ class Trainer:
         self.step_count = int(state.get("step", 0))
         if self.tuner is not None and state.get("tuner") is not None:
             self.tuner.load_state_dict(state["tuner"])
+            self._tuning = True  # the next step applies the tuner's plan (its final one if done)
         if state.get("plan") is not None:
             self._quiesce()
             self._apply_plan(validate_plan(state["plan"], len(self.layers)))
@@ -507,10 +512,10 @@ class Trainer:
     def _update(self) -> None:
         if self.mode == "typical":
             self.optimizers[0].step()
-            src = self._params[0]
-            for params in self._params[1:]:
-                with torch.no_grad():
-                    torch._foreach_copy_(params, [p.to(params[0].device) for p in src])
+            with torch.no_grad():
+                for params in self._params[1:]:
+                    # one call per device; across devices torch copies tensor by tensor
+                    torch._foreach_copy_(params, self._params[0])
         else:
             self._run_all(lambda j: self.optimizers[j].step())
         self._sync_buffers()

@@ -1,0 +1,82 @@
+"""Tuners and the simulator against the real engine on CPU-emulated devices."""
+import statistics
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cgdp
+from cgdp.calibrate import calibrate
+from cgdp.chunks import one_chunk_plan, paper_plan
+from cgdp.simulator import predict_step
+from helpers import assert_params_close, assert_replicas_identical, mlp, reference
+
+ADAM = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+
+
+def batches(n, width=12, classes=5, size=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, width, generator=g), torch.randint(0, classes, (size,), generator=g))
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("spec, steps", [("auto", 30), ("paper", 170)])
+def test_live_tuner_never_changes_the_result(spec, steps):
+    """Plans switch between steps while the tuner searches; parameters still equal single-device
+    training (SPEC's 1e-5) and every replica stays identical."""
+    model = mlp((12, 24, 24, 24, 16, 5))
+    data = batches(steps)
+    ref, _ = reference(model, ADAM, data, F.cross_entropy)
+    with cgdp.Trainer(model, ADAM, ["cpu:0", "cpu:1", "cpu:2"], chunks=spec) as tr:
+        plans = set()
+        for x, y in data:
+            plans.add(repr(tr.plan))
+            tr.step(x, y, F.cross_entropy)
+        assert tr.tuner.done and len(plans) >= 3  # it really switched plans
+        assert_params_close(tr.replicas[0], ref)
+        assert_replicas_identical(tr)
+
+
+def deep_mlp(width=256, depth=12):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def test_simulator_predicts_the_engine():
+    """Calibrate on profiled steps of two plans, predict four other plans' step times and measure
+    them (median of 9): every prediction within 30%, the mean error within 20%. Profiled and measured
+    steps are interleaved round by round so that both see the same load: the emulated devices, the
+    host threads and anything else running share two cores. Errors are printed (pytest -s)."""
+    width, lf = 256, F.cross_entropy
+    x, y = torch.randn(64, width), torch.randint(0, 10, (64,))
+    with cgdp.Trainer(deep_mlp(width), lambda p: torch.optim.SGD(p, lr=1e-3), ["cpu:0", "cpu:1"], chunks=1) as tr:
+        L = len(tr.layers)
+        for _ in range(3):
+            tr.step(x, y, lf)
+        plans = {f"k={k}": paper_plan(L, k) for k in (2, 4, 8)}
+        plans["halves"] = [list(range(L - 1, L // 2 - 1, -1)), list(range(L // 2 - 1, -1, -1))]
+        times: dict[str, list[float]] = {k: [] for k in plans}
+        profiles = []
+        for _ in range(9):
+            for plan in (paper_plan(L, 1), one_chunk_plan(L)):
+                tr.set_plan(plan)
+                tr.profile_next()
+                tr.step(x, y, lf)
+                profiles.append(tr.last_profile)
+            for name, plan in plans.items():
+                tr.set_plan(plan)
+                tr.step(x, y, lf)
+                times[name].append(tr.stats["step_s"])
+    cal = calibrate(profiles)
+    costs = cal.costs  # as the auto tuner uses it
+    errors = {}
+    for name, plan in plans.items():
+        measured = statistics.median(times[name])
+        errors[name] = (predict_step(cal.model, costs, plan) - measured) / measured
+        print(f"{name:8s} measured {measured * 1e3:7.2f} ms  predicted error {errors[name]:+.1%}")
+    assert max(abs(e) for e in errors.values()) < 0.30
+    assert statistics.mean(abs(e) for e in errors.values()) < 0.20
