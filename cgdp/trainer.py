@@ -170,6 +170,10 @@ class Trainer:
         if self._comm is not None:
             plan = self._comm.broadcast_object(plan)
         self._tuning = self.tuner is not None
+        # one CPU random stream per emulated device, derived from torch's seed (reproducible)
+        self._cpu_rng_lock = threading.Lock()
+        self._cpu_rng = [torch.Generator().manual_seed(torch.initial_seed() * 1009 + 7919 * j).get_state()
+                         for j in range(len(self._devs))]
 
         for j, dev in enumerate(self._devs):
             init = None
@@ -308,6 +312,7 @@ class Trainer:
         return {"model": self.replicas[0].state_dict(),
                 "optimizer": self.optimizers[0].state_dict(),
                 "step": self.step_count, "plan": self.plan,
+                "device_rng": [st.clone() for st in self._cpu_rng],
                 "tuner": self.tuner.state_dict() if self.tuner is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -318,6 +323,8 @@ class Trainer:
             # the right dtype and device, and two optimizers sharing one state corrupt each other
             opt.load_state_dict(copy.deepcopy(state["optimizer"]))
         self.step_count = int(state.get("step", 0))
+        if state.get("device_rng") is not None and len(state["device_rng"]) == len(self._devs):
+            self._cpu_rng = [st.clone() for st in state["device_rng"]]
         if self.tuner is not None and state.get("tuner") is not None:
             self.tuner.load_state_dict(state["tuner"])
             self._tuning = True  # the next step applies the tuner's plan (its final one if done)
@@ -433,6 +440,25 @@ class Trainer:
         dev = self._devs[j]
         x, y = part
         t0 = time.perf_counter()
+        if dev.is_cuda:  # each GPU has its own generator, used by this thread only
+            loss = self._loss_on(j, x, y, loss_fn)
+        else:
+            # emulated devices share torch's one CPU generator: each device gets its own stream
+            # of random numbers (dropout), swapped in under a lock, so that results do not
+            # depend on thread timing. Forward passes of emulated devices take turns.
+            with self._cpu_rng_lock:
+                outer = torch.default_generator.get_state()  # the user's stream stays untouched
+                torch.default_generator.set_state(self._cpu_rng[j])
+                try:
+                    loss = self._loss_on(j, x, y, loss_fn)
+                finally:
+                    self._cpu_rng[j] = torch.default_generator.get_state()
+                    torch.default_generator.set_state(outer)
+        self._span(dev.name, "forward", t0)
+        return loss, time.perf_counter() - t0
+
+    def _loss_on(self, j: int, x: Any, y: torch.Tensor, loss_fn) -> torch.Tensor:
+        dev = self._devs[j]
         if isinstance(x, tuple):
             out = self.replicas[j](*(t.to(dev.torch_device, non_blocking=True) for t in x))
         else:
@@ -445,13 +471,14 @@ class Trainer:
         if not loss.is_floating_point() or not loss.requires_grad:
             raise ValueError("the loss does not depend on any trainable parameter (no grad_fn); "
                              "check that loss_fn uses the model output")
-        return loss, time.perf_counter() - t0
+        return loss
 
     def _backward_on(self, j: int, loss: torch.Tensor, w: float) -> tuple[float, float, float, float]:
         dev = self._devs[j]
         t0 = time.perf_counter()
         torch.autograd.backward(loss, grad_tensors=torch.full((), w, dtype=loss.dtype, device=loss.device))
         t1 = time.perf_counter()
+        self._span(dev.name, "backward", t0, t1)
         if self.mode == "cgdp":
             self._hooks[j].flush()
             # note: host waits until every chunk has been averaged and its copy back issued
@@ -511,14 +538,26 @@ class Trainer:
 
     def _update(self) -> None:
         if self.mode == "typical":
+            t0 = time.perf_counter()
             self.optimizers[0].step()
+            self._span(self._devs[0].name, "update", t0)
             with torch.no_grad():
                 for params in self._params[1:]:
                     # one call per device; across devices torch copies tensor by tensor
                     torch._foreach_copy_(params, self._params[0])
         else:
-            self._run_all(lambda j: self.optimizers[j].step())
+            self._run_all(self._update_on)
         self._sync_buffers()
+
+    def _update_on(self, j: int) -> None:
+        t0 = time.perf_counter()
+        self.optimizers[j].step()
+        self._span(self._devs[j].name, "update", t0)
+
+    def _span(self, device: str, name: str, t0: float, t1: float | None = None) -> None:
+        """A compute-stream span for traces (host clock: when the work was issued)."""
+        if self._events is not None:
+            self._events.append((device, "compute", name, t0, time.perf_counter() if t1 is None else t1))
 
     def _sync_buffers(self) -> None:
         """Floating buffers (BatchNorm statistics) ← their batch-weighted mean, on every replica."""

@@ -247,3 +247,28 @@ def test_segmented_chunks_are_exact(segment_bytes):
             tr.step(x, y, F.cross_entropy)
             assert_replicas_identical(tr)
         assert_params_close(tr.replicas[0], ref)
+
+
+def test_dropout_is_reproducible_on_emulated_devices_and_leaves_user_rng_alone():
+    def run_once():
+        torch.manual_seed(5)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 5))
+        with cgdp.Trainer(model, SGD, devs(3)) as tr:
+            user = torch.get_rng_state()
+            for x, y in batches(4, 12):
+                tr.step(x, y, F.cross_entropy)
+                assert_replicas_identical(tr)
+            assert torch.equal(torch.get_rng_state(), user)
+            return [p.detach().clone() for p in tr.replicas[0].parameters()]
+    a, b = run_once(), run_once()
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_trace_names_compute_spans():
+    with cgdp.Trainer(mlp(), SGD, devs(2), chunks=1) as tr:
+        tr.trace_next()
+        tr.step(*batches(1, 8)[0], F.cross_entropy)
+        names = {(e["device"], e["stream"], e["name"]) for e in tr.last_trace}
+        for d in ("cpu:0", "cpu:1"):
+            for phase in ("forward", "backward", "update"):
+                assert (d, "compute", phase) in names
