@@ -79,8 +79,11 @@ def make_layout(plan: Plan, layer_pids: list[list[int]], numels: list[int],
                   segments, segment_chunk, chunk_segments)
 
 
-def attach_grads(flat: torch.Tensor, params: list[torch.nn.Parameter], layout: Layout) -> None:
-    """Point every ``param.grad`` at its slice of ``flat``."""
+def attach_grads(flat: torch.Tensor, params: list[torch.nn.Parameter], layout: Layout) -> list[torch.Tensor]:
+    """Point every ``param.grad`` at its slice of ``flat``; return those views (by pid)."""
+    views = []
     for pid, p in enumerate(params):
         off = layout.offsets[pid]
         p.grad = flat[off:off + layout.numels[pid]].view_as(p)
+        views.append(p.grad)
+    return views

@@ -8,29 +8,34 @@ chunk, and, when the count reaches zero, asks the device to send the chunk (whic
 """
 from __future__ import annotations
 
-import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 
 class DeviceHooks:
-    def __init__(self, params: list[torch.nn.Parameter], send: Callable[[int], None]):
+    def __init__(self, params: list[torch.nn.Parameter], send: Callable[[int], None],
+                 stamp: Callable[[], Any]):
         self.params = params
         self._send = send
+        self._stamp = stamp
+        self.views: list[torch.Tensor] = []
+        """Each parameter's gradient view into the flat buffer (what ``.grad`` must be)."""
         self.param_chunk: list[int] = []
         self._template: list[int] = []
         self.pending: list[int] = []
         self.sent: list[bool] = []
         self.touched = bytearray(len(params))
-        self.ready_at = [0.0] * len(params)
+        self.ready_at: list[Any] = [0.0] * len(params)
         self.streaming = False
         """True in mode 'cgdp': hooks send chunks. Otherwise they only mark parameters touched."""
         self.timing = False
         self._handles = [p.register_post_accumulate_grad_hook(self._make(pid))
                          for pid, p in enumerate(params)]
 
-    def set_layout(self, param_chunk: list[int], chunk_params: list[int]) -> None:
+    def set_layout(self, param_chunk: list[int], chunk_params: list[int],
+                   views: list[torch.Tensor]) -> None:
+        self.views = views
         self.param_chunk = list(param_chunk)
         self._template = list(chunk_params)
 
@@ -40,10 +45,16 @@ class DeviceHooks:
         self.touched[:] = bytes(len(self.touched))
 
     def _make(self, pid: int):
-        def hook(_p: torch.Tensor) -> None:
+        def hook(p: torch.Tensor) -> None:
+            view = self.views[pid]
+            if p.grad is not view:
+                # .grad was replaced (e.g. zero_grad(set_to_none=True) on a replica): autograd
+                # then stores a new tensor instead of adding into the flat buffer. Put it back.
+                view.copy_(p.grad)
+                p.grad = view
             self.touched[pid] = 1
             if self.timing:
-                self.ready_at[pid] = time.perf_counter()
+                self.ready_at[pid] = self._stamp()
             if self.streaming:
                 c = self.param_chunk[pid]
                 left = self.pending[c] - 1

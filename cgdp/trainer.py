@@ -181,7 +181,7 @@ class Trainer:
                 init = partial(torch.cuda.set_device, dev.torch_device)
             self._pools.append(ThreadPoolExecutor(1, thread_name_prefix=f"cgdp-{dev.name}",
                                                   initializer=init))
-            hooks = DeviceHooks(self._params[j], partial(self._send, j))
+            hooks = DeviceHooks(self._params[j], partial(self._send, j), dev.stamp)
             hooks.streaming = self.mode == "cgdp"
             self._hooks.append(hooks)
         if self.mode == "cgdp":
@@ -212,10 +212,10 @@ class Trainer:
                 for pid in range(len(params)):
                     o, n = old_layout.offsets[pid], self._numels[pid]
                     flats[j][layout.offsets[pid]:layout.offsets[pid] + n].copy_(old[j][o:o + n])
-            attach_grads(flats[j], params, layout)
+            views = attach_grads(flats[j], params, layout)
             for pid in self._none_pids:
                 params[pid].grad = None
-            self._hooks[j].set_layout(layout.param_chunk, layout.chunk_params)
+            self._hooks[j].set_layout(layout.param_chunk, layout.chunk_params, views)
         self._flats = flats
         self._layout: Layout = layout
         if self._host is not None:
@@ -253,6 +253,11 @@ class Trainer:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
         parts, sizes = self._split(inputs, targets)
+        if self._devs[0].is_cuda:
+            for d in self._devs:
+                if torch.cuda.current_stream(d.torch_device) != torch.cuda.default_stream(d.torch_device):
+                    raise RuntimeError("call Trainer.step() outside any torch.cuda.stream(...) context: "
+                                       "cgdp orders its own streams against the default stream")
         total = sum(sizes)
         if self._comm is not None:
             total = int(self._comm.allreduce_small(np.array([total], np.float64))[0])
@@ -394,9 +399,9 @@ class Trainer:
         self._guard.reset()
         if self._none_pids:  # parameters left without a gradient last step get their view back
             for j, params in enumerate(self._params):
+                views = self._hooks[j].views
                 for pid in self._none_pids:
-                    o = self._layout.offsets[pid]
-                    params[pid].grad = self._flats[j][o:o + self._numels[pid]].view_as(params[pid])
+                    params[pid].grad = views[pid]
             self._none_pids = []
         for flat in self._flats:
             flat.zero_()
@@ -407,8 +412,8 @@ class Trainer:
         sink = (lambda *e: self._events.append(e)) if timing else None
         for d in self._devs:
             d.trace = sink
-            if hasattr(d, "copies"):
-                d.copies = []
+            if timing:
+                d.begin_timing()
         if self._host is not None:
             self._host.trace = sink
             self._host.begin_step()
@@ -475,18 +480,25 @@ class Trainer:
 
     def _backward_on(self, j: int, loss: torch.Tensor, w: float) -> tuple[float, float, float, float]:
         dev = self._devs[j]
+        timed = self._events is not None
         t0 = time.perf_counter()
+        s0 = dev.stamp() if timed else t0
         torch.autograd.backward(loss, grad_tensors=torch.full((), w, dtype=loss.dtype, device=loss.device))
+        if timed:
+            dev.backward_issued()
+        if self.mode == "cgdp":
+            self._hooks[j].flush()
+        value = float(loss.detach())  # note: CPU-GPU sync point; backward's compute has finished
         t1 = time.perf_counter()
         self._span(dev.name, "backward", t0, t1)
         if self.mode == "cgdp":
-            self._hooks[j].flush()
             # note: host waits until every chunk has been averaged and its copy back issued
             self._guard.wait(self._host.returned, f"the averaged gradients for {dev.name}")
-            dev.compute_wait(dev.h2d_marker(), self._guard)
+            marker = dev.h2d_marker()
+            dev.compute_wait(marker, self._guard)
+            dev.settle(marker, self._guard)
         t2 = time.perf_counter()
-        value = float(loss.detach())  # note: CPU-GPU sync point (the loss value)
-        return value, t1 - t0, t2 - t1, t0
+        return value, t1 - t0, t2 - t1, s0
 
     def _send(self, j: int, c: int) -> None:
         """Chunk ``c`` of device ``j`` is complete: copy it to the host (called from a hook)."""
@@ -587,8 +599,11 @@ class Trainer:
         g = Guard(self._timeout_s)
         for d in self._devs:
             d.synchronize(g)
-        if self._host is not None and not self._host.drain(self._timeout_s or 60.0):
-            raise TimeoutError("the host accumulator did not drain")
+        if self._host is not None:
+            if not self._host.drain(self._timeout_s or 60.0):
+                raise TimeoutError("the host accumulator did not drain")
+            for d in self._devs:  # copies back issued by what the host just finished
+                d.synchronize(g)
 
     def _recover(self, exc: BaseException, phase: str) -> None:
         """After a failed step: let every thread stop, drain the streams, stay usable if safe."""
@@ -597,8 +612,11 @@ class Trainer:
             g = Guard(30.0)
             for d in self._devs:
                 d.synchronize(g)
-            if self._host is not None and not self._host.drain(30.0):
-                self._broken = "the host accumulator did not stop after a failed step"
+            if self._host is not None:
+                if not self._host.drain(30.0):
+                    self._broken = "the host accumulator did not stop after a failed step"
+                for d in self._devs:  # copies back issued by what the host just finished
+                    d.synchronize(g)
         except BaseException as drain_exc:  # pragma: no cover - only when a stream is wedged
             self._broken = f"a stream did not drain after a failed step ({drain_exc})"
         if phase == "update":
@@ -608,7 +626,10 @@ class Trainer:
         self._guard.reset()
 
     # ------------------------------------------------------------------ profiles and traces
-    def _collect(self, t_start: float, bw_start: list[float], profiling: bool, tracing: bool) -> None:
+    def _collect(self, t_start: float, bw_stamps: list[Any], profiling: bool, tracing: bool) -> None:
+        for d in self._devs:
+            d.end_timing()
+        bw_start = [d.resolve(s) for d, s in zip(self._devs, bw_stamps)]
         events = self._events or []
         if tracing:
             trace = []
@@ -624,7 +645,7 @@ class Trainer:
             for j, h in enumerate(self._hooks):
                 for pid in pids:
                     if h.touched[pid]:
-                        best = max(best, h.ready_at[pid] - bw_start[j])
+                        best = max(best, self._devs[j].resolve(h.ready_at[pid]) - bw_start[j])
             if best >= 0:
                 ready[li] = best
         t0 = min(bw_start)

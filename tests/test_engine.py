@@ -272,3 +272,18 @@ def test_trace_names_compute_spans():
         for d in ("cpu:0", "cpu:1"):
             for phase in ("forward", "backward", "update"):
                 assert (d, "compute", phase) in names
+
+
+def test_grad_views_survive_a_user_zero_grad():
+    """zero_grad(set_to_none=True) on a replica would make autograd store fresh tensors instead of
+    adding into the flat buffer; the hooks put the views back and the result stays exact."""
+    model = mlp()
+    data = batches(4, 10)
+    ref, _ = reference(model, SGD, data, F.cross_entropy)
+    with cgdp.Trainer(model, SGD, devs(2)) as tr:
+        for x, y in data:
+            for opt in tr.optimizers:
+                opt.zero_grad()  # sets every .grad to None
+            tr.step(x, y, F.cross_entropy)
+            assert_replicas_identical(tr)
+        assert_params_close(tr.replicas[0], ref)

@@ -12,6 +12,7 @@ accumulator or comm thread). ``compute_wait`` is called from the device's own th
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
@@ -61,9 +62,28 @@ class Device(ABC):
     def synchronize(self, guard: Guard) -> None:
         """Block the host until all streams of this device are idle."""
 
-    def mark(self) -> Any:
-        """A compute-stream timestamp for profiling (resolved by ``elapsed``)."""
-        return None
+    def settle(self, marker: Any, guard: Guard) -> None:
+        """Block the host until ``marker`` has completed (so that phase times are true)."""
+
+    # Timing for profiles and traces. Emulated devices use the host clock directly; CUDA records
+    # device events and resolves them against an anchor after the step.
+    def begin_timing(self) -> None:
+        """Start of a profiled or traced step."""
+
+    def stamp(self) -> Any:
+        """A timestamp of 'now' on the compute stream (called from hooks and the device thread)."""
+        return time.perf_counter()
+
+    def resolve(self, stamp: Any) -> float:
+        """A stamp as ``time.perf_counter`` seconds (after the step's work has completed)."""
+        return float(stamp)
+
+    def backward_issued(self) -> Any:
+        """Device thread, right after backward was issued: a stamp of that point (timed steps)."""
+        return self.stamp()
+
+    def end_timing(self) -> None:
+        """After the step: emit the copies timed on the device to ``self.trace``."""
 
     def close(self) -> None:
         pass

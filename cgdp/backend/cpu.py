@@ -84,6 +84,9 @@ class CpuDevice(Device):
         # note: the emulated compute stream is this host thread, so it waits on the host.
         guard.wait(marker, f"the gradients copied back to {self.name}")
 
+    def settle(self, marker: Any, guard: Guard) -> None:
+        pass  # compute_wait already waited on the host
+
     def synchronize(self, guard: Guard) -> None:
         for w, what in ((self._d2h, "D2H"), (self._h2d, "H2D")):
             ev = threading.Event()
