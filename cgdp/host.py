@@ -18,6 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -113,8 +114,14 @@ class HostAccumulator:
         while self._next_post < len(self.bounds) and self._ready[self._next_post]:
             k = self._next_post
             klo, khi = self.bounds[k]
-            self.comm.post(k, h[g, klo:khi], lambda k=k: self._give_back(k))
+            self.comm.post(k, h[g, klo:khi], partial(self._reduced, k, time.perf_counter()))
             self._next_post += 1
+
+    def _reduced(self, c: int, t_post: float) -> None:
+        """Comm thread: chunk ``c`` has been summed across all ranks."""
+        if self.trace is not None:
+            self.trace("host", "comm", self.labels[c], t_post, time.perf_counter())
+        self._give_back(c)
 
     def _give_back(self, c: int) -> None:
         lo, hi = self.bounds[c]

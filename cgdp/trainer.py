@@ -24,6 +24,7 @@ never modified (every replica is a deep copy). Between steps nothing is in fligh
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import threading
 import time
@@ -65,6 +66,8 @@ class Trainer:
             indices, in send order), or ``"auto"`` (tuned while training; ``"paper"`` runs the
             paper's Algorithm 1).
         comm: ``None`` for one machine, ``"mpi"`` (or a :class:`cgdp.comm.Comm`) for several.
+            Every rank must build the same model with the same initial parameters (checked at
+            start-up). A comm passed in belongs to the trainer from then on: ``close()`` closes it.
         timeout_s: longest any thread waits for another before the step fails with
             ``TimeoutError`` (a lost copy, a dead MPI peer). ``None`` waits forever.
         profile: profile every step (``.last_profile``); ``profile_next()`` profiles one.
@@ -194,7 +197,12 @@ class Trainer:
 
     def _signature(self, optimizer) -> dict[str, str]:
         layers = ";".join(f"{i.name}:{i.numels}" for i in self.layers)
+        digest = hashlib.sha256()
+        for name, t in self.replicas[0].state_dict().items():
+            digest.update(name.encode())
+            digest.update(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
         return {"devices_per_rank": str(len(self._devs)), "mode": self.mode,
+                "initial_parameters": digest.hexdigest()[:16] + " (seed every rank the same)",
                 "layers": layers, "dtype": str(self._dtype),
                 "optimizer": type(self.optimizers[0]).__name__,
                 "optimizer_defaults": repr(sorted(self.optimizers[0].defaults.items(), key=str))}
@@ -429,7 +437,9 @@ class Trainer:
                 if first is None or (isinstance(first, StepAborted) and not isinstance(exc, StepAborted)):
                     first = exc
         if first is not None:
-            if isinstance(first, StepAborted) and self._guard.error is not None:
+            # the first failure recorded anywhere (a device, the host, the comm) is the cause;
+            # what the other threads raised (aborts, their own timeouts) follows from it
+            if self._guard.error is not None:
                 raise self._guard.error
             raise first
         return results

@@ -1,0 +1,54 @@
+"""A rank that dies or freezes in the middle of backward; the others must fail, not hang.
+
+``mpiexec -n 2 python fault.py MODE TIMEOUT``: rank 1 sends itself SIGKILL (``kill``) or SIGSTOP
+(``stop``: frozen, as a machine that hangs; no launcher notices) while backward of step 2 runs.
+Rank 0 prints ``CAUGHT <type>: <message>`` when its step raises; cgdp then aborts the MPI job
+at exit, which also ends the frozen rank.
+"""
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+import cgdp
+
+mode, timeout_s = sys.argv[1], float(sys.argv[2])
+torch.set_num_threads(1)
+SIG = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[mode]
+
+
+class Trap(nn.Module):
+    """Identity; on the armed rank, its gradient (mid-backward) freezes or kills the process."""
+    armed = False
+
+    def forward(self, x):
+        if Trap.armed and x.requires_grad:
+            x.register_hook(lambda g: os.kill(os.getpid(), SIG))
+        return x
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), Trap(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+tr = cgdp.Trainer(model, lambda p: torch.optim.SGD(p, lr=0.1), ["cpu:0", "cpu:1"], chunks=1,
+                  comm="mpi", timeout_s=timeout_s)
+rank = MPI.COMM_WORLD.rank
+g = torch.Generator().manual_seed(rank)
+t0 = None
+try:
+    for step in range(4):
+        if step == 2:
+            Trap.armed = rank == 1
+            t0 = time.monotonic()
+        tr.step(torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g), F.cross_entropy)
+        print(f"rank {rank} step {step} done", flush=True)
+except Exception as exc:
+    print(f"CAUGHT {type(exc).__name__} after {time.monotonic() - t0:.1f} s: {exc}", flush=True)
+    if exc.__cause__ is not None:
+        print(f"CAUSE {type(exc.__cause__).__name__}: {exc.__cause__}", flush=True)
+    sys.exit(3)
+print(f"rank {rank} finished without error", flush=True)

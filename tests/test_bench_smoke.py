@@ -1,0 +1,53 @@
+"""The benchmarks run and check their answers (quick mode; figures are not asserted here).
+
+Benchmarks are only worth their figures if they still run: this runs ``bench/run_all.py --quick``
+(host accumulation against copy, NumPy and torch; the engine against typical and DDP over gloo,
+each checked against single-device training first) and ``bench/gpu_all.py --quick`` (on a
+CPU-emulated device), into a temporary folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_cpu_benchmarks_run_quick(tmp_path):
+    p = _run(["bench/run_all.py", "--quick", "--results", str(tmp_path)])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    page = (tmp_path / "cpu.md").read_text()
+    for needle in ("Command: `python bench/run_all.py --quick", "torch:", "numba:", "copy limit",
+                   "cgdp / DDP", "cgdp / copy"):
+        assert needle in page, needle
+    acc = json.loads((tmp_path / "accumulate.json").read_text())
+    assert {(r["dtype"], r["parts"]) for r in acc["results"]} >= {("f32", 2), ("bf16", 2)}
+    eng = json.loads((tmp_path / "engine.json").read_text())
+    r = eng["results"][0]
+    assert all(e <= 1e-5 for e in r["rel_err"].values())
+    assert set(r["step_s"]) == {"single", "cgdp", "typical", "DDP"}
+
+
+def test_gpu_script_runs_emulated(tmp_path):
+    p = _run(["bench/gpu_all.py", "--quick"], env={"OUT": str(tmp_path)})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((tmp_path / "gpu.json").read_text())
+    assert not res["errors"]
+    assert res["bandwidth"]["gbps"]["D2H"] > 0
+    assert {n["model"] for n in res["networks"]} == {"mlp", "digits_cnn"}
+    for n in res["networks"]:
+        assert all(e <= 1e-5 for e in n["check_rel_err"].values())
+        assert n["modes"]["cgdp"]["per_layer"]
+    assert res["chunk_sweep"]["sizes"] and res["algorithm1"][0]["done"]
+    page = (tmp_path / "gpu.md").read_text()
+    assert "No GPU was used" in page and "simulator predictions" in page
+    # the page generator works from the json alone
+    q = _run(["bench/gpu_all.py", "--report", str(tmp_path / "gpu.json")])
+    assert q.returncode == 0 and "Table 4" in q.stdout

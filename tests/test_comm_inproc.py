@@ -1,0 +1,179 @@
+"""The comm contract on in-process ranks (threads), and the engine's multi-rank logic without mpiexec."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cgdp
+from cgdp.comm.inproc import InProcGroup
+from cgdp.comm.mpi import describe_mismatch, probe_alpha_beta
+from cgdp.comm.ordered import CommFailed
+from helpers import assert_params_close, assert_replicas_identical, mlp, reference
+
+
+def on_ranks(size: int, fn, timeout_s: float = 20.0):
+    """Run ``fn(comm)`` on ``size`` in-process ranks at once; their results in rank order."""
+    group = InProcGroup(size, timeout_s=timeout_s)
+    with ThreadPoolExecutor(size) as pool:
+        futures = [pool.submit(fn, c) for c in group.comms()]
+        out = [f.result(timeout=60) for f in futures]
+    for c in group.comms():
+        c.close()
+    return out
+
+
+def test_chunks_sum_in_place_in_post_order_on_the_comm_thread():
+    n_chunks, r_size = 6, 3
+
+    def rank(comm):
+        rng = np.random.default_rng(comm.rank)
+        acc = rng.standard_normal(1000).astype(np.float32)
+        before = acc.copy()
+        bounds = [(0, 10), (10, 11), (11, 400), (400, 401), (401, 999), (999, 1000)]
+        done: list[tuple[int, str]] = []
+        for k, (lo, hi) in enumerate(bounds):
+            comm.post(k, acc[lo:hi], lambda k=k: done.append((k, threading.current_thread().name)))
+        comm.fence(10)
+        return before, acc, done
+
+    res = on_ranks(r_size, rank)
+    expect = res[0][0].copy()
+    for before, _, _ in res[1:]:
+        expect += before  # rank order, as the group sums
+    for r, (_, acc, done) in enumerate(res):
+        assert np.array_equal(acc, expect), f"rank {r} differs"  # bitwise identical on all ranks
+        assert [k for k, _ in done] == list(range(n_chunks))
+        assert {name for _, name in done} == {f"cgdp-comm-r{r}"}
+
+
+def test_small_collectives_broadcast_and_check_same():
+    def rank(comm):
+        total = comm.allreduce_small(np.array([comm.rank + 1.0, 2.0]))
+        plan = comm.broadcast_object([[3, 2], [1], [0]] if comm.rank == 0 else "ignored")
+        comm.check_same({"layers": "a:4;b:8", "devices_per_rank": "2"})
+        return total, plan
+
+    for total, plan in on_ranks(3, rank):
+        assert total.tolist() == [6.0, 6.0]
+        assert plan == [[3, 2], [1], [0]]
+
+
+def test_check_same_names_the_rank_and_field_that_differ():
+    def rank(comm):
+        sig = {"layers": "a:4;b:8", "devices_per_rank": "2" if comm.rank != 2 else "4"}
+        with pytest.raises(RuntimeError) as err:
+            comm.check_same(sig)
+        return str(err.value)
+
+    for message in on_ranks(3, rank):  # every rank raises the same words
+        assert "rank 2" in message and "devices_per_rank" in message
+        assert "'2'" in message and "'4'" in message and "rank 1 " not in message
+
+
+def test_describe_mismatch_agrees_and_reports_missing_fields():
+    same = {"signature": {"a": "1"}, "world_size": "2"}
+    assert describe_mismatch([same, dict(same)]) is None
+    msg = describe_mismatch([same, {"signature": {}, "world_size": "3", "host": "h", "pid": 7}])
+    assert "rank 1 (host h, pid 7)" in msg and "<missing>" in msg and "world size" in msg
+
+
+def test_a_rank_that_stops_gives_timeout_naming_chunk_and_rank():
+    failures: list[BaseException] = []
+
+    def rank(comm):
+        comm.attach(failures.append)
+        buf = np.ones(8, np.float32)
+        if comm.rank == 1:
+            return None  # this rank "dies": it never posts
+        comm.post(0, buf, lambda: None)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as err:
+            comm.fence(0.5)
+        waited = time.monotonic() - t0
+        with pytest.raises(CommFailed):
+            comm.post(1, buf, lambda: None)  # out of step for good
+        return str(err.value), waited
+
+    message, waited = on_ranks(2, rank, timeout_s=0.5)[0]
+    assert "rank 0 of 2" in message and "chunk 0" in message and "step 0" in message
+    assert "[1] never posted it" in message
+    assert waited < 3.0
+    assert failures and isinstance(failures[0], TimeoutError)
+
+
+def test_small_collective_timeout_names_the_missing_rank():
+    def rank(comm):
+        if comm.rank == 0:
+            with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] never joined"):
+                comm.allreduce_small(np.zeros(2))
+
+    on_ranks(2, rank, timeout_s=0.3)
+
+
+def test_ranks_running_different_plans_are_caught():
+    def rank(comm):
+        comm.post(comm.rank, np.ones(4, np.float32), lambda: None)  # chunk 0 vs chunk 1
+        with pytest.raises(CommFailed, match="different chunk plans"):
+            comm.fence(5)
+
+    on_ranks(2, rank)
+
+
+def test_probe_alpha_beta_fits_positive_costs():
+    alpha, beta = on_ranks(2, lambda c: probe_alpha_beta(c, reps=2))[0]
+    assert alpha >= 0 and beta > 0
+
+
+# ---------------------------------------------------------------------- the engine on in-process ranks
+SGD = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+
+
+def _global_batches(n_steps, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g))
+            for _ in range(n_steps)]
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_two_ranks_two_devices_equal_single_device_training(chunks):
+    """R=2 ranks × G=2 devices, uneven parts (11 samples), against autograd on the global batch."""
+    model = mlp()
+    data = _global_batches(3, 11)
+    ref, ref_losses = reference(model, SGD, data, F.cross_entropy)
+
+    def rank(comm):
+        with cgdp.Trainer(model, SGD, ["cpu:0", "cpu:1"], chunks=chunks, comm=comm,
+                          timeout_s=30) as tr:
+            losses = []
+            for x, y in data:
+                xs = torch.tensor_split(x, comm.size)[comm.rank]
+                ys = torch.tensor_split(y, comm.size)[comm.rank]
+                losses.append(tr.step(xs, ys, F.cross_entropy))
+                assert_replicas_identical(tr)
+            return {k: v.clone() for k, v in tr.replicas[0].state_dict().items()}, losses
+
+    (sd0, l0), (sd1, l1) = on_ranks(2, rank, timeout_s=30)
+    for k in sd0:
+        assert torch.equal(sd0[k], sd1[k]), f"ranks differ in {k}"
+    got = mlp()
+    got.load_state_dict(sd0)
+    assert_params_close(got, ref)
+    assert l0 == l1 and l0 == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_ranks_with_different_initial_parameters_are_named_at_start_up():
+    def rank(comm):
+        try:
+            cgdp.Trainer(mlp(seed=comm.rank), SGD, ["cpu:0"], comm=comm, timeout_s=10)
+        except RuntimeError as exc:
+            return str(exc)
+        return "no error"
+
+    for msg in on_ranks(2, rank):
+        assert "initial_parameters" in msg

@@ -1,0 +1,88 @@
+"""The MPI tier with real processes: ``mpiexec -n 2``, each rank with 2 CPU-emulated devices.
+
+Each test starts one MPI job running a script from ``tests/mpi_scripts/`` in a subprocess with a
+timeout, so a bug can never hang CI. Skipped when mpi4py or mpiexec is missing
+(``pip install "cgdp[mpi]"`` provides both).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MPIEXEC = shutil.which("mpiexec")
+
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or MPIEXEC is None,
+                       reason='needs mpi4py and mpiexec: pip install "cgdp[mpi]"'),
+]
+
+
+def mpirun(script: str, *args: str, n: int = 2, timeout: float = 60.0) -> tuple[int, str, float]:
+    """Run ``mpiexec -n n python tests/mpi_scripts/<script> args``; (exit code, output, seconds)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, str(HERE / "mpi_scripts" / script), *args]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
+        pytest.fail(f"mpiexec {script} {' '.join(args)} hung for {timeout:g} s; output:\n{out}")
+    return p.returncode, p.stdout, time.monotonic() - t0
+
+
+def test_comm_contract():
+    rc, out, _ = mpirun("comm_contract.py")
+    assert rc == 0, out
+    for what in ("chunks", "small", "probe"):
+        assert len(re.findall(f"OK {what} rank [01]", out)) == 2, out
+
+
+def test_two_ranks_two_devices_equal_single_device_and_are_bitwise_identical():
+    rc, out, _ = mpirun("equivalence.py", timeout=120)
+    assert rc == 0, out
+    for case in ("mlp-sgd-k1-uneven", "mlp-adam-k2", "gated-layer-used-on-one-rank", "batchnorm"):
+        assert f"OK {case}" in out, out
+
+
+def test_frozen_rank_gives_timeout_then_the_job_ends():
+    """Rank 1 freezes (SIGSTOP) mid-backward: rank 0 raises TimeoutError after timeout_s naming
+    the chunk, and the job is aborted (which also ends the frozen rank) instead of hanging."""
+    timeout_s = 3.0
+    rc, out, took = mpirun("fault.py", "stop", str(timeout_s), timeout=90)
+    assert rc != 0, out
+    m = re.search(r"CAUGHT TimeoutError after ([\d.]+) s: rank 0 of 2: .*chunk \d+.* step 2", out)
+    assert m, out
+    assert timeout_s - 0.5 <= float(m.group(1)) <= timeout_s + 5, out
+    assert "aborting the MPI job" in out and "MPI_Abort" in out, out
+    assert "rank 1 step 2 done" not in out
+
+
+def test_killed_rank_ends_the_job():
+    """Rank 1 is killed (SIGKILL) mid-backward: the job ends with an error, long before the
+    (generous) timeout. With mpiexec (hydra) the launcher ends the job itself; where a launcher
+    does not, the timeout of the test above applies."""
+    rc, out, took = mpirun("fault.py", "kill", "60", timeout=90)
+    assert rc != 0, out
+    assert "rank 0 step 2 done" not in out and "finished without error" not in out, out
+    assert took < 45, out
+
+
+def test_mismatched_ranks_are_named_at_start_up():
+    rc, out, _ = mpirun("mismatch.py")
+    assert rc == 0, out
+    for case in ("model", "devices", "optimizer"):
+        assert len(re.findall(f"OK {case} rank [01]", out)) == 2, out
+    assert "rank 0 has '2', rank 1 has '1'" in out
