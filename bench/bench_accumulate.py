@@ -15,12 +15,6 @@ the bytes moved copied into a destination of the same size), the fastest of ``np
 thread), ``torch.Tensor.copy_`` (torch's threads) and a Numba ``prange`` copy (Numba's threads).
 The peers are what a user would write instead: NumPy ``np.add(..., out=)`` chains and torch
 ``add_`` chains (bf16: widened into a scratch buffer for NumPy, mixed-dtype ``add_`` for torch).
-
-``candidate`` is a prototype of the kernel proposed for :mod:`cgdp.accumulate` (see
-bench/README.md): each inner loop a small function of its own, so that LLVM vectorises it (in
-cgdp's current kernel the loop index runs over ``range(lo, hi)`` into whole arrays, and LLVM
-vectorises none of the loops), parts added four at a time per pass over an L1-sized block, and
-bf16 widened in registers by a bit cast. It computes exactly the same sums in the same order.
 """
 from __future__ import annotations
 
@@ -36,184 +30,10 @@ sys.path.insert(0, HERE)
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from llvmlite import ir  # noqa: E402
-from numba import njit, prange, types  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
+from numba import njit, prange  # noqa: E402
 
 import cgdp  # noqa: E402
 from common import command_line, fmt, interleaved, machine, machine_md, median, table  # noqa: E402
-
-# ---------------------------------------------------------------------------------- candidate
-CAND_BLOCK = 2048
-"""Elements per block: 8 KiB of float32 out stays in L1 while up to four parts stream through."""
-
-_loop = njit(nogil=True, inline="never", cache=True)  # separate functions: LLVM vectorises each loop alone
-
-
-@intrinsic
-def _bits_to_f32(typingctx, u):
-    """Reinterpret a uint32 as float32 (a register bit cast; vectorises, unlike an array view)."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return sig, codegen
-
-
-@_loop
-def _set1(o, a):
-    for i in range(o.shape[0]):
-        o[i] = a[i]
-
-
-@_loop
-def _set2(o, a, b):
-    for i in range(o.shape[0]):
-        o[i] = a[i] + b[i]
-
-
-@_loop
-def _set3(o, a, b, c):
-    for i in range(o.shape[0]):
-        o[i] = (a[i] + b[i]) + c[i]
-
-
-@_loop
-def _set4(o, a, b, c, d):
-    for i in range(o.shape[0]):
-        o[i] = ((a[i] + b[i]) + c[i]) + d[i]
-
-
-@_loop
-def _add1(o, a):
-    for i in range(o.shape[0]):
-        o[i] = o[i] + a[i]
-
-
-@_loop
-def _add2(o, a, b):
-    for i in range(o.shape[0]):
-        o[i] = (o[i] + a[i]) + b[i]
-
-
-@_loop
-def _add3(o, a, b, c):
-    for i in range(o.shape[0]):
-        o[i] = ((o[i] + a[i]) + b[i]) + c[i]
-
-
-@_loop
-def _add4(o, a, b, c, d):
-    for i in range(o.shape[0]):
-        o[i] = (((o[i] + a[i]) + b[i]) + c[i]) + d[i]
-
-
-@_loop
-def _scale_count(o, s):
-    nb = 0
-    for i in range(o.shape[0]):
-        v = o[i] * s
-        o[i] = v
-        nb += (v - v) != 0  # v - v is 0 for finite v, NaN for NaN/Inf
-    return nb
-
-
-@_loop
-def _bset1(o, a):
-    for i in range(o.shape[0]):
-        o[i] = _bits_to_f32(np.uint32(a[i]) << np.uint32(16))
-
-
-@_loop
-def _bset2(o, a, b):
-    for i in range(o.shape[0]):
-        o[i] = (_bits_to_f32(np.uint32(a[i]) << np.uint32(16))
-                + _bits_to_f32(np.uint32(b[i]) << np.uint32(16)))
-
-
-@_loop
-def _badd1(o, a):
-    for i in range(o.shape[0]):
-        o[i] = o[i] + _bits_to_f32(np.uint32(a[i]) << np.uint32(16))
-
-
-@_loop
-def _badd2(o, a, b):
-    for i in range(o.shape[0]):
-        o[i] = ((o[i] + _bits_to_f32(np.uint32(a[i]) << np.uint32(16)))
-                + _bits_to_f32(np.uint32(b[i]) << np.uint32(16)))
-
-
-def _cand_f32(out, parts, scale):
-    n = out.shape[0]
-    nparts = len(parts)
-    nblocks = (n + CAND_BLOCK - 1) // CAND_BLOCK
-    bad = 0
-    for b in prange(nblocks):
-        lo = b * CAND_BLOCK
-        hi = min(lo + CAND_BLOCK, n)
-        o = out[lo:hi]
-        z = nparts - nparts  # a run-time 0: tuple indexing stays valid for any number of parts
-        k = min(nparts, 4)
-        if k == 1:
-            _set1(o, parts[z][lo:hi])
-        elif k == 2:
-            _set2(o, parts[z][lo:hi], parts[z + 1][lo:hi])
-        elif k == 3:
-            _set3(o, parts[z][lo:hi], parts[z + 1][lo:hi], parts[z + 2][lo:hi])
-        else:
-            _set4(o, parts[z][lo:hi], parts[z + 1][lo:hi], parts[z + 2][lo:hi], parts[z + 3][lo:hi])
-        j = k
-        while j < nparts:
-            k = min(nparts - j, 4)
-            if k == 1:
-                _add1(o, parts[j][lo:hi])
-            elif k == 2:
-                _add2(o, parts[j][lo:hi], parts[j + 1][lo:hi])
-            elif k == 3:
-                _add3(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi])
-            else:
-                _add4(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], parts[j + 3][lo:hi])
-            j += k
-        bad += _scale_count(o, scale)
-    return bad
-
-
-def _cand_bf16(out, parts, scale):
-    n = out.shape[0]
-    nparts = len(parts)
-    nblocks = (n + CAND_BLOCK - 1) // CAND_BLOCK
-    bad = 0
-    for b in prange(nblocks):
-        lo = b * CAND_BLOCK
-        hi = min(lo + CAND_BLOCK, n)
-        o = out[lo:hi]
-        z = nparts - nparts
-        if nparts == 1:
-            _bset1(o, parts[z][lo:hi])
-            j = 1
-        else:
-            _bset2(o, parts[z][lo:hi], parts[z + 1][lo:hi])
-            j = 2
-        while j < nparts:
-            if nparts - j >= 2:
-                _badd2(o, parts[j][lo:hi], parts[j + 1][lo:hi])
-                j += 2
-            else:
-                _badd1(o, parts[j][lo:hi])
-                j += 1
-        bad += _scale_count(o, scale)
-    return bad
-
-
-_cand_par = njit(parallel=True, nogil=True, cache=True)(_cand_f32)
-_cand_par_bf16 = njit(parallel=True, nogil=True, cache=True)(_cand_bf16)
-
-
-def candidate(out: np.ndarray, parts: tuple[np.ndarray, ...], scale: float = 1.0) -> int:
-    kern = _cand_par_bf16 if parts[0].dtype == np.uint16 else _cand_par
-    return int(kern(out, parts, out.dtype.type(scale)))
-
 
 # ---------------------------------------------------------------------------------- the limit
 @njit(parallel=True, nogil=True, cache=True)
@@ -268,7 +88,7 @@ def run_case(dtype: str, nparts: int, n: int, rounds: int, scale: float = 1.0,
     ref = reference(parts, scale)
     s32 = np.float32(scale)
 
-    outs = {k: np.empty(n, np.float32) for k in ("cgdp", "candidate", "numpy", "torch")}
+    outs = {k: np.empty(n, np.float32) for k in ("cgdp", "numpy", "torch")}
     scratch = np.empty(n, np.uint32)
     tparts = [torch.from_numpy(p.view(np.int16)).view(torch.bfloat16) if dtype == "bf16"
               else torch.from_numpy(p) for p in parts]
@@ -304,7 +124,6 @@ def run_case(dtype: str, nparts: int, n: int, rounds: int, scale: float = 1.0,
 
     variants = {
         "cgdp": lambda: cgdp.accumulate(outs["cgdp"], parts, scale),
-        "candidate": lambda: candidate(outs["candidate"], parts, scale),
         "numpy": numpy_peer,
         "torch": torch_peer,
     }
@@ -344,28 +163,21 @@ def report(results: list[dict], info: dict[str, str], cmd: str, threads: str) ->
             fmt(g["cgdp"]), fmt(g["cgdp"] / c, 2), fmt(g["cgdp"] / g["numpy"], 2),
             fmt(g["cgdp"] / g["torch"], 2),
             fmt(g["numpy"]), fmt(g["torch"]),
-            fmt(g["candidate"]), fmt(g["candidate"] / c, 2), fmt(g["candidate"] / g["numpy"], 2),
         ])
     head = ["dtype", "parts", "MiB moved", "rounds", "copy limit GB/s", "cgdp GB/s",
-            "cgdp / copy", "cgdp / NumPy", "cgdp / torch", "NumPy GB/s", "torch GB/s",
-            "candidate GB/s", "candidate / copy", "candidate / NumPy"]
+            "cgdp / copy", "cgdp / NumPy", "cgdp / torch", "NumPy GB/s", "torch GB/s"]
     worst = min(r["gbps"]["cgdp"] / r["copy_gbps"] for r in results)
-    worst_c = min(r["gbps"]["candidate"] / r["copy_gbps"] for r in results)
     ahead = min(r["gbps"]["cgdp"] / r["gbps"]["numpy"] for r in results)
-    ahead_c = min(r["gbps"]["candidate"] / r["gbps"]["numpy"] for r in results)
     return "\n".join([
         "## Host accumulation: `cgdp.accumulate` against the copy limit, NumPy and torch", "",
         f"Command: `{cmd}`", "", "Machine:", machine_md(info), "",
         f"Threads: {threads}. GB/s are bytes moved per second (float32: (parts + 1) x 4 B per "
         f"element; bf16: parts x 2 B + 4 B per element), median over interleaved rounds. "
         f"Copy limit: the fastest plain copy moving the same bytes (read + write). Every variant's "
-        f"result was checked bitwise against a float32 reference before timing. `candidate` is "
-        f"the proposed kernel (prototype in bench/bench_accumulate.py).", "",
+        f"result was checked bitwise against a float32 reference before timing.", "",
         table(head, rows), "",
         f"Target: cgdp / copy >= 0.95 and well ahead of NumPy. Worst case here: cgdp / copy = "
-        f"{worst:.2f} ({'met' if worst >= 0.95 else 'NOT met'}), cgdp / NumPy >= {ahead:.2f}; "
-        f"candidate / copy = {worst_c:.2f} ({'met' if worst_c >= 0.95 else 'NOT met'}), "
-        f"candidate / NumPy >= {ahead_c:.2f}.", ""])
+        f"{worst:.2f} ({'met' if worst >= 0.95 else 'NOT met'}), cgdp / NumPy >= {ahead:.2f}.", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             g = r["gbps"]
             print(f"{dtype:5s} {nparts} parts: copy {r['copy_gbps']:.1f} GB/s | cgdp {g['cgdp']:.1f} "
                   f"({g['cgdp'] / r['copy_gbps']:.2f}x copy, {g['cgdp'] / g['numpy']:.2f}x NumPy, "
-                  f"{g['cgdp'] / g['torch']:.2f}x torch) | candidate {g['candidate']:.1f} "
-                  f"({g['candidate'] / r['copy_gbps']:.2f}x copy) | NumPy {g['numpy']:.1f} "
+                  f"{g['cgdp'] / g['torch']:.2f}x torch) | NumPy {g['numpy']:.1f} "
                   f"torch {g['torch']:.1f}", flush=True)
             results.append(r)
     md = report(results, info, cmd, threads)

@@ -37,7 +37,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -184,7 +183,6 @@ def tail_after_backward(trace: list[dict]) -> float:
 # ---------------------------------------------------------------------------------- one case
 def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps: int,
              acc_threads: int, segment_bytes: int | None = None) -> dict:
-    import numba
 
     import cgdp
     world = 2
@@ -278,9 +276,9 @@ def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps:
              "acc_ms": c.acc_s * 1e3, "h2d_ms": c.h2d_s * 1e3, "back_ms": c.back_s * 1e3}
             for c in prof.chunks],
         "profile_backward_ms": None if prof is None else prof.backward_s * 1e3,
-        "kernel": KERNEL + ("" if segment_bytes is None else f", segment_bytes {segment_bytes >> 10} KiB"),
+        "kernel": "cgdp.accumulate" + ("" if segment_bytes is None else f", segment_bytes {segment_bytes >> 10} KiB"),
         "threads": f"torch {torch.get_num_threads()} per device thread / per process; Numba "
-                   f"{acc_threads} for cgdp's accumulator (NUMBA_NUM_THREADS {numba.config.NUMBA_NUM_THREADS})",
+                   f"{acc_threads} for cgdp's accumulator",
     }
 
 
@@ -346,27 +344,6 @@ def report(results: list[dict], info: dict[str, str], cmd: str) -> str:
                "back on all devices at ms"], prof_rows), ""])
 
 
-KERNEL = "cgdp.accumulate (as shipped)"
-
-
-def use_candidate(chunksize: int = 0) -> None:
-    """Route cgdp's host accumulator through the candidate kernel (this process only)."""
-    global KERNEL
-    import numba
-
-    import bench_accumulate
-    host = sys.modules["cgdp.host"] if "cgdp.host" in sys.modules else __import__("cgdp.host").host
-    cand = bench_accumulate.candidate
-
-    def acc(out, parts, scale=1.0):
-        if chunksize:
-            with numba.parallel_chunksize(chunksize):  # dynamic: a descheduled thread holds up little
-                return cand(out, parts, scale)
-        return cand(out, parts, scale)
-    host.accumulate_unchecked = acc
-    KERNEL = f"candidate (bench/bench_accumulate.py), chunk size {chunksize or 'static'}"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small models, 2 rounds of 3 steps")
@@ -375,13 +352,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8, help="steps per contender per round")
     ap.add_argument("--check-steps", type=int, default=3)
-    ap.add_argument("--acc-threads", type=int, default=None,
-                    help="Numba threads for cgdp's host accumulator (default: NUMBA_NUM_THREADS)")
-    ap.add_argument("--kernel", choices=("cgdp", "candidate"), default="cgdp",
-                    help="host kernel: cgdp's own, or the candidate prototyped in bench_accumulate.py "
-                         "(patched into cgdp.host for this run only)")
-    ap.add_argument("--chunksize", type=int, default=0,
-                    help="with --kernel candidate: Numba parallel chunk size in blocks (0: static)")
     ap.add_argument("--segment-kib", type=int, default=None,
                     help="cgdp's segment_bytes in KiB (default: the Trainer's)")
     ap.add_argument("--md", help="write the markdown report here")
@@ -389,16 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.check_steps = 2, 3, 2
-    if args.acc_threads and os.environ.get("NUMBA_NUM_THREADS") != str(args.acc_threads):
-        # cgdp's accumulator thread launches the kernels, and Numba's thread count is set per
-        # launching thread, so only the process-wide NUMBA_NUM_THREADS reaches it: start again
-        os.environ["NUMBA_NUM_THREADS"] = str(args.acc_threads)
-        os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]])
-    import numba
-    acc_threads = numba.config.NUMBA_NUM_THREADS
+    # the engine's host sum runs one Numba thread on emulated devices (Trainer._host_threads)
+    acc_threads = 1
     torch.set_num_threads(1)  # one core per device thread, as each DDP process gets
-    if args.kernel == "candidate":
-        use_candidate(args.chunksize)
     cases = QUICK if args.quick else FULL
     wanted = args.models.split(",")
     cases = [c for c in cases if c.kind in wanted]

@@ -382,7 +382,7 @@ def page(res: dict) -> str:
                              fmt(ph["exposed_comm_s"], 3), fmt(ph["update_s"]), fmt(ph["step_s"])])
         t3 = PAPER["table3"]
         for k, v in t3.items():
-            rows.append([f"paper AlexNet 4 GPUs", k, v["forward"], v["backward"],
+            rows.append(["paper AlexNet 4 GPUs", k, v["forward"], v["backward"],
                          v["tail"] if v["tail"] is not None else f"{v['grad-acc']} (grad-acc) + "
                          f"{v['broadcast']} (broadcast)", v["update"], v["total"]])
         lines += ["## Phases (Table 3), ms", "", table(["network", "mode", "forward", "backward",

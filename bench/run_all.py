@@ -37,8 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes, a few rounds (smoke test)")
     ap.add_argument("--results", default=os.path.join(HERE, "results"), help="folder for the pages")
-    ap.add_argument("--candidate", action="store_true",
-                    help="also run the engine with the candidate host kernel (bench/README.md)")
     args = ap.parse_args(argv)
     out = os.path.abspath(args.results)
     os.makedirs(out, exist_ok=True)
@@ -55,12 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     secs["engine"] = run([*eng, "--md", os.path.join(out, "engine.md"),
                           "--json", os.path.join(out, "engine.json")])
     parts = ["accumulate.md", "engine.md"]
-    if args.candidate:
-        secs["engine (candidate kernel)"] = run(
-            [*eng, "--kernel", "candidate", "--acc-threads", "1",
-             "--md", os.path.join(out, "engine_candidate.md"),
-             "--json", os.path.join(out, "engine_candidate.json")])
-        parts.append("engine_candidate.md")
 
     lines = ["# cgdp on this CPU machine (emulated devices)", "",
              f"Command: `{cmd}` (runs each benchmark below in its own process; {', '.join(f'{k} {v:.0f} s' for k, v in secs.items())}).",

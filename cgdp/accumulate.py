@@ -93,27 +93,60 @@ def _set4(o, a, b, c, d):
 
 
 @_loop
-def _add1(o, a):
-    for i in range(o.shape[0]):
-        o[i] = o[i] + a[i]
-
-
-@_loop
-def _add2(o, a, b):
-    for i in range(o.shape[0]):
-        o[i] = (o[i] + a[i]) + b[i]
-
-
-@_loop
-def _add3(o, a, b, c):
-    for i in range(o.shape[0]):
-        o[i] = ((o[i] + a[i]) + b[i]) + c[i]
-
-
-@_loop
 def _add4(o, a, b, c, d):
     for i in range(o.shape[0]):
         o[i] = (((o[i] + a[i]) + b[i]) + c[i]) + d[i]
+
+
+@_loop
+def _add1s(o, a, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = (o[i] + a[i]) * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
+
+
+@_loop
+def _add2s(o, a, b, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = ((o[i] + a[i]) + b[i]) * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
+
+
+@_loop
+def _add3s(o, a, b, c, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = (((o[i] + a[i]) + b[i]) + c[i]) * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
+
+
+@_loop
+def _add4s(o, a, b, c, d, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = ((((o[i] + a[i]) + b[i]) + c[i]) + d[i]) * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
+
+
+@_loop
+def _bset2s(o, a, b, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = (_bits_to_f32(np.uint32(a[i]) << np.uint32(16))
+             + _bits_to_f32(np.uint32(b[i]) << np.uint32(16))) * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
 
 
 @_loop
@@ -152,41 +185,87 @@ def _badd2(o, a, b):
                 + _bits_to_f32(np.uint32(b[i]) << np.uint32(16)))
 
 
-def _body(out, parts, scale):
+# One kernel per part count up to four, each calling its fused loop with the parts as plain
+# arguments: indexing the tuple of parts with a run-time index costs half the bandwidth.
+def _k1(out, a, s):
     n = out.shape[0]
-    nparts = len(parts)
     nblocks = (n + BLOCK - 1) // BLOCK
     bad = 0
     for blk in prange(nblocks):
         lo = blk * BLOCK
         hi = min(lo + BLOCK, n)
+        bad += _set1s(out[lo:hi], a[lo:hi], s)
+    return bad
+
+
+def _k2(out, a, b, s):
+    n = out.shape[0]
+    nblocks = (n + BLOCK - 1) // BLOCK
+    bad = 0
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
+        hi = min(lo + BLOCK, n)
+        bad += _set2s(out[lo:hi], a[lo:hi], b[lo:hi], s)
+    return bad
+
+
+def _k3(out, a, b, c, s):
+    n = out.shape[0]
+    nblocks = (n + BLOCK - 1) // BLOCK
+    bad = 0
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
+        hi = min(lo + BLOCK, n)
+        bad += _set3s(out[lo:hi], a[lo:hi], b[lo:hi], c[lo:hi], s)
+    return bad
+
+
+def _k4(out, a, b, c, d, s):
+    n = out.shape[0]
+    nblocks = (n + BLOCK - 1) // BLOCK
+    bad = 0
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
+        hi = min(lo + BLOCK, n)
+        bad += _set4s(out[lo:hi], a[lo:hi], b[lo:hi], c[lo:hi], d[lo:hi], s)
+    return bad
+
+
+def _bk2(out, a, b, s):
+    n = out.shape[0]
+    nblocks = (n + BLOCK - 1) // BLOCK
+    bad = 0
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
+        hi = min(lo + BLOCK, n)
+        bad += _bset2s(out[lo:hi], a[lo:hi], b[lo:hi], s)
+    return bad
+
+
+def _body(out, parts, scale):
+    """More than four parts: the first four in one pass, then up to four more per pass."""
+    n = out.shape[0]
+    nparts = len(parts)
+    bad = 0
+    for blk in prange((n + BLOCK - 1) // BLOCK):
+        lo = blk * BLOCK
+        hi = min(lo + BLOCK, n)
         o = out[lo:hi]
-        z = nparts - nparts  # a run-time 0: tuple indexing stays valid for any number of parts
-        if nparts <= 4:  # the common case: one fused pass (sum, scale, non-finite count)
-            if nparts == 1:
-                bad += _set1s(o, parts[z][lo:hi], scale)
-            elif nparts == 2:
-                bad += _set2s(o, parts[z][lo:hi], parts[z + 1][lo:hi], scale)
-            elif nparts == 3:
-                bad += _set3s(o, parts[z][lo:hi], parts[z + 1][lo:hi], parts[z + 2][lo:hi], scale)
-            else:
-                bad += _set4s(o, parts[z][lo:hi], parts[z + 1][lo:hi], parts[z + 2][lo:hi],
-                              parts[z + 3][lo:hi], scale)
-            continue
-        _set4(o, parts[z][lo:hi], parts[z + 1][lo:hi], parts[z + 2][lo:hi], parts[z + 3][lo:hi])
+        _set4(o, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], parts[3][lo:hi])
         j = 4
-        while j < nparts:
-            k = min(nparts - j, 4)
-            if k == 1:
-                _add1(o, parts[j][lo:hi])
-            elif k == 2:
-                _add2(o, parts[j][lo:hi], parts[j + 1][lo:hi])
-            elif k == 3:
-                _add3(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi])
-            else:
-                _add4(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], parts[j + 3][lo:hi])
-            j += k
-        bad += _scale_count(o, scale)
+        while nparts - j > 4:  # middle groups of four; the last group is fused with the scale
+            _add4(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], parts[j + 3][lo:hi])
+            j += 4
+        k = nparts - j
+        if k == 1:
+            bad += _add1s(o, parts[j][lo:hi], scale)
+        elif k == 2:
+            bad += _add2s(o, parts[j][lo:hi], parts[j + 1][lo:hi], scale)
+        elif k == 3:
+            bad += _add3s(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], scale)
+        else:
+            bad += _add4s(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi],
+                          parts[j + 3][lo:hi], scale)
     return bad
 
 
@@ -218,10 +297,10 @@ def _body_bf16(out, parts, scale):
 
 
 
-_par = njit(parallel=True, nogil=True, cache=True)(_body)
-_ser = njit(nogil=True, cache=True)(_body)
-_par_bf16 = njit(parallel=True, nogil=True, cache=True)(_body_bf16)
-_ser_bf16 = njit(nogil=True, cache=True)(_body_bf16)
+_par = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body, _k1, _k2, _k3, _k4)]
+_ser = [njit(nogil=True, cache=True)(k) for k in (_body, _k1, _k2, _k3, _k4)]
+_par_bf16 = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body_bf16, _bk2)]
+_ser_bf16 = [njit(nogil=True, cache=True)(k) for k in (_body_bf16, _bk2)]
 
 
 def _check(out: np.ndarray, parts: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
@@ -266,10 +345,14 @@ def accumulate_unchecked(out: np.ndarray, parts: tuple[np.ndarray, ...], scale: 
     s = out.dtype.type(scale)
     parallel = out.shape[0] >= SERIAL_BELOW and numba.get_num_threads() > 1
     if parts[0].dtype == np.uint16:
-        kern = _par_bf16 if parallel else _ser_bf16
-    else:
-        kern = _par if parallel else _ser
-    return int(kern(out, parts, s))
+        kernels = _par_bf16 if parallel else _ser_bf16
+        if len(parts) == 2:
+            return int(kernels[1](out, *parts, s))
+        return int(kernels[0](out, parts, s))
+    kernels = _par if parallel else _ser
+    if len(parts) <= 4:
+        return int(kernels[len(parts)](out, *parts, s))
+    return int(kernels[0](out, parts, s))
 
 
 def warm_up(dtype: np.dtype = np.float32, nparts: int = 2) -> None:

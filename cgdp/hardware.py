@@ -11,7 +11,7 @@ both directions at once.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 from cgdp.probe import ProbeResult
 from cgdp.simulator import Linear, StageCosts

@@ -24,18 +24,19 @@ from typing import Callable
 import numpy as np
 import torch
 
-from cgdp.accumulate import accumulate_unchecked
+from cgdp.accumulate import accumulate_unchecked, set_threads
 from cgdp.backend.base import Device, TraceSink
 from cgdp.comm import Comm
 
 
 class HostAccumulator:
     def __init__(self, devices: list[Device], dtype: torch.dtype, fail: Callable[[BaseException], None],
-                 comm: Comm | None):
+                 comm: Comm | None, threads: int):
         self.devices = devices
         self.dtype = dtype
         self.comm = comm
         self._fail = fail
+        self._threads = threads
         self.trace: TraceSink | None = None
         self._lock = threading.Lock()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -86,6 +87,7 @@ class HostAccumulator:
             self._q.put(c)
 
     def _run(self) -> None:
+        set_threads(self._threads)  # Numba's thread count is per calling thread: set it here
         while True:
             c = self._q.get()  # waits for the next chunk that every device delivered
             if c is None:

@@ -6,7 +6,7 @@ import cgdp
 from cgdp.accumulate import BLOCK, SERIAL_BELOW
 
 
-@pytest.mark.parametrize("nparts", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("nparts", [1, 2, 3, 4, 5, 6, 7, 8, 9])
 @pytest.mark.parametrize("n", [1, 7, BLOCK + 3, SERIAL_BELOW + 17, 3 * SERIAL_BELOW])
 def test_matches_numpy_bitwise(nparts, n):
     rng = np.random.default_rng(n + nparts)
@@ -48,14 +48,17 @@ def test_counts_non_finite_in_the_same_pass():
     assert cgdp.accumulate(out, parts) == 3
 
 
-def test_bf16_parts_accumulate_in_float32():
+@pytest.mark.parametrize("nparts", [1, 2, 3, 5])
+def test_bf16_parts_accumulate_in_float32(nparts):
     n = SERIAL_BELOW + 3
-    ts = [torch.randn(n).bfloat16() for _ in range(3)]
+    ts = [torch.randn(n).bfloat16() for _ in range(nparts)]
     parts = [t.view(torch.int16).numpy().view(np.uint16) for t in ts]
     out = np.empty(n, np.float32)
     cgdp.accumulate(out, parts, scale=0.5)
-    ref = (0.5 * (ts[0].float() + ts[1].float() + ts[2].float())).numpy()
-    np.testing.assert_array_equal(out, ref)
+    ref = ts[0].float()
+    for t in ts[1:]:
+        ref = ref + t.float()
+    np.testing.assert_array_equal(out, (0.5 * ref).numpy())
 
 
 @pytest.mark.parametrize("bad, match", [

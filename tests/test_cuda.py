@@ -3,7 +3,6 @@
 With one GPU, ``["cuda:0"]`` in mode 'cgdp' still makes the full host round trip: every chunk is
 copied to pinned memory on the D2H stream, summed on the host, and copied back on the H2D stream.
 """
-import copy
 
 import pytest
 import torch
