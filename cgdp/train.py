@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import sys
 import time
@@ -51,10 +52,30 @@ class Job:
     total_steps: int
     out: pathlib.Path | None
     resume: dict | None = None
+    rank: int = 0
+    """This process's MPI rank (0 on one machine); only rank 0 writes results."""
+    ranks: int = 1
+    """MPI ranks; each takes its part of every global batch."""
 
     @property
     def global_batch(self) -> int:
-        return self.cfg.train.batch * len(self.devices)
+        return self.cfg.train.batch * len(self.devices) * self.ranks
+
+
+_LAUNCHER_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+
+
+def mpi_world(spec: str) -> tuple[int, int]:
+    """(rank, ranks): with ``auto``, MPI is used when an MPI launcher started several ranks."""
+    if spec == "none":
+        return 0, 1
+    if spec == "auto" and not any(int(os.environ.get(k, "1") or 1) > 1 for k in _LAUNCHER_SIZE):
+        return 0, 1
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ConfigError('train.comm needs mpi4py: pip install "cgdp[mpi]" (or run with --comm none)') from None
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
 def resolve_devices(spec: str, mode: str, gpus: int) -> list[str]:
@@ -135,7 +156,8 @@ def prepare(cfg: Config, gpus: int | None = None) -> Job:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     t = cfg.train
     devices = resolve_devices(t.devices, t.mode, gpus)
-    global_batch = t.batch * len(devices)
+    rank, ranks = mpi_world(t.comm)
+    global_batch = t.batch * len(devices) * ranks
     train_set, eval_set = _datasets(cfg, global_batch)
     classes = cfg.model.num_classes or train_set.num_classes
     if classes < train_set.num_classes:
@@ -157,7 +179,7 @@ def prepare(cfg: Config, gpus: int | None = None) -> Job:
         chunks = load_plan_file(t.chunks, num_layers)
     steps_per_epoch = len(train_set) // global_batch
     if steps_per_epoch < 1:
-        raise DataError(f"the global batch ({t.batch} per device x {len(devices)} devices = {global_batch}) "
+        raise DataError(f"the global batch ({t.batch} per device x {len(devices)} devices x {ranks} rank(s) = {global_batch}) "
                         f"is larger than the training set ({len(train_set)} samples); lower --batch")
     total = t.epochs * steps_per_epoch if t.epochs else t.steps
 
@@ -179,7 +201,7 @@ def prepare(cfg: Config, gpus: int | None = None) -> Job:
         if resume["trainer"]["step"] >= total:
             raise ConfigError(f"checkpoint {path} is at step {resume['trainer']['step']}, and this run has "
                               f"{total} steps: nothing to do. Raise --steps to train further")
-    return Job(cfg, devices, model, train_set, eval_set, classes, chunks, total, out, resume)
+    return Job(cfg, devices, model, train_set, eval_set, classes, chunks, total, out, resume, rank, ranks)
 
 
 def _check_resumable(cfg: Config, ck: dict, path: pathlib.Path) -> None:
@@ -273,10 +295,11 @@ def train(job: Job) -> dict:
     loss_fn = nn.functional.cross_entropy
     loader = Loader(job.train_set, job.global_batch, t.seed, prefetch=cfg.data.prefetch,
                     pin=job.devices[0].startswith("cuda"))
-    metrics = Metrics(job.out, append=job.resume is not None)
+    lead = job.rank == 0  # every rank trains the same model; rank 0 alone writes and prints
+    metrics = Metrics(job.out if lead else None, append=job.resume is not None)
     wall0 = time.perf_counter()
     with cgdp.Trainer(job.model, make_optimizer(t), job.devices, mode=t.mode, chunks=job.chunks,
-                      timeout_s=t.timeout_s) as trainer, metrics:
+                      timeout_s=t.timeout_s, comm="mpi" if job.ranks > 1 else None) as trainer, metrics:
         start = 0
         if job.resume is not None:
             trainer.load_state_dict(job.resume["trainer"])
@@ -288,10 +311,11 @@ def train(job: Job) -> dict:
                        "params": count_params(trainer.replicas[0]), "steps": job.total_steps,
                        "steps_per_epoch": loader.steps_per_epoch, "resumed_at": start if job.resume else None})
         stop = job.total_steps if not r.stop_after else min(job.total_steps, start + r.stop_after)
-        tracer = trace.Recorder(r.trace, max(start, min(r.trace_step, job.total_steps - r.trace_steps)),
+        tracer = trace.Recorder(r.trace if lead else "",
+                                max(start, min(r.trace_step, job.total_steps - r.trace_steps)),
                                 r.trace_steps, trainer.devices)
         last_profile = None
-        progress = Progress(job.total_steps, start, r.progress)
+        progress = Progress(job.total_steps, start, r.progress if lead else "off")
         try:
             for step in range(start, stop):
                 lr = lr_at(t, step, job.total_steps)
@@ -300,6 +324,9 @@ def train(job: Job) -> dict:
                         g["lr"] = lr
                 t0 = time.perf_counter()
                 x, y = next(loader)
+                if job.ranks > 1:  # the same global batch on every rank; each takes its part
+                    x = torch.tensor_split(x, job.ranks)[job.rank]
+                    y = torch.tensor_split(y, job.ranks)[job.rank]
                 t_data = time.perf_counter() - t0
                 profiling = r.profile_every > 0 and (step + 1) % r.profile_every == 0
                 if tracer.wants(step):
@@ -326,13 +353,13 @@ def train(job: Job) -> dict:
                     acc, eloss = evaluate(trainer, job.eval_set)
                     metrics.write({"kind": "eval", "step": n, "eval_accuracy": acc, "eval_loss": eloss})
                     progress.note(f"step {n}: eval accuracy {acc:.4f}, eval loss {eloss:.4f}")
-                if job.out is not None and r.checkpoint_every and n % r.checkpoint_every == 0:
+                if lead and job.out is not None and r.checkpoint_every and n % r.checkpoint_every == 0:
                     _save(job, trainer, loader)
         finally:
             progress.close()
             loader.close()
         done = trainer.step_count
-        if job.out is not None and (done == job.total_steps or r.stop_after):
+        if lead and job.out is not None and (done == job.total_steps or r.stop_after):
             _save(job, trainer, loader)
         note = tracer.write()
         if note:
@@ -352,7 +379,8 @@ def train(job: Job) -> dict:
         if trainer.tuner is not None:
             final["tuner"] = trainer.tuner.describe()
         metrics.write(final)
-        _summarise(job, metrics.rows, last_profile, trainer.layers, final.get("tuner"))
+        if lead:
+            _summarise(job, metrics.rows, last_profile, trainer.layers, final.get("tuner"))
     return final
 
 
@@ -388,10 +416,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cgdp.train: error: {e}", file=sys.stderr)
         return 2
     resolved = to_toml(cfg)
-    print(f"# resolved config (devices: {', '.join(job.devices)}; {job.total_steps} steps)\n{resolved}")
+    lead = job.rank == 0
+    if lead:
+        ranks = f"; {job.ranks} MPI ranks" if job.ranks > 1 else ""
+        print(f"# resolved config (devices: {', '.join(job.devices)}{ranks}; {job.total_steps} steps)\n{resolved}")
     if flags["print_config"]:
         return 0
-    if job.out is not None:
+    if lead and job.out is not None:
         (job.out / "config.toml").write_text(resolved)
     try:
         final = train(job)
@@ -401,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     except FloatingPointError as e:  # cgdp.NonFiniteGradientError: the run diverged
         print(f"cgdp.train: error: {e} (the run diverged; --lr is {cfg.train.lr})", file=sys.stderr)
         return 1
+    if not lead:
+        return 0
     if final.get("final"):
         print(f"eval accuracy {final['eval_accuracy']:.4f} after {final['step']} steps "
               f"({final['wall_s']:.1f} s)")

@@ -86,3 +86,19 @@ def test_mismatched_ranks_are_named_at_start_up():
     for case in ("model", "devices", "optimizer"):
         assert len(re.findall(f"OK {case} rank [01]", out)) == 2, out
     assert "rank 0 has '2', rank 1 has '1'" in out
+
+
+def test_training_cli_under_mpiexec(tmp_path):
+    """``mpiexec -n 2 python -m cgdp.train``: MPI is picked up by itself, rank 0 writes results."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "cgdp.train", "--steps", "150", "--devices", "2",
+           "--batch", "16", "--chunks", "1", "--out", str(tmp_path), "--progress", "off"]
+    p = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=240)
+    assert p.returncode == 0, p.stdout
+    assert "2 MPI ranks" in p.stdout and p.stdout.count("eval accuracy") == 1, p.stdout
+    import json
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["final"] is True and rows[-1]["eval_accuracy"] >= 0.9
+    assert (tmp_path / "checkpoint.pt").exists()
