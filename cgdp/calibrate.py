@@ -153,7 +153,9 @@ def calibrate(profiles: Sequence[StepProfile], base: StageCosts | None = None) -
         return fit_linear([(c.bytes, getattr(c, attr)) for p in profiles for c in p.chunks])
 
     base = base or StageCosts(devices=p0.devices)
-    comm = stage("comm_s") if p0.ranks > 1 else base.comm
+    # a probed allreduce (base.ranks > 1) beats a fit of the profile's comm times, which include
+    # each chunk's wait behind the chunks posted before it
+    comm = base.comm if base.ranks > 1 else stage("comm_s") if p0.ranks > 1 else base.comm
     costs = StageCosts(devices=p0.devices, sync_s=sync, d2h=stage("d2h_s"), h2d=stage("h2d_s"),
                        acc=stage("acc_s"), ranks=p0.ranks, comm=comm, link_groups=base.link_groups,
                        device_speed=base.device_speed, p2p=base.p2p, device_acc=base.device_acc,

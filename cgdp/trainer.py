@@ -167,7 +167,14 @@ class Trainer:
             if chunks not in ("auto", "paper"):
                 raise ValueError(f"chunks must be an int, an explicit plan or 'auto'; got {chunks!r}")
             from cgdp.tuner import make_tuner
-            self.tuner = make_tuner(chunks, self._layer_bytes, len(self._devs))
+            cost, ranks = None, 1
+            if self._comm is not None and chunks == "auto":
+                # the tuner's model learns the MPI stage from a short probe (~0.1 s, collective)
+                from cgdp.comm.mpi import probe_alpha_beta
+                from cgdp.simulator import Linear
+                alpha, beta = probe_alpha_beta(self._comm)
+                cost, ranks = Linear(alpha, beta), self._comm.size
+            self.tuner = make_tuner(chunks, self._layer_bytes, len(self._devs), comm=cost, ranks=ranks)
             plan = validate_plan(self.tuner.plan(), len(self.layers))
         else:
             plan = resolve_plan(chunks, len(self.layers))

@@ -31,6 +31,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 from cgdp.chunks import one_chunk_plan, paper_plan
 from cgdp.profile import StepProfile
+from cgdp.simulator import Linear
 
 Plan = list[list[int]]
 
@@ -198,9 +199,13 @@ class AutoTuner:
     name = "auto"
 
     def __init__(self, layer_bytes: Sequence[int], devices: int,
-                 config: AutoTunerConfig | None = None) -> None:
+                 config: AutoTunerConfig | None = None, comm: Linear | None = None,
+                 ranks: int = 1) -> None:
         self.layer_bytes = [int(b) for b in layer_bytes]
         self.devices = int(devices)
+        self.comm = comm
+        """The MPI allreduce of one chunk, α + β·bytes, from ``probe_alpha_beta`` (several ranks)."""
+        self.ranks = int(ranks)
         self.config = config or AutoTunerConfig()
         L = len(self.layer_bytes)
         self.naive = paper_plan(L, 1) if L else []
@@ -293,7 +298,11 @@ class AutoTuner:
         from cgdp.planner import choose_plan
         from cgdp.simulator import predict_step
 
-        cal = calibrate(self.profiles)
+        base = None
+        if self.comm is not None and self.ranks > 1:
+            from cgdp.simulator import StageCosts
+            base = StageCosts(devices=self.devices, ranks=self.ranks, comm=self.comm)
+        cal = calibrate(self.profiles, base)
         choice = choose_plan(cal.model, cal.costs, self.config.max_front)
         ranked = sorted(choice.alternatives.items(), key=lambda kv: kv[1][0])
         out: list[tuple[str, Plan, float]] = []
@@ -347,11 +356,13 @@ class AutoTuner:
         self.confirmed = bool(state.get("confirmed", False))
 
 
-def make_tuner(spec: object, layer_bytes: Sequence[int], devices: int) -> Tuner:
+def make_tuner(spec: object, layer_bytes: Sequence[int], devices: int,
+               comm: Linear | None = None, ranks: int = 1) -> Tuner:
     """``"auto"`` → :class:`AutoTuner`; ``"paper"`` → :class:`PaperTuner` (step 10, range 5, as
-    the paper's §5.3); a :class:`Tuner` instance is used as is."""
+    the paper's §5.3); a :class:`Tuner` instance is used as is. ``comm``/``ranks``: the probed
+    MPI allreduce cost and the number of machines, for the auto tuner's model."""
     if spec == "auto":
-        return AutoTuner(layer_bytes, devices)
+        return AutoTuner(layer_bytes, devices, comm=comm, ranks=ranks)
     if spec == "paper":
         return PaperTuner(len(layer_bytes))
     if isinstance(spec, Tuner) and not isinstance(spec, (str, type)):

@@ -177,3 +177,15 @@ def test_ranks_with_different_initial_parameters_are_named_at_start_up():
 
     for msg in on_ranks(2, rank):
         assert "initial_parameters" in msg
+
+
+def test_auto_tuner_learns_the_mpi_stage_from_the_probe():
+    model = mlp()
+
+    def rank(comm):
+        with cgdp.Trainer(model, SGD, ["cpu:0"], chunks="auto", comm=comm, timeout_s=30) as tr:
+            return tr.tuner.comm, tr.tuner.ranks
+
+    (c0, r0), (c1, r1) = on_ranks(2, rank, timeout_s=30)
+    assert r0 == r1 == 2
+    assert c0 == c1 and c0.latency_s > 0 and c0.per_byte_s >= 0  # rank 0's fit, on every rank
