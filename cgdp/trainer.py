@@ -318,6 +318,10 @@ class Trainer:
             t_up = time.perf_counter()
             self._update()
             t_end = time.perf_counter()
+        except NonFiniteGradientError:
+            # a clean rejection: every collective and copy of the step has completed, and every
+            # rank saw the same flag, so nothing needs recovering and training can go on
+            raise
         except BaseException as exc:
             self._recover(exc, phase)
             raise

@@ -189,3 +189,25 @@ def test_auto_tuner_learns_the_mpi_stage_from_the_probe():
     (c0, r0), (c1, r1) = on_ranks(2, rank, timeout_s=30)
     assert r0 == r1 == 2
     assert c0 == c1 and c0.latency_s > 0 and c0.per_byte_s >= 0  # rank 0's fit, on every rank
+
+
+def test_non_finite_gradient_on_one_rank_is_rejected_on_every_rank_and_training_goes_on():
+    model = mlp()
+    x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
+
+    def rank(comm):
+        with cgdp.Trainer(model, SGD, ["cpu:0", "cpu:1"], comm=comm, timeout_s=30) as tr:
+            bad = x.clone()
+            if comm.rank == 1:
+                bad[0, 0] = float("nan")
+            try:
+                tr.step(bad, y, F.cross_entropy)
+                return "no error"
+            except cgdp.NonFiniteGradientError:
+                pass
+            tr.step(x, y, F.cross_entropy)  # still usable, and the ranks still agree
+            return {k: v.clone() for k, v in tr.replicas[0].state_dict().items()}
+
+    a, b = on_ranks(2, rank, timeout_s=30)
+    assert a != "no error" and b != "no error"
+    assert all(torch.equal(a[k], b[k]) for k in a)
