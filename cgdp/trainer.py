@@ -183,6 +183,8 @@ class Trainer:
         self._tuning = self.tuner is not None
         # one CPU random stream per emulated device, derived from torch's seed (reproducible)
         self._cpu_rng_lock = threading.Lock()
+        self._rng_turns = False
+        """Emulated devices: forward passes take turns, each with its own random stream."""
         self._cpu_rng = [torch.Generator().manual_seed(torch.initial_seed() * 1009 + 7919 * j).get_state()
                          for j in range(len(self._devs))]
 
@@ -308,7 +310,7 @@ class Trainer:
         t_start = time.perf_counter()
         phase = "forward"
         try:
-            fw = self._run_all(lambda j: self._forward_on(j, parts[j], loss_fn))
+            fw = self._forward_all(parts, loss_fn)
             losses = [f[0] for f in fw]
             phase = "backward"
             bw = self._run_all(lambda j: self._backward_on(j, losses[j], weights[j]))
@@ -474,16 +476,30 @@ class Trainer:
             self._guard.fail(exc)
             raise
 
+    def _forward_all(self, parts, loss_fn) -> list[tuple[torch.Tensor, float]]:
+        run = lambda: self._run_all(lambda j: self._forward_on(j, parts[j], loss_fn))  # noqa: E731
+        if self._devs[0].is_cuda or self._rng_turns:
+            return run()
+        before = torch.default_generator.get_state()
+        fw = run()
+        if torch.equal(torch.default_generator.get_state(), before):
+            return fw  # no random numbers drawn: nothing depends on thread timing
+        # the model draws random numbers: from now on every emulated device has its own stream;
+        # this forward is done again that way (its graphs are dropped, nothing else was changed)
+        torch.default_generator.set_state(before)
+        self._rng_turns = True
+        return run()
+
     def _forward_on(self, j: int, part: tuple[Any, Any], loss_fn) -> tuple[torch.Tensor, float]:
         dev = self._devs[j]
         x, y = part
         t0 = time.perf_counter()
-        if dev.is_cuda:  # each GPU has its own generator, used by this thread only
+        if dev.is_cuda or not self._rng_turns:  # each GPU has its own generator
             loss = self._loss_on(j, x, y, loss_fn)
         else:
-            # emulated devices share torch's one CPU generator: each device gets its own stream
-            # of random numbers (dropout), swapped in under a lock, so that results do not
-            # depend on thread timing. Forward passes of emulated devices take turns.
+            # emulated devices share torch's one CPU generator: once the model draws random
+            # numbers (dropout), each device gets its own stream, swapped in under a lock, so that
+            # results do not depend on thread timing. Forward passes then take turns.
             with self._cpu_rng_lock:
                 outer = torch.default_generator.get_state()  # the user's stream stays untouched
                 torch.default_generator.set_state(self._cpu_rng[j])
