@@ -327,8 +327,8 @@ def report(results: list[dict], info: dict[str, str], cmd: str) -> str:
         f"lr {LR}. Parameters checked against single-device training on the global batch after "
         f"{r0['check_steps']} steps before timing. Step times: median over {r0['rounds']} "
         f"interleaved rounds x {r0['steps']} steps, wall time of the whole step as the user sees "
-        f"it; exposed comm = trainer.stats['exposed_comm_s'] / trainer.stats['step_s'] (median; per "
-        f"device from its own end of backward, so it includes waiting for the slower replica); tail "
+        f"it; exposed comm = trainer.stats['exposed_comm_s'] / trainer.stats['step_s'] (median; from "
+        f"the end of the last device's backward to the last copy back); tail "
         f"after last backward = from the end of the last device's backward to the last copy back, "
         f"from traced steps (median).", "",
         table(head, rows), "", *verdicts, "",
