@@ -153,7 +153,8 @@ def _datasets(cfg: Config, global_batch: int) -> tuple[Any, Any]:
 def prepare(cfg: Config, gpus: int | None = None) -> Job:
     """Check everything and build the job; raises ConfigError / DataError / CheckpointError."""
     if gpus is None:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        from cgdp.backend.cuda import cuda_count
+        gpus = cuda_count()
     t = cfg.train
     devices = resolve_devices(t.devices, t.mode, gpus)
     rank, ranks = mpi_world(t.comm)

@@ -189,11 +189,8 @@ class Trainer:
                          for j in range(len(self._devs))]
 
         for j, dev in enumerate(self._devs):
-            init = None
-            if dev.is_cuda:
-                init = partial(torch.cuda.set_device, dev.torch_device)
             self._pools.append(ThreadPoolExecutor(1, thread_name_prefix=f"cgdp-{dev.name}",
-                                                  initializer=init))
+                                                  initializer=dev.bind_thread))
             hooks = DeviceHooks(self._params[j], partial(self._send, j), dev.stamp)
             hooks.streaming = self.mode == "cgdp"
             self._hooks.append(hooks)
@@ -280,11 +277,8 @@ class Trainer:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
         parts, sizes = self._split(inputs, targets)
-        if self._devs[0].is_cuda:
-            for d in self._devs:
-                if torch.cuda.current_stream(d.torch_device) != torch.cuda.default_stream(d.torch_device):
-                    raise RuntimeError("call Trainer.step() outside any torch.cuda.stream(...) context: "
-                                       "cgdp orders its own streams against the default stream")
+        for d in self._devs:
+            d.check_caller()
         total = sum(sizes)
         if self._comm is not None:
             total = int(self._comm.allreduce_small(np.array([total], np.float64))[0])

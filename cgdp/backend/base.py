@@ -36,6 +36,13 @@ class Device(ABC):
         self._fail = fail
         self.trace: TraceSink | None = None
 
+    def bind_thread(self) -> None:
+        """Called once on the device's own host thread (forward, backward and update run there)."""
+
+    def check_caller(self) -> None:
+        """Called at the start of every step, on the caller's thread: raise if its stream
+        context would break the ordering the engine relies on."""
+
     @abstractmethod
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Host memory the device can copy to and from asynchronously (pinned on CUDA)."""

@@ -51,6 +51,14 @@ class CudaDevice(Device):
         self._thread = threading.Thread(target=self._complete, name=f"cgdp-{name}-done", daemon=True)
         self._thread.start()
 
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.torch_device)
+
+    def check_caller(self) -> None:
+        if torch.cuda.current_stream(self.torch_device) != torch.cuda.default_stream(self.torch_device):
+            raise RuntimeError("call Trainer.step() outside any torch.cuda.stream(...) context: cgdp "
+                               "orders its own copy streams against the default stream")
+
     def host_empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
