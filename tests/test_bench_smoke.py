@@ -51,3 +51,10 @@ def test_gpu_script_runs_emulated(tmp_path):
     # the page generator works from the json alone
     q = _run(["bench/gpu_all.py", "--report", str(tmp_path / "gpu.json")])
     assert q.returncode == 0 and "Table 4" in q.stdout
+
+
+def test_tuner_benchmark_runs_quick(tmp_path):
+    p = _run(["bench/bench_tuners.py", "--quick", "--md", str(tmp_path / "tuners.md")])
+    assert p.returncode == 0, p.stdout + p.stderr
+    page = (tmp_path / "tuners.md").read_text()
+    assert "Algorithm 1's choice" in page and "auto tuner's choice" in page
