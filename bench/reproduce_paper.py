@@ -160,7 +160,7 @@ def engine_section(out: list[str]) -> None:
     from torch import nn
 
     import cgdp
-    from cgdp.calibrate import calibrate
+    from cgdp.calibrate import calibrate, profile_and_time
     from cgdp.chunks import one_chunk_plan
 
     torch.manual_seed(0)
@@ -176,18 +176,7 @@ def engine_section(out: list[str]) -> None:
             tr.step(x, y, F.cross_entropy)
         plans = {f"k={k}": paper_plan(L, k) for k in (1, 2, 4, 8)}
         plans["one chunk"] = one_chunk_plan(L)
-        times: dict[str, list[float]] = {k: [] for k in plans}
-        profiles = []
-        for _ in range(15):
-            for plan in (paper_plan(L, 1), one_chunk_plan(L)):
-                tr.set_plan(plan)
-                tr.profile_next()
-                tr.step(x, y, F.cross_entropy)
-                profiles.append(tr.last_profile)
-            for name, plan in plans.items():
-                tr.set_plan(plan)
-                tr.step(x, y, F.cross_entropy)
-                times[name].append(tr.stats["step_s"])
+        profiles, times = profile_and_time(tr, plans, 15, lambda: tr.step(x, y, F.cross_entropy))
     cal = calibrate(profiles)
     shared = dataclasses.replace(cal.costs, shared_cores=float(os.cpu_count() or 2), acc_threads=1.0)
     out += ["## 5. This machine: simulator against the engine (CPU-emulated devices)", "",

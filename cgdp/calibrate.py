@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from statistics import median
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -202,3 +202,27 @@ def synthetic_profile(model: ModelCosts, costs: StageCosts, plan: Sequence[Seque
                        layer_bytes=list(model.layer_bytes), layer_ready_s=ready, forward_s=model.forward_s,
                        backward_s=res.compute_s, exposed_comm_s=res.exposed_s, update_s=model.update_s,
                        step_s=res.step_s, plan=plan, chunks=chunks)
+
+
+def profile_and_time(trainer: Any, plans: dict[str, list[list[int]]], rounds: int,
+                     step: Callable[[], object]) -> tuple[list[StepProfile], dict[str, list[float]]]:
+    """Calibration data and measurements from one trainer, interleaved round by round so that
+    both see the same load: each round profiles one step of the one-layer-per-chunk plan and one of
+    the single-chunk plan (the two cuts :func:`calibrate` needs), then times one step of every
+    plan in ``plans``. ``step()`` runs one training step on ``trainer``. Returns the profiles and
+    the step times per plan name."""
+    L = len(trainer.layers)
+    cuts = [[[i] for i in range(L - 1, -1, -1)], [list(range(L - 1, -1, -1))]]
+    profiles: list[StepProfile] = []
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    for _ in range(rounds):
+        for plan in cuts:
+            trainer.set_plan(plan)
+            trainer.profile_next()
+            step()
+            profiles.append(trainer.last_profile)
+        for name, plan in plans.items():
+            trainer.set_plan(plan)
+            step()
+            times[name].append(trainer.stats["step_s"])
+    return profiles, times

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgdp
-from cgdp.calibrate import calibrate
-from cgdp.chunks import one_chunk_plan, paper_plan
+from cgdp.calibrate import calibrate, profile_and_time
+from cgdp.chunks import paper_plan
 from cgdp.simulator import predict_step
 from helpers import assert_params_close, assert_replicas_identical, mlp, reference
 
@@ -59,18 +59,7 @@ def test_simulator_predicts_the_engine():
             tr.step(x, y, lf)
         plans = {f"k={k}": paper_plan(L, k) for k in (2, 4, 8)}
         plans["halves"] = [list(range(L - 1, L // 2 - 1, -1)), list(range(L // 2 - 1, -1, -1))]
-        times: dict[str, list[float]] = {k: [] for k in plans}
-        profiles = []
-        for _ in range(9):
-            for plan in (paper_plan(L, 1), one_chunk_plan(L)):
-                tr.set_plan(plan)
-                tr.profile_next()
-                tr.step(x, y, lf)
-                profiles.append(tr.last_profile)
-            for name, plan in plans.items():
-                tr.set_plan(plan)
-                tr.step(x, y, lf)
-                times[name].append(tr.stats["step_s"])
+        profiles, times = profile_and_time(tr, plans, 9, lambda: tr.step(x, y, lf))
     cal = calibrate(profiles)
     costs = cal.costs  # as the auto tuner uses it
     errors = {}
