@@ -58,16 +58,20 @@ def test_two_ranks_two_devices_equal_single_device_and_are_bitwise_identical():
 
 
 def test_frozen_rank_gives_timeout_then_the_job_ends():
-    """Rank 1 freezes (SIGSTOP) mid-backward: rank 0 raises TimeoutError after timeout_s naming
-    the chunk, and the job is aborted (which also ends the frozen rank) instead of hanging."""
+    """Rank 1 freezes (SIGSTOP) mid-backward of step 2: rank 0 raises TimeoutError after timeout_s
+    naming what it waited for (a chunk's allreduce; or, should the frozen rank have delivered its
+    chunks first, the end-of-step allreduce), and the job is aborted (which also ends the frozen
+    rank) instead of hanging."""
     timeout_s = 3.0
     rc, out, took = mpirun("fault.py", "stop", str(timeout_s), timeout=90)
     assert rc != 0, out
-    m = re.search(r"CAUGHT TimeoutError after ([\d.]+) s: rank 0 of 2: .*chunk \d+.* step 2", out)
+    assert "rank 1 trap springs" in out, out
+    m = re.search(r"CAUGHT TimeoutError after ([\d.]+) s: rank 0 of 2: "
+                  r"(the allreduce of chunk \d+ .* in step 2|allreduce_small of \d+ values in step [23])", out)
     assert m, out
     assert timeout_s - 0.5 <= float(m.group(1)) <= timeout_s + 5, out
     assert "aborting the MPI job" in out and "MPI_Abort" in out, out
-    assert "rank 1 step 2 done" not in out
+    assert "rank 1 step 2 done" not in out and "rank 0 step 2 done" not in out, out
 
 
 def test_killed_rank_ends_the_job():
