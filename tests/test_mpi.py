@@ -70,7 +70,9 @@ def test_frozen_rank_gives_timeout_then_the_job_ends():
                   r"(the allreduce of chunk \d+ .* in step 2|allreduce_small of \d+ values in step [23])", out)
     assert m, out
     assert timeout_s - 0.5 <= float(m.group(1)) <= timeout_s + 5, out
-    assert "aborting the MPI job" in out and "MPI_Abort" in out, out
+    # the abort ended the frozen rank: the job is over long before the harness's 90 s (MPICH's
+    # own "MPI_Abort" line is not asserted: hydra may kill the ranks before forwarding it)
+    assert "aborting the MPI job" in out and took < 45, out
     assert "rank 1 step 2 done" not in out and "rank 0 step 2 done" not in out, out
 
 
