@@ -1,8 +1,10 @@
 """Every GPU measurement of the paper's §5, in one call, written under $OUT (default ./out).
 
     OUT=/tmp/gpu python bench/gpu_all.py              # on a machine with a GPU: everything (~15 min)
+    OUT=/tmp/a python bench/gpu_all.py --parts bandwidth,networks   # or in two calls of < 10 min
+    OUT=/tmp/b python bench/gpu_all.py --parts sweep,alg1
     python bench/gpu_all.py --quick                   # no GPU needed: small models, CPU-emulated
-    python bench/gpu_all.py --report OUT/gpu.json     # results page only, from a finished run
+    python bench/gpu_all.py --report A/gpu.json [B/gpu.json ...]   # results page only, merged
 
 On ``cuda:0`` (or, without a GPU, on the CPU-emulated ``cpu:0`` so that the script is tested):
 
@@ -18,7 +20,8 @@ On ``cuda:0`` (or, without a GPU, on the CPU-emulated ``cpu:0`` so that the scri
    (cgdp.calibrate fitted on the G = 1 profiles, cgdp.simulator for G = 2, 4), labelled so.
 
 Writes ``$OUT/gpu.json`` (every figure, with machine, versions and command) and ``$OUT/gpu.md`` (the
-results page, the paper's numbers beside ours). ``--report`` rebuilds the page from a json.
+results page, the paper's numbers beside ours). ``--report`` rebuilds the page from one or more
+json files (runs of different ``--parts``, merged in the order given).
 """
 from __future__ import annotations
 
@@ -447,6 +450,24 @@ def page(res: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------- main
+PARTS = ("bandwidth", "networks", "sweep", "alg1")
+
+
+def merge(runs: list[dict]) -> dict:
+    """One result from runs of different ``--parts`` (later runs win where both measured a part)."""
+    if len({(r["device"], r["cuda"]) for r in runs}) > 1:
+        raise SystemExit("--report: these runs used different devices; merge runs of one machine only")
+    out = dict(runs[0], networks=[], errors=[])
+    out["command"] = " ; ".join(r["command"] for r in runs)
+    for r in runs:
+        for key in ("bandwidth", "chunk_sweep", "algorithm1"):
+            if r.get(key):
+                out[key] = r[key]
+        out["networks"] += r.get("networks", [])
+        out["errors"] += r.get("errors", [])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
@@ -464,13 +485,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alg1-max-iters", type=int, default=250)
     ap.add_argument("--bw-mib", type=int, default=256)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder (default $OUT or ./out)")
-    ap.add_argument("--report", metavar="JSON", help="only write the results page from a finished run")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"which parts to run, comma-separated from {','.join(PARTS)} (default: all)")
+    ap.add_argument("--report", metavar="JSON", nargs="+",
+                    help="only write the results page from finished runs (merged in the order given)")
     args = ap.parse_args(argv)
     if args.report:
-        with open(args.report) as f:
-            res = json.load(f)
-        sys.stdout.write(page(res))
+        runs = []
+        for path in args.report:
+            with open(path) as f:
+                runs.append(json.load(f))
+        sys.stdout.write(page(merge(runs)))
         return 0
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        ap.error(f"--parts: unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
     if args.quick:
         models = dict(QUICK_MODELS)
         args.steps, args.warmup, args.sweep_model, args.sweep, args.sweep_iters = 3, 1, "mlp", "1,2,3", 2
@@ -507,18 +537,22 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             save()
 
-    res["bandwidth"] = part("bandwidth", lambda: bandwidth(dev, args.bw_mib, 5 if args.quick else 20))
-    for name, batch in models.items():
-        r = part(f"network {name}", lambda: network(name, batch, dev, args.steps, args.warmup))
-        if r is not None:
-            res["networks"].append(r)
+    if "bandwidth" in parts:
+        res["bandwidth"] = part("bandwidth", lambda: bandwidth(dev, args.bw_mib, 5 if args.quick else 20))
+    if "networks" in parts:
+        for name, batch in models.items():
+            r = part(f"network {name}", lambda: network(name, batch, dev, args.steps, args.warmup))
+            if r is not None:
+                res["networks"].append(r)
     sweep_batch = models.get(args.sweep_model, args.batch or PAPER["batch"].get(args.sweep_model, 16))
-    sizes = [int(s) for s in args.sweep.split(",")]
-    res["chunk_sweep"] = part("chunk sweep", lambda: chunk_sweep(args.sweep_model, sweep_batch, dev, sizes,
-                                                                 args.sweep_iters))
-    configs = [tuple(int(v) for v in c.split(":")) for c in args.alg1.split(",")]
-    res["algorithm1"] = part("algorithm 1", lambda: algorithm1(args.sweep_model, sweep_batch, dev, configs,
-                                                               args.alg1_interval, args.alg1_max_iters)) or []
+    if "sweep" in parts:
+        sizes = [int(s) for s in args.sweep.split(",")]
+        res["chunk_sweep"] = part("chunk sweep", lambda: chunk_sweep(args.sweep_model, sweep_batch, dev, sizes,
+                                                                     args.sweep_iters))
+    if "alg1" in parts:
+        configs = [tuple(int(v) for v in c.split(":")) for c in args.alg1.split(",")]
+        res["algorithm1"] = part("algorithm 1", lambda: algorithm1(args.sweep_model, sweep_batch, dev, configs,
+                                                                   args.alg1_interval, args.alg1_max_iters)) or []
     save()
     print(f"[gpu_all] wrote {os.path.join(args.out, 'gpu.json')} and gpu.md"
           + (f"; {len(res['errors'])} part(s) failed" if res["errors"] else ""))

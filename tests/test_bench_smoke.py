@@ -36,21 +36,31 @@ def test_cpu_benchmarks_run_quick(tmp_path):
 
 
 def test_gpu_script_runs_emulated(tmp_path):
-    p = _run(["bench/gpu_all.py", "--quick"], env={"OUT": str(tmp_path)})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    res = json.loads((tmp_path / "gpu.json").read_text())
-    assert not res["errors"]
+    """In two calls of different ``--parts`` (as on a GPU machine whose calls are time-limited),
+    then one page merged from both."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out, parts in ((a, "bandwidth,networks"), (b, "sweep,alg1")):
+        p = _run(["bench/gpu_all.py", "--quick", "--parts", parts], env={"OUT": str(out)})
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((a / "gpu.json").read_text())
+    assert not res["errors"] and "chunk_sweep" not in res
     assert res["bandwidth"]["gbps"]["D2H"] > 0
     assert {n["model"] for n in res["networks"]} == {"mlp", "digits_cnn"}
     for n in res["networks"]:
         assert all(e <= 1e-5 for e in n["check_rel_err"].values())
         assert n["modes"]["cgdp"]["per_layer"]
-    assert res["chunk_sweep"]["sizes"] and res["algorithm1"][0]["done"]
-    page = (tmp_path / "gpu.md").read_text()
+    page = (a / "gpu.md").read_text()
     assert "No GPU was used" in page and "simulator predictions" in page
-    # the page generator works from the json alone
-    q = _run(["bench/gpu_all.py", "--report", str(tmp_path / "gpu.json")])
-    assert q.returncode == 0 and "Table 4" in q.stdout
+    res = json.loads((b / "gpu.json").read_text())
+    assert not res["errors"] and not res["networks"] and "bandwidth" not in res
+    assert res["chunk_sweep"]["sizes"] and res["algorithm1"][0]["done"]
+    # the page is built from the json files alone, merged
+    q = _run(["bench/gpu_all.py", "--report", str(a / "gpu.json"), str(b / "gpu.json")])
+    assert q.returncode == 0, q.stderr[-3000:]
+    for needle in ("Table 4", "Copy bandwidth", "Figure 2", "Figure 5"):
+        assert needle in q.stdout, needle
+    bad = _run(["bench/gpu_all.py", "--quick", "--parts", "sweep,nope"], env={"OUT": str(tmp_path / "c")})
+    assert bad.returncode == 2 and "unknown part" in bad.stderr
 
 
 def test_tuner_benchmark_runs_quick(tmp_path):
