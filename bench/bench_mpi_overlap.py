@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgdp
-from cgdp.chunks import one_chunk_plan, paper_plan
+from cgdp.planning.chunks import one_chunk_plan, paper_plan
 from cgdp.comm.mpi import MPIComm, load_mpi, probe_alpha_beta
 
 MPI = load_mpi()

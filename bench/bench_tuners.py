@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cgdp  # noqa: E402
-from cgdp.chunks import one_chunk_plan, paper_plan  # noqa: E402
+from cgdp.planning.chunks import one_chunk_plan, paper_plan  # noqa: E402
 from common import command_line, fmt, machine, machine_md, median, table  # noqa: E402
 
 DEVICES = ["cpu:0", "cpu:1"]

@@ -17,7 +17,7 @@ On ``cuda:0`` (or, without a GPU, on the CPU-emulated ``cpu:0`` so that the scri
 3. The chunk-size sweep for ResNet-152 (Figure 2) and a run of Algorithm 1 (Figure 5).
 4. With one GPU, cgdp runs G = 1: the full host round trip (D2H, host accumulate, H2D on real
    streams) with nothing to average. Multi-GPU figures are *simulator predictions*
-   (cgdp.calibrate fitted on the G = 1 profiles, cgdp.simulator for G = 2, 4), labelled so.
+   (cgdp.planning.calibrate fitted on the G = 1 profiles, cgdp.planning.simulator for G = 2, 4), labelled so.
 
 Writes ``$OUT/gpu.json`` (every figure, with machine, versions and command) and ``$OUT/gpu.md`` (the
 results page, the paper's numbers beside ours). ``--report`` rebuilds the page from one or more
@@ -267,8 +267,8 @@ def network(name: str, batch: int, dev: Dev, steps: int, warmup: int) -> dict:
 def predict(profiles) -> dict:
     """Simulator predictions for G = 2, 4 from the G = 1 profiles (labelled as predictions)."""
     try:
-        from cgdp.calibrate import calibrate
-        from cgdp.simulator import Linear, simulate
+        from cgdp.planning.calibrate import calibrate
+        from cgdp.planning.simulator import Linear, simulate
         cal = calibrate(profiles)
         plan = profiles[0].plan
         out = {}
@@ -344,8 +344,8 @@ def page(res: dict) -> str:
         lines += ["", "**No GPU was used: this run is CPU-emulated (it tests the script; its figures are "
                   "not GPU figures).**"]
     lines += ["", "With one GPU, cgdp runs on G = 1 (the whole host round trip on real streams, nothing "
-              "to average). Figures for 2 and 4 devices are **simulator predictions** (cgdp.calibrate "
-              "on this run's profiles → cgdp.simulator), never measurements.", ""]
+              "to average). Figures for 2 and 4 devices are **simulator predictions** (cgdp.planning.calibrate "
+              "on this run's profiles → cgdp.planning.simulator), never measurements.", ""]
     bw = res.get("bandwidth")
     if bw:
         lines += ["## Copy bandwidth (the PCIe limits)", "", f"{bw['mib']} MiB, {bw['how']}.", "",

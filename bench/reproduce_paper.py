@@ -27,15 +27,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cgdp.calibrate import synthetic_profile  # noqa: E402
-from cgdp.chunks import paper_plan  # noqa: E402
-from cgdp.costmodel import (cgdp_backward_time, cgdp_overhead, cgdp_wins, paper_win_condition,  # noqa: E402
+from cgdp.planning.calibrate import synthetic_profile  # noqa: E402
+from cgdp.planning.chunks import paper_plan  # noqa: E402
+from cgdp.planning.costmodel import (cgdp_backward_time, cgdp_overhead, cgdp_wins, paper_win_condition,  # noqa: E402
                             typical_backward_time, typical_overhead)
-from cgdp.hardware import preset, stage_costs  # noqa: E402
-from cgdp.paper_profiles import ALEXNET_TABLE3_MS, ALEXNET_TABLE4_MS, TABLE2_MS, paper_model  # noqa: E402
-from cgdp.planner import best_uniform, choose_plan  # noqa: E402
-from cgdp.simulator import predict_step, simulate  # noqa: E402
-from cgdp.tuner import AutoTuner, PaperTuner  # noqa: E402
+from cgdp.planning.hardware import preset, stage_costs  # noqa: E402
+from cgdp.planning.paper_profiles import ALEXNET_TABLE3_MS, ALEXNET_TABLE4_MS, TABLE2_MS, paper_model  # noqa: E402
+from cgdp.planning.planner import best_uniform, choose_plan  # noqa: E402
+from cgdp.planning.simulator import predict_step, simulate  # noqa: E402
+from cgdp.planning.tuner import AutoTuner, PaperTuner  # noqa: E402
 
 T_AS_MS = (ALEXNET_TABLE3_MS["TRL"]["backward"] - ALEXNET_TABLE3_MS["BVLC"]["backward"]) / 8
 
@@ -160,8 +160,8 @@ def engine_section(out: list[str]) -> None:
     from torch import nn
 
     import cgdp
-    from cgdp.calibrate import calibrate, profile_and_time
-    from cgdp.chunks import one_chunk_plan
+    from cgdp.planning.calibrate import calibrate, profile_and_time
+    from cgdp.planning.chunks import one_chunk_plan
 
     torch.manual_seed(0)
     width, depth = 256, 12

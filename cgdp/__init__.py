@@ -2,14 +2,15 @@
 
 Gradients stream to host memory during backward, host threads average them across devices and
 send them back while the devices keep computing, and every device updates its own replica.
-See README.md and the modules, which follow the data path: ``hooks`` → ``chunks``/``flatgrad`` →
-``backend`` (streams) → ``host`` (slots, ``accumulate``, copy back) → ``trainer`` (update).
+The parts: :mod:`cgdp.engine` (the data path of a step, ``Trainer``), :mod:`cgdp.planning`
+(chunk plans, cost model, simulator, tuners), :mod:`cgdp.comm` (MPI), :mod:`cgdp.cli` (the
+``python -m cgdp.train`` and ``python -m cgdp.plan`` commands).
 """
-from cgdp.accumulate import accumulate
-from cgdp.chunks import paper_plan
-from cgdp.costmodel import cgdp_backward_time, typical_backward_time
-from cgdp.trainer import NonFiniteGradientError, Trainer
-from cgdp.tuner import PaperChunkSearch
+from cgdp.engine.accumulate import accumulate
+from cgdp.engine.trainer import NonFiniteGradientError, Trainer
+from cgdp.planning.chunks import paper_plan
+from cgdp.planning.costmodel import cgdp_backward_time, typical_backward_time
+from cgdp.planning.tuner import PaperChunkSearch
 
 __all__ = ["Trainer", "accumulate", "paper_plan", "PaperChunkSearch", "cgdp_backward_time",
            "typical_backward_time", "NonFiniteGradientError"]

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import cgdp
-from cgdp.accumulate import BLOCK, SERIAL_BELOW
+from cgdp.engine.accumulate import BLOCK, SERIAL_BELOW
 
 
 @pytest.mark.parametrize("nparts", [1, 2, 3, 4, 5, 6, 7, 8, 9])

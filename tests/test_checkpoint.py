@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from cgdp import checkpoint
-from cgdp.train import main
+from cgdp.cli import checkpoint
+from cgdp.cli.train import main
 
 
 def _tmp_files(d):
@@ -56,7 +56,7 @@ def test_failure_mid_save_keeps_old(tmp_path, monkeypatch, where):
 
 CHILD = textwrap.dedent("""
     import os, sys, time, torch
-    from cgdp import checkpoint
+    from cgdp.cli import checkpoint
     where, path = sys.argv[1], sys.argv[2]
     class Slow:  # pickled in the middle of torch.save: the temporary file is half written
         def __reduce__(self):

@@ -1,7 +1,7 @@
 import pytest
 
 import cgdp
-from cgdp.chunks import validate_plan
+from cgdp.planning.chunks import validate_plan
 
 
 def test_paper_plan_formulas():

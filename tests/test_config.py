@@ -9,9 +9,9 @@ import tomllib
 
 import pytest
 
-from cgdp import config as C
-from cgdp.config import Config, ConfigError, load_file, parse_args, to_toml
-from cgdp.train import main, resolve_devices
+from cgdp.cli import config as C
+from cgdp.cli.config import Config, ConfigError, load_file, parse_args, to_toml
+from cgdp.cli.train import main, resolve_devices
 
 
 def test_default_preset_is_the_embedded_default():

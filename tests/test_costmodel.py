@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
-from cgdp.costmodel import (ChunkTimes, backprop_time, cgdp_backward_time, cgdp_exact_overhead, cgdp_overhead,
+from cgdp.planning.costmodel import (ChunkTimes, backprop_time, cgdp_backward_time, cgdp_exact_overhead, cgdp_overhead,
                             cgdp_wins, chunk_times, layer_completion_times, paper_win_condition,
                             typical_backward_time, typical_overhead)
-from cgdp.simulator import chain_makespan
+from cgdp.planning.simulator import chain_makespan
 
 
 # three layers in backward order (paper's layers 3, 2, 1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cgdp.data import DataError, Loader, ShardDataset, SyntheticDataset, digits, eval_batches, open_shards
-from cgdp.train import main
+from cgdp.cli.train import main
 
 
 def test_digits_bundled_split():
@@ -25,7 +25,7 @@ def test_digits_bundled_split():
 
 
 def test_runtime_never_imports_sklearn():
-    code = "import sys, cgdp.train, cgdp.data; cgdp.data.digits('train'); print('sklearn' in sys.modules)"
+    code = "import sys, cgdp.cli.train, cgdp.data; cgdp.data.digits('train'); print('sklearn' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

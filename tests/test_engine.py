@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import cgdp
-from cgdp.chunks import one_chunk_plan
+from cgdp.planning.chunks import one_chunk_plan
 from helpers import (Gated, SmallCNN, Tied, WithBN, assert_params_close, assert_replicas_identical,
                      mlp, reference)
 

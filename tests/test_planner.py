@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from cgdp.chunks import paper_plan
-from cgdp.planner import all_sizes, best_uniform, brute_force, byte_bucket_sizes, choose_plan, dp_plan
-from cgdp.simulator import Linear, ModelCosts, StageCosts, plan_of, predict_step, simulate
+from cgdp.planning.chunks import paper_plan
+from cgdp.planning.planner import all_sizes, best_uniform, brute_force, byte_bucket_sizes, choose_plan, dp_plan
+from cgdp.planning.simulator import Linear, ModelCosts, StageCosts, plan_of, predict_step, simulate
 
 
 def random_case(rng, L):

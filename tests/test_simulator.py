@@ -4,12 +4,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cgdp.calibrate import calibrate, synthetic_profile
-from cgdp.chunks import one_chunk_plan, paper_plan
-from cgdp.hardware import Hardware, emulated_costs, pcie_gbps, preset, stage_costs, PRESETS
-from cgdp.paper_profiles import PAPER_MODELS, paper_model
-from cgdp.probe import ProbeResult, probe
-from cgdp.simulator import Linear, ModelCosts, StageCosts, Task, chain_makespan, predict_step, run_tasks, simulate, \
+from cgdp.planning.calibrate import calibrate, synthetic_profile
+from cgdp.planning.chunks import one_chunk_plan, paper_plan
+from cgdp.planning.hardware import Hardware, emulated_costs, pcie_gbps, preset, stage_costs, PRESETS
+from cgdp.planning.paper_profiles import PAPER_MODELS, paper_model
+from cgdp.planning.probe import ProbeResult, probe
+from cgdp.planning.simulator import Linear, ModelCosts, StageCosts, Task, chain_makespan, predict_step, run_tasks, simulate, \
     stage_times
 
 

@@ -7,8 +7,8 @@ import tomllib
 
 import pytest
 
-from cgdp.config import Config
-from cgdp.train import main
+from cgdp.cli.config import Config
+from cgdp.cli.train import main
 
 PHASES = ("forward_s", "backward_s", "exposed_comm_s", "update_s", "step_s")
 
@@ -62,7 +62,7 @@ def test_metrics_file_format(default_run):
 def test_progress_lines_when_not_a_terminal(default_run, capsys):
     from io import StringIO
 
-    from cgdp.progress import Progress
+    from cgdp.cli.progress import Progress
     s = StringIO()
     p = Progress(100, mode="auto", stream=s)  # StringIO is not a tty: plain lines
     for i in range(1, 101):
@@ -85,7 +85,7 @@ def test_progress_lines_when_not_a_terminal(default_run, capsys):
 def test_plots_are_optional(default_run, monkeypatch, tmp_path):
     import sys
 
-    from cgdp import report
+    from cgdp.cli import report
     _, _, rows = default_run
     profile = next(r for r in rows if r["kind"] == "profile")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed

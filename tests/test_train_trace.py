@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from cgdp.trace import chrome_trace, stats_compute_spans
-from cgdp.train import main
+from cgdp.cli.trace import chrome_trace, stats_compute_spans
+from cgdp.cli.train import main
 
 
 def _threads(trace):

@@ -6,11 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from cgdp.calibrate import synthetic_profile
-from cgdp.chunks import paper_plan
-from cgdp.planner import best_uniform
-from cgdp.simulator import Linear, ModelCosts, StageCosts, predict_step
-from cgdp.tuner import AutoTuner, AutoTunerConfig, PaperChunkSearch, PaperTuner, Tuner, make_tuner
+from cgdp.planning.calibrate import synthetic_profile
+from cgdp.planning.chunks import paper_plan
+from cgdp.planning.planner import best_uniform
+from cgdp.planning.simulator import Linear, ModelCosts, StageCosts, predict_step
+from cgdp.planning.tuner import AutoTuner, AutoTunerConfig, PaperChunkSearch, PaperTuner, Tuner, make_tuner
 
 
 def run_search(search, time_of_chunk, max_iters=10_000):

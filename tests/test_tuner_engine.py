@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgdp
-from cgdp.calibrate import calibrate, profile_and_time
-from cgdp.chunks import paper_plan
-from cgdp.simulator import predict_step
+from cgdp.planning.calibrate import calibrate, profile_and_time
+from cgdp.planning.chunks import paper_plan
+from cgdp.planning.simulator import predict_step
 from helpers import assert_params_close, assert_replicas_identical, mlp, reference
 
 ADAM = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731

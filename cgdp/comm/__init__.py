@@ -19,6 +19,8 @@ Contract (what the engine relies on):
   ``dict`` of strings ``signature`` (config, model shape, devices) is not the same on every rank.
 * ``attach(fail)``: the engine hands its failure callback; errors on the comm thread are reported
   through ``fail(exc)`` so that a step never hangs.
+
+May import: nothing of cgdp outside this package (the engine imports it).
 """
 from __future__ import annotations
 

@@ -17,6 +17,8 @@ dropped), so the loader's whole state is ``(epoch, position)`` and a resumed run
 batches an uninterrupted one would. A background thread prepares up to ``prefetch`` batches ahead
 (pinned when the devices are CUDA, so host-to-device copies are asynchronous); the consumer's
 position, not the thread's, is what a checkpoint records.
+
+May import: nothing of cgdp outside this package (the command line imports it).
 """
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ plus, for the paper's networks, Table 1's per-GPU batch size and parameter count
 that reports can set measured against published figures. :func:`build_model` with
 ``device="meta"`` builds a network without allocating its weights (parameter counts of the
 paper's networks in milliseconds).
+
+May import: nothing of cgdp outside this package (the command line imports it).
 """
 from __future__ import annotations
 

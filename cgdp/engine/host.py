@@ -4,7 +4,7 @@ Buffers (owned here, alive for the whole run): ``slots[j]`` receives device j's 
 ``acc`` holds the averaged gradient that goes back to every device (H2D); pinned on CUDA. That is
 (G + 1) × the gradient bytes of host memory.
 
-The host works on segments of chunks (:mod:`cgdp.flatgrad`); "chunk" below means either.
+The host works on segments of chunks (:mod:`cgdp.engine.flatgrad`); "chunk" below means either.
 
 Threads: the devices' D2H completions call :meth:`arrived` (any thread). When a chunk has arrived
 from all G devices it is queued to the single accumulator thread, which sums it in device order
@@ -24,8 +24,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from cgdp.accumulate import accumulate_unchecked, set_threads
-from cgdp.backend.base import Device, TraceSink
+from cgdp.engine.accumulate import accumulate_unchecked, set_threads
+from cgdp.engine.backend.base import Device, TraceSink
 from cgdp.comm import Comm
 
 

@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from cgdp.backend.base import Device
-from cgdp.sync import Guard
+from cgdp.engine.backend.base import Device
+from cgdp.engine.sync import Guard
 
 
 def cuda_count() -> int:

@@ -2,8 +2,8 @@
 
 Inputs are a :class:`ModelCosts` (what one device computes: per-layer backward time and gradient
 bytes, forward and update time, measured by the engine's profile) and a :class:`StageCosts` (what
-moving and adding a chunk costs on this machine: fitted from profiles by :mod:`cgdp.calibrate`,
-or derived from a hardware description by :mod:`cgdp.hardware`). The output is the predicted step
+moving and adding a chunk costs on this machine: fitted from profiles by :mod:`cgdp.planning.calibrate`,
+or derived from a hardware description by :mod:`cgdp.planning.hardware`). The output is the predicted step
 time and a timeline.
 
 The model, and why:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from cgdp.sync import Guard
+from cgdp.engine.sync import Guard
 
 TraceSink = Callable[[str, str, str, float, float], None]
 """(device, stream, name, start, end) with times in ``time.perf_counter`` seconds."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cgdp.chunks import Plan
+from cgdp.planning.chunks import Plan
 
 ALIGN = 16
 """Elements: 64 bytes in float32, so every view starts on a cache line / vector boundary."""

@@ -1,4 +1,4 @@
-"""Device selection in one place: device strings → :class:`~cgdp.backend.base.Device` objects.
+"""Device selection in one place: device strings → :class:`~cgdp.engine.backend.base.Device` objects.
 
 ``"cpu:N"`` are CPU-emulated devices (any N, each a separate replica in host memory);
 ``"cuda:N"`` are real GPUs. One trainer uses one kind.
@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Callable, Sequence
 
-from cgdp.backend.base import Device
+from cgdp.engine.backend.base import Device
 
 _DEVICE = re.compile(r"^(cpu|cuda):(\d+)$")
 
@@ -35,7 +35,7 @@ def parse_devices(devices: Sequence[str]) -> tuple[str, list[int]]:
         raise ValueError(f"device(s) {dup} listed more than once; each device holds one replica")
     kind = kinds.pop()
     if kind == "cuda":
-        from cgdp.backend.cuda import cuda_count
+        from cgdp.engine.backend.cuda import cuda_count
         n = cuda_count()
         missing = [i for i in idx if i >= n]
         if missing:
@@ -48,15 +48,15 @@ def parse_devices(devices: Sequence[str]) -> tuple[str, list[int]]:
 def make_devices(devices: Sequence[str], fail: Callable[[BaseException], None]) -> list[Device]:
     kind, idx = parse_devices(devices)
     if kind == "cuda":
-        from cgdp.backend.cuda import CudaDevice
+        from cgdp.engine.backend.cuda import CudaDevice
         return [CudaDevice(name, i, fail) for name, i in zip(devices, idx)]
-    from cgdp.backend.cpu import CpuDevice
+    from cgdp.engine.backend.cpu import CpuDevice
     return [CpuDevice(name, fail) for name in devices]
 
 
 def default_devices(max_devices: int | None = None, emulated: int = 2) -> list[str]:
     """All visible GPUs (at most ``max_devices``), or ``emulated`` CPU-emulated devices."""
-    from cgdp.backend.cuda import cuda_count
+    from cgdp.engine.backend.cuda import cuda_count
     n = cuda_count()
     if n:
         return [f"cuda:{i}" for i in range(n if max_devices is None else min(n, max_devices))]

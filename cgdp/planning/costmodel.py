@@ -13,7 +13,7 @@ paper's layer 1). Times are in any one unit (the result is in the same unit).
   training, the parameter broadcast (§3.2 assumes the two are equal per layer).
 
 The model assumes every device runs at the same pace and that the host work of different layers
-overlaps freely (no queueing on links or host threads). :mod:`cgdp.simulator` drops those two
+overlaps freely (no queueing on links or host threads). :mod:`cgdp.planning.simulator` drops those two
 assumptions; with uncontended stages it reproduces :func:`cgdp_backward_time` exactly.
 
 Chunks (§4.1) enter through :func:`chunk_times`: a chunk behaves as one layer whose ``t_bp``,

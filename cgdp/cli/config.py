@@ -20,7 +20,7 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 
-PRESET_DIR = pathlib.Path(__file__).with_name("configs")
+PRESET_DIR = pathlib.Path(__file__).parent.parent / "configs"
 
 
 class ConfigError(ValueError):

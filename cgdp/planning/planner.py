@@ -2,7 +2,7 @@
 
 The paper searches only uniform chunk sizes (§4.2, Algorithm 1); there are 2^(l−1) plans
 (Proposition 4.1). For identical devices the simulator's backward phase is a permutation flow shop
-(:func:`cgdp.simulator.chain_makespan`): a chunk holds compute, D2H, host accumulation, (MPI) and
+(:func:`cgdp.planning.simulator.chain_makespan`): a chunk holds compute, D2H, host accumulation, (MPI) and
 H2D in turn, each stage serving chunks in order. The state after a prefix of chunks is the vector of
 finish times of the last chunk on every stage, and the final time is a monotone (max-plus) function
 of that vector. So the planner keeps, at every layer boundary, the Pareto front of state vectors
@@ -22,8 +22,8 @@ from typing import Iterator
 
 import numpy as np
 
-from cgdp.chunks import paper_plan
-from cgdp.simulator import ModelCosts, StageCosts, advance, plan_of, predict_step, stage_times_from_sums
+from cgdp.planning.chunks import paper_plan
+from cgdp.planning.simulator import ModelCosts, StageCosts, advance, plan_of, predict_step, stage_times_from_sums
 
 Plan = list[list[int]]
 
@@ -107,7 +107,7 @@ def _pareto(cand: np.ndarray, lb: np.ndarray, cap: int) -> tuple[np.ndarray, boo
 
 def uniform_plans(model: ModelCosts) -> Iterator[tuple[int, Plan]]:
     """The paper's uniform plans k = 1..L, over ``model.order`` (for the default order exactly
-    :func:`cgdp.chunks.paper_plan`)."""
+    :func:`cgdp.planning.chunks.paper_plan`)."""
     L = model.num_layers
     for k in range(1, max(L, 1) + 1):
         sizes = [len(ch) for ch in paper_plan(L, k)]

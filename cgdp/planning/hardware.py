@@ -3,8 +3,8 @@
 A :class:`Hardware` names the parts that bound CGDP: the PCIe generation, width and topology of the
 device links (which devices share a switch uplink), host memory bandwidth and accumulation threads,
 and, for several machines, the network. :func:`stage_costs` turns it into the simulator's
-:class:`~cgdp.simulator.StageCosts`; :func:`emulated_costs` does the same for CPU-emulated devices
-from a :mod:`cgdp.probe` measurement. Presets cover the paper's machine and common PCIe boxes.
+:class:`~cgdp.planning.simulator.StageCosts`; :func:`emulated_costs` does the same for CPU-emulated devices
+from a :mod:`cgdp.planning.probe` measurement. Presets cover the paper's machine and common PCIe boxes.
 
 Bandwidths are GB/s (1e9 bytes/s) per direction unless named otherwise; a PCIe link moves data in
 both directions at once.
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from cgdp.probe import ProbeResult
-from cgdp.simulator import Linear, StageCosts
+from cgdp.planning.probe import ProbeResult
+from cgdp.planning.simulator import Linear, StageCosts
 
 PCIE_GT_S = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}
 """Transfer rate per lane, GT/s."""

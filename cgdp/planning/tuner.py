@@ -14,9 +14,9 @@ Invariants every tuner keeps:
 Two tuners:
 
 * :class:`PaperTuner` runs :class:`PaperChunkSearch` (Algorithm 1, exactly) on
-  :func:`cgdp.chunks.paper_plan`: about ``interval·(step + range)`` steps, measurement only.
+  :func:`cgdp.planning.chunks.paper_plan`: about ``interval·(step + range)`` steps, measurement only.
 * :class:`AutoTuner` profiles a few steps under two contrasting plans, fits the simulator to them
-  (:mod:`cgdp.calibrate`), plans on it (:mod:`cgdp.planner`: dynamic programming over layer
+  (:mod:`cgdp.planning.calibrate`), plans on it (:mod:`cgdp.planning.planner`: dynamic programming over layer
   boundaries, the best uniform and byte-bucket plans), then measures the few best candidates
   against the naive plan, interleaved, and keeps the fastest measured. About 15 steps. If profiles
   are not available or the fit fails, it falls back to measuring uniform plans of sizes 1, 2, 4, ….
@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass
 from statistics import median
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-from cgdp.chunks import one_chunk_plan, paper_plan
-from cgdp.profile import StepProfile
-from cgdp.simulator import Linear
+from cgdp.planning.chunks import one_chunk_plan, paper_plan
+from cgdp.planning.profile import StepProfile
+from cgdp.planning.simulator import Linear
 
 Plan = list[list[int]]
 
@@ -294,13 +294,13 @@ class AutoTuner:
             self.schedule += [(self.candidates[(k + r) % n][1], False) for k in range(n)]
 
     def _model_candidates(self) -> list[tuple[str, Plan, float]]:
-        from cgdp.calibrate import calibrate  # planning code, imported when first needed
-        from cgdp.planner import choose_plan
-        from cgdp.simulator import predict_step
+        from cgdp.planning.calibrate import calibrate  # planning code, imported when first needed
+        from cgdp.planning.planner import choose_plan
+        from cgdp.planning.simulator import predict_step
 
         base = None
         if self.comm is not None and self.ranks > 1:
-            from cgdp.simulator import StageCosts
+            from cgdp.planning.simulator import StageCosts
             base = StageCosts(devices=self.devices, ranks=self.ranks, comm=self.comm)
         cal = calibrate(self.profiles, base)
         choice = choose_plan(cal.model, cal.costs, self.config.max_front)

@@ -1,6 +1,6 @@
 """Calibration: turn the engine's measured step profiles into simulator inputs.
 
-A :class:`cgdp.profile.StepProfile` says when each layer's gradient was complete (``layer_ready_s``,
+A :class:`cgdp.planning.profile.StepProfile` says when each layer's gradient was complete (``layer_ready_s``,
 from the start of backward) and how long each chunk spent in D2H, accumulation, MPI and H2D. From
 one or more profiles, taken with different chunk plans, this module estimates:
 
@@ -24,8 +24,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from cgdp.profile import StepProfile
-from cgdp.simulator import Linear, ModelCosts, StageCosts
+from cgdp.planning.profile import StepProfile
+from cgdp.planning.simulator import Linear, ModelCosts, StageCosts
 
 
 def backward_order(profile: StepProfile) -> list[int]:
@@ -178,8 +178,8 @@ def synthetic_profile(model: ModelCosts, costs: StageCosts, plan: Sequence[Seque
     The inverse of :func:`calibrate` (tests check the round trip), and a stand-in machine for
     exercising tuners without one.
     """
-    from cgdp.profile import ChunkTiming
-    from cgdp.simulator import simulate
+    from cgdp.planning.profile import ChunkTiming
+    from cgdp.planning.simulator import simulate
 
     plan = [list(ch) for ch in plan]
     res = simulate(model, costs, plan)

@@ -1,0 +1,156 @@
+"""``python -m cgdp.plan``: predict a training step on hardware you do not have.
+
+Give a model (a built-in paper profile, or a saved :class:`cgdp.planning.profile.StepProfile` JSON measured
+on a real device) and a machine (a preset, a JSON :class:`cgdp.planning.hardware.Hardware`, and overrides);
+get the predicted step time of CGDP, typical data parallel training and ring allreduce, the chunk
+plan the planner picks, which limit binds, and optionally a timeline PNG (needs matplotlib).
+
+Examples::
+
+    python -m cgdp.plan --model resnet152 --minibatch 16 --hardware paper-p100
+    python -m cgdp.plan --model vgg16 --hardware pcie4-8gpu-switch --nodes 2 --network-gbps 100
+    python -m cgdp.plan --model runs/profile.json --hardware pcie3-4gpu --timeline step.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cgdp.planning.chunks import paper_plan
+from cgdp.planning.hardware import PRESETS, Hardware, preset, stage_costs
+from cgdp.planning.paper_profiles import PAPER_MODELS, paper_model
+from cgdp.planning.planner import choose_plan
+from cgdp.planning.simulator import ModelCosts, SimResult, simulate
+
+LIMITS = {"compute": "backward compute (communication is hidden)", "d2h": "device-to-host link bandwidth",
+          "h2d": "host-to-device link bandwidth", "acc": "host accumulation (memory bandwidth / threads)",
+          "comm": "network between machines", "sync": "per-chunk synchronisation",
+          "gather": "gathering gradients on device 0", "bcast": "broadcasting parameters",
+          "reduce": "adding gradients on device 0", "update": "the update on device 0",
+          "ring": "ring allreduce over the links"}
+
+
+def load_model(spec: str, minibatch: int | None) -> ModelCosts:
+    if spec.lower() in PAPER_MODELS:
+        return paper_model(spec, minibatch)
+    path = Path(spec)
+    if not path.exists():
+        raise SystemExit(f"--model {spec!r}: not a built-in model ({', '.join(PAPER_MODELS)}) and no such file")
+    from cgdp.planning.calibrate import calibrate
+    from cgdp.planning.profile import StepProfile
+    try:
+        data = json.loads(path.read_text())
+        profiles = [StepProfile.from_dict(d) for d in (data if isinstance(data, list) else [data])]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise SystemExit(f"--model {spec}: not a StepProfile JSON (Trainer.last_profile.to_dict()): {exc}")
+    return calibrate(profiles).model
+
+
+def load_hardware(args: argparse.Namespace) -> Hardware:
+    if args.hardware in PRESETS:
+        hw = preset(args.hardware)
+    elif Path(args.hardware).exists():
+        hw = Hardware.from_dict(json.loads(Path(args.hardware).read_text()))
+    else:
+        raise SystemExit(f"--hardware {args.hardware!r}: not a preset ({', '.join(PRESETS)}) and no such file")
+    d = hw.to_dict()
+    for key in ("gpus", "pcie_gen", "devices_per_switch", "host_mem_gbps", "host_threads", "nodes",
+                "network_gbps", "p2p_gbps", "sync_s"):
+        value = getattr(args, key)
+        if value is not None:
+            d[key] = value
+    try:
+        return Hardware.from_dict(d)
+    except ValueError as exc:
+        raise SystemExit(f"hardware: {exc}")
+
+
+def describe(r: SimResult) -> str:
+    return f"{r.step_s * 1e3:9.2f} ms   (exposed after backward {r.exposed_s * 1e3:7.2f} ms; limit: {LIMITS.get(r.binding, r.binding)})"
+
+
+def save_timeline(result: SimResult, path: str) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: timeline PNG skipped (pip install matplotlib)"
+    rows = sorted({t.resource or t.kind for t in result.tasks})
+    colors = {"compute": "tab:blue", "sync": "tab:gray", "d2h": "tab:orange", "acc": "tab:green",
+              "comm": "tab:purple", "h2d": "tab:red"}
+    fig, ax = plt.subplots(figsize=(12, 0.4 * len(rows) + 1.5))
+    for t in result.tasks:
+        if t.duration > 0:
+            ax.broken_barh([(t.start * 1e3, t.duration * 1e3)], (rows.index(t.resource or t.kind) - 0.4, 0.8),
+                           color=colors.get(t.kind, "tab:olive"))
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_xlabel("ms after backward starts")
+    ax.set_title(f"{result.mode}: backward phase {result.phase_s * 1e3:.2f} ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"timeline written to {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cgdp.plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="resnet152", help=f"{', '.join(PAPER_MODELS)} or a StepProfile JSON")
+    ap.add_argument("--minibatch", type=int, default=None, help="per-GPU minibatch (resnet152 only)")
+    ap.add_argument("--hardware", default="pcie4-8gpu", help=f"preset ({', '.join(PRESETS)}) or a JSON file")
+    ap.add_argument("--gpus", type=int)
+    ap.add_argument("--pcie-gen", dest="pcie_gen", type=int)
+    ap.add_argument("--devices-per-switch", dest="devices_per_switch", type=int)
+    ap.add_argument("--host-gbps", dest="host_mem_gbps", type=float)
+    ap.add_argument("--host-threads", dest="host_threads", type=int)
+    ap.add_argument("--nodes", type=int)
+    ap.add_argument("--network-gbps", dest="network_gbps", type=float, help="Gbit/s per machine")
+    ap.add_argument("--p2p-gbps", dest="p2p_gbps", type=float)
+    ap.add_argument("--sync-us", dest="sync_us", type=float, help="per-chunk sync cost, microseconds")
+    ap.add_argument("--chunks", default="auto", help="'auto' (planner) or a uniform chunk size k")
+    ap.add_argument("--timeline", help="write the CGDP timeline to this PNG (needs matplotlib)")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = ap.parse_args(argv)
+    args.sync_s = args.sync_us * 1e-6 if args.sync_us is not None else None
+
+    model = load_model(args.model, args.minibatch)
+    hw = load_hardware(args)
+    costs = stage_costs(hw)
+    if args.chunks == "auto":
+        choice = choose_plan(model, costs)
+        plan, how = choice.plan, choice.method
+    else:
+        try:
+            k = int(args.chunks)
+        except ValueError:
+            raise SystemExit(f"--chunks must be 'auto' or an int chunk size, got {args.chunks!r}")
+        plan, how = paper_plan(model.num_layers, k), f"uniform k={k}"
+    res = {m: simulate(model, costs, plan, m) for m in ("cgdp", "typical", "ring")}
+    floor = model.forward_s + sum(model.backward_s) + model.update_s
+    if args.json:
+        print(json.dumps({"hardware": hw.to_dict(), "plan": plan, "method": how,
+                          "step_s": {m: r.step_s for m, r in res.items()},
+                          "binding": {m: r.binding for m, r in res.items()}, "compute_floor_s": floor}, indent=1))
+    else:
+        total = sum(model.layer_bytes)
+        print(f"model: {args.model}, {model.num_layers} layers, {total / 1e6:.1f} MB of gradients; "
+              f"one device computes {floor * 1e3:.2f} ms per step")
+        link = "measured links" if hw.link_gbps else f"PCIe gen {hw.pcie_gen} x{hw.pcie_lanes}"
+        print(f"hardware: {hw.name}: {hw.gpus} GPU(s) x {hw.nodes} node(s), {link} "
+              f"({costs.d2h.per_byte_s and 1e-9 / costs.d2h.per_byte_s:.1f} GB/s D2H per link, "
+              f"{hw.devices_per_switch} per switch), host {hw.host_mem_gbps:.0f} GB/s, {hw.host_threads} threads")
+        sizes = [len(c) for c in plan]
+        print(f"chunk plan ({how}): {len(plan)} chunks, sizes in send order {sizes}")
+        for m, r in res.items():
+            print(f"  {m:8s}{describe(r)}")
+        base = res["typical"].step_s
+        print(f"  cgdp vs typical: {base / res['cgdp'].step_s:.3f}x; vs ring: "
+              f"{res['ring'].step_s / res['cgdp'].step_s:.3f}x; single-device floor {floor * 1e3:.2f} ms")
+        if args.timeline:
+            print(save_timeline(res["cgdp"], args.timeline))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Bringing the engine to rest: before buffers are relaid, and after a failed step.
+
+Nothing may be in flight when the flat buffers are relaid (a plan switch, a restored checkpoint)
+or when a failed step hands control back to the caller: a late copy back would write into a
+buffer that has another meaning by then. Both wait for every device's streams, then for the host
+accumulator, then once more for the streams (the host's last chunks issue copies back).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from cgdp.engine.backend.base import Device
+from cgdp.engine.host import HostAccumulator
+from cgdp.engine.sync import Guard
+
+
+def quiesce(devs: Sequence[Device], host: HostAccumulator | None, timeout_s: float | None) -> None:
+    """Wait until no copy is in flight on any device; ``TimeoutError`` if one never ends."""
+    g = Guard(timeout_s)
+    for d in devs:
+        d.synchronize(g)  # note: host waits on every stream
+    if host is not None:
+        if not host.drain(timeout_s or 60.0):
+            raise TimeoutError("the host accumulator did not drain")
+        for d in devs:  # copies back issued by what the host just finished
+            d.synchronize(g)
+
+
+def drain_after_failure(devs: Sequence[Device], host: HostAccumulator | None) -> str | None:
+    """Let every stream and the host stop after a failed step; why the engine is unusable, if it is."""
+    try:
+        g = Guard(30.0)
+        for d in devs:
+            d.synchronize(g)
+        if host is not None:
+            if not host.drain(30.0):
+                return "the host accumulator did not stop after a failed step"
+            for d in devs:
+                d.synchronize(g)
+    except BaseException as drain_exc:  # pragma: no cover - only when a stream is wedged
+        return f"a stream did not drain after a failed step ({drain_exc})"
+    return None

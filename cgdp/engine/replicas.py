@@ -1,0 +1,54 @@
+"""One replica of the model, one optimizer, per device; and what every MPI rank must agree on.
+
+Each device gets a deep copy of the user's model and its own optimizer, built by the user's
+``optimizer(params)`` factory. The replicas' parameters are listed in the engine's numbering
+(layers in forward order, each layer's parameters in registration order), which is the order of
+the flat gradient buffer's views.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from cgdp.engine.backend.base import Device
+from cgdp.engine.layers import LayerInfo, find_layers
+
+
+class Replicas:
+    """``modules[j]``, ``params[j]`` (engine order), ``optimizers[j]``, ``buffers[j]`` (floating)."""
+
+    def __init__(self, model: nn.Module, devs: Sequence[Device],
+                 optimizer: Callable[..., torch.optim.Optimizer]):
+        self.modules: list[nn.Module] = []
+        self.params: list[list[nn.Parameter]] = []
+        for dev in devs:
+            replica = copy.deepcopy(model).to(dev.torch_device)
+            _, lp = find_layers(replica)
+            self.modules.append(replica)
+            self.params.append([p for layer in lp for p in layer])
+        self.optimizers: list[torch.optim.Optimizer] = []
+        for r in self.modules:
+            opt = optimizer(r.parameters())
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer, got "
+                                f"{type(opt).__name__}")
+            self.optimizers.append(opt)
+        self.buffers = [[b for b in r.buffers() if b.is_floating_point()] for r in self.modules]
+
+
+def signature(replicas: Replicas, layers: Sequence[LayerInfo], mode: str, dtype: torch.dtype) -> dict[str, str]:
+    """What every MPI rank must have the same of (checked at start-up by ``Comm.check_same``)."""
+    digest = hashlib.sha256()
+    for name, t in replicas.modules[0].state_dict().items():
+        digest.update(name.encode())
+        digest.update(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    opt = replicas.optimizers[0]
+    return {"devices_per_rank": str(len(replicas.modules)), "mode": mode,
+            "initial_parameters": digest.hexdigest()[:16] + " (seed every rank the same)",
+            "layers": ";".join(f"{i.name}:{i.numels}" for i in layers), "dtype": str(dtype),
+            "optimizer": type(opt).__name__,
+            "optimizer_defaults": repr(sorted(opt.defaults.items(), key=str))}

@@ -1,0 +1,49 @@
+"""Random numbers on CPU-emulated devices: one stream per device, independent of thread timing.
+
+Emulated devices share torch's one CPU generator. A model that draws no random numbers runs its
+forwards concurrently. Once a forward draws (dropout), every emulated device gets its own random
+stream, derived from torch's seed, swapped in under a lock: forward passes then take turns, and
+results do not depend on which thread ran first. GPUs have a generator each and never take turns.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+
+class EmulatedRNG:
+    def __init__(self, num_devices: int):
+        self._lock = threading.Lock()
+        self.turns = False
+        """Whether forward passes take turns, each with its own random stream."""
+        self.states = [torch.Generator().manual_seed(torch.initial_seed() * 1009 + 7919 * j).get_state()
+                       for j in range(num_devices)]
+
+    def forward_all(self, run: Callable[[], Any]) -> Any:
+        """``run()`` (every device's forward); done again with per-device streams if it drew."""
+        if self.turns:
+            return run()
+        before = torch.default_generator.get_state()
+        out = run()
+        if torch.equal(torch.default_generator.get_state(), before):
+            return out  # no random numbers drawn: nothing depends on thread timing
+        # the model draws random numbers: from now on every emulated device has its own stream;
+        # this forward is done again that way (its graphs are dropped, nothing else was changed)
+        torch.default_generator.set_state(before)
+        self.turns = True
+        return run()
+
+    def on_device(self, j: int, fn: Callable[[], Any]) -> Any:
+        """``fn()`` with device j's random stream, if the devices take turns."""
+        if not self.turns:
+            return fn()
+        with self._lock:
+            outer = torch.default_generator.get_state()  # the user's stream stays untouched
+            torch.default_generator.set_state(self.states[j])
+            try:
+                return fn()
+            finally:
+                self.states[j] = torch.default_generator.get_state()
+                torch.default_generator.set_state(outer)

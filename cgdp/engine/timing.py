@@ -1,0 +1,80 @@
+"""Profiles and traces of one step, built from what the streams recorded.
+
+While a step is timed, every stream, the host threads and the device threads append
+``(device, stream, name, start, end)`` events to one list (host clock), and the hooks stamp when
+each parameter's gradient was ready. After the step, :func:`build_trace` turns the events into a
+timeline and :func:`build_profile` into a :class:`~cgdp.planning.profile.StepProfile`: the
+paper's per-layer and per-chunk times (Table 4), which the tuner and calibration read.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from cgdp.engine.backend.base import Device
+from cgdp.engine.flatgrad import Layout
+from cgdp.engine.hooks import DeviceHooks
+from cgdp.planning.profile import ChunkTiming, StepProfile
+
+Event = tuple[str, str, str, float, float]
+"""``(device, stream, name, start, end)``; times on the host clock."""
+
+
+def build_trace(events: Sequence[Event], t_start: float) -> list[dict[str, Any]]:
+    return [{"device": dev, "stream": stream, "name": name, "start": a - t_start, "end": b - t_start}
+            for dev, stream, name, a, b in events]
+
+
+def build_profile(*, devs: Sequence[Device], hooks: Sequence[DeviceHooks], bw_start: Sequence[float],
+                  layer_pids: Sequence[Sequence[int]], layout: Layout, events: Sequence[Event],
+                  itemsize: int, stats: dict[str, float], layer_bytes: Sequence[int], mode: str,
+                  ranks: int) -> StepProfile:
+    """The step's profile. ``bw_start[j]``: when device j's backward started (resolved)."""
+    ready = [math.nan] * len(layer_pids)
+    for li, pids in enumerate(layer_pids):
+        best = -1.0
+        for j, h in enumerate(hooks):
+            for pid in pids:
+                if h.touched[pid]:
+                    best = max(best, devs[j].resolve(h.ready_at[pid]) - bw_start[j])
+        if best >= 0:
+            ready[li] = best
+    t0 = min(bw_start)
+    by: dict[tuple[str, str], list[tuple[str, float, float]]] = {}
+    for dev, stream, name, a, b in events:
+        by.setdefault((stream, name), []).append((dev, a, b))
+    g = len(devs)
+    busy = lambda xs, k: sum(b - a for _, a, b in xs) / k  # noqa: E731  (segments add up)
+    chunks = []
+    for c, layers in enumerate(layout.plan):
+        lo, hi = layout.chunk_bounds[c]
+        key = f"chunk {c}"
+        d2h, h2d = by.get(("d2h", key), []), by.get(("h2d", key), [])
+        acc, comm = by.get(("accumulate", key), []), by.get(("comm", key), [])
+        chunks.append(ChunkTiming(
+            index=c, layers=list(layers), bytes=(hi - lo) * itemsize,
+            d2h_s=busy(d2h, g), acc_s=busy(acc, 1), comm_s=busy(comm, 1), h2d_s=busy(h2d, g),
+            sent_s=(min(a for _, a, _ in d2h) - t0) if d2h else 0.0,
+            back_s=(max(b for _, _, b in h2d) - t0) if h2d else 0.0))
+    s = stats
+    return StepProfile(
+        devices=g, ranks=ranks, mode=mode, layer_bytes=list(layer_bytes), layer_ready_s=ready,
+        forward_s=s["forward_s"], backward_s=s["backward_s"], exposed_comm_s=s["exposed_comm_s"],
+        update_s=s["update_s"], step_s=s["step_s"], plan=[list(c) for c in layout.plan], chunks=chunks)
+
+
+def step_stats(fw: Sequence[tuple[Any, float]], bw: Sequence[tuple[float, float, float, float, Any]],
+               t_start: float, t_bw: float, t_up: float, t_end: float, samples: int) -> dict[str, float]:
+    """The phase times of one step (``Trainer.stats``). ``fw[j]``: (loss, forward seconds);
+    ``bw[j]``: (loss value, backward start, backward end, gradients back, stamp)."""
+    return {
+        "forward_s": max(f[1] for f in fw),
+        "backward_s": max(b[2] - b[1] for b in bw),
+        # from the end of the last device's backward until the gradients are back everywhere
+        # (a device that finished early waits for the others: that is not communication)
+        "exposed_comm_s": max(0.0, max(b[3] for b in bw) - max(b[2] for b in bw)),
+        "update_s": t_end - t_up,
+        "step_s": t_end - t_start,
+        "host_s": t_up - t_bw,
+        "samples": float(samples),
+    }
