@@ -52,7 +52,7 @@ def test_equivalence_on_cuda(mode, opt, chunks):
 def test_host_memory_is_pinned_and_sized_g_plus_one():
     model = mlp((64, 256, 256, 10)).cuda()
     with cgdp.Trainer(model, SGD, gpus()) as tr:
-        host = tr._host._host
+        host = tr._stream.host._host
         assert host.is_pinned()
         assert host.shape[0] == len(gpus()) + 1
 

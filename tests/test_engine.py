@@ -162,7 +162,7 @@ def test_grads_are_views_of_one_flat_buffer_in_chunk_order():
     model = mlp()
     with cgdp.Trainer(model, SGD, devs(2), chunks=2) as tr:
         tr.step(*batches(1, 4)[0], F.cross_entropy)
-        flat = tr._flats[0]
+        flat = tr._stream.flats[0]
         base = flat.untyped_storage().data_ptr()
         offsets = {}
         for p in tr.replicas[0].parameters():
@@ -170,7 +170,7 @@ def test_grads_are_views_of_one_flat_buffer_in_chunk_order():
             offsets[id(p)] = (p.grad.data_ptr() - flat.data_ptr()) // 4
         # the plan's first chunk (the last layers) sits at the start of the buffer
         last = list(tr.replicas[0].parameters())[-1]
-        lo, hi = tr._layout.chunk_bounds[0]
+        lo, hi = tr._stream.layout.chunk_bounds[0]
         assert lo <= offsets[id(last)] < hi
 
 
@@ -200,7 +200,7 @@ def test_profile_and_trace():
         tr.step(*batches(1, 8, shape=(32,), classes=10)[0], F.cross_entropy)
         prof = tr.last_profile
         assert prof is not None and len(prof.chunks) == len(tr.plan) == 4
-        assert sum(c.bytes for c in prof.chunks) == tr._layout.total * 4
+        assert sum(c.bytes for c in prof.chunks) == tr._stream.layout.total * 4
         assert all(c.d2h_s > 0 and c.acc_s > 0 and c.h2d_s > 0 for c in prof.chunks)
         # layers become ready in backward order
         ready = prof.layer_ready_s
@@ -242,7 +242,7 @@ def test_segmented_chunks_are_exact(segment_bytes):
     data = batches(3, 10)
     ref, _ = reference(model, ADAM, data, F.cross_entropy)
     with cgdp.Trainer(model, ADAM, devs(3), chunks=[[2, 1], [0]], segment_bytes=segment_bytes) as tr:
-        assert len(tr._layout.segments) > 2 * len(tr.plan)
+        assert len(tr._stream.layout.segments) > 2 * len(tr.plan)
         for x, y in data:
             tr.step(x, y, F.cross_entropy)
             assert_replicas_identical(tr)

@@ -171,6 +171,6 @@ def test_failure_inside_backward_does_not_hang():
 
 def test_lost_chunk_times_out_with_a_clear_error():
     with cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1"], chunks=1, timeout_s=0.5) as tr:
-        tr._host.arrived = lambda j, c: None  # the host never hears of any chunk
+        tr._stream.host.arrived = lambda j, c: None  # the host never hears of any chunk
         with pytest.raises(TimeoutError, match="waited 0.5 s for the averaged gradients"):
             tr.step(X, Y, F.cross_entropy)

@@ -27,7 +27,6 @@ import copy
 import math
 import os
 import time
-from functools import partial
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -40,12 +39,10 @@ from cgdp.engine.buffers import sync_buffers
 from cgdp.engine.drain import drain_after_failure, quiesce
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 from cgdp.comm import Comm, make_comm
-from cgdp.engine.flatgrad import Layout, attach_grads, make_layout
-from cgdp.engine.hooks import DeviceHooks
-from cgdp.engine.host import HostAccumulator
 from cgdp.engine.layers import LayerInfo, find_layers, trainable_dtype
 from cgdp.engine.replicas import Replicas, signature
 from cgdp.engine.rng import EmulatedRNG
+from cgdp.engine.stream import GradientStream
 from cgdp.planning.profile import StepProfile
 from cgdp.engine.sync import Guard
 from cgdp.engine.threads import DeviceThreads
@@ -126,17 +123,16 @@ class Trainer:
 
         # pid numbering: parameters in forward layer order
         self._layer_pids: list[list[int]] = []
-        self._numels: list[int] = []
+        n = 0
         for layer in layer_params:
-            self._layer_pids.append(list(range(len(self._numels), len(self._numels) + len(layer))))
-            self._numels.extend(p.numel() for p in layer)
+            self._layer_pids.append(list(range(n, n + len(layer))))
+            n += len(layer)
         self._layer_bytes = [info.numel * torch.tensor([], dtype=self._dtype).element_size()
                              for info in infos]
 
         self._devs = make_devices(devices, self._guard.fail)
         self._threads: DeviceThreads | None = None
-        self._hooks: list[DeviceHooks] = []
-        self._host: HostAccumulator | None = None
+        self._stream: GradientStream | None = None
         self._comm: Comm | None = None
         try:
             self._build(model, optimizer, chunks, comm)
@@ -163,18 +159,11 @@ class Trainer:
         self._rng = EmulatedRNG(len(self._devs))
 
         self._threads = DeviceThreads(self._devs, self._guard)
-        for j, dev in enumerate(self._devs):
-            hooks = DeviceHooks(self._params[j], partial(self._send, j), dev.stamp)
-            hooks.streaming = self.mode == "cgdp"
-            self._hooks.append(hooks)
-        if self.mode == "cgdp":
-            from cgdp.engine.accumulate import warm_up
-            warm_up(np.dtype(str(self._dtype).replace("torch.", "")), len(self._devs))
-            self._host = HostAccumulator(self._devs, self._dtype, self._guard.fail, self._comm,
-                                         self._host_threads())
-        self._none_pids: list[int] = []
-        self._flats: list[torch.Tensor] = []
-        self._apply_plan(plan)
+        self._stream = GradientStream(
+            self._devs, self._params, self._layer_pids, self._dtype, segment_bytes=self._segment,
+            streaming=self.mode == "cgdp", guard=self._guard, comm=self._comm,
+            host_threads=self._host_threads())
+        self._stream.set_plan(plan)
 
     def _initial_plan(self, chunks: int | Plan | str) -> Plan:
         """The plan of the first step: given, or the tuner's first (``self.tuner``)."""
@@ -202,34 +191,11 @@ class Trainer:
             return max(1, (os.cpu_count() or 2) - 1)
         return 1
 
-    def _apply_plan(self, plan: Plan) -> None:
-        """Lay the flat buffers out for ``plan``. Only between steps, with nothing in flight."""
-        itemsize = torch.tensor([], dtype=self._dtype).element_size()
-        layout = make_layout(plan, self._layer_pids, self._numels, self._segment // itemsize)
-        old = self._flats
-        old_layout = getattr(self, "_layout", None)
-        flats = [torch.zeros(max(layout.total, 1), dtype=self._dtype, device=d.torch_device)
-                 for d in self._devs]
-        for j, params in enumerate(self._params):
-            if old and old_layout is not None:  # keep .grad's values across a plan switch
-                for pid in range(len(params)):
-                    o, n = old_layout.offsets[pid], self._numels[pid]
-                    flats[j][layout.offsets[pid]:layout.offsets[pid] + n].copy_(old[j][o:o + n])
-            views = attach_grads(flats[j], params, layout)
-            for pid in self._none_pids:
-                params[pid].grad = None
-            self._hooks[j].set_layout(layout.param_chunk, layout.chunk_params, views)
-        self._flats = flats
-        self._layout: Layout = layout
-        if self._host is not None:
-            self._host.set_layout(layout.total, layout.segments, flats,
-                                  [f"chunk {c}" for c in layout.segment_chunk])
-
     # ------------------------------------------------------------------ public API
     @property
     def plan(self) -> Plan:
         """The chunk plan in use (send order, forward layer numbering)."""
-        return [list(c) for c in self._layout.plan]
+        return self._stream.plan
 
     @property
     def layer_names(self) -> list[str]:
@@ -240,7 +206,7 @@ class Trainer:
         self._check_usable()
         new = resolve_plan(plan, len(self.layers))
         self._quiesce()
-        self._apply_plan(new)
+        self._stream.set_plan(new)
 
     def profile_next(self) -> None:
         """Profile the next step: ``last_profile`` then holds its :class:`StepProfile`."""
@@ -321,25 +287,19 @@ class Trainer:
             self._tuning = True  # the next step applies the tuner's plan (its final one if done)
         if state.get("plan") is not None:
             self._quiesce()
-            self._apply_plan(validate_plan(state["plan"], len(self.layers)))
+            self._stream.set_plan(validate_plan(state["plan"], len(self.layers)))
 
     def close(self) -> None:
         """Remove every hook, stop every thread, free the flat and pinned buffers."""
         if self._closed:
             return
         self._closed = True
-        for h in self._hooks:
-            h.remove()
         if self._threads is not None:
             self._threads.close()
-        if self._host is not None:
-            self._host.close()
+        if self._stream is not None:
+            self._stream.close()
         for d in self._devs:
             d.close()
-        for params in getattr(self, "_params", []):
-            for p in params:
-                p.grad = None
-        self._flats = []
         if self._comm is not None:
             self._comm.close()
 
@@ -363,35 +323,22 @@ class Trainer:
         plan, done = self.tuner.plan(), self.tuner.done
         if self._comm is not None:  # rank 0 decides, every rank follows
             plan, done = self._comm.broadcast_object((plan, done))
-        if plan != self._layout.plan:
+        if plan != self._stream.plan:
             self._quiesce()
-            self._apply_plan(validate_plan(plan, len(self.layers)))
+            self._stream.set_plan(validate_plan(plan, len(self.layers)))
         if done:  # the final plan is in place; no more measurements
             self._tuning = False
         return self._tuning
 
     def _begin_step(self, timing: bool) -> None:
         self._guard.reset()
-        if self._none_pids:  # parameters left without a gradient last step get their view back
-            for j, params in enumerate(self._params):
-                views = self._hooks[j].views
-                for pid in self._none_pids:
-                    params[pid].grad = views[pid]
-            self._none_pids = []
-        for flat in self._flats:
-            flat.zero_()
-        for h in self._hooks:
-            h.begin_step()
-            h.timing = timing
         self._events = [] if timing else None
         sink = (lambda *e: self._events.append(e)) if timing else None
         for d in self._devs:
             d.trace = sink
             if timing:
                 d.begin_timing()
-        if self._host is not None:
-            self._host.trace = sink
-            self._host.begin_step()
+        self._stream.begin_step(timing, sink)
 
     def _forward_all(self, parts, loss_fn) -> list[tuple[torch.Tensor, float]]:
         run = lambda: self._threads.run_all(lambda j: self._forward_on(j, parts[j], loss_fn))  # noqa: E731
@@ -434,37 +381,21 @@ class Trainer:
         torch.autograd.backward(loss, grad_tensors=torch.full((), w, dtype=loss.dtype, device=loss.device))
         if timed:
             dev.backward_issued()
-        if self.mode == "cgdp":
-            self._hooks[j].flush()
+        self._stream.flush(j)
         value = float(loss.detach())  # note: CPU-GPU sync point; backward's compute has finished
         t1 = time.perf_counter()
         self._span(dev.name, "backward", t0, t1)
-        if self.mode == "cgdp":
-            # note: host waits until every chunk has been averaged and its copy back issued
-            self._guard.wait(self._host.returned, f"the averaged gradients for {dev.name}")
-            marker = dev.h2d_marker()
-            dev.compute_wait(marker, self._guard)
-            dev.settle(marker, self._guard)
+        self._stream.wait_returned(j)
         t2 = time.perf_counter()
         return value, t0, t1, t2, s0
 
-    def _send(self, j: int, c: int) -> None:
-        """Chunk ``c`` of device ``j`` is complete: copy it to the host (called from a hook)."""
-        self._hooks[j].sent[c] = True
-        flat, slot, dev, label = self._flats[j], self._host.slot(j), self._devs[j], f"chunk {c}"
-        for s in self._layout.chunk_segments[c]:
-            lo, hi = self._layout.segments[s]
-            dev.send(flat[lo:hi], slot[lo:hi], partial(self._host.arrived, j, s), label)
-
     def _finish_backward(self, losses: list[float], weights: list[float]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""
-        touched = np.zeros(len(self._numels), np.float64)
-        for h in self._hooks:
-            touched += np.frombuffer(h.touched, np.uint8)
-        bad = float(sum(self._host.bad)) if self._host is not None else 0.0
+        touched = self._stream.touched()
+        bad = self._stream.bad_count()
         loss = math.fsum(w * l for w, l in zip(weights, losses))
         if self.mode == "typical":
-            bad = gather_on_first(self._flats)
+            bad = gather_on_first(self._stream.flats)
         if self._comm is not None:
             self._comm.fence(self._timeout_s)
             vec = self._comm.allreduce_small(np.concatenate([[loss, bad], touched]))
@@ -472,22 +403,10 @@ class Trainer:
         if bad:
             raise NonFiniteGradientError(
                 f"the averaged gradient has {int(bad)} NaN/Inf value(s) (layers: "
-                f"{self._bad_layers()}); the update was not applied. Lower the learning rate, "
+                f"{self._stream.bad_layers(self.layer_names)}); the update was not applied. Lower the learning rate, "
                 f"check the inputs, or clip gradients")
-        untouched = np.flatnonzero(touched == 0)
-        if untouched.size:
-            self._none_pids = untouched.tolist()
-            for params in self._params:
-                for pid in self._none_pids:
-                    params[pid].grad = None
+        self._stream.set_untouched(touched)
         return loss
-
-    def _bad_layers(self) -> str:
-        if self._host is None:
-            return "see the gradients of replica 0"
-        chunks = sorted({self._layout.segment_chunk[s] for s, b in enumerate(self._host.bad) if b})
-        names = [self.layers[i].name or "<root>" for c in chunks for i in self._layout.plan[c]]
-        return ", ".join(names) or "unknown"
 
     def _update(self) -> None:
         if self.mode == "typical":
@@ -512,12 +431,12 @@ class Trainer:
     # ------------------------------------------------------------------ failures, plan switches
     def _quiesce(self) -> None:
         """Wait until no copy is in flight on any device (before buffers are relaid)."""
-        quiesce(self._devs, self._host, self._timeout_s)
+        quiesce(self._devs, self._stream.host, self._timeout_s)
 
     def _recover(self, exc: BaseException, phase: str) -> None:
         """After a failed step: let every thread stop, drain the streams, stay usable if safe."""
         self._guard.fail(exc)
-        self._broken = drain_after_failure(self._devs, self._host)
+        self._broken = drain_after_failure(self._devs, self._stream.host)
         if phase == "update":
             self._broken = f"a failure during the update may have left replicas different ({exc!r})"
         if self._comm is not None and phase != "forward":
@@ -534,7 +453,6 @@ class Trainer:
             self.last_trace = build_trace(events, t_start)
         if profiling:
             self.last_profile = build_profile(
-                devs=self._devs, hooks=self._hooks, bw_start=bw_start, layer_pids=self._layer_pids,
-                layout=self._layout, events=events, itemsize=self._flats[0].element_size(),
+                devs=self._devs, bw_start=bw_start, events=events, **self._stream.profile_inputs(),
                 stats=self.stats, layer_bytes=self._layer_bytes, mode=self.mode,
                 ranks=self._comm.size if self._comm is not None else 1)

@@ -1,0 +1,173 @@
+"""Steps 3 to 6 of the data path for G replicas: hooks, flat buffers, the host, the copy back.
+
+:class:`GradientStream` is the part of the engine that both faces share (``cgdp.Trainer``, which
+drives backward itself, and ``cgdp.DataParallel``, behind the user's ``loss.backward()``). It owns,
+for the whole run:
+
+* one flat gradient buffer per device, laid out in chunk order (:mod:`cgdp.engine.flatgrad`);
+  every replica's ``param.grad`` is a view into it;
+* one :class:`~cgdp.engine.hooks.DeviceHooks` per replica, which send each chunk when backward has
+  completed it (``streaming=True``), or only mark parameters touched (``streaming=False``:
+  modes ``typical`` and ``single``);
+* the :class:`~cgdp.engine.host.HostAccumulator` (streaming only): pinned slots, the accumulator
+  thread, the MPI stage, the copy back.
+
+Order of calls, per step: :meth:`begin_step` (nothing in flight) → backward on every device
+(hooks call :meth:`send`) → per device :meth:`flush` then :meth:`wait_returned` → :meth:`touched`
+and :meth:`bad_count` → :meth:`set_untouched`. :meth:`set_plan` only between steps.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from cgdp.comm import Comm
+from cgdp.engine.backend.base import Device, TraceSink
+from cgdp.engine.flatgrad import Layout, attach_grads, make_layout
+from cgdp.engine.hooks import DeviceHooks
+from cgdp.engine.host import HostAccumulator
+from cgdp.engine.sync import Guard
+from cgdp.planning.chunks import Plan
+
+
+class GradientStream:
+    def __init__(self, devs: Sequence[Device], params: Sequence[Sequence[nn.Parameter]],
+                 layer_pids: Sequence[Sequence[int]], dtype: torch.dtype, *, segment_bytes: int,
+                 streaming: bool, guard: Guard, comm: Comm | None, host_threads: int):
+        """``params[j]``: replica j's trainable parameters in engine order; ``layer_pids[l]``:
+        the parameter ids of layer l (forward order)."""
+        self.devs = list(devs)
+        self.params = [list(p) for p in params]
+        self.layer_pids = [list(p) for p in layer_pids]
+        self.numels = [p.numel() for p in self.params[0]]
+        self.dtype = dtype
+        self.itemsize = torch.tensor([], dtype=dtype).element_size()
+        self._segment = segment_bytes
+        self._guard = guard
+        self.streaming = streaming
+        self.flats: list[torch.Tensor] = []
+        self.layout: Layout | None = None
+        self.none_pids: list[int] = []
+        """Parameters that got no gradient anywhere last step (their ``.grad`` is None)."""
+        self.hooks: list[DeviceHooks] = []
+        self.host: HostAccumulator | None = None
+        for j, dev in enumerate(self.devs):
+            hooks = DeviceHooks(self.params[j], partial(self.send, j), dev.stamp)
+            hooks.streaming = streaming
+            self.hooks.append(hooks)
+        if streaming:
+            from cgdp.engine.accumulate import warm_up
+            warm_up(np.dtype(str(dtype).replace("torch.", "")), len(self.devs))
+            self.host = HostAccumulator(self.devs, dtype, guard.fail, comm, host_threads)
+
+    @property
+    def plan(self) -> Plan:
+        return [list(c) for c in self.layout.plan]
+
+    def set_plan(self, plan: Plan) -> None:
+        """Lay the flat buffers out for ``plan``. Only between steps, with nothing in flight."""
+        layout = make_layout(plan, self.layer_pids, self.numels, self._segment // self.itemsize)
+        old, old_layout = self.flats, self.layout
+        flats = [torch.zeros(max(layout.total, 1), dtype=self.dtype, device=d.torch_device)
+                 for d in self.devs]
+        for j, params in enumerate(self.params):
+            if old and old_layout is not None:  # keep .grad's values across a plan switch
+                for pid in range(len(params)):
+                    o, n = old_layout.offsets[pid], self.numels[pid]
+                    flats[j][layout.offsets[pid]:layout.offsets[pid] + n].copy_(old[j][o:o + n])
+            views = attach_grads(flats[j], params, layout)
+            for pid in self.none_pids:
+                params[pid].grad = None
+            self.hooks[j].set_layout(layout.param_chunk, layout.chunk_params, views)
+        self.flats = flats
+        self.layout = layout
+        if self.host is not None:
+            self.host.set_layout(layout.total, layout.segments, flats,
+                                 [f"chunk {c}" for c in layout.segment_chunk])
+
+    def begin_step(self, timing: bool, sink: TraceSink | None) -> None:
+        """Zero the flat buffers, give back the views of last step's untouched parameters, arm
+        the hooks and the host."""
+        if self.none_pids:
+            for j, params in enumerate(self.params):
+                views = self.hooks[j].views
+                for pid in self.none_pids:
+                    params[pid].grad = views[pid]
+            self.none_pids = []
+        for flat in self.flats:
+            flat.zero_()
+        for h in self.hooks:
+            h.begin_step()
+            h.timing = timing
+        if self.host is not None:
+            self.host.trace = sink
+            self.host.begin_step()
+
+    def send(self, j: int, c: int) -> None:
+        """Chunk ``c`` of device ``j`` is complete: copy it to the host (called from a hook)."""
+        self.hooks[j].sent[c] = True
+        flat, slot, dev, label = self.flats[j], self.host.slot(j), self.devs[j], f"chunk {c}"
+        for s in self.layout.chunk_segments[c]:
+            lo, hi = self.layout.segments[s]
+            dev.send(flat[lo:hi], slot[lo:hi], partial(self.host.arrived, j, s), label)
+
+    def flush(self, j: int) -> None:
+        """After device j's backward: send the chunks it never completed (unused layers)."""
+        if self.streaming:
+            self.hooks[j].flush()
+
+    def wait_returned(self, j: int) -> None:
+        """Device j's compute stream waits until every averaged chunk is back on the device."""
+        if not self.streaming:
+            return
+        dev = self.devs[j]
+        # note: host waits until every chunk has been averaged and its copy back issued
+        self._guard.wait(self.host.returned, f"the averaged gradients for {dev.name}")
+        marker = dev.h2d_marker()
+        dev.compute_wait(marker, self._guard)
+        dev.settle(marker, self._guard)
+
+    def touched(self) -> np.ndarray:
+        """Per parameter, on how many devices it got a gradient this step."""
+        touched = np.zeros(len(self.numels), np.float64)
+        for h in self.hooks:
+            touched += np.frombuffer(h.touched, np.uint8)
+        return touched
+
+    def bad_count(self) -> float:
+        """NaN/Inf values in the averaged gradient (counted during accumulation)."""
+        return float(sum(self.host.bad)) if self.host is not None else 0.0
+
+    def bad_layers(self, names: Sequence[str]) -> str:
+        if self.host is None:
+            return "see the gradients of replica 0"
+        chunks = sorted({self.layout.segment_chunk[s] for s, b in enumerate(self.host.bad) if b})
+        return ", ".join(names[i] or "<root>" for c in chunks for i in self.layout.plan[c]) or "unknown"
+
+    def set_untouched(self, touched: np.ndarray) -> None:
+        """Parameters that got no gradient on any device (of any rank) get ``.grad = None``."""
+        untouched = np.flatnonzero(touched == 0)
+        if untouched.size:
+            self.none_pids = untouched.tolist()
+            for params in self.params:
+                for pid in self.none_pids:
+                    params[pid].grad = None
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        if self.host is not None:
+            self.host.close()
+        for params in self.params:
+            for p in params:
+                p.grad = None
+        self.flats = []
+
+    def profile_inputs(self) -> dict[str, Any]:
+        """What :func:`cgdp.engine.timing.build_profile` needs of the stream."""
+        return {"hooks": self.hooks, "layer_pids": self.layer_pids, "layout": self.layout,
+                "itemsize": self.itemsize}
