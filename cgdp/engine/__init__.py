@@ -3,9 +3,9 @@
 ``hooks`` (per-parameter backward hooks mark layers ready) → ``flatgrad`` (the flat gradient buffer,
 laid out in chunk order; ``param.grad`` are views into it) → ``backend`` (device streams: CUDA or
 CPU-emulated) → ``host`` (pinned slots, the accumulator thread) → ``accumulate`` (the host kernel)
-→ copy back; ``stream`` holds these together for G replicas (the part both faces, the
-``Trainer`` and ``DataParallel``, share) → ``trainer`` (the step and the update). Around the step: ``batch`` (splitting and
-weighting), ``typical`` (the paper's baseline), ``buffers`` (BatchNorm statistics), ``timing``
+→ copy back; ``stream`` holds these together for G replicas (what both faces, ``Trainer`` and
+``DataParallel``, share) → ``trainer`` (the step and the update). Around the step: ``batch``
+(splitting and weighting), ``typical`` (the paper's baseline), ``buffers`` (BatchNorm statistics), ``timing``
 (profiles and traces), ``sync`` (waiting without hanging), ``layers`` (what a layer is).
 
 May import: :mod:`cgdp.planning` (plans, profiles, tuners) and :mod:`cgdp.comm`. Never imports
