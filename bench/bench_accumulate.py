@@ -88,7 +88,7 @@ def run_case(dtype: str, nparts: int, n: int, rounds: int, scale: float = 1.0,
     ref = reference(parts, scale)
     s32 = np.float32(scale)
 
-    outs = {k: np.empty(n, np.float32) for k in ("cgdp", "numpy", "torch")}
+    outs = {k: np.empty(n, np.float32) for k in ("cgdp", "cgdp+norm", "numpy", "torch")}
     scratch = np.empty(n, np.uint32)
     tparts = [torch.from_numpy(p.view(np.int16)).view(torch.bfloat16) if dtype == "bf16"
               else torch.from_numpy(p) for p in parts]
@@ -124,6 +124,8 @@ def run_case(dtype: str, nparts: int, n: int, rounds: int, scale: float = 1.0,
 
     variants = {
         "cgdp": lambda: cgdp.accumulate(outs["cgdp"], parts, scale),
+        # the same pass also returns the sum of squares (the gradient norm for clipping)
+        "cgdp+norm": lambda: cgdp.accumulate(outs["cgdp+norm"], parts, scale, sumsq=True),
         "numpy": numpy_peer,
         "torch": torch_peer,
     }
@@ -134,6 +136,10 @@ def run_case(dtype: str, nparts: int, n: int, rounds: int, scale: float = 1.0,
             bad = int(np.sum(outs[name] != ref))
             raise AssertionError(f"{name} ({dtype}, {nparts} parts) differs from the reference in "
                                  f"{bad} of {n} elements; not timing a wrong answer")
+    _, sq = cgdp.accumulate(outs["cgdp+norm"], parts, scale, sumsq=True)
+    sq_ref = float(np.sum(ref.astype(np.float64) ** 2))
+    if not abs(sq - sq_ref) <= 1e-9 * sq_ref:
+        raise AssertionError(f"sum of squares {sq!r} differs from the float64 reference {sq_ref!r}")
     # 2. the limit: copies of the same bytes moved
     src = np.random.default_rng(1).random(moved // 8, dtype=np.float32)
     dst = np.empty_like(src)
@@ -160,12 +166,12 @@ def report(results: list[dict], info: dict[str, str], cmd: str, threads: str) ->
         rows.append([
             r["dtype"], r["parts"], f"{r['bytes_moved'] / 2**20:.0f}", r["rounds"],
             f"{fmt(c)} ({r['copy'].split()[-1]})",
-            fmt(g["cgdp"]), fmt(g["cgdp"] / c, 2), fmt(g["cgdp"] / g["numpy"], 2),
+            fmt(g["cgdp"]), fmt(g["cgdp+norm"]), fmt(g["cgdp+norm"] / g["cgdp"], 2), fmt(g["cgdp"] / c, 2), fmt(g["cgdp"] / g["numpy"], 2),
             fmt(g["cgdp"] / g["torch"], 2),
             fmt(g["numpy"]), fmt(g["torch"]),
         ])
     head = ["dtype", "parts", "MiB moved", "rounds", "copy limit GB/s", "cgdp GB/s",
-            "cgdp / copy", "cgdp / NumPy", "cgdp / torch", "NumPy GB/s", "torch GB/s"]
+            "cgdp+norm GB/s", "+norm / cgdp", "cgdp / copy", "cgdp / NumPy", "cgdp / torch", "NumPy GB/s", "torch GB/s"]
     worst = min(r["gbps"]["cgdp"] / r["copy_gbps"] for r in results)
     ahead = min(r["gbps"]["cgdp"] / r["gbps"]["numpy"] for r in results)
     return "\n".join([
@@ -206,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run_case(dtype, nparts, n, args.rounds)
             g = r["gbps"]
             print(f"{dtype:5s} {nparts} parts: copy {r['copy_gbps']:.1f} GB/s | cgdp {g['cgdp']:.1f} "
-                  f"({g['cgdp'] / r['copy_gbps']:.2f}x copy, {g['cgdp'] / g['numpy']:.2f}x NumPy, "
+                  f"(+norm {g['cgdp+norm']:.1f}) ({g['cgdp'] / r['copy_gbps']:.2f}x copy, {g['cgdp'] / g['numpy']:.2f}x NumPy, "
                   f"{g['cgdp'] / g['torch']:.2f}x torch) | NumPy {g['numpy']:.1f} "
                   f"torch {g['torch']:.1f}", flush=True)
             results.append(r)

@@ -75,3 +75,33 @@ def test_bad_arguments_are_rejected(bad, match):
     o, p = bad(out, parts)
     with pytest.raises((TypeError, ValueError), match=match):
         cgdp.accumulate(o, p)
+
+
+@pytest.mark.parametrize("nparts", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+def test_sum_of_squares_in_the_same_pass_is_exact_and_thread_independent(nparts, dtype):
+    from cgdp.engine.accumulate import set_threads
+    n = 3 * SERIAL_BELOW + 5
+    g = torch.Generator().manual_seed(nparts)
+    ts = [torch.randn(n, generator=g) for _ in range(nparts)]
+    if dtype == "bf16":
+        parts = [t.bfloat16().view(torch.int16).numpy().view(np.uint16) for t in ts]
+        wide = [t.bfloat16().float().numpy() for t in ts]
+    elif dtype == "f16":
+        parts = [t.half().numpy() for t in ts]
+        wide = [p.astype(np.float32) for p in parts]
+    else:
+        parts = wide = [t.numpy() for t in ts]
+    ref = np.float32(0.5) * sum(wide[1:], wide[0].copy())  # float32, in part order
+    results = []
+    for threads in (1, 2):
+        set_threads(threads)
+        out = np.empty(n, np.float32)
+        bad, sq = cgdp.accumulate(out, parts, scale=0.5, sumsq=True)
+        np.testing.assert_array_equal(out, ref)
+        assert bad == 0
+        results.append(sq)
+    set_threads(2)
+    assert results[0] == results[1]  # bitwise, whatever the thread count
+    assert results[0] == pytest.approx(float(np.sum(ref.astype(np.float64) ** 2)), rel=1e-12)
+    assert cgdp.accumulate(np.empty(n, np.float32), parts) == 0  # without sumsq: the count only

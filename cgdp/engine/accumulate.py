@@ -11,8 +11,12 @@ This is step 4 of the data path. Invariants:
   is the number of NaN/Inf elements written.
 * Numba kernels are ``nogil``: the engine's accumulator thread runs them while the device threads
   keep executing Python.
-* bf16 parts (``uint16`` arrays holding bfloat16 bits, e.g. ``torch_bf16.view(torch.int16)``)
-  are widened to float32 on the fly.
+* 16-bit parts are widened to float32 on the fly and summed in float32: bf16 as ``uint16``
+  arrays holding its bits (e.g. ``torch_bf16.view(torch.int16)``), fp16 as ``float16`` arrays.
+* Optionally (``sumsq``), the same call returns the sum of squares of what it wrote, for the
+  gradient norm: each block is squared and summed in float64 right after it is written, while
+  it is in L1 (no second pass over memory), and the blocks' sums are added in block order, so
+  the result is bitwise the same for any thread count.
 """
 from __future__ import annotations
 
@@ -138,12 +142,31 @@ def _add4s(o, a, b, c, d, s):
     return nb
 
 
+@intrinsic
+def _half_to_f32(typingctx, u):
+    """Widen fp16 bits (uint16) to float32 (``fpext half``: one instruction with F16C)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return sig, codegen
+
+
+@njit(nogil=True, inline="always", cache=True)
+def widen_bf16(u):
+    return _bits_to_f32(np.uint32(u) << np.uint32(16))
+
+
+@njit(nogil=True, inline="always", cache=True)
+def widen_f16(u):
+    return _half_to_f32(u)
+
+
 @_loop
-def _bset2s(o, a, b, s):
+def _wset2s(o, a, b, s, widen):
     nb = 0
     for i in range(o.shape[0]):
-        v = (_bits_to_f32(np.uint32(a[i]) << np.uint32(16))
-             + _bits_to_f32(np.uint32(b[i]) << np.uint32(16))) * s
+        v = (widen(a[i]) + widen(b[i])) * s
         o[i] = v
         nb += (v - v) != 0
     return nb
@@ -160,94 +183,134 @@ def _scale_count(o, s):
 
 
 @_loop
-def _bset1(o, a):
+def _wset1(o, a, widen):
     for i in range(o.shape[0]):
-        o[i] = _bits_to_f32(np.uint32(a[i]) << np.uint32(16))
+        o[i] = widen(a[i])
 
 
 @_loop
-def _bset2(o, a, b):
+def _wset2(o, a, b, widen):
     for i in range(o.shape[0]):
-        o[i] = (_bits_to_f32(np.uint32(a[i]) << np.uint32(16))
-                + _bits_to_f32(np.uint32(b[i]) << np.uint32(16)))
+        o[i] = widen(a[i]) + widen(b[i])
 
 
 @_loop
-def _badd1(o, a):
+def _wadd1(o, a, widen):
     for i in range(o.shape[0]):
-        o[i] = o[i] + _bits_to_f32(np.uint32(a[i]) << np.uint32(16))
+        o[i] = o[i] + widen(a[i])
 
 
 @_loop
-def _badd2(o, a, b):
+def _wadd2(o, a, b, widen):
     for i in range(o.shape[0]):
-        o[i] = ((o[i] + _bits_to_f32(np.uint32(a[i]) << np.uint32(16)))
-                + _bits_to_f32(np.uint32(b[i]) << np.uint32(16)))
+        o[i] = (o[i] + widen(a[i])) + widen(b[i])
+
+
+@njit(nogil=True, inline="never", cache=True, fastmath={"reassoc", "nsz"})
+def _sumsq(o):
+    """Sum of squares of one block in float64. ``reassoc`` lets LLVM vectorise the sum (4x faster
+    than eight scalar lanes, which LLVM leaves unvectorised): the order within a block is then
+    the compiled code's vector order, fixed for a build and CPU (the same bits on every run and
+    any thread count, but CPUs with other vector widths may differ in the last bits: the trainer
+    makes MPI ranks agree by using rank 0's value)."""
+    a = 0.0
+    for i in range(o.shape[0]):
+        x = np.float64(o[i])
+        a += x * x
+    return a
+
+
+@_loop
+def _ordered_sum(sq):
+    t = 0.0
+    for i in range(sq.shape[0]):
+        t += sq[i]
+    return t
 
 
 # One kernel per part count up to four, each calling its fused loop with the parts as plain
 # arguments: indexing the tuple of parts with a run-time index costs half the bandwidth.
-def _k1(out, a, s):
+# With ``want_sq``, each block's sum of squares is taken right after the block is written, while
+# it is still in L1 (no second pass over memory), into its own slot of ``sq``; the slots are then
+# added in block order, so the total is the same whatever the thread count.
+def _k1(out, a, s, want_sq):
     n = out.shape[0]
     nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
     bad = 0
     for blk in prange(nblocks):
         lo = blk * BLOCK
         hi = min(lo + BLOCK, n)
         bad += _set1s(out[lo:hi], a[lo:hi], s)
-    return bad
+        if want_sq:
+            sq[blk] = _sumsq(out[lo:hi])
+    return bad, _ordered_sum(sq)
 
 
-def _k2(out, a, b, s):
+def _k2(out, a, b, s, want_sq):
     n = out.shape[0]
     nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
     bad = 0
     for blk in prange(nblocks):
         lo = blk * BLOCK
         hi = min(lo + BLOCK, n)
         bad += _set2s(out[lo:hi], a[lo:hi], b[lo:hi], s)
-    return bad
+        if want_sq:
+            sq[blk] = _sumsq(out[lo:hi])
+    return bad, _ordered_sum(sq)
 
 
-def _k3(out, a, b, c, s):
+def _k3(out, a, b, c, s, want_sq):
     n = out.shape[0]
     nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
     bad = 0
     for blk in prange(nblocks):
         lo = blk * BLOCK
         hi = min(lo + BLOCK, n)
         bad += _set3s(out[lo:hi], a[lo:hi], b[lo:hi], c[lo:hi], s)
-    return bad
+        if want_sq:
+            sq[blk] = _sumsq(out[lo:hi])
+    return bad, _ordered_sum(sq)
 
 
-def _k4(out, a, b, c, d, s):
+def _k4(out, a, b, c, d, s, want_sq):
     n = out.shape[0]
     nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
     bad = 0
     for blk in prange(nblocks):
         lo = blk * BLOCK
         hi = min(lo + BLOCK, n)
         bad += _set4s(out[lo:hi], a[lo:hi], b[lo:hi], c[lo:hi], d[lo:hi], s)
-    return bad
+        if want_sq:
+            sq[blk] = _sumsq(out[lo:hi])
+    return bad, _ordered_sum(sq)
 
 
-def _bk2(out, a, b, s):
+def _wk2(out, a, b, s, want_sq, widen):
     n = out.shape[0]
     nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
     bad = 0
     for blk in prange(nblocks):
         lo = blk * BLOCK
         hi = min(lo + BLOCK, n)
-        bad += _bset2s(out[lo:hi], a[lo:hi], b[lo:hi], s)
-    return bad
+        bad += _wset2s(out[lo:hi], a[lo:hi], b[lo:hi], s, widen)
+        if want_sq:
+            sq[blk] = _sumsq(out[lo:hi])
+    return bad, _ordered_sum(sq)
 
 
-def _body(out, parts, scale):
+def _body(out, parts, scale, want_sq):
     """More than four parts: the first four in one pass, then up to four more per pass."""
     n = out.shape[0]
     nparts = len(parts)
+    nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
     bad = 0
-    for blk in prange((n + BLOCK - 1) // BLOCK):
+    for blk in prange(nblocks):
         lo = blk * BLOCK
         hi = min(lo + BLOCK, n)
         o = out[lo:hi]
@@ -266,13 +329,17 @@ def _body(out, parts, scale):
         else:
             bad += _add4s(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi],
                           parts[j + 3][lo:hi], scale)
-    return bad
+        if want_sq:
+            sq[blk] = _sumsq(o)
+    return bad, _ordered_sum(sq)
 
 
-def _body_bf16(out, parts, scale):
+def _body_wide(out, parts, scale, want_sq, widen):
+    """16-bit parts (bf16 or fp16 bits), widened to float32 on the fly."""
     n = out.shape[0]
     nparts = len(parts)
     nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
     bad = 0
     for b in prange(nblocks):
         lo = b * BLOCK
@@ -280,27 +347,31 @@ def _body_bf16(out, parts, scale):
         o = out[lo:hi]
         z = nparts - nparts
         if nparts == 1:
-            _bset1(o, parts[z][lo:hi])
+            _wset1(o, parts[z][lo:hi], widen)
             j = 1
         else:
-            _bset2(o, parts[z][lo:hi], parts[z + 1][lo:hi])
+            _wset2(o, parts[z][lo:hi], parts[z + 1][lo:hi], widen)
             j = 2
         while j < nparts:
             if nparts - j >= 2:
-                _badd2(o, parts[j][lo:hi], parts[j + 1][lo:hi])
+                _wadd2(o, parts[j][lo:hi], parts[j + 1][lo:hi], widen)
                 j += 2
             else:
-                _badd1(o, parts[j][lo:hi])
+                _wadd1(o, parts[j][lo:hi], widen)
                 j += 1
         bad += _scale_count(o, scale)
-    return bad
-
+        if want_sq:
+            sq[b] = _sumsq(o)
+    return bad, _ordered_sum(sq)
 
 
 _par = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body, _k1, _k2, _k3, _k4)]
 _ser = [njit(nogil=True, cache=True)(k) for k in (_body, _k1, _k2, _k3, _k4)]
-_par_bf16 = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body_bf16, _bk2)]
-_ser_bf16 = [njit(nogil=True, cache=True)(k) for k in (_body_bf16, _bk2)]
+_par_wide = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body_wide, _wk2)]
+_ser_wide = [njit(nogil=True, cache=True)(k) for k in (_body_wide, _wk2)]
+_WIDEN = {np.dtype(np.uint16): widen_bf16, np.dtype(np.float16): widen_f16}
+"""16-bit parts: uint16 arrays hold bf16 bits, float16 arrays IEEE half (Numba has no float16
+arithmetic on the CPU: the kernel reads their bits as uint16 and widens each value exactly)."""
 
 
 def _check(out: np.ndarray, parts: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
@@ -324,42 +395,76 @@ def _check(out: np.ndarray, parts: Sequence[np.ndarray]) -> tuple[np.ndarray, ..
             raise ValueError(f"part {k} has {p.shape[0]} elements but out has {out.shape[0]}")
         if not p.flags.c_contiguous:
             raise ValueError(f"part {k} must be contiguous")
-    if dt == np.uint16:
+    if dt in _WIDEN:
         if out.dtype != np.float32:
-            raise TypeError("bf16 parts (uint16 bits) accumulate into a float32 out")
+            raise TypeError("16-bit parts (bf16 bits as uint16, or float16) accumulate into a float32 out")
     elif dt != out.dtype:
         raise TypeError(f"parts are {dt} but out is {out.dtype}; they must match "
-                        f"(or pass bf16 bits as uint16 with a float32 out)")
+                        f"(or pass bf16 bits as uint16, or float16, with a float32 out)")
     return parts
 
 
-def accumulate(out: np.ndarray, parts: Sequence[np.ndarray], scale: float = 1.0) -> int:
+def accumulate(out: np.ndarray, parts: Sequence[np.ndarray], scale: float = 1.0, *,
+               sumsq: bool = False) -> int | tuple[int, float]:
     """``out[:] = scale * sum(parts)``, parts summed in the order given; returns the number of
-    non-finite elements written (0 when all is well). ``out`` may alias ``parts[0]``."""
+    non-finite elements written (0 when all is well), and with ``sumsq=True`` also the sum of
+    squares of ``out`` (float64, the same bits whatever the thread count). ``out`` may alias
+    ``parts[0]``."""
     parts = _check(out, parts)
-    return accumulate_unchecked(out, parts, scale)
+    bad, sq = accumulate_unchecked(out, parts, scale, sumsq)
+    return (bad, sq) if sumsq else bad
 
 
-def accumulate_unchecked(out: np.ndarray, parts: tuple[np.ndarray, ...], scale: float = 1.0) -> int:
-    """The engine's entry: no argument checks (the engine's buffers are right by construction)."""
+def accumulate_unchecked(out: np.ndarray, parts: tuple[np.ndarray, ...], scale: float = 1.0,
+                         sumsq: bool = False) -> tuple[int, float]:
+    """The engine's entry, without argument checks (the engine's buffers are right by
+    construction): ``(non-finite count, sum of squares of out or 0.0)``."""
     s = out.dtype.type(scale)
     parallel = out.shape[0] >= SERIAL_BELOW and numba.get_num_threads() > 1
-    if parts[0].dtype == np.uint16:
-        kernels = _par_bf16 if parallel else _ser_bf16
+    widen = _WIDEN.get(parts[0].dtype)
+    if widen is not None:
+        bits = tuple(p.view(np.uint16) for p in parts)
+        kernels = _par_wide if parallel else _ser_wide
         if len(parts) == 2:
-            return int(kernels[1](out, *parts, s))
-        return int(kernels[0](out, parts, s))
-    kernels = _par if parallel else _ser
-    if len(parts) <= 4:
-        return int(kernels[len(parts)](out, *parts, s))
-    return int(kernels[0](out, parts, s))
+            bad, sq = kernels[1](out, *bits, s, sumsq, widen)
+        else:
+            bad, sq = kernels[0](out, bits, s, sumsq, widen)
+    else:
+        kernels = _par if parallel else _ser
+        if len(parts) <= 4:
+            bad, sq = kernels[len(parts)](out, *parts, s, sumsq)
+        else:
+            bad, sq = kernels[0](out, parts, s, sumsq)
+    return int(bad), float(sq)
+
+
+def sum_of_squares(x: np.ndarray) -> float:
+    """Sum of squares of a float32 (or float64) array, with the blocks and order of the kernels
+    above: for a chunk summed across ranks after accumulation (one more read of it)."""
+    return float(_sumsq_blocks(x))
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _sumsq_blocks(x):
+    n = x.shape[0]
+    nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks)
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
+        sq[blk] = _sumsq(x[lo:min(lo + BLOCK, n)])
+    return _ordered_sum(sq)
 
 
 def warm_up(dtype: np.dtype = np.float32, nparts: int = 2) -> None:
-    """Compile (or load from cache) the kernels for ``nparts`` parts, so the first step is not slow."""
+    """Compile (or load from cache) the kernels for ``nparts`` parts of ``dtype`` (float32,
+    float64, uint16 for bf16 bits or float16), so the first step is not slow."""
+    dtype = np.dtype(dtype)
+    out_dtype = np.float32 if dtype in _WIDEN else dtype
     for n in (16, SERIAL_BELOW):
-        out = np.zeros(n, dtype)
-        accumulate_unchecked(out, tuple(np.zeros(n, dtype) for _ in range(nparts)))
+        out = np.zeros(n, out_dtype)
+        for sumsq in (False, True):
+            accumulate_unchecked(out, tuple(np.zeros(n, dtype) for _ in range(nparts)), 1.0, sumsq)
+        sum_of_squares(out)
 
 
 def set_threads(n: int) -> None:

@@ -6,6 +6,7 @@ gradients is the gradient of the global mean loss, also for uneven splits.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -49,3 +50,46 @@ def batch_weights(sizes: list[int], comm: Comm | None) -> tuple[list[float], int
     if comm is not None:
         total = int(comm.allreduce_small(np.array([total], np.float64))[0])
     return [n / total for n in sizes], total
+
+
+def check_micro_batches(k: Any) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"micro_batches must be an int >= 1 (micro-batches per device and step), got {k!r}")
+    return k
+
+
+def split_tree(tree: Any, n: int, k: int) -> list[Any]:
+    """``tree`` (a tensor, or any nesting of tuples, lists and mappings) in ``k`` pieces: every
+    tensor whose first dimension is ``n`` is split as ``torch.tensor_split`` does, every other
+    value goes whole into each piece."""
+    if isinstance(tree, torch.Tensor):
+        if tree.dim() and tree.shape[0] == n:
+            return list(torch.tensor_split(tree, k))
+        return [tree] * k
+    if isinstance(tree, Mapping):
+        split = {key: split_tree(v, n, k) for key, v in tree.items()}
+        return [type(tree)({key: s[i] for key, s in split.items()}) for i in range(k)]
+    if isinstance(tree, (tuple, list)):
+        split = [split_tree(v, n, k) for v in tree]
+        return [type(tree)(s[i] for s in split) for i in range(k)]
+    return [tree] * k
+
+
+def micro_rounds(parts: list[Any], sizes: list[int], total: int, k: int) -> list[tuple[list[Any], list[float]]]:
+    """Each device's part in ``k`` micro-batches, grouped by round: round i holds every device's
+    i-th micro-batch and its weight (its samples / ``total``), so that the weights of all rounds
+    and devices sum to the global batch's. With ``k == 1``: one round, the parts themselves."""
+    if k == 1:
+        return [(list(parts), [n / total for n in sizes])]
+    short = [j for j, n in enumerate(sizes) if n < k]
+    if short:
+        raise ValueError(f"micro_batches={k} needs at least {k} samples on every device, but device "
+                         f"{short[0]} gets {sizes[short[0]]} of this batch; use a larger batch or fewer "
+                         f"micro-batches")
+    split = [split_tree(part, n, k) for part, n in zip(parts, sizes)]
+    return [([s[i] for s in split], [_micro_size(n, k, i) / total for n in sizes]) for i in range(k)]
+
+
+def _micro_size(n: int, k: int, i: int) -> int:
+    """Size of piece i of ``torch.tensor_split`` of n samples into k pieces."""
+    return n // k + (1 if i < n % k else 0)

@@ -12,6 +12,12 @@ with the Numba kernel (nogil, itself multi-threaded), so the result never depend
 Without a comm, the chunk goes straight back to the devices; with one, chunks are posted to the
 comm in plan order (a chunk that is ready early waits for its predecessors, so every rank runs the
 same collectives in the same order), and each comes back when its allreduce completes.
+
+Gradient norm (``want_sumsq``, for clipping): ``sumsq[c]`` is the sum of squares of segment c of
+the averaged gradient. Without a comm the kernel returns it from the summing pass itself; with one,
+the norm must be that of the values summed across ranks, so it is taken after the allreduce, on
+the comm-completion path (one more read of the reduced segment, while it is still in cache).
+:meth:`grad_norm` adds the segments in segment order: the same bits whatever the thread count.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from cgdp.engine.accumulate import accumulate_unchecked, set_threads
+from cgdp.engine.accumulate import accumulate_unchecked, set_threads, sum_of_squares
 from cgdp.engine.backend.base import Device, TraceSink
 from cgdp.comm import Comm
 
@@ -47,6 +53,9 @@ class HostAccumulator:
         self.flats: list[torch.Tensor] = []
         self.returned = threading.Event()
         self.bad: list[int] = []
+        self.want_sumsq = False
+        """Whether this step's segments' sums of squares are computed (``sumsq``)."""
+        self.sumsq: list[float] = []
 
     def set_layout(self, total: int, bounds: list[tuple[int, int]], flats: list[torch.Tensor],
                    labels: list[str]) -> None:
@@ -75,6 +84,7 @@ class HostAccumulator:
         self._next_post = 0
         self._returned = 0
         self.bad = [0] * n
+        self.sumsq = [0.0] * n
         self.returned = threading.Event()
         if n == 0:
             self.returned.set()
@@ -105,7 +115,9 @@ class HostAccumulator:
         g = len(self.devices)
         h = self._host_np
         t0 = time.perf_counter()
-        self.bad[c] = accumulate_unchecked(h[g, lo:hi], tuple(h[j, lo:hi] for j in range(g)))
+        self.bad[c], sq = accumulate_unchecked(h[g, lo:hi], tuple(h[j, lo:hi] for j in range(g)),
+                                               1.0, self.want_sumsq and self.comm is None)
+        self.sumsq[c] = sq
         if self.trace is not None:
             self.trace("host", "accumulate", self.labels[c], t0, time.perf_counter())
         if self.comm is None:
@@ -123,6 +135,9 @@ class HostAccumulator:
         """Comm thread: chunk ``c`` has been summed across all ranks."""
         if self.trace is not None:
             self.trace("host", "comm", self.labels[c], t_post, time.perf_counter())
+        if self.want_sumsq:  # the global norm: of the values summed across ranks (one more read)
+            lo, hi = self.bounds[c]
+            self.sumsq[c] = sum_of_squares(self._host_np[-1, lo:hi])
         self._give_back(c)
 
     def _give_back(self, c: int) -> None:
@@ -135,6 +150,13 @@ class HostAccumulator:
             last = self._returned == len(self.bounds)
         if last:
             self.returned.set()
+
+    def sum_of_squares(self) -> float:
+        """Of this step's averaged gradient, once every segment is back (segment order)."""
+        total = 0.0
+        for sq in self.sumsq:
+            total += sq
+        return total
 
     def drain(self, timeout: float = 30.0) -> bool:
         """Wait until the accumulator thread has finished what was queued (after a failed step)."""

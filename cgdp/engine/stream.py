@@ -18,8 +18,10 @@ and :meth:`bad_count` → :meth:`set_untouched`. :meth:`set_plan` only between s
 """
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +33,7 @@ from cgdp.engine.flatgrad import Layout, attach_grads, make_layout
 from cgdp.engine.hooks import DeviceHooks
 from cgdp.engine.host import HostAccumulator
 from cgdp.engine.sync import Guard
+from cgdp.engine.update import device_norm, scale_gradients
 from cgdp.planning.chunks import Plan
 
 
@@ -115,6 +118,18 @@ class GradientStream:
             lo, hi = self.layout.segments[s]
             dev.send(flat[lo:hi], slot[lo:hi], partial(self.host.arrived, j, s), label)
 
+    @contextmanager
+    def holding(self, j: int) -> Iterator[None]:
+        """A backward of device j inside this context keeps its gradients on the device (they add
+        up in the flat buffer; the hooks only mark parameters touched): micro-batches before the
+        last. Entered and left on the thread that runs device j's backward."""
+        hooks = self.hooks[j]
+        hooks.streaming = False
+        try:
+            yield
+        finally:
+            hooks.streaming = self.streaming
+
     def flush(self, j: int) -> None:
         """After device j's backward: send the chunks it never completed (unused layers)."""
         if self.streaming:
@@ -147,6 +162,34 @@ class GradientStream:
             return "see the gradients of replica 0"
         chunks = sorted({self.layout.segment_chunk[s] for s, b in enumerate(self.host.bad) if b})
         return ", ".join(names[i] or "<root>" for c in chunks for i in self.layout.plan[c]) or "unknown"
+
+    @property
+    def want_norm(self) -> bool:
+        """Whether the host computes the gradient norm while it sums (set between steps)."""
+        return self.host is not None and self.host.want_sumsq
+
+    @want_norm.setter
+    def want_norm(self, on: bool) -> None:
+        if self.host is not None:
+            self.host.want_sumsq = bool(on)
+
+    def grad_norm(self) -> float:
+        """The total 2-norm of this step's averaged gradient (over every rank, when the host
+        sums across ranks), once the gradients are back (after :meth:`wait_returned` on every
+        device). With a host accumulator (``want_norm`` set before the step) it was computed while
+        summing, with no extra pass over the gradient; otherwise from device 0's flat buffer,
+        which then holds the averaged gradient."""
+        if self.host is not None:
+            if not self.host.want_sumsq:
+                raise RuntimeError("set stream.want_norm = True before the step to get its gradient norm")
+            return math.sqrt(self.host.sum_of_squares())
+        return device_norm(self.flats[0])
+
+    def scale_grads(self, coef: torch.Tensor, j: int | None = None) -> None:
+        """Multiply device j's gradients (every device's if ``j`` is None) by ``coef``, e.g. the
+        clipping coefficient; on the thread that drives device j."""
+        for flat in (self.flats if j is None else [self.flats[j]]):
+            scale_gradients(flat, coef)
 
     def set_untouched(self, touched: np.ndarray) -> None:
         """Parameters that got no gradient on any device (of any rank) get ``.grad = None``."""

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from cgdp.engine.backend import make_devices, parse_devices
-from cgdp.engine.batch import batch_weights, split_batch
+from cgdp.engine.batch import batch_weights, check_micro_batches, micro_rounds, split_batch
 from cgdp.engine.buffers import sync_buffers
 from cgdp.engine.drain import drain_after_failure, quiesce
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
@@ -48,6 +48,7 @@ from cgdp.engine.sync import Guard
 from cgdp.engine.threads import DeviceThreads
 from cgdp.engine.timing import build_profile, build_trace, step_stats
 from cgdp.engine.typical import broadcast_parameters, gather_on_first
+from cgdp.engine.update import Schedulers, check_hyperparameters, check_max_norm, clip_coefficient
 
 MODES = ("cgdp", "typical", "single")
 
@@ -76,12 +77,21 @@ class Trainer:
         profile: profile every step (``.last_profile``); ``profile_next()`` profiles one.
         segment_bytes: chunks larger than this travel in segments of this size, so that copy
             out, host sum and copy back of one chunk overlap (see :mod:`cgdp.engine.flatgrad`).
+        scheduler: ``optimizer -> LRScheduler``; one scheduler per replica, stepped after every
+            applied update, saved in ``state_dict()``.
+        clip_grad_norm: clip the averaged gradient to this total 2-norm, as
+            ``torch.nn.utils.clip_grad_norm_`` on one device; ``stats["grad_norm"]`` holds the
+            norm before clipping. The host computes it while it sums (:mod:`cgdp.engine.update`).
+        micro_batches: split each device's part into this many micro-batches whose gradients
+            accumulate on the device; chunks travel during the last micro-batch's backward only.
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
                  devices: Sequence[str], *, mode: str = "cgdp", chunks: int | Plan | str = 1,
                  comm: None | str | Comm = None, timeout_s: float | None = 300.0,
-                 profile: bool = False, segment_bytes: int = 4 << 20):
+                 profile: bool = False, segment_bytes: int = 4 << 20,
+                 scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+                 clip_grad_norm: float | None = None, micro_batches: int = 1):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not isinstance(model, nn.Module):
@@ -104,6 +114,8 @@ class Trainer:
         if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1024:
             raise ValueError(f"segment_bytes must be an int >= 1024, got {segment_bytes!r}")
         self._segment = segment_bytes
+        self._max_norm = check_max_norm(clip_grad_norm)
+        self._micro = check_micro_batches(micro_batches)
 
         self.mode = mode
         self.devices = list(devices)
@@ -136,6 +148,7 @@ class Trainer:
         self._comm: Comm | None = None
         try:
             self._build(model, optimizer, chunks, comm)
+            self._schedulers = Schedulers(scheduler, self.optimizers)
         except BaseException:
             self.close()
             raise
@@ -164,6 +177,7 @@ class Trainer:
             streaming=self.mode == "cgdp", guard=self._guard, comm=self._comm,
             host_threads=self._host_threads())
         self._stream.set_plan(plan)
+        self._stream.want_norm = self._max_norm is not None
 
     def _initial_plan(self, chunks: int | Plan | str) -> Plan:
         """The plan of the first step: given, or the tuner's first (``self.tuner``)."""
@@ -221,11 +235,13 @@ class Trainer:
         self._check_usable()
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+        check_hyperparameters(self.optimizers)  # before anything runs: a mismatch changes nothing
         parts, sizes = split_batch(inputs, targets, len(self._devs))             # 1. split
         for d in self._devs:
             d.check_caller()
         weights, total = batch_weights(sizes, self._comm)
         self._weights = weights
+        rounds = micro_rounds(parts, sizes, total, self._micro)
 
         tuning = self._tuner_plan()
         profiling = self._profile_always or self._profile_once or bool(
@@ -237,6 +253,8 @@ class Trainer:
         t_start = time.perf_counter()
         phase = "forward"
         try:
+            held = self._hold_micro_batches(rounds[:-1], loss_fn)  # micro-batches 1..k-1, if any
+            parts, weights = rounds[-1]
             fw = self._forward_all(parts, loss_fn)                                   # 2. forward
             losses = [f[0] for f in fw]
             phase = "backward"
@@ -244,10 +262,11 @@ class Trainer:
             # ranks) and copies it back, while backward goes on; returns when all are back
             bw = self._threads.run_all(lambda j: self._backward_on(j, losses[j], weights[j]))
             t_bw = time.perf_counter()
-            loss = self._finish_backward([b[0] for b in bw], weights)                # 7. check,
+            loss = self._finish_backward([b[0] for b in bw] + held[0], weights + held[1])  # 7.
+            coef = self._clip()                                                      #    clip,
             phase = "update"
             t_up = time.perf_counter()
-            self._update()                                                           #    update
+            self._update(coef)                                                       #    update
             t_end = time.perf_counter()
         except NonFiniteGradientError:
             # a clean rejection: every collective and copy of the step has completed, and every
@@ -258,6 +277,9 @@ class Trainer:
             raise
         self.step_count += 1
         self.stats = step_stats(fw, bw, t_start, t_bw, t_up, t_end, total)
+        self.stats["forward_s"] += held[2]
+        if coef is not None:
+            self.stats["grad_norm"] = self._grad_norm
         if profiling or tracing:
             self._collect(t_start, [b[4] for b in bw], profiling, tracing)
         if tuning:
@@ -270,7 +292,8 @@ class Trainer:
                 "optimizer": self.optimizers[0].state_dict(),
                 "step": self.step_count, "plan": self.plan,
                 "device_rng": [st.clone() for st in self._rng.states],
-                "tuner": self.tuner.state_dict() if self.tuner is not None else None}
+                "tuner": self.tuner.state_dict() if self.tuner is not None else None,
+                "scheduler": self._schedulers.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._check_usable()
@@ -279,6 +302,7 @@ class Trainer:
             # each replica needs its own copy: load_state_dict keeps tensors that already have
             # the right dtype and device, and two optimizers sharing one state corrupt each other
             opt.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self._schedulers.load_state_dict(state.get("scheduler"))
         self.step_count = int(state.get("step", 0))
         if state.get("device_rng") is not None and len(state["device_rng"]) == len(self._devs):
             self._rng.states = [st.clone() for st in state["device_rng"]]
@@ -373,6 +397,23 @@ class Trainer:
                              "check that loss_fn uses the model output")
         return loss
 
+    def _hold_micro_batches(self, rounds, loss_fn) -> tuple[list[float], list[float], float]:
+        """Forward and backward of micro-batches 1..k-1 on every device; the gradients add up in
+        the flat buffers and the hooks send nothing. Returns their losses, weights and seconds."""
+        values: list[float] = []
+        weights: list[float] = []
+        t0 = time.perf_counter()
+        for parts, w in rounds:
+            fw = self._forward_all(parts, loss_fn)
+            values += self._threads.run_all(lambda j: self._held_backward_on(j, fw[j][0], w[j]))
+            weights += w
+        return values, weights, time.perf_counter() - t0
+
+    def _held_backward_on(self, j: int, loss: torch.Tensor, w: float) -> float:
+        with self._stream.holding(j):
+            torch.autograd.backward(loss, grad_tensors=torch.full((), w, dtype=loss.dtype, device=loss.device))
+        return float(loss.detach())
+
     def _backward_on(self, j: int, loss: torch.Tensor, w: float) -> tuple[float, float, float, float]:
         dev = self._devs[j]
         timed = self._events is not None
@@ -396,10 +437,14 @@ class Trainer:
         loss = math.fsum(w * l for w, l in zip(weights, losses))
         if self.mode == "typical":
             bad = gather_on_first(self._stream.flats)
+        # the clipping norm: rank 0's value on every rank (all computed it from the same reduced
+        # values, but a CPU with other vector widths may round the last bits differently)
+        self._grad_norm = self._stream.grad_norm() if self._max_norm is not None else 0.0
         if self._comm is not None:
             self._comm.fence(self._timeout_s)
-            vec = self._comm.allreduce_small(np.concatenate([[loss, bad], touched]))
-            loss, bad, touched = float(vec[0]), float(vec[1]), vec[2:]
+            norm0 = self._grad_norm if self._comm.rank == 0 else 0.0
+            vec = self._comm.allreduce_small(np.concatenate([[loss, bad, norm0], touched]))
+            loss, bad, self._grad_norm, touched = float(vec[0]), float(vec[1]), float(vec[2]), vec[3:]
         if bad:
             raise NonFiniteGradientError(
                 f"the averaged gradient has {int(bad)} NaN/Inf value(s) (layers: "
@@ -408,18 +453,27 @@ class Trainer:
         self._stream.set_untouched(touched)
         return loss
 
-    def _update(self) -> None:
+    def _clip(self) -> torch.Tensor | None:
+        """The clipping coefficient of this step (``None`` without clipping)."""
+        return None if self._max_norm is None else clip_coefficient(self._grad_norm, self._max_norm)
+
+    def _update(self, coef: torch.Tensor | None) -> None:
         if self.mode == "typical":
             t0 = time.perf_counter()
+            if coef is not None:
+                self._stream.scale_grads(coef, 0)
             self.optimizers[0].step()
             self._span(self._devs[0].name, "update", t0)
             broadcast_parameters(self._params)
         else:
-            self._threads.run_all(self._update_on)
+            self._threads.run_all(lambda j: self._update_on(j, coef))
         sync_buffers(self._buffers, self._weights, self._comm)
+        self._schedulers.step()
 
-    def _update_on(self, j: int) -> None:
+    def _update_on(self, j: int, coef: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
+        if coef is not None:
+            self._stream.scale_grads(coef, j)
         self.optimizers[j].step()
         self._span(self._devs[j].name, "update", t0)
 

@@ -1,0 +1,122 @@
+"""Step 7 of the data path, around the optimizers: the checks and the changes every replica shares.
+
+The replicas stay bitwise identical only if every device applies the same update to the same
+averaged gradient. This module holds what the trainer does to all of them alike:
+
+* :func:`check_hyperparameters`: before each update, every optimizer's param-group values (not its
+  state) must equal optimizer 0's. A change made on one replica only (``optimizers[0]``'s
+  ``lr``, a scheduler built for one optimizer) is an error, never a silent drift. The check reads
+  a few dozen Python values per step.
+* :class:`Schedulers`: one learning-rate scheduler per optimizer, from the user's factory,
+  stepped together after every applied update (never after a rejected one), saved as one.
+* :func:`clip_coefficient` and :func:`scale_gradients`: gradient clipping exactly as
+  ``torch.nn.utils.clip_grad_norm_`` does on one device: ``coef = max_norm / (norm + 1e-6)``,
+  clamped to 1, multiplied into every gradient (including when it is 1, as torch does). The norm
+  comes from the host (:meth:`cgdp.engine.stream.GradientStream.grad_norm`) or, without a host
+  accumulator, from :func:`device_norm`.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+class HyperparameterMismatchError(ValueError):
+    """The optimizers' param groups differ between replicas; the update was not applied."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        return a.shape == b.shape and torch.equal(a.detach().cpu(), b.detach().cpu())
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Raise :class:`HyperparameterMismatchError` if any optimizer's param-group values (every key
+    but ``params``) differ from optimizer 0's."""
+    first = optimizers[0].param_groups
+    for j, opt in enumerate(optimizers[1:], start=1):
+        groups = opt.param_groups
+        if len(groups) != len(first):
+            raise HyperparameterMismatchError(
+                f"optimizer {j} has {len(groups)} param group(s) but optimizer 0 has {len(first)}; "
+                f"every replica's optimizer must have the same groups. The update was not applied")
+        for g, (a, b) in enumerate(zip(first, groups)):
+            keys = (set(a) | set(b)) - {"params"}
+            for key in sorted(keys):
+                if key not in a or key not in b or not _same(a[key], b[key]):
+                    raise HyperparameterMismatchError(
+                        f"trainer.optimizers[{j}].param_groups[{g}][{key!r}] is {b.get(key)!r} but "
+                        f"optimizers[0] has {a.get(key)!r}: the replicas would drift apart, so the "
+                        f"update was not applied. Change a hyperparameter on every optimizer "
+                        f"(for opt in trainer.optimizers: opt.param_groups[{g}][{key!r}] = ...), or "
+                        f"pass Trainer(..., scheduler=lambda opt: ...) to schedule it")
+
+
+class Schedulers:
+    """One scheduler per optimizer, built by ``factory(optimizer)``, stepped together."""
+
+    def __init__(self, factory: Callable[[torch.optim.Optimizer], Any] | None,
+                 optimizers: Sequence[torch.optim.Optimizer]):
+        if factory is not None and not callable(factory):
+            raise TypeError("scheduler must be a callable that takes an optimizer and returns a "
+                            "scheduler, e.g. lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10), "
+                            "so that each replica gets its own")
+        self.schedulers: list[Any] = []
+        if factory is None:
+            return
+        for opt in optimizers:
+            s = factory(opt)
+            if not (callable(getattr(s, "step", None)) and callable(getattr(s, "state_dict", None))):
+                raise TypeError(f"scheduler(opt) must return a learning-rate scheduler (with step() "
+                                f"and state_dict()), got {type(s).__name__}")
+            self.schedulers.append(s)
+
+    def step(self) -> None:
+        """After an applied update, on every replica alike."""
+        for s in self.schedulers:
+            s.step()
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.schedulers[0].state_dict() if self.schedulers else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state is None or not self.schedulers:
+            return
+        for s in self.schedulers:
+            s.load_state_dict(copy.deepcopy(state))  # each its own copy, as for the optimizers
+
+
+def check_max_norm(max_norm: float | None) -> float | None:
+    if max_norm is None:
+        return None
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0 \
+            or not math.isfinite(max_norm):
+        raise ValueError(f"clip_grad_norm must be a positive finite number (the max 2-norm) or None, "
+                         f"got {max_norm!r}")
+    return float(max_norm)
+
+
+def clip_coefficient(norm: float, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (norm + 1e-6))``, computed in float32 as torch's clip_grad_norm_ does
+    for float32 gradients."""
+    total = torch.tensor(norm, dtype=torch.float32)
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def device_norm(flat: torch.Tensor) -> float:
+    """The 2-norm of one flat gradient buffer, accumulated in float64 (no host accumulator)."""
+    # note: CPU-GPU sync point
+    return float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+
+
+def scale_gradients(flat: torch.Tensor, coef: torch.Tensor) -> None:
+    """``flat *= coef`` on its device (every gradient is a view into ``flat``)."""
+    flat.mul_(coef.to(flat.device, non_blocking=True))
