@@ -2,7 +2,9 @@
 
 Buffers (owned here, alive for the whole run): ``slots[j]`` receives device j's chunks (D2H), and
 ``acc`` holds the averaged gradient that goes back to every device (H2D); pinned on CUDA. That is
-(G + 1) × the gradient bytes of host memory.
+(G + 1) × the gradient bytes of host memory. For bf16/fp16 parameters (:mod:`cgdp.engine.precision`)
+``acc`` is a float32 row of its own, and the copy-back row (16-bit) receives each averaged chunk
+rounded once, just before it goes back: (G + 1) × 2 + 4 bytes per element.
 
 The host works on segments of chunks (:mod:`cgdp.engine.flatgrad`); "chunk" below means either.
 
@@ -32,6 +34,7 @@ import torch
 
 from cgdp.engine.accumulate import accumulate_unchecked, set_threads, sum_of_squares
 from cgdp.engine.backend.base import Device, TraceSink
+from cgdp.engine.precision import host_array, sum_dtype
 from cgdp.comm import Comm
 
 
@@ -62,9 +65,16 @@ class HostAccumulator:
         """Called between steps only, when no copy is in flight."""
         if total != self.total:
             g = len(self.devices)
-            # one allocation: rows 0..G-1 are the devices' slots, row G the accumulator
+            # one allocation: rows 0..G-1 are the devices' slots, row G what goes back (the
+            # accumulator itself, unless the sum is wider than the gradients)
             self._host = self.devices[0].host_empty((g + 1, max(total, 1)), self.dtype)
-            self._host_np = self._host.numpy()
+            self._host_np = host_array(self._host)
+            wide = sum_dtype(self.dtype)
+            if wide == self.dtype:
+                self._sum = self._host[g]
+            else:
+                self._sum = self.devices[0].host_empty((max(total, 1),), wide)
+            self._sum_np = self._sum.numpy()
             self.total = total
         self.bounds = list(bounds)
         self.labels = list(labels)
@@ -72,7 +82,8 @@ class HostAccumulator:
 
     @property
     def acc(self) -> np.ndarray:
-        return self._host_np[-1, :self.total]
+        """The averaged gradient (in the summing dtype)."""
+        return self._sum_np[:self.total]
 
     def slot(self, j: int) -> torch.Tensor:
         return self._host[j]
@@ -115,7 +126,7 @@ class HostAccumulator:
         g = len(self.devices)
         h = self._host_np
         t0 = time.perf_counter()
-        self.bad[c], sq = accumulate_unchecked(h[g, lo:hi], tuple(h[j, lo:hi] for j in range(g)),
+        self.bad[c], sq = accumulate_unchecked(self._sum_np[lo:hi], tuple(h[j, lo:hi] for j in range(g)),
                                                1.0, self.want_sumsq and self.comm is None)
         self.sumsq[c] = sq
         if self.trace is not None:
@@ -128,7 +139,7 @@ class HostAccumulator:
         while self._next_post < len(self.bounds) and self._ready[self._next_post]:
             k = self._next_post
             klo, khi = self.bounds[k]
-            self.comm.post(k, h[g, klo:khi], partial(self._reduced, k, time.perf_counter()))
+            self.comm.post(k, self._sum_np[klo:khi], partial(self._reduced, k, time.perf_counter()))
             self._next_post += 1
 
     def _reduced(self, c: int, t_post: float) -> None:
@@ -137,12 +148,14 @@ class HostAccumulator:
             self.trace("host", "comm", self.labels[c], t_post, time.perf_counter())
         if self.want_sumsq:  # the global norm: of the values summed across ranks (one more read)
             lo, hi = self.bounds[c]
-            self.sumsq[c] = sum_of_squares(self._host_np[-1, lo:hi])
+            self.sumsq[c] = sum_of_squares(self._sum_np[lo:hi])
         self._give_back(c)
 
     def _give_back(self, c: int) -> None:
         lo, hi = self.bounds[c]
         src = self._host[-1, lo:hi]
+        if self._sum.dtype != self.dtype:  # the float32 average, rounded once (one more pass)
+            src.copy_(self._sum[lo:hi])
         for dev, flat in zip(self.devices, self.flats):
             dev.give_back(src, flat[lo:hi], self.labels[c])
         with self._lock:
@@ -167,6 +180,6 @@ class HostAccumulator:
     def close(self) -> None:
         self._q.put(None)
         self._thread.join(timeout=10)
-        self._host = None
-        self._host_np = None
+        self._host = self._sum = None
+        self._host_np = self._sum_np = None
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from cgdp.engine.precision import PARAMETER_DTYPES
+
 
 @dataclass(frozen=True)
 class LayerInfo:
@@ -49,14 +51,16 @@ def find_layers(model: nn.Module) -> tuple[list[LayerInfo], list[list[nn.Paramet
 
 
 def trainable_dtype(params: list[list[nn.Parameter]]) -> torch.dtype:
-    """The one floating dtype of all trainable parameters (the flat buffers use it)."""
+    """The one floating dtype of all trainable parameters (the flat buffers use it): float32,
+    float64, bfloat16 or float16 (the host sums 16-bit gradients in float32,
+    :mod:`cgdp.engine.precision`)."""
     dtypes = {p.dtype for layer in params for p in layer}
     if len(dtypes) != 1:
         raise TypeError(f"all trainable parameters must share one dtype for the flat gradient buffer; "
-                        f"found {sorted(str(d) for d in dtypes)}. Cast the model with .float() first")
+                        f"found {sorted(str(d) for d in dtypes)}. Cast the whole model first, e.g. "
+                        f"model.float() or model.to(torch.bfloat16)")
     dtype = dtypes.pop()
-    if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"trainable parameters are {dtype}; cgdp averages float32 (or float64) gradients "
-                        f"on the host. Keep master weights in float32 (use torch.autocast for "
-                        f"low-precision compute)")
+    if dtype not in PARAMETER_DTYPES:
+        raise TypeError(f"trainable parameters are {dtype}; cgdp trains float32, float64, bfloat16 or "
+                        f"float16 parameters. Cast the model, e.g. model.float()")
     return dtype

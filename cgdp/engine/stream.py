@@ -32,6 +32,7 @@ from cgdp.engine.backend.base import Device, TraceSink
 from cgdp.engine.flatgrad import Layout, attach_grads, make_layout
 from cgdp.engine.hooks import DeviceHooks
 from cgdp.engine.host import HostAccumulator
+from cgdp.engine.precision import kernel_dtype
 from cgdp.engine.sync import Guard
 from cgdp.engine.update import device_norm, scale_gradients
 from cgdp.planning.chunks import Plan
@@ -64,7 +65,7 @@ class GradientStream:
             self.hooks.append(hooks)
         if streaming:
             from cgdp.engine.accumulate import warm_up
-            warm_up(np.dtype(str(dtype).replace("torch.", "")), len(self.devs))
+            warm_up(kernel_dtype(dtype), len(self.devs))
             self.host = HostAccumulator(self.devs, dtype, guard.fail, comm, host_threads)
 
     @property

@@ -9,12 +9,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cgdp.engine.precision import sum_dtype
+
 
 def gather_on_first(flats: list[torch.Tensor]) -> float:
-    """Device 0's flat buffer ← the sum of every device's, in device order; the NaN/Inf count."""
+    """Device 0's flat buffer ← the sum of every device's, in device order; the NaN/Inf count.
+    16-bit gradients are summed in float32 and rounded once, as the host does."""
     first = flats[0]
+    total = first.to(sum_dtype(first.dtype))  # first itself for float32/float64
     for flat in flats[1:]:
-        first.add_(flat.to(first.device, non_blocking=True))
+        total.add_(flat.to(first.device, non_blocking=True))
+    if total is not first:
+        first.copy_(total)
     return float((~torch.isfinite(first)).sum())  # note: CPU-GPU sync point
 
 
