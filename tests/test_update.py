@@ -78,14 +78,16 @@ def test_clipping_above_the_norm_changes_nothing():
     assert norms[0] > 0
 
 
-def test_host_norm_is_the_global_norm_across_ranks():
-    """2 in-process ranks × 2 devices, 11 samples: the norm is that of the allreduced gradient."""
+@pytest.mark.parametrize("micro", [1, 2])
+def test_host_norm_is_the_global_norm_across_ranks(micro):
+    """2 in-process ranks × 2 devices, 11 samples: the norm is that of the allreduced gradient
+    (also with micro-batches)."""
     model, data = mlp(), batches(3, 11)
     ref, ref_norms, _ = reference(model, SGD, data, clip=MAX_NORM)
 
     def rank(comm):
         with cgdp.Trainer(model, SGD, devs(2), comm=comm, timeout_s=30, clip_grad_norm=MAX_NORM,
-                          chunks=1) as tr:
+                          chunks=1, micro_batches=micro) as tr:
             norms = []
             for x, y in data:
                 tr.step(torch.tensor_split(x, 2)[comm.rank], torch.tensor_split(y, 2)[comm.rank],
@@ -223,3 +225,35 @@ def test_changing_one_replica_only_is_an_error_and_the_trainer_stays_usable():
         tr.optimizers[2].param_groups[0]["momentum"] = 0.5
         with pytest.raises(ValueError, match=r"optimizers\[2\].*'momentum'"):
             tr.step(*data[1], F.cross_entropy)
+
+
+def test_ranks_with_different_hyperparameters_reject_the_step_together():
+    model, data = mlp(), batches(2, 8)
+
+    def rank(comm):
+        with cgdp.Trainer(model, SGD, devs(2), comm=comm, timeout_s=30) as tr:
+            x, y = (torch.tensor_split(t, 2)[comm.rank] for t in data[0])
+            tr.step(x, y, F.cross_entropy)
+            if comm.rank == 1:
+                for opt in tr.optimizers:
+                    opt.param_groups[0]["lr"] = 0.01  # every replica of rank 1, not rank 0's
+            with pytest.raises(HyperparameterMismatchError, match="differ between MPI ranks"):
+                tr.step(x, y, F.cross_entropy)
+            tr.optimizers[1].param_groups[0]["lr"] = 0.02  # now one replica of every rank
+            with pytest.raises(HyperparameterMismatchError, match=r"optimizers\[1\]"):
+                tr.step(x, y, F.cross_entropy)
+            for opt in tr.optimizers:
+                opt.param_groups[0]["lr"] = 0.02
+            tr.step(x, y, F.cross_entropy)  # agreed again: training goes on
+            return {k: v.clone() for k, v in tr.replicas[0].state_dict().items()}
+
+    sd0, sd1 = on_ranks(2, rank, timeout_s=30)
+    for k in sd0:
+        assert torch.equal(sd0[k], sd1[k])
+
+
+def test_scheduler_in_typical_mode():
+    model, data = mlp(), batches(4, 10)
+    ref, _, _ = reference(model, SGD, data, scheduler=STEP_LR)
+    got, _, _, _ = train(model, SGD, devs(3), data, mode="typical", scheduler=STEP_LR)
+    assert_params_close(got, ref)

@@ -48,7 +48,8 @@ from cgdp.engine.sync import Guard
 from cgdp.engine.threads import DeviceThreads
 from cgdp.engine.timing import build_profile, build_trace, step_stats
 from cgdp.engine.typical import broadcast_parameters, gather_on_first
-from cgdp.engine.update import Schedulers, check_hyperparameters, check_max_norm, clip_coefficient
+from cgdp.engine.update import (HyperparameterMismatchError, Schedulers, check_digests, check_hyperparameters,
+                                check_max_norm, clip_coefficient, hyperparameter_digest)
 
 MODES = ("cgdp", "typical", "single")
 
@@ -77,13 +78,11 @@ class Trainer:
         profile: profile every step (``.last_profile``); ``profile_next()`` profiles one.
         segment_bytes: chunks larger than this travel in segments of this size, so that copy
             out, host sum and copy back of one chunk overlap (see :mod:`cgdp.engine.flatgrad`).
-        scheduler: ``optimizer -> LRScheduler``; one scheduler per replica, stepped after every
-            applied update, saved in ``state_dict()``.
-        clip_grad_norm: clip the averaged gradient to this total 2-norm, as
-            ``torch.nn.utils.clip_grad_norm_`` on one device; ``stats["grad_norm"]`` holds the
-            norm before clipping. The host computes it while it sums (:mod:`cgdp.engine.update`).
-        micro_batches: split each device's part into this many micro-batches whose gradients
-            accumulate on the device; chunks travel during the last micro-batch's backward only.
+        scheduler: ``optimizer -> LRScheduler``, one per replica, stepped after each applied update.
+        clip_grad_norm: clip the averaged gradient's total 2-norm as ``clip_grad_norm_`` does on one
+            device (:mod:`cgdp.engine.update`); ``stats["grad_norm"]``: the norm before clipping.
+        micro_batches: micro-batches per device part, accumulated on the device; chunks travel
+            during the last one's backward only.
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
@@ -235,7 +234,8 @@ class Trainer:
         self._check_usable()
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
-        check_hyperparameters(self.optimizers)  # before anything runs: a mismatch changes nothing
+        if self._comm is None:  # before anything runs (with a comm: in the step's allreduce)
+            check_hyperparameters(self.optimizers)
         parts, sizes = split_batch(inputs, targets, len(self._devs))             # 1. split
         for d in self._devs:
             d.check_caller()
@@ -263,12 +263,12 @@ class Trainer:
             bw = self._threads.run_all(lambda j: self._backward_on(j, losses[j], weights[j]))
             t_bw = time.perf_counter()
             loss = self._finish_backward([b[0] for b in bw] + held[0], weights + held[1])  # 7.
-            coef = self._clip()                                                      #    clip,
+            coef = clip_coefficient(self._grad_norm, self._max_norm)                 #    clip,
             phase = "update"
             t_up = time.perf_counter()
             self._update(coef)                                                       #    update
             t_end = time.perf_counter()
-        except NonFiniteGradientError:
+        except (NonFiniteGradientError, HyperparameterMismatchError):
             # a clean rejection: every collective and copy of the step has completed, and every
             # rank saw the same flag, so nothing needs recovering and training can go on
             raise
@@ -443,8 +443,10 @@ class Trainer:
         if self._comm is not None:
             self._comm.fence(self._timeout_s)
             norm0 = self._grad_norm if self._comm.rank == 0 else 0.0
-            vec = self._comm.allreduce_small(np.concatenate([[loss, bad, norm0], touched]))
-            loss, bad, self._grad_norm, touched = float(vec[0]), float(vec[1]), float(vec[2]), vec[3:]
+            digest = hyperparameter_digest(self.optimizers)
+            vec = self._comm.allreduce_small(np.concatenate([[loss, bad, norm0], digest, touched]))
+            loss, bad, self._grad_norm, touched = float(vec[0]), float(vec[1]), float(vec[2]), vec[6:]
+            check_digests(vec[3:6], self._comm.size, self.optimizers)
         if bad:
             raise NonFiniteGradientError(
                 f"the averaged gradient has {int(bad)} NaN/Inf value(s) (layers: "
@@ -452,10 +454,6 @@ class Trainer:
                 f"check the inputs, or clip gradients")
         self._stream.set_untouched(touched)
         return loss
-
-    def _clip(self) -> torch.Tensor | None:
-        """The clipping coefficient of this step (``None`` without clipping)."""
-        return None if self._max_norm is None else clip_coefficient(self._grad_norm, self._max_norm)
 
     def _update(self, coef: torch.Tensor | None) -> None:
         if self.mode == "typical":
@@ -468,7 +466,7 @@ class Trainer:
         else:
             self._threads.run_all(lambda j: self._update_on(j, coef))
         sync_buffers(self._buffers, self._weights, self._comm)
-        self._schedulers.step()
+        self._schedulers.step(only_first_stepped=self.mode == "typical")
 
     def _update_on(self, j: int, coef: torch.Tensor | None) -> None:
         t0 = time.perf_counter()

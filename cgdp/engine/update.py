@@ -18,7 +18,10 @@ averaged gradient. This module holds what the trainer does to all of them alike:
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
+import re
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -60,6 +63,42 @@ def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                         f"pass Trainer(..., scheduler=lambda opt: ...) to schedule it")
 
 
+def hyperparameter_digest(optimizers: Sequence[torch.optim.Optimizer]) -> list[float]:
+    """What MPI ranks compare, in the step's one small allreduce: ``[mismatch, h, h * h]``, with
+    ``mismatch`` 1 if this rank's optimizers disagree and ``h`` a 16-bit hash of optimizer 0's
+    param-group values. Summed over R ranks, the values agree iff ``R * Σh² == (Σh)²`` (exact in
+    float64), so every rank reaches the same verdict and rejects the same step."""
+    try:
+        check_hyperparameters(optimizers)
+        mismatch = 0.0
+    except HyperparameterMismatchError:
+        mismatch = 1.0
+    text = repr([sorted(((k, _plain(v)) for k, v in g.items() if k != "params"), key=str)
+                 for g in optimizers[0].param_groups])
+    h = float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:2], "little"))
+    return [mismatch, h, h * h]
+
+
+def _plain(v: Any) -> Any:
+    return v.detach().cpu().tolist() if isinstance(v, torch.Tensor) else v
+
+
+def check_digests(summed: Sequence[float], ranks: int, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Raise on every rank if :func:`hyperparameter_digest` summed over ``ranks`` shows a difference."""
+    mismatch, h, hh = summed
+    if mismatch:
+        check_hyperparameters(optimizers)  # this rank's own message, if it is the one that differs
+        raise HyperparameterMismatchError(
+            "the optimizers' hyperparameters differ between the replicas of another rank; the update "
+            "was not applied. Change hyperparameters on every optimizer of every rank, or use "
+            "Trainer(..., scheduler=lambda opt: ...)")
+    if ranks * hh != h * h:
+        raise HyperparameterMismatchError(
+            "the optimizers' hyperparameters (param-group values such as lr) differ between MPI "
+            "ranks; the update was not applied. Change them the same way on every rank, or use "
+            "Trainer(..., scheduler=lambda opt: ...)")
+
+
 class Schedulers:
     """One scheduler per optimizer, built by ``factory(optimizer)``, stepped together."""
 
@@ -79,10 +118,15 @@ class Schedulers:
                                 f"and state_dict()), got {type(s).__name__}")
             self.schedulers.append(s)
 
-    def step(self) -> None:
-        """After an applied update, on every replica alike."""
-        for s in self.schedulers:
-            s.step()
+    def step(self, only_first_stepped: bool = False) -> None:
+        """After an applied update, on every replica alike. ``only_first_stepped``: mode
+        ``typical``, where only optimizer 0 steps (the others' replicas are overwritten) and torch
+        would warn that the other schedulers step before their optimizer."""
+        with warnings.catch_warnings():
+            if only_first_stepped:
+                warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            for s in self.schedulers:
+                s.step()
 
     def state_dict(self) -> dict[str, Any] | None:
         return self.schedulers[0].state_dict() if self.schedulers else None
@@ -104,9 +148,11 @@ def check_max_norm(max_norm: float | None) -> float | None:
     return float(max_norm)
 
 
-def clip_coefficient(norm: float, max_norm: float) -> torch.Tensor:
+def clip_coefficient(norm: float, max_norm: float | None) -> torch.Tensor | None:
     """``min(1, max_norm / (norm + 1e-6))``, computed in float32 as torch's clip_grad_norm_ does
-    for float32 gradients."""
+    for float32 gradients; ``None`` without clipping (``max_norm`` None)."""
+    if max_norm is None:
+        return None
     total = torch.tensor(norm, dtype=torch.float32)
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
