@@ -153,20 +153,19 @@ def _half_to_f32(typingctx, u):
 
 
 @njit(nogil=True, inline="always", cache=True)
-def widen_bf16(u):
+def widen(u, half):
+    """16-bit bits to float32: IEEE half if ``half``, else bfloat16. ``half`` is the same for a
+    whole loop: LLVM unswitches the loop on it and vectorises each version."""
+    if half:
+        return _half_to_f32(u)
     return _bits_to_f32(np.uint32(u) << np.uint32(16))
 
 
-@njit(nogil=True, inline="always", cache=True)
-def widen_f16(u):
-    return _half_to_f32(u)
-
-
 @_loop
-def _wset2s(o, a, b, s, widen):
+def _wset2s(o, a, b, s, half):
     nb = 0
     for i in range(o.shape[0]):
-        v = (widen(a[i]) + widen(b[i])) * s
+        v = (widen(a[i], half) + widen(b[i], half)) * s
         o[i] = v
         nb += (v - v) != 0
     return nb
@@ -183,27 +182,27 @@ def _scale_count(o, s):
 
 
 @_loop
-def _wset1(o, a, widen):
+def _wset1(o, a, half):
     for i in range(o.shape[0]):
-        o[i] = widen(a[i])
+        o[i] = widen(a[i], half)
 
 
 @_loop
-def _wset2(o, a, b, widen):
+def _wset2(o, a, b, half):
     for i in range(o.shape[0]):
-        o[i] = widen(a[i]) + widen(b[i])
+        o[i] = widen(a[i], half) + widen(b[i], half)
 
 
 @_loop
-def _wadd1(o, a, widen):
+def _wadd1(o, a, half):
     for i in range(o.shape[0]):
-        o[i] = o[i] + widen(a[i])
+        o[i] = o[i] + widen(a[i], half)
 
 
 @_loop
-def _wadd2(o, a, b, widen):
+def _wadd2(o, a, b, half):
     for i in range(o.shape[0]):
-        o[i] = (o[i] + widen(a[i])) + widen(b[i])
+        o[i] = (o[i] + widen(a[i], half)) + widen(b[i], half)
 
 
 @njit(nogil=True, inline="never", cache=True, fastmath={"reassoc", "nsz"})
@@ -289,7 +288,7 @@ def _k4(out, a, b, c, d, s, want_sq):
     return bad, _ordered_sum(sq)
 
 
-def _wk2(out, a, b, s, want_sq, widen):
+def _wk2(out, a, b, s, want_sq, half):
     n = out.shape[0]
     nblocks = (n + BLOCK - 1) // BLOCK
     sq = np.zeros(nblocks if want_sq else 0)
@@ -297,7 +296,7 @@ def _wk2(out, a, b, s, want_sq, widen):
     for blk in prange(nblocks):
         lo = blk * BLOCK
         hi = min(lo + BLOCK, n)
-        bad += _wset2s(out[lo:hi], a[lo:hi], b[lo:hi], s, widen)
+        bad += _wset2s(out[lo:hi], a[lo:hi], b[lo:hi], s, half)
         if want_sq:
             sq[blk] = _sumsq(out[lo:hi])
     return bad, _ordered_sum(sq)
@@ -334,7 +333,7 @@ def _body(out, parts, scale, want_sq):
     return bad, _ordered_sum(sq)
 
 
-def _body_wide(out, parts, scale, want_sq, widen):
+def _body_wide(out, parts, scale, want_sq, half):
     """16-bit parts (bf16 or fp16 bits), widened to float32 on the fly."""
     n = out.shape[0]
     nparts = len(parts)
@@ -347,17 +346,17 @@ def _body_wide(out, parts, scale, want_sq, widen):
         o = out[lo:hi]
         z = nparts - nparts
         if nparts == 1:
-            _wset1(o, parts[z][lo:hi], widen)
+            _wset1(o, parts[z][lo:hi], half)
             j = 1
         else:
-            _wset2(o, parts[z][lo:hi], parts[z + 1][lo:hi], widen)
+            _wset2(o, parts[z][lo:hi], parts[z + 1][lo:hi], half)
             j = 2
         while j < nparts:
             if nparts - j >= 2:
-                _wadd2(o, parts[j][lo:hi], parts[j + 1][lo:hi], widen)
+                _wadd2(o, parts[j][lo:hi], parts[j + 1][lo:hi], half)
                 j += 2
             else:
-                _wadd1(o, parts[j][lo:hi], widen)
+                _wadd1(o, parts[j][lo:hi], half)
                 j += 1
         bad += _scale_count(o, scale)
         if want_sq:
@@ -369,7 +368,7 @@ _par = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body, _k1, _k2
 _ser = [njit(nogil=True, cache=True)(k) for k in (_body, _k1, _k2, _k3, _k4)]
 _par_wide = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body_wide, _wk2)]
 _ser_wide = [njit(nogil=True, cache=True)(k) for k in (_body_wide, _wk2)]
-_WIDEN = {np.dtype(np.uint16): widen_bf16, np.dtype(np.float16): widen_f16}
+_WIDEN = {np.dtype(np.uint16): False, np.dtype(np.float16): True}
 """16-bit parts: uint16 arrays hold bf16 bits, float16 arrays IEEE half (Numba has no float16
 arithmetic on the CPU: the kernel reads their bits as uint16 and widens each value exactly)."""
 
@@ -421,14 +420,14 @@ def accumulate_unchecked(out: np.ndarray, parts: tuple[np.ndarray, ...], scale: 
     construction): ``(non-finite count, sum of squares of out or 0.0)``."""
     s = out.dtype.type(scale)
     parallel = out.shape[0] >= SERIAL_BELOW and numba.get_num_threads() > 1
-    widen = _WIDEN.get(parts[0].dtype)
-    if widen is not None:
+    half = _WIDEN.get(parts[0].dtype)
+    if half is not None:
         bits = tuple(p.view(np.uint16) for p in parts)
         kernels = _par_wide if parallel else _ser_wide
         if len(parts) == 2:
-            bad, sq = kernels[1](out, *bits, s, sumsq, widen)
+            bad, sq = kernels[1](out, *bits, s, sumsq, half)
         else:
-            bad, sq = kernels[0](out, bits, s, sumsq, widen)
+            bad, sq = kernels[0](out, bits, s, sumsq, half)
     else:
         kernels = _par if parallel else _ser
         if len(parts) <= 4:
