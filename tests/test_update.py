@@ -257,3 +257,15 @@ def test_scheduler_in_typical_mode():
     ref, _, _ = reference(model, SGD, data, scheduler=STEP_LR)
     got, _, _, _ = train(model, SGD, devs(3), data, mode="typical", scheduler=STEP_LR)
     assert_params_close(got, ref)
+
+
+def test_split_tree_splits_batch_tensors_and_keeps_the_rest_whole():
+    from cgdp.engine.batch import micro_rounds, split_tree
+    mask = torch.ones(3, 3)  # not batch-sized: goes whole
+    tree = {"ids": torch.arange(7), "pair": (torch.arange(14).reshape(7, 2), "tag"), "mask": mask}
+    pieces = split_tree(tree, 7, 3)
+    assert [p["ids"].tolist() for p in pieces] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [p["pair"][0][:, 0].tolist() for p in pieces] == [[0, 2, 4], [6, 8], [10, 12]]
+    assert all(p["pair"][1] == "tag" and p["mask"] is mask for p in pieces)
+    rounds = micro_rounds([torch.arange(5), torch.arange(4)], [5, 4], 9, 2)
+    assert [w for _, w in rounds] == [[3 / 9, 2 / 9], [2 / 9, 2 / 9]]  # tensor_split's sizes / N
