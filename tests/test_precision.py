@@ -17,13 +17,15 @@ def batches(n_steps, n, seed=1):
             for _ in range(n_steps)]
 
 
-def single_device(model, data, dtype):
+def single_device(model, data, dtype, clip=None):
     """Plain autograd training with parameters and inputs in ``dtype``."""
     model = copy.deepcopy(model).to(dtype)
     opt = SGD(model.parameters())
     for x, y in data:
         opt.zero_grad()
         F.cross_entropy(model(x.to(dtype)).float(), y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return model
 
@@ -65,6 +67,19 @@ def test_error_is_that_of_single_device_low_precision_training(dtype, mode, g):
     got = rel_error(cgdp_training(start, data, dtype, g, mode=mode, chunks=1), exact)
     assert own > 1e-4  # low precision really rounds
     assert got <= 1.5 * own, f"cgdp {got:.3g} vs single-device {dtype} {own:.3g}"
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_clipping_and_micro_batches_with_bf16_parameters(micro):
+    model, data = mlp(), batches(6, 12)
+    start = copy.deepcopy(model).to(torch.bfloat16).float()
+    exact = single_device(start, data, torch.float32, clip=0.05)
+    own = rel_error(single_device(start, data, torch.bfloat16, clip=0.05), exact)
+    got = rel_error(cgdp_training(start, data, torch.bfloat16, 3, clip_grad_norm=0.05,
+                                  micro_batches=micro), exact)
+    assert got <= 1.5 * own, f"cgdp {got:.3g} vs single-device bf16 {own:.3g}"
+    unclipped = rel_error(single_device(start, data, torch.float32), exact)
+    assert unclipped > 10 * own  # clipping really changed training
 
 
 def test_host_rounds_once_from_a_float32_sum():

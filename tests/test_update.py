@@ -110,11 +110,12 @@ def test_bad_clip_value_is_refused():
 
 
 # ---------------------------------------------------------------------------------- micro-batches
-@pytest.mark.parametrize("g,k", [(1, 3), (2, 2), (3, 2), (4, 3)])
-def test_micro_batches_equal_one_device_on_the_global_batch(g, k):
+@pytest.mark.parametrize("mode,g,k", [("cgdp", 1, 3), ("cgdp", 2, 2), ("cgdp", 3, 2), ("cgdp", 4, 3),
+                                      ("typical", 3, 2), ("single", 1, 4)])
+def test_micro_batches_equal_one_device_on_the_global_batch(mode, g, k):
     model, data = mlp(), batches(3, 26)  # uneven across devices and across micro-batches
     ref, _, ref_losses = reference(model, ADAM, data)
-    got, _, losses, _ = train(model, ADAM, devs(g), data, micro_batches=k, chunks=1)
+    got, _, losses, _ = train(model, ADAM, devs(g), data, mode=mode, micro_batches=k, chunks=1)
     assert_params_close(got, ref)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
 
