@@ -70,12 +70,13 @@ def test_clipping_equals_clip_grad_norm_on_one_device(mode, g):
         assert_params_close(got, unclipped)
 
 
-def test_clipping_above_the_norm_changes_nothing():
+@pytest.mark.parametrize("max_norm", [1e6, float("inf")])
+def test_clipping_above_the_norm_changes_nothing(max_norm):
     model, data = mlp(), batches(2, 9)
-    ref, ref_norms, _ = reference(model, SGD, data)
-    got, norms, _, _ = train(model, SGD, devs(2), data, clip_grad_norm=1e6)
-    assert_params_close(got, ref)
-    assert norms[0] > 0
+    ref, ref_norms, _ = reference(model, SGD, data, clip=max_norm)
+    got, norms, _, _ = train(model, SGD, devs(2), data, clip_grad_norm=max_norm)
+    assert_params_close(got, reference(model, SGD, data)[0])
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
 
 
 @pytest.mark.parametrize("micro", [1, 2])
@@ -105,8 +106,9 @@ def test_host_norm_is_the_global_norm_across_ranks(micro):
 
 
 def test_bad_clip_value_is_refused():
-    with pytest.raises(ValueError, match="clip_grad_norm must be a positive"):
-        cgdp.Trainer(mlp(), SGD, devs(1), clip_grad_norm=0)
+    for bad in (0, -1.0, float("nan"), "1"):
+        with pytest.raises(ValueError, match="clip_grad_norm must be a positive"):
+            cgdp.Trainer(mlp(), SGD, devs(1), clip_grad_norm=bad)
 
 
 # ---------------------------------------------------------------------------------- micro-batches

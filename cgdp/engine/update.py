@@ -141,10 +141,10 @@ class Schedulers:
 def check_max_norm(max_norm: float | None) -> float | None:
     if max_norm is None:
         return None
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0 \
-            or not math.isfinite(max_norm):
-        raise ValueError(f"clip_grad_norm must be a positive finite number (the max 2-norm) or None, "
-                         f"got {max_norm!r}")
+    # inf is allowed, as in torch: the norm is measured (stats["grad_norm"]), nothing is scaled
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"clip_grad_norm must be a positive number (the max 2-norm; inf to only "
+                         f"measure the norm) or None, got {max_norm!r}")
     return float(max_norm)
 
 
