@@ -105,3 +105,26 @@ def test_sum_of_squares_in_the_same_pass_is_exact_and_thread_independent(nparts,
     assert results[0] == results[1]  # bitwise, whatever the thread count
     assert results[0] == pytest.approx(float(np.sum(ref.astype(np.float64) ** 2)), rel=1e-12)
     assert cgdp.accumulate(np.empty(n, np.float32), parts) == 0  # without sumsq: the count only
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounding_to_16_bits_matches_torch(dtype):
+    """The host's float32 → bf16/fp16 rounding (in the summing pass, and after an allreduce) is
+    torch's: ties to even, subnormals, overflow to inf."""
+    from cgdp.engine.accumulate import accumulate_unchecked, round_into
+    from cgdp.engine.precision import host_array
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SERIAL_BELOW + 999, generator=g) * torch.logspace(-30, 30, SERIAL_BELOW + 999)
+    x[:8] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -11, 1 + 3 * 2 ** -11,
+                          70000.0, -1e-7, 3e38, 0.0])  # ties both ways (bf16, fp16), overflow, tiny
+    expect = x.to(dtype)
+    big = torch.finfo(dtype).max / 4  # finite parts and sums (inf - inf would be NaN)
+    a = x.clamp(-big, big).to(dtype)
+    b = (torch.randn(x.numel(), generator=g) * a.float() * 0.3).to(dtype)  # sums between 16-bit values
+    out = np.empty(x.numel(), np.float32)
+    back = torch.empty_like(a)
+    accumulate_unchecked(out, (host_array(a), host_array(b)), 1.0, False, host_array(back))
+    assert torch.equal(back, (a.float() + b.float()).to(dtype))
+    exact = torch.empty_like(a)
+    round_into(x.numpy(), host_array(exact))
+    assert torch.equal(exact.view(torch.int16), expect.view(torch.int16))

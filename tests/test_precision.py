@@ -109,3 +109,32 @@ def test_mixed_dtypes_are_refused_clearly():
         cgdp.Trainer(model, SGD, ["cpu:0"])
     with pytest.raises(TypeError, match="float32, float64, bfloat16 or float16"):
         cgdp.Trainer(mlp().to(torch.complex64), SGD, ["cpu:0"])
+
+
+def test_two_ranks_round_after_the_allreduce_as_one_rank_rounds_after_its_sum():
+    """bf16, 2 in-process ranks × 1 device against 1 rank × 2 devices: both sum the two float32
+    gradients in the same order and round once, so they train to the same bits (norms too)."""
+    from test_comm_inproc import on_ranks
+    model, data = mlp().to(torch.bfloat16), batches(3, 10)
+    kw = dict(clip_grad_norm=0.05, chunks=1)
+    loss = lambda out, t: F.cross_entropy(out.float(), t)  # noqa: E731
+    with cgdp.Trainer(model, SGD, ["cpu:0", "cpu:1"], **kw) as tr:
+        norms = []
+        for x, y in data:
+            tr.step(x.bfloat16(), y, loss)
+            norms.append(tr.stats["grad_norm"])
+        one = {k: v.clone() for k, v in tr.replicas[0].state_dict().items()}
+
+    def rank(comm):
+        with cgdp.Trainer(model, SGD, ["cpu:0"], comm=comm, timeout_s=30, **kw) as tr:
+            got = []
+            for x, y in data:
+                tr.step(torch.tensor_split(x, 2)[comm.rank].bfloat16(),
+                        torch.tensor_split(y, 2)[comm.rank], loss)
+                got.append(tr.stats["grad_norm"])
+            return {k: v.clone() for k, v in tr.replicas[0].state_dict().items()}, got
+
+    for sd, got in on_ranks(2, rank, timeout_s=30):
+        assert got == norms
+        for k in sd:
+            assert torch.equal(sd[k], one[k]), k

@@ -17,6 +17,8 @@ This is step 4 of the data path. Invariants:
   gradient norm: each block is squared and summed in float64 right after it is written, while
   it is in L1 (no second pass over memory), and the blocks' sums are added in block order, so
   the result is bitwise the same for any thread count.
+* Optionally (``rounded``, 16-bit parts only), the same pass also rounds each block's float32
+  result to the parts' dtype (to nearest even, as torch), for the copy back of 16-bit parameters.
 """
 from __future__ import annotations
 
@@ -161,6 +163,44 @@ def widen(u, half):
     return _bits_to_f32(np.uint32(u) << np.uint32(16))
 
 
+@intrinsic
+def _f32_bits(typingctx, x):
+    """Reinterpret a float32 as uint32."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return sig, codegen
+
+
+@intrinsic
+def _f32_to_half_bits(typingctx, x):
+    """Round a float32 to IEEE half (``fptrunc``: to nearest even, as torch) and return its bits."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return sig, codegen
+
+
+@njit(nogil=True, inline="always", cache=True)
+def narrow(x, half):
+    """float32 to 16-bit bits, rounded to nearest even exactly as ``tensor.to(torch.bfloat16 or
+    torch.float16)`` rounds finite values (NaN becomes a quiet NaN)."""
+    if half:
+        return _f32_to_half_bits(x)
+    u = _f32_bits(x)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16(0x7FC0)
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@_loop
+def _narrow(o, d, half):
+    for i in range(o.shape[0]):
+        d[i] = narrow(o[i], half)
+
+
 @_loop
 def _wset2s(o, a, b, s, half):
     nb = 0
@@ -288,7 +328,7 @@ def _k4(out, a, b, c, d, s, want_sq):
     return bad, _ordered_sum(sq)
 
 
-def _wk2(out, a, b, s, want_sq, half):
+def _wk2(out, a, b, s, want_sq, half, back):
     n = out.shape[0]
     nblocks = (n + BLOCK - 1) // BLOCK
     sq = np.zeros(nblocks if want_sq else 0)
@@ -299,6 +339,8 @@ def _wk2(out, a, b, s, want_sq, half):
         bad += _wset2s(out[lo:hi], a[lo:hi], b[lo:hi], s, half)
         if want_sq:
             sq[blk] = _sumsq(out[lo:hi])
+        if back.shape[0]:
+            _narrow(out[lo:hi], back[lo:hi], half)
     return bad, _ordered_sum(sq)
 
 
@@ -333,8 +375,9 @@ def _body(out, parts, scale, want_sq):
     return bad, _ordered_sum(sq)
 
 
-def _body_wide(out, parts, scale, want_sq, half):
-    """16-bit parts (bf16 or fp16 bits), widened to float32 on the fly."""
+def _body_wide(out, parts, scale, want_sq, half, back):
+    """16-bit parts (bf16 or fp16 bits), widened to float32 on the fly; with a non-empty ``back``,
+    each block's float32 result is also rounded into it, while the block is in L1."""
     n = out.shape[0]
     nparts = len(parts)
     nblocks = (n + BLOCK - 1) // BLOCK
@@ -361,6 +404,8 @@ def _body_wide(out, parts, scale, want_sq, half):
         bad += _scale_count(o, scale)
         if want_sq:
             sq[b] = _sumsq(o)
+        if back.shape[0]:
+            _narrow(o, back[lo:hi], half)
     return bad, _ordered_sum(sq)
 
 
@@ -415,19 +460,22 @@ def accumulate(out: np.ndarray, parts: Sequence[np.ndarray], scale: float = 1.0,
 
 
 def accumulate_unchecked(out: np.ndarray, parts: tuple[np.ndarray, ...], scale: float = 1.0,
-                         sumsq: bool = False) -> tuple[int, float]:
+                         sumsq: bool = False, rounded: np.ndarray | None = None) -> tuple[int, float]:
     """The engine's entry, without argument checks (the engine's buffers are right by
-    construction): ``(non-finite count, sum of squares of out or 0.0)``."""
+    construction): ``(non-finite count, sum of squares of out or 0.0)``. With 16-bit parts,
+    ``rounded`` (an array of the parts' dtype, like ``out``) also receives ``out`` rounded to that
+    dtype, in the same pass."""
     s = out.dtype.type(scale)
     parallel = out.shape[0] >= SERIAL_BELOW and numba.get_num_threads() > 1
     half = _WIDEN.get(parts[0].dtype)
     if half is not None:
         bits = tuple(p.view(np.uint16) for p in parts)
+        back = _NO_BACK if rounded is None else rounded.view(np.uint16)
         kernels = _par_wide if parallel else _ser_wide
         if len(parts) == 2:
-            bad, sq = kernels[1](out, *bits, s, sumsq, half)
+            bad, sq = kernels[1](out, *bits, s, sumsq, half, back)
         else:
-            bad, sq = kernels[0](out, bits, s, sumsq, half)
+            bad, sq = kernels[0](out, bits, s, sumsq, half, back)
     else:
         kernels = _par if parallel else _ser
         if len(parts) <= 4:
@@ -435,6 +483,24 @@ def accumulate_unchecked(out: np.ndarray, parts: tuple[np.ndarray, ...], scale: 
         else:
             bad, sq = kernels[0](out, parts, s, sumsq)
     return int(bad), float(sq)
+
+
+_NO_BACK = np.zeros(0, np.uint16)
+
+
+def round_into(src: np.ndarray, dst: np.ndarray) -> None:
+    """``dst[:] = src`` rounded from float32 to ``dst``'s 16-bit dtype (uint16 for bf16 bits, or
+    float16): for a chunk summed across ranks, rounded after its allreduce."""
+    _round_blocks(src, dst.view(np.uint16), dst.dtype == np.float16)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _round_blocks(src, dst, half):
+    n = src.shape[0]
+    for blk in prange((n + BLOCK - 1) // BLOCK):
+        lo = blk * BLOCK
+        hi = min(lo + BLOCK, n)
+        _narrow(src[lo:hi], dst[lo:hi], half)
 
 
 def sum_of_squares(x: np.ndarray) -> float:
@@ -461,8 +527,13 @@ def warm_up(dtype: np.dtype = np.float32, nparts: int = 2) -> None:
     out_dtype = np.float32 if dtype in _WIDEN else dtype
     for n in (16, SERIAL_BELOW):
         out = np.zeros(n, out_dtype)
+        parts = tuple(np.zeros(n, dtype) for _ in range(nparts))
         for sumsq in (False, True):
-            accumulate_unchecked(out, tuple(np.zeros(n, dtype) for _ in range(nparts)), 1.0, sumsq)
+            accumulate_unchecked(out, parts, 1.0, sumsq)
+            if dtype in _WIDEN:
+                accumulate_unchecked(out, parts, 1.0, sumsq, np.zeros(n, dtype))
+        if dtype in _WIDEN:
+            round_into(out, np.zeros(n, dtype))
         sum_of_squares(out)
 
 

@@ -4,7 +4,8 @@ Buffers (owned here, alive for the whole run): ``slots[j]`` receives device j's 
 ``acc`` holds the averaged gradient that goes back to every device (H2D); pinned on CUDA. That is
 (G + 1) × the gradient bytes of host memory. For bf16/fp16 parameters (:mod:`cgdp.engine.precision`)
 ``acc`` is a float32 row of its own, and the copy-back row (16-bit) receives each averaged chunk
-rounded once, just before it goes back: (G + 1) × 2 + 4 bytes per element.
+rounded once: (G + 1) × 2 + 4 bytes per element. Without a comm the kernel rounds each block in
+the summing pass itself; with one, the chunk is rounded after its allreduce (one more read).
 
 The host works on segments of chunks (:mod:`cgdp.engine.flatgrad`); "chunk" below means either.
 
@@ -32,7 +33,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from cgdp.engine.accumulate import accumulate_unchecked, set_threads, sum_of_squares
+from cgdp.engine.accumulate import accumulate_unchecked, round_into, set_threads, sum_of_squares
 from cgdp.engine.backend.base import Device, TraceSink
 from cgdp.engine.precision import host_array, sum_dtype
 from cgdp.comm import Comm
@@ -70,10 +71,12 @@ class HostAccumulator:
             self._host = self.devices[0].host_empty((g + 1, max(total, 1)), self.dtype)
             self._host_np = host_array(self._host)
             wide = sum_dtype(self.dtype)
+            self._back_np: np.ndarray | None = None  # the copy-back row, if it is not the sum
             if wide == self.dtype:
                 self._sum = self._host[g]
             else:
                 self._sum = self.devices[0].host_empty((max(total, 1),), wide)
+                self._back_np = self._host_np[g]
             self._sum_np = self._sum.numpy()
             self.total = total
         self.bounds = list(bounds)
@@ -126,8 +129,9 @@ class HostAccumulator:
         g = len(self.devices)
         h = self._host_np
         t0 = time.perf_counter()
+        back = self._back_np[lo:hi] if self._back_np is not None and self.comm is None else None
         self.bad[c], sq = accumulate_unchecked(self._sum_np[lo:hi], tuple(h[j, lo:hi] for j in range(g)),
-                                               1.0, self.want_sumsq and self.comm is None)
+                                               1.0, self.want_sumsq and self.comm is None, back)
         self.sumsq[c] = sq
         if self.trace is not None:
             self.trace("host", "accumulate", self.labels[c], t0, time.perf_counter())
@@ -146,16 +150,16 @@ class HostAccumulator:
         """Comm thread: chunk ``c`` has been summed across all ranks."""
         if self.trace is not None:
             self.trace("host", "comm", self.labels[c], t_post, time.perf_counter())
+        lo, hi = self.bounds[c]
         if self.want_sumsq:  # the global norm: of the values summed across ranks (one more read)
-            lo, hi = self.bounds[c]
             self.sumsq[c] = sum_of_squares(self._sum_np[lo:hi])
+        if self._back_np is not None:  # the float32 sum over all ranks, rounded once
+            round_into(self._sum_np[lo:hi], self._back_np[lo:hi])
         self._give_back(c)
 
     def _give_back(self, c: int) -> None:
         lo, hi = self.bounds[c]
         src = self._host[-1, lo:hi]
-        if self._sum.dtype != self.dtype:  # the float32 average, rounded once (one more pass)
-            src.copy_(self._sum[lo:hi])
         for dev, flat in zip(self.devices, self.flats):
             dev.give_back(src, flat[lo:hi], self.labels[c])
         with self._lock:
