@@ -272,3 +272,13 @@ def test_split_tree_splits_batch_tensors_and_keeps_the_rest_whole():
     assert all(p["pair"][1] == "tag" and p["mask"] is mask for p in pieces)
     rounds = micro_rounds([torch.arange(5), torch.arange(4)], [5, 4], 9, 2)
     assert [w for _, w in rounds] == [[3 / 9, 2 / 9], [2 / 9, 2 / 9]]  # tensor_split's sizes / N
+
+
+def test_reduce_lr_on_plateau_is_stepped_by_the_user_on_every_replica():
+    plateau = lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)  # noqa: E731
+    with cgdp.Trainer(mlp(), SGD, devs(2), scheduler=plateau) as tr:
+        for x, y in batches(3, 8):
+            tr.step(x, y, F.cross_entropy)  # not stepped here: it needs a metric
+            for s in tr.schedulers:
+                s.step(1.0)  # a metric that never improves: halve after the first
+        assert [o.param_groups[0]["lr"] for o in tr.optimizers] == [0.05 / 4] * 2

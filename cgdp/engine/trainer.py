@@ -153,6 +153,7 @@ class Trainer:
         try:
             self._build(model, optimizer, chunks, comm)
             self._schedulers = Schedulers(scheduler, self.optimizers)
+            self.schedulers = self._schedulers.schedulers
         except BaseException:
             self.close()
             raise

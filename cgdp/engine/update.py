@@ -9,6 +9,8 @@ averaged gradient. This module holds what the trainer does to all of them alike:
   a few dozen Python values per step.
 * :class:`Schedulers`: one learning-rate scheduler per optimizer, from the user's factory,
   stepped together after every applied update (never after a rejected one), saved as one.
+  ``ReduceLROnPlateau`` needs a metric, so the user steps it, on every replica
+  (``for s in trainer.schedulers: s.step(metric)``).
 * :func:`clip_coefficient` and :func:`scale_gradients`: gradient clipping exactly as
   ``torch.nn.utils.clip_grad_norm_`` does on one device: ``coef = max_norm / (norm + 1e-6)``,
   clamped to 1, multiplied into every gradient (including when it is 1, as torch does). The norm
@@ -126,7 +128,8 @@ class Schedulers:
             if only_first_stepped:
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             for s in self.schedulers:
-                s.step()
+                if not isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    s.step()  # ReduceLROnPlateau needs the user's metric: they step it
 
     def state_dict(self) -> dict[str, Any] | None:
         return self.schedulers[0].state_dict() if self.schedulers else None
