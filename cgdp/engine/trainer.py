@@ -17,11 +17,8 @@ One iteration (``step``), for G devices (and R ranks when a comm is attached):
    stream waits for the last H2D copy, and it steps its own optimizer. Parameters that got no
    gradient anywhere get ``.grad = None`` first, as in single-device training. Floating buffers
    (BatchNorm statistics) are set to their batch-weighted mean on every replica. Around the
-   update (:mod:`cgdp.engine.update`): the optimizers' hyperparameters must agree, gradients are
-   clipped by the norm the host computed, schedulers step.
-
-With ``micro_batches=k``, steps 2-3 first run k-1 times with the hooks holding (gradients add up
-in the flat buffers, nothing is sent), then once more as above for the last micro-batch.
+   update (:mod:`cgdp.engine.update`): hyperparameter check, clipping, schedulers.
+With ``micro_batches=k``, steps 2-3 run k-1 times first with the hooks holding (nothing is sent).
 
 Ownership: the flat buffers, hooks and host buffers are the trainer's; the user's ``model`` is
 never modified (every replica is a deep copy). Between steps nothing is in flight.
