@@ -82,7 +82,14 @@ def hyperparameter_digest(optimizers: Sequence[torch.optim.Optimizer]) -> list[f
 
 
 def _plain(v: Any) -> Any:
-    return v.detach().cpu().tolist() if isinstance(v, torch.Tensor) else v
+    """A value whose repr is the same on every rank (an object's default repr holds its address)."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().cpu().tolist()
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return type(v).__qualname__
 
 
 def check_digests(summed: Sequence[float], ranks: int, optimizers: Sequence[torch.optim.Optimizer]) -> None:
