@@ -3,6 +3,10 @@
 The batch is split in device order as ``torch.tensor_split`` does. Device j gets weight
 ``w_j = n_j / N``, N the global batch over all ranks, so that the sum of the devices' weighted
 gradients is the gradient of the global mean loss, also for uneven splits.
+
+With micro-batches, each device's part is split again the same way (:func:`split_tree`, which
+also handles nested tuples, lists and mappings); micro-batch i of device j weighs its own
+samples / N, so all weights still sum to 1.
 """
 from __future__ import annotations
 

@@ -14,7 +14,10 @@ for the whole run:
 
 Order of calls, per step: :meth:`begin_step` (nothing in flight) → backward on every device
 (hooks call :meth:`send`) → per device :meth:`flush` then :meth:`wait_returned` → :meth:`touched`
-and :meth:`bad_count` → :meth:`set_untouched`. :meth:`set_plan` only between steps.
+and :meth:`bad_count` → :meth:`set_untouched`. :meth:`set_plan` only between steps. Micro-batches
+before the last run their backward inside :meth:`holding` (nothing is sent). For clipping, set
+:attr:`want_norm` between steps; after the gradients are back, :meth:`grad_norm` gives the norm
+of the averaged gradient and :meth:`scale_grads` scales every replica's gradient alike.
 """
 from __future__ import annotations
 
