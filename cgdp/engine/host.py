@@ -7,6 +7,13 @@ Buffers (owned here, alive for the whole run): ``slots[j]`` receives device j's 
 rounded once: (G + 1) × 2 + 4 bytes per element. Without a comm the kernel rounds each block in
 the summing pass itself; with one, the chunk is rounded after its allreduce (one more read).
 
+With ``grad_transfer="bf16"`` the host's dtype is the wire's (bf16) while the parameters are
+float32: the same 16-bit path, and each device widens what comes back into its float32 gradient
+(its *stage* buffers, :mod:`cgdp.engine.stream`). Error bound of the bf16 wire, per element, for
+parts g_j (already weighted) and their exact sum g: |result - g| <= 2^-8 (sum_j |g_j| + |g|) +
+G 2^-24 sum_j |g_j| (one bf16 rounding of every part, float32 additions, one bf16 rounding of the
+sum); deterministic (device order, round to nearest even).
+
 The host works on segments of chunks (:mod:`cgdp.engine.flatgrad`); "chunk" below means either.
 
 Threads: the devices' D2H completions call :meth:`arrived` (any thread). When a chunk has arrived
@@ -57,15 +64,22 @@ class HostAccumulator:
         self.flats: list[torch.Tensor] = []
         self.returned = threading.Event()
         self.bad: list[int] = []
+        self._host: torch.Tensor | None = None
+        self._sum: torch.Tensor | None = None
+        self.stages: list[torch.Tensor] | None = None
+        """Per device, the wire-dtype buffer a copy back goes through (None: straight)."""
         self.want_sumsq = False
         """Whether this step's segments' sums of squares are computed (``sumsq``)."""
         self.sumsq: list[float] = []
 
     def set_layout(self, total: int, bounds: list[tuple[int, int]], flats: list[torch.Tensor],
-                   labels: list[str]) -> None:
+                   labels: list[str], stages: list[torch.Tensor] | None = None) -> None:
         """Called between steps only, when no copy is in flight."""
         if total != self.total:
             g = len(self.devices)
+            for old in (self._host, self._sum):  # (the sum as a row of _host is no allocation)
+                if old is not None:
+                    self.devices[0].host_release(old)
             # one allocation: rows 0..G-1 are the devices' slots, row G what goes back (the
             # accumulator itself, unless the sum is wider than the gradients)
             self._host = self.devices[0].host_empty((g + 1, max(total, 1)), self.dtype)
@@ -82,6 +96,7 @@ class HostAccumulator:
         self.bounds = list(bounds)
         self.labels = list(labels)
         self.flats = flats
+        self.stages = stages
 
     @property
     def acc(self) -> np.ndarray:
@@ -160,8 +175,8 @@ class HostAccumulator:
     def _give_back(self, c: int) -> None:
         lo, hi = self.bounds[c]
         src = self._host[-1, lo:hi]
-        for dev, flat in zip(self.devices, self.flats):
-            dev.give_back(src, flat[lo:hi], self.labels[c])
+        for j, (dev, flat) in enumerate(zip(self.devices, self.flats)):
+            dev.give_back(src, flat[lo:hi], self.labels[c], None if self.stages is None else self.stages[j][lo:hi])
         with self._lock:
             self._returned += 1
             last = self._returned == len(self.bounds)

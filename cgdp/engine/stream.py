@@ -12,6 +12,14 @@ for the whole run:
 * the :class:`~cgdp.engine.host.HostAccumulator` (streaming only): pinned slots, the accumulator
   thread, the MPI stage, the copy back.
 
+With ``transfer=torch.bfloat16`` (``grad_transfer="bf16"``, float32 parameters) every segment is
+cast to bf16 on the device before it leaves, and the host runs its 16-bit path on it
+(:mod:`cgdp.engine.precision`: summed in float32, rounded once to bf16), which goes back and is
+widened into the float32 flat buffer on the device: half the bytes over the bus each way. Each
+device has a bf16 *stage* buffer (the flat buffer's size, half its bytes) that both directions
+use: a segment's copy back is issued only after every device's copy out of it has completed, so
+the two never overlap on the same elements.
+
 Order of calls, per step: :meth:`begin_step` (nothing in flight) → backward on every device
 (hooks call :meth:`send`) → per device :meth:`flush` then :meth:`wait_returned` → :meth:`touched`
 and :meth:`bad_count` → :meth:`set_untouched`. :meth:`set_plan` only between steps. Micro-batches
@@ -44,7 +52,8 @@ from cgdp.planning.chunks import Plan
 class GradientStream:
     def __init__(self, devs: Sequence[Device], params: Sequence[Sequence[nn.Parameter]],
                  layer_pids: Sequence[Sequence[int]], dtype: torch.dtype, *, segment_bytes: int,
-                 streaming: bool, guard: Guard, comm: Comm | None, host_threads: int):
+                 streaming: bool, guard: Guard, comm: Comm | None, host_threads: int,
+                 transfer: torch.dtype | None = None):
         """``params[j]``: replica j's trainable parameters in engine order; ``layer_pids[l]``:
         the parameter ids of layer l (forward order)."""
         self.devs = list(devs)
@@ -56,7 +65,10 @@ class GradientStream:
         self._segment = segment_bytes
         self._guard = guard
         self.streaming = streaming
+        self.transfer = transfer
+        """The dtype on the wire, when it is not ``dtype`` (only ``torch.bfloat16``)."""
         self.flats: list[torch.Tensor] = []
+        self.stages: list[torch.Tensor] | None = None
         self.layout: Layout | None = None
         self.none_pids: list[int] = []
         """Parameters that got no gradient anywhere last step (their ``.grad`` is None)."""
@@ -68,8 +80,8 @@ class GradientStream:
             self.hooks.append(hooks)
         if streaming:
             from cgdp.engine.accumulate import warm_up
-            warm_up(kernel_dtype(dtype), len(self.devs))
-            self.host = HostAccumulator(self.devs, dtype, guard.fail, comm, host_threads)
+            warm_up(kernel_dtype(transfer or dtype), len(self.devs))
+            self.host = HostAccumulator(self.devs, transfer or dtype, guard.fail, comm, host_threads)
 
     @property
     def plan(self) -> Plan:
@@ -77,24 +89,25 @@ class GradientStream:
 
     def set_plan(self, plan: Plan) -> None:
         """Lay the flat buffers out for ``plan``. Only between steps, with nothing in flight."""
-        layout = make_layout(plan, self.layer_pids, self.numels, self._segment // self.itemsize)
-        old, old_layout = self.flats, self.layout
-        flats = [torch.zeros(max(layout.total, 1), dtype=self.dtype, device=d.torch_device)
-                 for d in self.devs]
+        layout = make_layout(plan, self.layer_pids, self.numels, self._segment // self.wire_itemsize)
+        if not self.flats:
+            self.flats = [torch.zeros(max(layout.total, 1), dtype=self.dtype, device=d.torch_device)
+                          for d in self.devs]
+            if self.transfer is not None and self.streaming:
+                self.stages = [torch.empty(max(layout.total, 1), dtype=self.transfer, device=d.torch_device)
+                               for d in self.devs]
+        else:  # keep .grad's values across a plan switch, in the same buffers
+            for flat in self.flats:
+                relay(flat, self.layout, layout)
         for j, params in enumerate(self.params):
-            if old and old_layout is not None:  # keep .grad's values across a plan switch
-                for pid in range(len(params)):
-                    o, n = old_layout.offsets[pid], self.numels[pid]
-                    flats[j][layout.offsets[pid]:layout.offsets[pid] + n].copy_(old[j][o:o + n])
-            views = attach_grads(flats[j], params, layout)
+            views = attach_grads(self.flats[j], params, layout)
             for pid in self.none_pids:
                 params[pid].grad = None
             self.hooks[j].set_layout(layout.param_chunk, layout.chunk_params, views)
-        self.flats = flats
         self.layout = layout
         if self.host is not None:
-            self.host.set_layout(layout.total, layout.segments, flats,
-                                 [f"chunk {c}" for c in layout.segment_chunk])
+            self.host.set_layout(layout.total, layout.segments, self.flats,
+                                 [f"chunk {c}" for c in layout.segment_chunk], self.stages)
 
     def begin_step(self, timing: bool, sink: TraceSink | None) -> None:
         """Zero the flat buffers, give back the views of last step's untouched parameters, arm
@@ -117,10 +130,13 @@ class GradientStream:
     def send(self, j: int, c: int) -> None:
         """Chunk ``c`` of device ``j`` is complete: copy it to the host (called from a hook)."""
         self.hooks[j].sent[c] = True
-        flat, slot, dev, label = self.flats[j], self.host.slot(j), self.devs[j], f"chunk {c}"
+        flat, slot, stage = self.flats[j], self.host.slot(j), self.stages[j] if self.stages else None
+        parts = []
         for s in self.layout.chunk_segments[c]:
             lo, hi = self.layout.segments[s]
-            dev.send(flat[lo:hi], slot[lo:hi], partial(self.host.arrived, j, s), label)
+            parts.append((flat[lo:hi], slot[lo:hi], partial(self.host.arrived, j, s),
+                          None if stage is None else stage[lo:hi]))
+        self.devs[j].send(parts, f"chunk {c}")  # one call per chunk: one event wait, one context
 
     @contextmanager
     def holding(self, j: int) -> Iterator[None]:
@@ -148,7 +164,8 @@ class GradientStream:
         self._guard.wait(self.host.returned, f"the averaged gradients for {dev.name}")
         marker = dev.h2d_marker()
         dev.compute_wait(marker, self._guard)
-        dev.settle(marker, self._guard)
+        if self.hooks[j].timing:  # so that the phase times are true; untimed steps do not wait
+            dev.settle(marker, self._guard)
 
     def touched(self) -> np.ndarray:
         """Per parameter, on how many devices it got a gradient this step."""
@@ -213,8 +230,40 @@ class GradientStream:
             for p in params:
                 p.grad = None
         self.flats = []
+        self.stages = None
+
+    @property
+    def wire_itemsize(self) -> int:
+        """Bytes per element over the bus."""
+        return torch.tensor([], dtype=self.transfer or self.dtype).element_size()
 
     def profile_inputs(self) -> dict[str, Any]:
         """What :func:`cgdp.engine.timing.build_profile` needs of the stream."""
         return {"hooks": self.hooks, "layer_pids": self.layer_pids, "layout": self.layout,
-                "itemsize": self.itemsize}
+                "itemsize": self.wire_itemsize}
+
+
+def wire_dtype(grad_transfer: str | None, dtype: torch.dtype, mode: str) -> torch.dtype | None:
+    """The dtype gradients travel in (None: the parameters' own)."""
+    if grad_transfer is None:
+        return None
+    if grad_transfer != "bf16":
+        raise ValueError(f"grad_transfer must be None or 'bf16', got {grad_transfer!r}")
+    if dtype != torch.float32:
+        raise ValueError(f"grad_transfer='bf16' narrows float32 gradients; these parameters are {dtype} "
+                         f"(16-bit parameters already travel in 16 bits)")
+    if mode != "cgdp":
+        raise ValueError(f"grad_transfer='bf16' applies to mode='cgdp' (the host round trip), not {mode!r}")
+    return torch.bfloat16
+
+
+def relay(flat: torch.Tensor, old: Layout, new: Layout) -> None:
+    """Move every parameter's gradient from its place in ``old`` to its place in ``new``, in the
+    same buffer (a plan switch; the total size never changes). The permutation is staged in host
+    memory, so the device never holds a second flat buffer; padding becomes zero."""
+    staged = flat.to("cpu")  # note: host sync (between steps, nothing in flight)
+    out = torch.zeros_like(staged)
+    for pid, n in enumerate(new.numels):
+        a, b = old.offsets[pid], new.offsets[pid]
+        out[b:b + n] = staged[a:a + n]
+    flat.copy_(out)

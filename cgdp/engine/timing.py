@@ -63,18 +63,36 @@ def build_profile(*, devs: Sequence[Device], hooks: Sequence[DeviceHooks], bw_st
         update_s=s["update_s"], step_s=s["step_s"], plan=[list(c) for c in layout.plan], chunks=chunks)
 
 
-def step_stats(fw: Sequence[tuple[Any, float]], bw: Sequence[tuple[float, float, float, float, Any]],
+def step_stats(devs: Sequence[Device], fw: Sequence[tuple[Any, Any, Any]],
+               bw: Sequence[tuple[float, Any, Any, Any]], up: Sequence[tuple[Any, Any] | None],
                t_start: float, t_bw: float, t_up: float, t_end: float, samples: int) -> dict[str, float]:
-    """The phase times of one step (``Trainer.stats``). ``fw[j]``: (loss, forward seconds);
-    ``bw[j]``: (loss value, backward start, backward end, gradients back, stamp)."""
+    """The phase times of one step (``Trainer.stats``). ``fw[j]``: (loss, forward start, end);
+    ``bw[j]``: (loss value, backward start, backward end, gradients back); ``up[j]``: (update
+    start, end) or None. Stamps are resolved on each device's clock: in timed steps on CUDA these
+    are device events (when the work ran, not when it was issued); otherwise host times, where
+    a GPU's forward and update are issue times and its backward includes forward's GPU time."""
+    r = [d.resolve for d in devs]
+    ups = [(r[j](u[0]), r[j](u[1])) for j, u in enumerate(up) if u is not None]
+    bw_end = max(r[j](b[2]) for j, b in enumerate(bw))
     return {
-        "forward_s": max(f[1] for f in fw),
-        "backward_s": max(b[2] - b[1] for b in bw),
+        "forward_s": max(r[j](f[2]) - r[j](f[1]) for j, f in enumerate(fw)),
+        "backward_s": max(r[j](b[2]) - r[j](b[1]) for j, b in enumerate(bw)),
         # from the end of the last device's backward until the gradients are back everywhere
         # (a device that finished early waits for the others: that is not communication)
-        "exposed_comm_s": max(0.0, max(b[3] for b in bw) - max(b[2] for b in bw)),
-        "update_s": t_end - t_up,
-        "step_s": t_end - t_start,
+        "exposed_comm_s": max(0.0, max(r[j](b[3]) for j, b in enumerate(bw)) - bw_end),
+        "update_s": max((b - a for a, b in ups), default=0.0),
+        "step_s": max([t_end] + [b for _, b in ups]) - t_start,
         "host_s": t_up - t_bw,
         "samples": float(samples),
     }
+
+
+def compute_spans(devs: Sequence[Device], fw, bw, up) -> list[Event]:
+    """The compute-stream spans of a timed step for traces, on the devices' clocks."""
+    out: list[Event] = []
+    for j, d in enumerate(devs):
+        out.append((d.name, "compute", "forward", d.resolve(fw[j][1]), d.resolve(fw[j][2])))
+        out.append((d.name, "compute", "backward", d.resolve(bw[j][1]), d.resolve(bw[j][2])))
+        if up[j] is not None:
+            out.append((d.name, "compute", "update", d.resolve(up[j][0]), d.resolve(up[j][1])))
+    return out

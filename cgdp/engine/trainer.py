@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from cgdp.engine.backend import make_devices, parse_devices
+from cgdp.engine.backend import host_threads, make_devices, make_rng, parse_devices
 from cgdp.engine.batch import batch_weights, check_micro_batches, micro_rounds, split_batch
 from cgdp.engine.buffers import sync_buffers
 from cgdp.engine.drain import drain_after_failure, quiesce
@@ -43,12 +42,11 @@ from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.layers import LayerInfo, find_layers, trainable_dtype
 from cgdp.engine.replicas import Replicas, signature
-from cgdp.engine.rng import EmulatedRNG
-from cgdp.engine.stream import GradientStream
+from cgdp.engine.stream import GradientStream, wire_dtype
 from cgdp.planning.profile import StepProfile
 from cgdp.engine.sync import Guard
 from cgdp.engine.threads import DeviceThreads
-from cgdp.engine.timing import build_profile, build_trace, step_stats
+from cgdp.engine.timing import build_profile, build_trace, compute_spans, step_stats
 from cgdp.engine.typical import broadcast_parameters, gather_on_first
 from cgdp.engine.update import (HyperparameterMismatchError, Schedulers, check_digests, check_hyperparameters,
                                 check_max_norm, clip_coefficient, hyperparameter_digest)
@@ -85,6 +83,11 @@ class Trainer:
             device (:mod:`cgdp.engine.update`); ``stats["grad_norm"]``: the norm before clipping.
         micro_batches: micro-batches per device part, accumulated on the device; chunks travel
             during the last one's backward only.
+        share_devices: allow a GPU to be listed more than once (one replica per entry, each with
+            its own copy streams), e.g. ``["cuda:0", "cuda:0"]``: the G > 1 data path on one GPU.
+        grad_transfer: ``"bf16"`` casts float32 gradients to bf16 on the device for the round trip
+            through the host (half the bytes each way; the host sums in float32); see
+            :mod:`cgdp.engine.host` for the error bound. ``None``: gradients travel in their dtype.
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
@@ -92,7 +95,8 @@ class Trainer:
                  comm: None | str | Comm = None, timeout_s: float | None = 300.0,
                  profile: bool = False, segment_bytes: int = 4 << 20,
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
-                 clip_grad_norm: float | None = None, micro_batches: int = 1):
+                 clip_grad_norm: float | None = None, micro_batches: int = 1,
+                 share_devices: bool = False, grad_transfer: str | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not isinstance(model, nn.Module):
@@ -101,7 +105,7 @@ class Trainer:
             raise TypeError("optimizer must be a callable that takes parameters and returns an optimizer, "
                             "e.g. lambda params: torch.optim.SGD(params, lr=0.1), so that each replica "
                             "gets its own")
-        parse_devices(devices)
+        parse_devices(devices, share_devices)
         if mode == "single" and len(devices) != 1:
             raise ValueError(f"mode='single' trains on one device; got {len(devices)} devices. "
                              f"Pass one device, or use mode='cgdp' for several")
@@ -110,6 +114,7 @@ class Trainer:
             raise ValueError("the model has no trainable parameters (none with requires_grad=True); "
                              "there is nothing to train")
         self._dtype = trainable_dtype(layer_params)
+        self._transfer = wire_dtype(grad_transfer, self._dtype, mode)
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
         if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1024:
@@ -143,7 +148,7 @@ class Trainer:
         self._layer_bytes = [info.numel * torch.tensor([], dtype=self._dtype).element_size()
                              for info in infos]
 
-        self._devs = make_devices(devices, self._guard.fail)
+        self._devs = make_devices(devices, self._guard.fail, share_devices)
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
         self._comm: Comm | None = None
@@ -171,13 +176,13 @@ class Trainer:
             plan = self._comm.broadcast_object(plan)
         self._tuning = self.tuner is not None
         # one CPU random stream per emulated device, derived from torch's seed (reproducible)
-        self._rng = EmulatedRNG(len(self._devs))
+        self._rng = make_rng(self._devs)
 
         self._threads = DeviceThreads(self._devs, self._guard)
         self._stream = GradientStream(
             self._devs, self._params, self._layer_pids, self._dtype, segment_bytes=self._segment,
             streaming=self.mode == "cgdp", guard=self._guard, comm=self._comm,
-            host_threads=self._host_threads())
+            host_threads=host_threads(self._devs), transfer=self._transfer)
         self._stream.set_plan(plan)
         self._stream.want_norm = self._max_norm is not None
 
@@ -198,14 +203,6 @@ class Trainer:
             cost, ranks = Linear(alpha, beta), self._comm.size
         self.tuner = make_tuner(chunks, self._layer_bytes, len(self._devs), comm=cost, ranks=ranks)
         return validate_plan(self.tuner.plan(), len(self.layers))
-
-    def _host_threads(self) -> int:
-        """Threads of the host sum. With GPUs the host cores are idle: use them all. Emulated
-        devices already keep every core busy computing; one thread then runs at memory speed
-        without waiting for a descheduled helper thread."""
-        if self._devs[0].is_cuda:
-            return max(1, (os.cpu_count() or 2) - 1)
-        return 1
 
     # ------------------------------------------------------------------ public API
     @property
@@ -269,7 +266,7 @@ class Trainer:
             coef = clip_coefficient(self._grad_norm, self._max_norm)                 #    clip,
             phase = "update"
             t_up = time.perf_counter()
-            self._update(coef)                                                       #    update
+            up = self._update(coef)                                                  #    update
             t_end = time.perf_counter()
         except (NonFiniteGradientError, HyperparameterMismatchError):
             # a clean rejection: every collective and copy of the step has completed, and every
@@ -279,12 +276,15 @@ class Trainer:
             self._recover(exc, phase)
             raise
         self.step_count += 1
-        self.stats = step_stats(fw, bw, t_start, t_bw, t_up, t_end, total)
+        # phase times from the devices' own clocks in timed steps (CUDA: resolved device events)
+        self.stats = step_stats(self._devs, fw, bw, up, t_start, t_bw, t_up, t_end, total)
         self.stats["forward_s"] += held[2]
         if coef is not None:
             self.stats["grad_norm"] = self._grad_norm
         if profiling or tracing:
-            self._collect(t_start, [b[4] for b in bw], profiling, tracing)
+            if self._events is not None:
+                self._events += compute_spans(self._devs, fw, bw, up)
+            self._collect(t_start, [b[1] for b in bw], profiling, tracing)
         if tuning:
             self.tuner.observe(self.stats["step_s"], self.last_profile if profiling else None)
         return loss
@@ -367,22 +367,17 @@ class Trainer:
                 d.begin_timing()
         self._stream.begin_step(timing, sink)
 
-    def _forward_all(self, parts, loss_fn) -> list[tuple[torch.Tensor, float]]:
+    def _forward_all(self, parts, loss_fn) -> list[tuple[torch.Tensor, Any, Any]]:
         run = lambda: self._threads.run_all(lambda j: self._forward_on(j, parts[j], loss_fn))  # noqa: E731
-        if self._devs[0].is_cuda:  # each GPU has its own generator
-            return run()
         return self._rng.forward_all(run)
 
-    def _forward_on(self, j: int, part: tuple[Any, Any], loss_fn) -> tuple[torch.Tensor, float]:
+    def _forward_on(self, j: int, part: tuple[Any, Any], loss_fn) -> tuple[torch.Tensor, Any, Any]:
+        """(loss, start stamp, end stamp): stamps on the device's clock (see ``Device.stamp``)."""
         dev = self._devs[j]
         x, y = part
-        t0 = time.perf_counter()
-        if dev.is_cuda:
-            loss = self._loss_on(j, x, y, loss_fn)
-        else:
-            loss = self._rng.on_device(j, lambda: self._loss_on(j, x, y, loss_fn))
-        self._span(dev.name, "forward", t0)
-        return loss, time.perf_counter() - t0
+        f0 = dev.stamp()
+        loss = self._rng.on_device(j, lambda: self._loss_on(j, x, y, loss_fn))
+        return loss, f0, dev.stamp()
 
     def _loss_on(self, j: int, x: Any, y: torch.Tensor, loss_fn) -> torch.Tensor:
         dev = self._devs[j]
@@ -417,21 +412,19 @@ class Trainer:
             torch.autograd.backward(loss, grad_tensors=torch.full((), w, dtype=loss.dtype, device=loss.device))
         return float(loss.detach())
 
-    def _backward_on(self, j: int, loss: torch.Tensor, w: float) -> tuple[float, float, float, float]:
+    def _backward_on(self, j: int, loss: torch.Tensor, w: float) -> tuple[float, Any, Any, Any]:
+        """(loss value, backward start, backward end, gradients back): stamps as in forward."""
         dev = self._devs[j]
-        timed = self._events is not None
-        t0 = time.perf_counter()
-        s0 = dev.stamp() if timed else t0
+        b0 = dev.stamp()
         torch.autograd.backward(loss, grad_tensors=torch.full((), w, dtype=loss.dtype, device=loss.device))
-        if timed:
+        if self._events is not None:
             dev.backward_issued()
         self._stream.flush(j)
-        value = float(loss.detach())  # note: CPU-GPU sync point; backward's compute has finished
-        t1 = time.perf_counter()
-        self._span(dev.name, "backward", t0, t1)
+        dev.wait_compute(self._guard)  # note: host waits for backward, sleeping rather than spinning
+        value = float(loss.detach())
+        b1 = dev.stamp()
         self._stream.wait_returned(j)
-        t2 = time.perf_counter()
-        return value, t0, t1, t2, s0
+        return value, b0, b1, dev.stamp()
 
     def _finish_backward(self, losses: list[float], weights: list[float]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""
@@ -439,7 +432,7 @@ class Trainer:
         bad = self._stream.bad_count()
         loss = math.fsum(w * l for w, l in zip(weights, losses))
         if self.mode == "typical":
-            bad = gather_on_first(self._stream.flats)
+            bad = gather_on_first(self._devs, self._stream.flats)
         # the clipping norm: rank 0's value on every rank (all computed it from the same reduced
         # values, but a CPU with other vector widths may round the last bits differently)
         self._grad_norm = self._stream.grad_norm() if self._max_norm is not None else 0.0
@@ -458,30 +451,29 @@ class Trainer:
         self._stream.set_untouched(touched)
         return loss
 
-    def _update(self, coef: torch.Tensor | None) -> None:
+    def _update(self, coef: torch.Tensor | None) -> list[tuple[Any, Any] | None]:
+        """Per device, the stamps around its update (None where it has none)."""
         if self.mode == "typical":
-            t0 = time.perf_counter()
+            dev = self._devs[0]
+            u0 = dev.stamp()
             if coef is not None:
                 self._stream.scale_grads(coef, 0)
             self.optimizers[0].step()
-            self._span(self._devs[0].name, "update", t0)
-            broadcast_parameters(self._params)
+            broadcast_parameters(self._devs, self._params)
+            up = [(u0, dev.stamp())] + [None] * (len(self._devs) - 1)
         else:
-            self._threads.run_all(lambda j: self._update_on(j, coef))
+            up = self._threads.run_all(lambda j: self._update_on(j, coef))
         sync_buffers(self._buffers, self._weights, self._comm)
         self._schedulers.step(only_first_stepped=self.mode == "typical")
+        return up
 
-    def _update_on(self, j: int, coef: torch.Tensor | None) -> None:
-        t0 = time.perf_counter()
+    def _update_on(self, j: int, coef: torch.Tensor | None) -> tuple[Any, Any]:
+        dev = self._devs[j]
+        u0 = dev.stamp()
         if coef is not None:
             self._stream.scale_grads(coef, j)
         self.optimizers[j].step()
-        self._span(self._devs[j].name, "update", t0)
-
-    def _span(self, device: str, name: str, t0: float, t1: float | None = None) -> None:
-        """A compute-stream span for traces (host clock: when the work was issued)."""
-        if self._events is not None:
-            self._events.append((device, "compute", name, t0, time.perf_counter() if t1 is None else t1))
+        return u0, dev.stamp()
 
     # ------------------------------------------------------------------ failures, plan switches
     def _quiesce(self) -> None:
@@ -500,9 +492,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ profiles and traces
     def _collect(self, t_start: float, bw_stamps: list[Any], profiling: bool, tracing: bool) -> None:
-        for d in self._devs:
-            d.end_timing()
+        # every stamp is resolved before end_timing() closes the step's timing
         bw_start = [d.resolve(s) for d, s in zip(self._devs, bw_stamps)]
+        for d in self._devs:
+            d.end_timing()  # emits the device-timed copies into the events
         events = self._events or []
         if tracing:
             self.last_trace = build_trace(events, t_start)

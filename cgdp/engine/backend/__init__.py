@@ -1,20 +1,24 @@
 """Device selection in one place: device strings → :class:`~cgdp.engine.backend.base.Device` objects.
 
 ``"cpu:N"`` are CPU-emulated devices (any N, each a separate replica in host memory);
-``"cuda:N"`` are real GPUs. One trainer uses one kind.
+``"cuda:N"`` are real GPUs (or simulated ones inside ``cgdp.testing.simulated_cuda``). One trainer
+uses one kind. A GPU may hold several replicas only when asked (``share=True``): that runs the
+data path of G > 1 (real copies, a real host sum) on a machine with one GPU, for tests and
+measurements; it is slower than one replica per GPU.
 """
 from __future__ import annotations
 
 import re
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from cgdp.engine.backend.base import Device
 
 _DEVICE = re.compile(r"^(cpu|cuda):(\d+)$")
 
 
-def parse_devices(devices: Sequence[str]) -> tuple[str, list[int]]:
-    """Validate the ``devices`` argument; return (kind, indices)."""
+def parse_devices(devices: Sequence[str], share: bool = False) -> tuple[str, list[int]]:
+    """Validate the ``devices`` argument; return (kind, indices). ``share``: a CUDA device may be
+    listed more than once (one replica per entry, each with its own streams)."""
     if isinstance(devices, str) or not isinstance(devices, Sequence):
         raise TypeError(f"devices must be a list of device strings such as ['cuda:0', 'cuda:1'] or "
                         f"['cpu:0', 'cpu:1']; got {devices!r}")
@@ -30,10 +34,13 @@ def parse_devices(devices: Sequence[str]) -> tuple[str, list[int]]:
         idx.append(int(m.group(2)))
     if len(kinds) > 1:
         raise ValueError(f"devices mixes CPU-emulated and CUDA devices ({list(devices)}); use one kind")
-    dup = sorted({d for d in devices if list(devices).count(d) > 1})
-    if dup:
-        raise ValueError(f"device(s) {dup} listed more than once; each device holds one replica")
     kind = kinds.pop()
+    dup = sorted({d for d in devices if list(devices).count(d) > 1})
+    if dup and not (share and kind == "cuda"):
+        hint = ("; to run several replicas on one GPU (the G > 1 data path on a one-GPU machine), "
+                "pass share_devices=True" if kind == "cuda" else
+                "; CPU-emulated devices are separate replicas anyway: use 'cpu:0', 'cpu:1', ...")
+        raise ValueError(f"device(s) {dup} listed more than once; each device holds one replica{hint}")
     if kind == "cuda":
         from cgdp.engine.backend.cuda import cuda_count
         n = cuda_count()
@@ -45,8 +52,9 @@ def parse_devices(devices: Sequence[str]) -> tuple[str, list[int]]:
     return kind, idx
 
 
-def make_devices(devices: Sequence[str], fail: Callable[[BaseException], None]) -> list[Device]:
-    kind, idx = parse_devices(devices)
+def make_devices(devices: Sequence[str], fail: Callable[[BaseException], None],
+                 share: bool = False) -> list[Device]:
+    kind, idx = parse_devices(devices, share)
     if kind == "cuda":
         from cgdp.engine.backend.cuda import CudaDevice
         return [CudaDevice(name, i, fail) for name, i in zip(devices, idx)]
@@ -61,3 +69,23 @@ def default_devices(max_devices: int | None = None, emulated: int = 2) -> list[s
     if n:
         return [f"cuda:{i}" for i in range(n if max_devices is None else min(n, max_devices))]
     return [f"cpu:{i}" for i in range(emulated)]
+
+
+def make_rng(devs: Sequence[Device]) -> Any:
+    """One random stream per replica (``forward_all``, ``on_device``, ``states``)."""
+    if devs[0].is_cuda:
+        from cgdp.engine.backend.cuda import CudaRNG
+        return CudaRNG(devs)
+    from cgdp.engine.rng import EmulatedRNG
+    return EmulatedRNG(len(devs))
+
+
+def host_threads(devs: Sequence[Device]) -> int:
+    """Threads of the host sum. With GPUs the host cores are free but for the device threads,
+    which issue kernels: leave them one core each. Emulated devices already keep every core
+    busy computing; one thread then runs at memory speed without waiting for a descheduled
+    helper thread."""
+    if devs[0].is_cuda:
+        from cgdp.engine.backend.cuda import host_threads as cuda_host_threads
+        return cuda_host_threads(len(devs))
+    return 1

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from cgdp.engine.sync import Guard
 
+SendPart = tuple[torch.Tensor, torch.Tensor, Callable[[], None], "torch.Tensor | None"]
+"""(src on the device, dst on the host, on_arrived, stage on the device or None)."""
 TraceSink = Callable[[str, str, str, float, float], None]
 """(device, stream, name, start, end) with times in ``time.perf_counter`` seconds."""
 
@@ -47,15 +49,21 @@ class Device(ABC):
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Host memory the device can copy to and from asynchronously (pinned on CUDA)."""
 
-    @abstractmethod
-    def send(self, src: torch.Tensor, dst: torch.Tensor, on_arrived: Callable[[], None],
-             label: str) -> None:
-        """After all compute work issued so far, copy ``src`` (device) into ``dst`` (host) on the
-        D2H stream; then run ``on_arrived()`` on a host thread. Only enqueues."""
+    def host_release(self, t: torch.Tensor) -> None:
+        """Give back host memory from :meth:`host_empty` (before ``close()``, which frees all)."""
 
     @abstractmethod
-    def give_back(self, src: torch.Tensor, dst: torch.Tensor, label: str) -> None:
-        """Copy ``src`` (host) into ``dst`` (device) on the H2D stream. Only enqueues."""
+    def send(self, parts: Sequence[SendPart], label: str) -> None:
+        """After all compute work issued so far, for each ``(src, dst, on_arrived, stage)`` in
+        order: copy ``src`` (device) into ``dst`` (host) on the D2H stream, through ``stage`` (a
+        device buffer of ``dst``'s dtype: the cast happens on the device) if it is given; then run
+        ``on_arrived()`` on a host thread. Only enqueues."""
+
+    @abstractmethod
+    def give_back(self, src: torch.Tensor, dst: torch.Tensor, label: str,
+                  stage: torch.Tensor | None = None) -> None:
+        """Copy ``src`` (host) into ``dst`` (device) on the H2D stream, through ``stage`` (a device
+        buffer of ``src``'s dtype, widened into ``dst`` on the device) if it is given. Only enqueues."""
 
     @abstractmethod
     def h2d_marker(self) -> Any:
@@ -70,7 +78,12 @@ class Device(ABC):
         """Block the host until all streams of this device are idle."""
 
     def settle(self, marker: Any, guard: Guard) -> None:
-        """Block the host until ``marker`` has completed (so that phase times are true)."""
+        """Block the host until ``marker`` has completed (timed steps only, so that phase times
+        are true)."""
+
+    def wait_compute(self, guard: Guard) -> None:
+        """Block the host until the compute work issued so far has completed (before reading
+        the loss), without spinning a core."""
 
     # Timing for profiles and traces. Emulated devices use the host clock directly; CUDA records
     # device events and resolves them against an anchor after the step.
@@ -90,7 +103,8 @@ class Device(ABC):
         return self.stamp()
 
     def end_timing(self) -> None:
-        """After the step: emit the copies timed on the device to ``self.trace``."""
+        """After the step (and after its stamps were resolved): emit the copies timed on the
+        device to ``self.trace``."""
 
     def close(self) -> None:
         pass

@@ -58,19 +58,27 @@ class CpuDevice(Device):
     def host_empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype)
 
-    def send(self, src, dst, on_arrived, label):
+    def send(self, parts, label):
         def copy():
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            if self.trace is not None:
-                self.trace(self.name, "d2h", label, t0, time.perf_counter())
-            on_arrived()
+            for src, dst, on_arrived, stage in parts:
+                t0 = time.perf_counter()
+                if stage is not None:
+                    stage.copy_(src)  # the cast a GPU does before the bus
+                    src = stage
+                dst.copy_(src)
+                if self.trace is not None:
+                    self.trace(self.name, "d2h", label, t0, time.perf_counter())
+                on_arrived()
         self._d2h.submit(copy)
 
-    def give_back(self, src, dst, label):
+    def give_back(self, src, dst, label, stage=None):
         def copy():
             t0 = time.perf_counter()
-            dst.copy_(src)
+            if stage is not None:
+                stage.copy_(src)
+                dst.copy_(stage)  # widened "on the device"
+            else:
+                dst.copy_(src)
             if self.trace is not None:
                 self.trace(self.name, "h2d", label, t0, time.perf_counter())
         self._h2d.submit(copy)

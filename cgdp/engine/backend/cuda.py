@@ -1,36 +1,153 @@
 """CUDA devices ``"cuda:N"``: the default compute stream, a D2H stream, an H2D stream, pinned memory.
 
-The only module of cgdp that touches ``torch.cuda``.
+The only module of cgdp that touches ``torch.cuda``, and only through one object, the *runtime*
+(:class:`TorchCuda`): streams, events, stream contexts, asynchronous copies, page-locked host
+memory, coalesced reduce and broadcast, the devices' random generators. ``cgdp.testing``
+provides a simulated runtime with the same methods (asynchronous streams over host memory), so
+CI runs this module's own code without a GPU.
 
-* ``send`` runs inside a gradient hook on autograd's thread for this device, whose current stream
-  is the one the gradient was accumulated on. It records an event there, makes the D2H stream wait
-  on it (a device-side wait: the host does not synchronise, unlike the paper's per-layer host
-  sync) and enqueues the copy into pinned host memory. A completion thread per device then waits
-  on the copy's event (a blocking-sync event: the thread sleeps, GIL released, instead of spinning
-  a core the host sum needs) and tells the host accumulator the chunk has arrived.
+* ``send`` runs inside a gradient hook on the thread that runs backward for this device, whose
+  current stream is the one the gradient was accumulated on. Per chunk it records one event
+  there and makes the D2H stream wait on it (a device-side wait: the host does not synchronise,
+  unlike the paper's per-layer host sync); per segment it enqueues one copy into page-locked host
+  memory and one blocking-sync event. A completion thread per device waits on each copy's event
+  (the thread sleeps, GIL released, instead of spinning a core the host sum needs) and tells the
+  host accumulator the segment has arrived.
 * ``give_back`` enqueues the host-to-device copy on the H2D stream; ``compute_wait`` makes the
   compute stream wait on an H2D event, again without a host synchronisation.
-* The flat gradient buffer and the pinned slots live for the whole run, so no allocation is
-  freed while a side stream still uses it (no ``record_stream`` needed; pinned memory used by
-  non-blocking copies is also protected by the caching host allocator's events).
+* The flat gradient buffer and the host slots live for the whole run, so no allocation is
+  freed while a side stream still uses it (no ``record_stream`` needed). Host slots are an
+  ordinary allocation registered with ``cudaHostRegister`` (exactly the bytes needed, unlike the
+  caching host allocator, which rounds ``pin_memory=True`` up to a power of two and keeps it), and
+  unregistered on ``close()``.
+* Several replicas may share one GPU (``share_devices=True``): each has its own D2H and H2D
+  streams and its own random stream; they share the GPU's default (compute) stream.
 * Timing (profiled or traced steps only): every timestamp is a device event, resolved after the
-  step against an anchor event whose host time is known.
+  step against an anchor event whose host time is known. Untimed steps record no timing events
+  and never synchronise the host beyond reading the loss (on a blocking-sync event).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 
 from cgdp.engine.backend.base import Device
 from cgdp.engine.sync import Guard
 
+PAGE = 4096
+
+
+class TorchCuda:
+    """The real CUDA runtime, as cgdp uses it. Every method is one ``torch.cuda`` call (or two)."""
+
+    simulated = False
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    def torch_device(self, index: int) -> torch.device:
+        return torch.device("cuda", index)
+
+    def Stream(self, index: int) -> Any:  # noqa: N802 (mirrors torch.cuda.Stream)
+        with torch.cuda.device(index):
+            return torch.cuda.Stream(index)
+
+    def Event(self, enable_timing: bool = False, blocking: bool = False) -> Any:  # noqa: N802
+        return torch.cuda.Event(enable_timing=enable_timing, blocking=blocking)
+
+    def stream(self, s: Any):
+        return torch.cuda.stream(s)
+
+    def current_stream(self, index: int) -> Any:
+        return torch.cuda.current_stream(index)
+
+    def default_stream(self, index: int) -> Any:
+        return torch.cuda.default_stream(index)
+
+    def set_device(self, index: int) -> None:
+        torch.cuda.set_device(index)
+
+    def synchronize(self, index: int) -> None:
+        torch.cuda.synchronize(index)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """An asynchronous copy (or cast) on the current stream."""
+        dst.copy_(src, non_blocking=True)
+
+    def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Page-locked host memory of exactly ``numel`` elements (plus up to a page of alignment)."""
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        nbytes = max(numel, 1) * itemsize
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % PAGE
+        buf = raw[skip:skip + nbytes]
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**20:.1f} MiB of host memory failed "
+                               f"(error {int(err)}): raise the locked-memory limit (ulimit -l) or "
+                               f"free host memory")
+        return buf.view(dtype)[:numel]  # a view of ``raw``'s storage, which it keeps alive
+
+    def host_free(self, t: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+    def reduce_add(self, tensors: Sequence[torch.Tensor], index: int) -> torch.Tensor:
+        """The sum of one tensor per distinct device, on device ``index`` (NCCL where available)."""
+        return torch.cuda.comm.reduce_add_coalesced([[t] for t in tensors], destination=index)[0]
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], indices: Sequence[int]) -> list[list[torch.Tensor]]:
+        """Copies of ``tensors`` on every device of ``indices`` (distinct), in buckets."""
+        return torch.cuda.comm.broadcast_coalesced(list(tensors), list(indices))
+
+    def rng_key(self, index: int) -> Any:
+        """Replicas with the same key share one generator."""
+        return index
+
+    def get_rng_state(self, index: int) -> torch.Tensor:
+        return torch.cuda.get_rng_state(index)
+
+    def set_rng_state(self, state: torch.Tensor, index: int) -> None:
+        torch.cuda.set_rng_state(state, index)
+
+    def new_rng_state(self, index: int, seed: int) -> torch.Tensor:
+        return torch.Generator(device=self.torch_device(index)).manual_seed(seed).get_state()
+
+
+_REAL = TorchCuda()
+_runtime: Any = _REAL
+
+
+def runtime() -> Any:
+    """The CUDA runtime in use: the real one, or a simulated one inside ``cgdp.testing.simulated_cuda``."""
+    return _runtime
+
+
+@contextlib.contextmanager
+def use_runtime(rt: Any):
+    """Devices created inside use ``rt`` (for ``cgdp.testing``)."""
+    global _runtime
+    old, _runtime = _runtime, rt
+    try:
+        yield rt
+    finally:
+        _runtime = old
+
 
 def cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return runtime().device_count()
+
+
+def host_threads(num_replicas: int) -> int:
+    """Threads of the host sum next to GPUs: every core but one per device thread (each issues
+    kernels and is busy during backward); the completion threads sleep on blocking events."""
+    return max(1, (os.cpu_count() or 2) - num_replicas)
 
 
 class CudaDevice(Device):
@@ -38,46 +155,63 @@ class CudaDevice(Device):
 
     def __init__(self, name: str, index: int, fail: Callable[[BaseException], None]):
         super().__init__(name, fail)
-        self.torch_device = torch.device("cuda", index)
-        with torch.cuda.device(self.torch_device):
-            self.d2h = torch.cuda.Stream(self.torch_device)
-            self.h2d = torch.cuda.Stream(self.torch_device)
-        self.copies: list[tuple[str, str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.rt = runtime()
+        self.index = index
+        self.torch_device = self.rt.torch_device(index)
+        self.d2h = self.rt.Stream(index)
+        self.h2d = self.rt.Stream(index)
+        self.copies: list[tuple[str, str, Any, Any]] = []
         """(stream, label, start, done) device events of the copies of a timed step."""
-        self.compute_done: torch.cuda.Event | None = None
+        self.compute_done: Any = None
         """A device event right after backward was issued, in a timed step."""
-        self._anchor: tuple[torch.cuda.Event, float] | None = None
+        self._anchor: tuple[Any, float] | None = None
+        self._hosts: list[torch.Tensor] = []
         self._watch: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._complete, name=f"cgdp-{name}-done", daemon=True)
         self._thread.start()
 
     def bind_thread(self) -> None:
-        torch.cuda.set_device(self.torch_device)
+        self.rt.set_device(self.index)
 
     def check_caller(self) -> None:
-        if torch.cuda.current_stream(self.torch_device) != torch.cuda.default_stream(self.torch_device):
+        if self.rt.current_stream(self.index) != self.rt.default_stream(self.index):
             raise RuntimeError("call Trainer.step() outside any torch.cuda.stream(...) context: cgdp "
                                "orders its own copy streams against the default stream")
 
     def host_empty(self, shape, dtype):
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+        numel = 1
+        for n in shape:
+            numel *= n
+        t = self.rt.host_alloc(numel, dtype).view(shape)
+        self._hosts.append(t)
+        return t
 
-    def _event(self) -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=self.trace is not None, blocking=True)
+    def host_release(self, t: torch.Tensor) -> None:
+        for k, h in enumerate(self._hosts):
+            if h is t:
+                self.rt.host_free(self._hosts.pop(k))
+                return
 
-    def send(self, src, dst, on_arrived, label):
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.torch_device))
-        with torch.cuda.stream(self.d2h):
+    def send(self, parts, label):
+        rt = self.rt
+        timed = self._timed()
+        ready = rt.Event()
+        ready.record(rt.current_stream(self.index))
+        with rt.stream(self.d2h):
             self.d2h.wait_event(ready)  # device-side wait: no host synchronisation here
-            start = self._event()
-            start.record(self.d2h)
-            dst.copy_(src, non_blocking=True)
-            done = self._event()
-            done.record(self.d2h)
-        if self.trace is not None:
-            self.copies.append(("d2h", label, start, done))
-        self._watch.put((done, on_arrived))
+            for src, dst, on_arrived, stage in parts:
+                if timed:
+                    start = rt.Event(enable_timing=True)
+                    start.record(self.d2h)
+                if stage is not None:
+                    rt.copy(stage, src)  # cast on the device: fewer bytes over the bus
+                    src = stage
+                rt.copy(dst, src)
+                done = rt.Event(enable_timing=timed, blocking=True)
+                done.record(self.d2h)
+                if timed:
+                    self.copies.append(("d2h", label, start, done))
+                self._watch.put((done, on_arrived))
 
     def _complete(self) -> None:
         while True:
@@ -94,31 +228,42 @@ class CudaDevice(Device):
             except BaseException as exc:
                 self._fail(exc)
 
-    def give_back(self, src, dst, label):
-        with torch.cuda.stream(self.h2d):
-            if self.trace is not None:
-                start = self._event()
+    def give_back(self, src, dst, label, stage=None):
+        rt = self.rt
+        timed = self._timed()
+        with rt.stream(self.h2d):
+            if timed:
+                start = rt.Event(enable_timing=True)
                 start.record(self.h2d)
-            dst.copy_(src, non_blocking=True)
-            if self.trace is not None:
-                done = self._event()
+            if stage is not None:
+                rt.copy(stage, src)
+                rt.copy(dst, stage)  # widened on the device
+            else:
+                rt.copy(dst, src)
+            if timed:
+                done = rt.Event(enable_timing=True)
                 done.record(self.h2d)
                 self.copies.append(("h2d", label, start, done))
 
-    def h2d_marker(self) -> torch.cuda.Event:
-        ev = torch.cuda.Event(blocking=True)
+    def h2d_marker(self) -> Any:
+        ev = self.rt.Event(blocking=True)
         ev.record(self.h2d)
         return ev
 
     def compute_wait(self, marker: Any, guard: Guard) -> None:
         # device-side wait: the update kernels queue behind the last H2D copy; the host goes on.
-        torch.cuda.current_stream(self.torch_device).wait_event(marker)
+        self.rt.current_stream(self.index).wait_event(marker)
+
+    def wait_compute(self, guard: Guard) -> None:
+        ev = self.rt.Event(blocking=True)
+        ev.record(self.rt.current_stream(self.index))
+        ev.synchronize()  # note: host waits for backward, sleeping (a blocking-sync event, no spin)
 
     def settle(self, marker: Any, guard: Guard) -> None:
-        marker.synchronize()  # note: host sync on the last H2D copy, so exposed time is measured
+        marker.synchronize()  # note: host sync on the last H2D copy (timed steps only)
 
     def synchronize(self, guard: Guard) -> None:
-        torch.cuda.synchronize(self.torch_device)  # note: host sync point (plan switches, failures)
+        self.rt.synchronize(self.index)  # note: host sync point (plan switches, failures)
         ev = threading.Event()
         self._watch.put(ev)  # and every completion already noticed has been delivered
         guard.wait(ev, f"the copy completions of {self.name}")
@@ -127,16 +272,20 @@ class CudaDevice(Device):
     def begin_timing(self) -> None:
         self.copies = []
         self.compute_done = None
-        anchor = torch.cuda.Event(enable_timing=True)
-        anchor.record(torch.cuda.current_stream(self.torch_device))
+        anchor = self.rt.Event(enable_timing=True, blocking=True)
+        anchor.record(self.rt.current_stream(self.index))
         anchor.synchronize()  # note: host sync, in timed steps only
         self._anchor = (anchor, time.perf_counter())
 
+    def _timed(self) -> bool:
+        """Inside a timed step (the trainer sets ``trace`` for those only)."""
+        return self.trace is not None and self._anchor is not None
+
     def stamp(self) -> Any:
-        if self._anchor is None:
+        if not self._timed():
             return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(torch.cuda.current_stream(self.torch_device))
+        ev = self.rt.Event(enable_timing=True, blocking=True)
+        ev.record(self.rt.current_stream(self.index))
         return ev
 
     def backward_issued(self) -> Any:
@@ -144,17 +293,86 @@ class CudaDevice(Device):
         return self.compute_done
 
     def resolve(self, stamp: Any) -> float:
-        if isinstance(stamp, torch.cuda.Event) and self._anchor is not None:
-            anchor, host0 = self._anchor
-            return host0 + anchor.elapsed_time(stamp) / 1e3
-        return float(stamp)
+        if isinstance(stamp, (int, float)):
+            return float(stamp)
+        if self._anchor is None:
+            raise RuntimeError(f"a device timestamp of {self.name} outlived its timed step")
+        anchor, host0 = self._anchor
+        stamp.synchronize()  # note: host waits for the stamped work (timed steps only)
+        return host0 + anchor.elapsed_time(stamp) / 1e3
 
     def end_timing(self) -> None:
+        """Emit the timed copies; stamps of this step stay resolvable until the next one."""
         if self.trace is not None:
             for stream, label, start, done in self.copies:
                 self.trace(self.name, stream, label, self.resolve(start), self.resolve(done))
-        self._anchor = None
+        self.trace = None  # later stamps are host times; this step's stay resolvable
 
     def close(self) -> None:
         self._watch.put(None)
         self._thread.join(timeout=10)
+        while self._hosts:
+            self.rt.host_free(self._hosts.pop())
+
+
+# ------------------------------------------------------------------------- typical mode
+def reduce_to_first(devs: Sequence[CudaDevice], flats: Sequence[torch.Tensor]) -> None:
+    """``flats[0]`` ← the sum of all, with one coalesced reduce (NCCL where the GPUs are distinct;
+    replicas sharing a GPU are added on it in device order)."""
+    indices = [d.index for d in devs]
+    if len(set(indices)) < len(indices) or len(flats) == 1:
+        for flat in flats[1:]:
+            flats[0].add_(flat)
+        return
+    flats[0].copy_(devs[0].rt.reduce_add(flats, indices[0]))
+
+
+def broadcast_from_first(devs: Sequence[CudaDevice], params: list[list[nn.Parameter]]) -> None:
+    """Every replica's parameters ← replica 0's, one coalesced broadcast (as ``nn.DataParallel``)."""
+    indices = [d.index for d in devs]
+    with torch.no_grad():
+        if len(set(indices)) < len(indices) or len(params) == 1:
+            for others in params[1:]:
+                torch._foreach_copy_(others, params[0])
+            return
+        copies = devs[0].rt.broadcast(params[0], indices)
+        for others, src in zip(params[1:], copies[1:]):
+            torch._foreach_copy_(others, src)
+
+
+# ------------------------------------------------------------------------- random streams
+class CudaRNG:
+    """One random stream per replica, derived from torch's seed.
+
+    ``torch.manual_seed`` seeds every GPU's generator alike, so replicas on different GPUs would
+    draw the same dropout masks. Each replica gets its own generator state instead, swapped into
+    its GPU's generator around its forward (a host-side swap, no synchronisation). Replicas that
+    share a generator (several on one GPU, or a simulated runtime) take turns under a lock.
+    Same interface as :class:`cgdp.engine.rng.EmulatedRNG`.
+    """
+
+    def __init__(self, devs: Sequence[CudaDevice]):
+        self._devs = list(devs)
+        base = torch.initial_seed()
+        self.states = [d.rt.new_rng_state(d.index, cuda_replica_seed(base, j)) for j, d in enumerate(devs)]
+        keys = {d.rt.rng_key(d.index) for d in devs}
+        self._locks = {k: threading.Lock() for k in keys}
+
+    def forward_all(self, run: Callable[[], Any]) -> Any:
+        return run()
+
+    def on_device(self, j: int, fn: Callable[[], Any]) -> Any:
+        d = self._devs[j]
+        with self._locks[d.rt.rng_key(d.index)]:
+            outer = d.rt.get_rng_state(d.index)  # the user's stream stays untouched
+            d.rt.set_rng_state(self.states[j], d.index)
+            try:
+                return fn()
+            finally:
+                self.states[j] = d.rt.get_rng_state(d.index)
+                d.rt.set_rng_state(outer, d.index)
+
+
+def cuda_replica_seed(base: int, j: int) -> int:
+    """Replica j's seed: distinct per replica, within the 64-bit range generators accept."""
+    return (base * 6364136223846793005 + 1442695040888963407 * (j + 1)) % (1 << 63)
