@@ -6,6 +6,7 @@ The parts: :mod:`cgdp.engine` (the data path of a step, ``Trainer``), :mod:`cgdp
 (chunk plans, cost model, simulator, tuners), :mod:`cgdp.comm` (MPI), :mod:`cgdp.cli` (the
 ``python -m cgdp.train`` and ``python -m cgdp.plan`` commands).
 """
+from cgdp import testing
 from cgdp.engine.accumulate import accumulate
 from cgdp.engine.trainer import NonFiniteGradientError, Trainer
 from cgdp.planning.chunks import paper_plan

@@ -201,7 +201,7 @@ class CudaDevice(Device):
             self.d2h.wait_event(ready)  # device-side wait: no host synchronisation here
             for src, dst, on_arrived, stage in parts:
                 if timed:
-                    start = rt.Event(enable_timing=True)
+                    start = rt.Event(enable_timing=True, blocking=True)
                     start.record(self.d2h)
                 if stage is not None:
                     rt.copy(stage, src)  # cast on the device: fewer bytes over the bus
@@ -233,7 +233,7 @@ class CudaDevice(Device):
         timed = self._timed()
         with rt.stream(self.h2d):
             if timed:
-                start = rt.Event(enable_timing=True)
+                start = rt.Event(enable_timing=True, blocking=True)
                 start.record(self.h2d)
             if stage is not None:
                 rt.copy(stage, src)
@@ -241,7 +241,7 @@ class CudaDevice(Device):
             else:
                 rt.copy(dst, src)
             if timed:
-                done = rt.Event(enable_timing=True)
+                done = rt.Event(enable_timing=True, blocking=True)
                 done.record(self.h2d)
                 self.copies.append(("h2d", label, start, done))
 
