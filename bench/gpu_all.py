@@ -3,10 +3,11 @@
     OUT=/tmp/gpu python bench/gpu_all.py              # on a machine with a GPU: everything (~15 min)
     OUT=/tmp/a python bench/gpu_all.py --parts bandwidth,networks   # or in two calls of < 10 min
     OUT=/tmp/b python bench/gpu_all.py --parts sweep,alg1
-    python bench/gpu_all.py --quick                   # no GPU needed: small models, CPU-emulated
+    python bench/gpu_all.py --quick                   # no GPU needed: small models, simulated CUDA
     python bench/gpu_all.py --report A/gpu.json [B/gpu.json ...]   # results page only, merged
 
-On ``cuda:0`` (or, without a GPU, on the CPU-emulated ``cpu:0`` so that the script is tested):
+On ``cuda:0`` (or, without a GPU, on a simulated ``cuda:0`` (``cgdp.testing.simulated_cuda``: the
+CUDA backend's own code over host memory) so that the script is tested; ``--emulate``: ``cpu:0``):
 
 1. Pinned copy bandwidth: D2H alone, H2D alone, both directions at once (the PCIe limits).
 2. The paper's four networks at its per-GPU batches (AlexNet 256, GoogLeNet 64, VGG-16 32,
@@ -18,6 +19,12 @@ On ``cuda:0`` (or, without a GPU, on the CPU-emulated ``cpu:0`` so that the scri
 4. With one GPU, cgdp runs G = 1: the full host round trip (D2H, host accumulate, H2D on real
    streams) with nothing to average. Multi-GPU figures are *simulator predictions*
    (cgdp.planning.calibrate fitted on the G = 1 profiles, cgdp.planning.simulator for G = 2, 4), labelled so.
+5. G = 2 and 4 replicas on the one GPU (``share_devices=True``, part ``replicas``): the G > 1 data
+   path with real copies and a real host sum, checked against single first; the replicas share
+   the GPU's compute, so these are not multi-GPU step times.
+
+Inputs stay on the device (one upload before timing), as a training loop with a prefetching
+loader would have them; phase times come from profiled steps (device events).
 
 Writes ``$OUT/gpu.json`` (every figure, with machine, versions and command) and ``$OUT/gpu.md`` (the
 results page, the paper's numbers beside ours). ``--report`` rebuilds the page from one or more
@@ -76,16 +83,30 @@ QUICK_MODELS = {"mlp": 16, "digits_cnn": 16}
 
 # ---------------------------------------------------------------------------------- devices
 class Dev:
-    """The device under test: ``cuda:0`` or the CPU-emulated ``cpu:0``."""
+    """The device under test: ``cuda:0`` (real or simulated) or the CPU-emulated ``cpu:0``."""
 
-    def __init__(self, emulate: bool):
-        self.cuda = torch.cuda.is_available() and not emulate
-        self.name = "cuda:0" if self.cuda else "cpu:0"
+    def __init__(self, emulate: bool, simulate: bool = False):
+        self.cuda = torch.cuda.is_available() and not emulate and not simulate
+        self.sim = None
+        if simulate and not emulate:
+            from cgdp.testing import SimulatedCuda
+            self.sim = SimulatedCuda(1, max_delay_s=0.0002)
+        self.name = "cuda:0" if self.cuda or self.sim else "cpu:0"
         self.torch = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
+
+    def runtime(self):
+        """Where the trainers run: the simulated runtime, or nothing to change."""
+        import contextlib
+        if self.sim is None:
+            return contextlib.nullcontext()
+        from cgdp.engine.backend.cuda import use_runtime
+        return use_runtime(self.sim)
 
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()  # note: host waits for the GPU (end of a timed region)
+        elif self.sim is not None:
+            self.sim.synchronize(0)
 
     def reset_peak(self) -> None:
         if self.cuda:
@@ -173,15 +194,18 @@ def batch_for(name: str, n: int, shape: tuple[int, ...], classes: int, device: t
     return x.to(device), y.to(device)
 
 
-def make_trainer(model: nn.Module, dev: Dev, mode: str, chunks=1):
+def make_trainer(model: nn.Module, dev: Dev, mode: str, chunks=1, replicas: int = 1):
     import cgdp
-    return cgdp.Trainer(model, lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9), [dev.name],
-                        mode=mode, chunks=chunks)
+    return cgdp.Trainer(model, lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9), [dev.name] * replicas,
+                        mode=mode, chunks=chunks, share_devices=replicas > 1)
 
 
-def timed_steps(tr, dev: Dev, x, y, loss_fn, n: int) -> tuple[list[float], list[dict]]:
+def timed_steps(tr, dev: Dev, x, y, loss_fn, n: int, profiled: bool = False) -> tuple[list[float], list[dict]]:
+    """``n`` steps, each between two synchronisations; ``profiled``: phase times from device events."""
     times, stats = [], []
     for _ in range(n):
+        if profiled:
+            tr.profile_next()
         dev.sync()
         t0 = time.perf_counter()
         tr.step(x, y, loss_fn)
@@ -191,10 +215,11 @@ def timed_steps(tr, dev: Dev, x, y, loss_fn, n: int) -> tuple[list[float], list[
     return times, stats
 
 
-def check_modes(name: str, dev: Dev, batch: int, steps: int = 2) -> dict[str, float]:
-    """Parameters after ``steps`` steps: cgdp and typical against single (same init, data, seed)."""
+def check_modes(name: str, dev: Dev, batch: int, steps: int = 2, replicas: int = 1) -> dict[str, float]:
+    """Parameters after ``steps`` steps: cgdp and typical (on ``replicas`` replicas) against single
+    (same init, data, seed)."""
     model, shape, classes = build(name)
-    x, y = batch_for(name, batch, shape, classes, torch.device("cpu"))
+    x, y = batch_for(name, batch * replicas, shape, classes, dev.torch)
     loss_fn = nn.CrossEntropyLoss()
     out = {}
     det = torch.backends.cudnn.deterministic
@@ -202,7 +227,7 @@ def check_modes(name: str, dev: Dev, batch: int, steps: int = 2) -> dict[str, fl
     try:
         for mode in ("single", "cgdp", "typical"):
             torch.manual_seed(2)  # dropout draws the same masks in every mode
-            tr = make_trainer(model, dev, mode)
+            tr = make_trainer(model, dev, mode, replicas=1 if mode == "single" else replicas)
             try:
                 for _ in range(steps):
                     tr.step(x, y, loss_fn)
@@ -228,12 +253,13 @@ def network(name: str, batch: int, dev: Dev, steps: int, warmup: int) -> dict:
     profiles = []
     for mode in ("single", "cgdp", "typical"):
         model, shape, classes = build(name)
-        x, y = batch_for(name, batch, shape, classes, torch.device("cpu"))
+        x, y = batch_for(name, batch, shape, classes, dev.torch)  # uploaded once, as a loader would
         dev.reset_peak()
         tr = make_trainer(model, dev, mode)
         try:
             timed_steps(tr, dev, x, y, loss_fn, warmup)
-            times, stats = timed_steps(tr, dev, x, y, loss_fn, steps)
+            times, _ = timed_steps(tr, dev, x, y, loss_fn, steps)
+            _, stats = timed_steps(tr, dev, x, y, loss_fn, max(3, steps // 4), profiled=True)
             entry = {"step_ms": 1e3 * median(times), "peak_mib": dev.peak_mib(),
                      "phases_ms": {k: 1e3 * median([s[k] for s in stats]) for k in
                                    ("forward_s", "backward_s", "exposed_comm_s", "update_s", "step_s")}}
@@ -283,10 +309,35 @@ def predict(profiles) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+def replicas_on_one(name: str, batch: int, dev: Dev, gs: list[int], steps: int, warmup: int) -> dict:
+    """G replicas on the one device (``share_devices``): each checked against single on the same
+    global batch, then cgdp and typical timed at ``batch`` per replica."""
+    out: dict = {"model": name, "batch_per_replica": batch, "runs": {}}
+    loss_fn = nn.CrossEntropyLoss()
+    for g in gs:
+        errs = check_modes(name, dev, batch, replicas=g)
+        run: dict = {"check_rel_err": errs}
+        out["runs"][str(g)] = run
+        if not all(e <= 1e-5 for e in errs.values()):
+            run["error"] = f"answer check failed {errs}; not timed"
+            continue
+        for mode in ("cgdp", "typical"):
+            model, shape, classes = build(name)
+            x, y = batch_for(name, batch * g, shape, classes, dev.torch)
+            tr = make_trainer(model, dev, mode, replicas=g)
+            try:
+                timed_steps(tr, dev, x, y, loss_fn, warmup)
+                times, _ = timed_steps(tr, dev, x, y, loss_fn, steps)
+                run[f"{mode}_ms"] = 1e3 * median(times)
+            finally:
+                tr.close()
+    return out
+
+
 # ---------------------------------------------------------------------------------- 3. chunks
 def chunk_sweep(name: str, batch: int, dev: Dev, sizes: list[int], iters: int) -> dict:
     model, shape, classes = build(name)
-    x, y = batch_for(name, batch, shape, classes, torch.device("cpu"))
+    x, y = batch_for(name, batch, shape, classes, dev.torch)
     loss_fn = nn.CrossEntropyLoss()
     tr = make_trainer(model, dev, "cgdp")
     out = {"model": name, "batch": batch, "layers": len(tr.layers), "iters": iters, "sizes": {}}
@@ -312,7 +363,7 @@ def algorithm1(name: str, batch: int, dev: Dev, configs: list[tuple[int, int]], 
     runs = []
     for step, rng in configs:
         model, shape, classes = build(name)
-        x, y = batch_for(name, batch, shape, classes, torch.device("cpu"))
+        x, y = batch_for(name, batch, shape, classes, dev.torch)
         loss_fn = nn.CrossEntropyLoss()
         tr = make_trainer(model, dev, "cgdp")
         search = cgdp.PaperChunkSearch(step, rng, interval)
@@ -341,7 +392,9 @@ def page(res: dict) -> str:
              f"Command: `{res['command']}`", "", "Machine:", machine_md(res["machine"]), "",
              f"Device under test: `{res['device']}`."]
     if not res["cuda"]:
-        lines += ["", "**No GPU was used: this run is CPU-emulated (it tests the script; its figures are "
+        how = ("on a simulated CUDA runtime (cgdp.testing: the CUDA backend's code over host memory)"
+               if res.get("simulated") else "CPU-emulated")
+        lines += ["", f"**No GPU was used: this run is {how} (it tests the script; its figures are "
                   "not GPU figures).**"]
     lines += ["", "With one GPU, cgdp runs on G = 1 (the whole host round trip on real streams, nothing "
               "to average). Figures for 2 and 4 devices are **simulator predictions** (cgdp.planning.calibrate "
@@ -417,6 +470,20 @@ def page(res: dict) -> str:
                   table(["", *[f"layer {8 - i}" for i in range(8)]],
                         [["params (M)", *t4["params_m"]], ["D2H ms", *t4["d2h"]],
                          ["accumulate ms", *t4["acc"]], ["H2D ms", *t4["h2d"]]]), ""]
+    reps = res.get("replicas", [])
+    if reps:
+        rows = []
+        for r in reps:
+            for g, run in r["runs"].items():
+                rows.append([r["model"], g, r["batch_per_replica"], fmt(run.get("cgdp_ms")),
+                             fmt(run.get("typical_ms")), run.get("error", "") or " / ".join(
+                                 f"{k} {v:.0e}" for k, v in run["check_rel_err"].items())])
+        lines += ["## G replicas on one GPU (measured)", "",
+                  "The G > 1 data path on the one GPU (`share_devices=True`): real copies each way per "
+                  "replica and a real host sum of G parts; the replicas share the GPU's compute, so this "
+                  "shows the cost of the path, not multi-GPU scaling.", "",
+                  table(["network", "G", "batch per replica", "cgdp ms", "typical ms",
+                         "check (rel. err. vs single)"], rows), ""]
     sw = res.get("chunk_sweep")
     if sw:
         rows = [[k, fmt(v["total_ms"]), fmt(v["median_ms"]), fmt(v["min_ms"]), fmt(v["max_ms"])]
@@ -450,20 +517,21 @@ def page(res: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------- main
-PARTS = ("bandwidth", "networks", "sweep", "alg1")
+PARTS = ("bandwidth", "networks", "replicas", "sweep", "alg1")
 
 
 def merge(runs: list[dict]) -> dict:
     """One result from runs of different ``--parts`` (later runs win where both measured a part)."""
     if len({(r["device"], r["cuda"]) for r in runs}) > 1:
         raise SystemExit("--report: these runs used different devices; merge runs of one machine only")
-    out = dict(runs[0], networks=[], errors=[])
+    out = dict(runs[0], networks=[], replicas=[], errors=[])
     out["command"] = " ; ".join(r["command"] for r in runs)
     for r in runs:
         for key in ("bandwidth", "chunk_sweep", "algorithm1"):
             if r.get(key):
                 out[key] = r[key]
         out["networks"] += r.get("networks", [])
+        out["replicas"] += r.get("replicas", [])
         out["errors"] += r.get("errors", [])
     return out
 
@@ -471,8 +539,11 @@ def merge(runs: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="small stand-in models, few iterations (runs on CPU-emulated cpu:0 anywhere)")
+                    help="small stand-in models, few iterations (runs on a simulated cuda:0 anywhere)")
     ap.add_argument("--emulate", action="store_true", help="use cpu:0 even when a GPU is there")
+    ap.add_argument("--simulate", action="store_true",
+                    help="use a simulated cuda:0 (cgdp.testing) even when a GPU is there")
+    ap.add_argument("--replicas", default="2,4", help="G for the part 'replicas' (G replicas on cuda:0)")
     ap.add_argument("--models", default=None, help="comma-separated registry names (default: the paper's four)")
     ap.add_argument("--batch", type=int, default=None, help="override every per-device batch")
     ap.add_argument("--steps", type=int, default=20)
@@ -505,18 +576,30 @@ def main(argv: list[str] | None = None) -> int:
         models = dict(QUICK_MODELS)
         args.steps, args.warmup, args.sweep_model, args.sweep, args.sweep_iters = 3, 1, "mlp", "1,2,3", 2
         args.alg1, args.alg1_interval, args.alg1_max_iters, args.bw_mib = "2:1", 2, 12, 8
-        args.emulate = True
+        args.simulate = not args.emulate
     else:
         names = args.models.split(",") if args.models else FULL_MODELS
         models = {n: PAPER["batch"].get(n, 16) for n in names}
     if args.batch:
         models = {k: args.batch for k in models}
     os.makedirs(args.out, exist_ok=True)
-    dev = Dev(args.emulate)
+    dev = Dev(args.emulate, args.simulate)
     if not dev.cuda:
         torch.set_num_threads(max(1, torch.get_num_threads()))
     res: dict = {"command": command_line(), "machine": machine(), "device": dev.name, "cuda": dev.cuda,
-                 "networks": [], "errors": []}
+                 "simulated": dev.sim is not None, "networks": [], "replicas": [], "errors": []}
+    try:
+        with dev.runtime():
+            run_parts(args, parts, models, dev, res)
+    finally:
+        if dev.sim is not None:
+            dev.sim.close()
+    print(f"[gpu_all] wrote {os.path.join(args.out, 'gpu.json')} and gpu.md"
+          + (f"; {len(res['errors'])} part(s) failed" if res["errors"] else ""))
+    return 1 if res["errors"] else 0
+
+
+def run_parts(args, parts: list[str], models: dict[str, int], dev: Dev, res: dict) -> None:
 
     def save() -> None:  # after every part: a run cut short still leaves what it measured
         with open(os.path.join(args.out, "gpu.json"), "w") as f:
@@ -544,6 +627,13 @@ def main(argv: list[str] | None = None) -> int:
             r = part(f"network {name}", lambda: network(name, batch, dev, args.steps, args.warmup))
             if r is not None:
                 res["networks"].append(r)
+    if "replicas" in parts:
+        gs = [int(g) for g in args.replicas.split(",") if g.strip()]
+        for name, batch in models.items():
+            r = part(f"{name} with G = {gs} replicas on {dev.name}",
+                     lambda: replicas_on_one(name, batch, dev, gs, args.steps, args.warmup))
+            if r is not None:
+                res["replicas"].append(r)
     sweep_batch = models.get(args.sweep_model, args.batch or PAPER["batch"].get(args.sweep_model, 16))
     if "sweep" in parts:
         sizes = [int(s) for s in args.sweep.split(",")]
@@ -554,9 +644,6 @@ def main(argv: list[str] | None = None) -> int:
         res["algorithm1"] = part("algorithm 1", lambda: algorithm1(args.sweep_model, sweep_batch, dev, configs,
                                                                    args.alg1_interval, args.alg1_max_iters)) or []
     save()
-    print(f"[gpu_all] wrote {os.path.join(args.out, 'gpu.json')} and gpu.md"
-          + (f"; {len(res['errors'])} part(s) failed" if res["errors"] else ""))
-    return 1 if res["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Benchmarks are only worth their figures if they still run: this runs ``bench/run_all.py --quick``
 (host accumulation against copy, NumPy and torch; the engine against typical and DDP over gloo,
 each checked against single-device training first) and ``bench/gpu_all.py --quick`` (on a
-CPU-emulated device), into a temporary folder.
+simulated ``cuda:0``: the CUDA backend's own code, G = 1, 2 and 4 replicas), into a temporary folder.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_gpu_script_runs_emulated(tmp_path):
     """In two calls of different ``--parts`` (as on a GPU machine whose calls are time-limited),
     then one page merged from both."""
     a, b = tmp_path / "a", tmp_path / "b"
-    for out, parts in ((a, "bandwidth,networks"), (b, "sweep,alg1")):
+    for out, parts in ((a, "bandwidth,networks,replicas"), (b, "sweep,alg1")):
         p = _run(["bench/gpu_all.py", "--quick", "--parts", parts], env={"OUT": str(out)})
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((a / "gpu.json").read_text())
@@ -49,8 +49,13 @@ def test_gpu_script_runs_emulated(tmp_path):
     for n in res["networks"]:
         assert all(e <= 1e-5 for e in n["check_rel_err"].values())
         assert n["modes"]["cgdp"]["per_layer"]
+    assert res["simulated"] and res["device"] == "cuda:0"
+    for r in res["replicas"]:  # G = 2 and 4 replicas on the one (simulated) GPU, checked, timed
+        assert set(r["runs"]) == {"2", "4"}
+        for run in r["runs"].values():
+            assert all(e <= 1e-5 for e in run["check_rel_err"].values()) and run["cgdp_ms"] > 0
     page = (a / "gpu.md").read_text()
-    assert "No GPU was used" in page and "simulator predictions" in page
+    assert "No GPU was used" in page and "simulator predictions" in page and "G replicas on one GPU" in page
     res = json.loads((b / "gpu.json").read_text())
     assert not res["errors"] and not res["networks"] and "bandwidth" not in res
     assert res["chunk_sweep"]["sizes"] and res["algorithm1"][0]["done"]

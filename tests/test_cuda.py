@@ -1,8 +1,14 @@
-"""The engine on real CUDA streams and pinned memory (skipped without a GPU).
+"""The engine on CUDA: real GPUs when the machine has them, otherwise one simulated GPU
+(``cgdp.testing.simulated_cuda``), so that these tests run in CI too.
 
-With one GPU, ``["cuda:0"]`` in mode 'cgdp' still makes the full host round trip: every chunk is
-copied to pinned memory on the D2H stream, summed on the host, and copied back on the H2D stream.
+Every test trains two replicas on ``cuda:0`` (``share_devices=True``; and every further GPU when
+there are several) on *different* parts of the batch: each replica's own gradient differs from the
+average, so a copy back that lands late (or not at all) leaves a wrong update, which the
+comparison with the single-device reference catches. With one replica on one GPU, the averaged
+chunk equals the device's own and such a race writes the same bytes. On a GPU, run them under
+PyTorch's stream sanitizer too: ``TORCH_CUDA_SANITIZER=1 python -m pytest tests/test_cuda.py``.
 """
+import contextlib
 
 import pytest
 import torch
@@ -10,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgdp
+from cgdp.testing import simulated_cuda
 from helpers import SmallCNN, assert_params_close, assert_replicas_identical, mlp, reference
 
-pytestmark = pytest.mark.cuda
+REAL = torch.cuda.is_available()
 
 
 @pytest.fixture(autouse=True)
@@ -24,37 +31,92 @@ def exact_cudnn():
         yield
         torch.backends.cuda.matmul.allow_tf32 = old
 
+
+@pytest.fixture
+def gpu():
+    """The runtime: the real one on a GPU machine, else one simulated GPU (yields it, or None)."""
+    with (contextlib.nullcontext() if REAL else simulated_cuda(1, seed=0, max_delay_s=0.002)) as sim:
+        yield sim
+
+
 SGD = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3)  # noqa: E731
 ADAM = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
 
 
-def gpus():
-    return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+def gpus() -> list[str]:
+    """Two replicas on cuda:0, one on every further GPU: G >= 2 with different gradients."""
+    n = torch.cuda.device_count() if REAL else 1
+    return ["cuda:0"] + [f"cuda:{i}" for i in range(n)]
+
+
+def on_ref(t):
+    return t.cuda() if REAL else t
+
+
+def split_gradients_differ(model, x, y, g) -> bool:
+    """Whether each part's gradient differs from the whole batch's (what makes a race visible)."""
+    grads = []
+    for xp, yp in [(x, y)] + list(zip(torch.tensor_split(x, g), torch.tensor_split(y, g))):
+        model.zero_grad()
+        F.cross_entropy(model(xp), yp).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    return all((gp - grads[0]).abs().max() > 1e-3 * grads[0].abs().max() for gp in grads[1:])
 
 
 @pytest.mark.parametrize("mode", ["cgdp", "typical"])
 @pytest.mark.parametrize("opt", [SGD, ADAM], ids=["sgd", "adam"])
 @pytest.mark.parametrize("chunks", [1, 2, "one"])
-def test_equivalence_on_cuda(mode, opt, chunks):
+def test_equivalence_on_cuda(gpu, mode, opt, chunks):
     model = SmallCNN()
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(10, 1, 8, 8, generator=g), torch.randint(0, 10, (10,), generator=g))
             for _ in range(4)]
-    ref, _ = reference(model.cuda(), opt, [(x.cuda(), y.cuda()) for x, y in data], F.cross_entropy)
+    assert split_gradients_differ(SmallCNN(), *data[0], len(gpus()))
+    ref, _ = reference(on_ref(model), opt, [(on_ref(x), on_ref(y)) for x, y in data], F.cross_entropy)
     plan = [[2, 1, 0]] if chunks == "one" else chunks
-    with cgdp.Trainer(model, opt, gpus(), mode=mode, chunks=plan) as tr:
+    with cgdp.Trainer(model, opt, gpus(), mode=mode, chunks=plan, segment_bytes=1024,
+                      share_devices=True) as tr:
         for x, y in data:
             tr.step(x, y, F.cross_entropy)
             assert_replicas_identical(tr)
         assert_params_close(tr.replicas[0], ref)
 
 
-def test_host_memory_is_pinned_and_sized_g_plus_one():
-    model = mlp((64, 256, 256, 10)).cuda()
-    with cgdp.Trainer(model, SGD, gpus()) as tr:
+def test_host_memory_is_page_locked_and_sized_exactly(gpu):
+    model = on_ref(mlp((64, 256, 256, 10)))
+    with cgdp.Trainer(model, SGD, gpus(), share_devices=True) as tr:
         host = tr._stream.host._host
-        assert host.is_pinned()
-        assert host.shape[0] == len(gpus()) + 1
+        assert host.shape == (len(gpus()) + 1, tr._stream.layout.total)
+        if REAL:
+            assert host.is_pinned()
+            # registered exactly: the allocation holds the rows plus at most a page of alignment
+            assert host.untyped_storage().nbytes() <= host.numel() * 4 + 4096
+        else:
+            assert list(gpu.registered.values()) == [host.numel() * 4]
+
+
+def test_each_replica_draws_its_own_dropout_masks(gpu):
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(12, 5)
+
+        def forward(self, x):
+            self.mask = F.dropout(torch.ones_like(x), 0.5, self.training)
+            return self.lin(x * self.mask)
+
+    x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        with cgdp.Trainer(Drop(), SGD, gpus(), share_devices=True) as tr:
+            tr.step(x, y, F.cross_entropy)
+            runs.append([r.mask.cpu() for r in tr.replicas])
+    assert not torch.equal(runs[0][0], runs[0][1])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.cuda
 
 
 def test_d2h_copy_overlaps_later_backward_work():
@@ -69,7 +131,7 @@ def test_d2h_copy_overlaps_later_backward_work():
         def forward(self, x):
             return self.fc(torch.relu(self.convs(x)).flatten(1))
 
-    with cgdp.Trainer(Deep(), SGD, gpus(), chunks=1) as tr:
+    with cgdp.Trainer(Deep(), SGD, ["cuda:0"], chunks=1) as tr:
         x, y = torch.randn(64, 64, 32, 32), torch.randint(0, 512, (64,))
         tr.step(x, y, F.cross_entropy)  # warm-up
         tr.trace_next()
