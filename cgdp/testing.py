@@ -106,7 +106,7 @@ class SimEvent:
         sim.counts["events"] += 1
 
     def record(self, stream: SimStream | None = None) -> None:
-        stream = stream if stream is not None else self.sim.current_stream(self.sim._device())
+        stream = stream if stream is not None else self.sim._current()
         gate = threading.Event()
         self._gate, self._t = gate, None
 
@@ -180,6 +180,12 @@ class SimulatedCuda:
     def _device(self) -> int:
         return getattr(self._local, "device", 0)
 
+    def _current(self) -> SimStream:
+        """The calling thread's current stream: its innermost stream context, else the default
+        stream of its current device."""
+        stack = getattr(self._local, "stack", None)
+        return stack[-1] if stack else self.default_stream(self._device())
+
     def raise_errors(self) -> None:
         if self.errors:
             raise RuntimeError(f"simulated CUDA: work on a stream failed: {self.errors[0]!r}") from self.errors[0]
@@ -235,8 +241,7 @@ class SimulatedCuda:
         self.raise_errors()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        stack = getattr(self._local, "stack", None)
-        s = stack[-1] if stack else self.default_stream(self._device())
+        s = self._current()
         self.counts["copies"] += 1
         if s.compute:
             dst.copy_(src)  # compute runs when issued
@@ -288,8 +293,7 @@ class SimulatedCuda:
     def busy(self, seconds: float) -> None:
         """Device work of ``seconds`` on the calling thread's current stream (the host goes on),
         e.g. inside a model's forward: the device's clock then runs behind the host's."""
-        s = self.current_stream(self._device())
-        s.submit(lambda: time.sleep(seconds))
+        self._current().submit(lambda: time.sleep(seconds))
 
 
 @contextlib.contextmanager

@@ -75,21 +75,34 @@ def test_cnn_with_batchnorm_and_adam_uneven_split():
         assert_params_close(tr.replicas[0], ref, rtol=1e-4)
 
 
+def slow_stream(monkeypatch, method: str, stream: str, seconds: float = 0.05) -> None:
+    """Every ``method`` call first puts ``seconds`` of work on the device's ``stream``, so that
+    the copies it issues land late for sure (not only by the random delays' chance)."""
+    real = getattr(cuda_backend.CudaDevice, method)
+
+    def slow(self, *args, **kw):
+        with self.rt.stream(getattr(self, stream)):
+            self.rt.busy(seconds)
+        return real(self, *args, **kw)
+    monkeypatch.setattr(cuda_backend.CudaDevice, method, slow)
+
+
 def test_a_missing_wait_before_the_update_shows_as_a_wrong_result(monkeypatch):
     """Break the ordering on purpose: the update no longer waits for the copies back. The
     simulator lands them late, so replicas update with their own (unaveraged) gradients."""
     batches = data(3)
     model = mlp()
     ref, _ = reference(model, SGD, batches, F.cross_entropy)
+    # the right run first, with the same slow H2D stream: the wait makes it right
+    slow_stream(monkeypatch, "give_back", "h2d")
+    with simulated_cuda(2, seed=4, max_delay_s=0.003):
+        tr, _ = train(["cuda:0", "cuda:1"], batches, model, chunks=1)
+        assert_params_close(tr.replicas[0], ref)
     monkeypatch.setattr(cuda_backend.CudaDevice, "compute_wait", lambda self, marker, guard: None)
     with simulated_cuda(2, seed=4, max_delay_s=0.003):
         tr, got = train(["cuda:0", "cuda:1"], batches, model, check=False, chunks=1)
     wrong = any((a - b).abs().max() > 1e-5 * b.abs().max() for a, b in zip(got, ref.parameters()))
     assert wrong, "the simulator did not catch a copy back that lands after the update"
-    monkeypatch.undo()  # restored: the same run is right
-    with simulated_cuda(2, seed=4, max_delay_s=0.003):
-        tr, _ = train(["cuda:0", "cuda:1"], batches, model, chunks=1)
-        assert_params_close(tr.replicas[0], ref)
 
 
 def test_a_host_sum_before_the_copy_landed_shows_as_a_wrong_result(monkeypatch):
@@ -104,6 +117,7 @@ def test_a_host_sum_before_the_copy_landed_shows_as_a_wrong_result(monkeypatch):
         for _, _, on_arrived, _ in parts:
             on_arrived()  # too early: the D2H copy has not run yet
     monkeypatch.setattr(cuda_backend.CudaDevice, "send", early)
+    slow_stream(monkeypatch, "send", "d2h")
     with simulated_cuda(2, seed=5, max_delay_s=0.003):
         _, got = train(["cuda:0", "cuda:1"], batches, model, check=False, chunks=1)
     assert any((a - b).abs().max() > 1e-5 * b.abs().max() for a, b in zip(got, ref.parameters()))
