@@ -266,12 +266,10 @@ class SimulatedCuda:
             raise RuntimeError("simulated CUDA: cudaHostUnregister of memory that is not registered")
         self.counts["host_unregister"] += 1
 
-    def reduce_add(self, tensors: Sequence[torch.Tensor], index: int) -> torch.Tensor:
-        self.counts["reduce_add_coalesced"] += 1
-        out = tensors[0].clone()
+    def reduce_into_first(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.counts["reduce"] += 1
         for t in tensors[1:]:
-            out.add_(t)
-        return out
+            tensors[0].add_(t)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], indices: Sequence[int]) -> list[list[torch.Tensor]]:
         self.counts["broadcast_coalesced"] += 1

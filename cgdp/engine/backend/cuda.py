@@ -98,9 +98,16 @@ class TorchCuda:
     def host_free(self, t: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
-    def reduce_add(self, tensors: Sequence[torch.Tensor], index: int) -> torch.Tensor:
-        """The sum of one tensor per distinct device, on device ``index`` (NCCL where available)."""
-        return torch.cuda.comm.reduce_add_coalesced([[t] for t in tensors], destination=index)[0]
+    def reduce_into_first(self, tensors: Sequence[torch.Tensor]) -> None:
+        """``tensors[0]`` += the others, one tensor per distinct device: one in-place NCCL reduce
+        where NCCL is available (what ``torch.cuda.comm.reduce_add`` does, without its new output
+        tensor), else copies to the first device and adds in device order."""
+        from torch.cuda import nccl
+        if nccl.is_available(list(tensors)):
+            nccl.reduce(list(tensors), output=tensors[0], root=0)
+            return
+        for t in tensors[1:]:
+            tensors[0].add_(t.to(tensors[0].device, non_blocking=True))
 
     def broadcast(self, tensors: Sequence[torch.Tensor], indices: Sequence[int]) -> list[list[torch.Tensor]]:
         """Copies of ``tensors`` on every device of ``indices`` (distinct), in buckets."""
@@ -317,14 +324,14 @@ class CudaDevice(Device):
 
 # ------------------------------------------------------------------------- typical mode
 def reduce_to_first(devs: Sequence[CudaDevice], flats: Sequence[torch.Tensor]) -> None:
-    """``flats[0]`` ← the sum of all, with one coalesced reduce (NCCL where the GPUs are distinct;
-    replicas sharing a GPU are added on it in device order)."""
+    """``flats[0]`` ← the sum of all: the flat buffers are already coalesced, so this is one
+    reduce (NCCL where the GPUs are distinct); replicas sharing a GPU are added in device order."""
     indices = [d.index for d in devs]
     if len(set(indices)) < len(indices) or len(flats) == 1:
         for flat in flats[1:]:
             flats[0].add_(flat)
         return
-    flats[0].copy_(devs[0].rt.reduce_add(flats, indices[0]))
+    devs[0].rt.reduce_into_first(flats)
 
 
 def broadcast_from_first(devs: Sequence[CudaDevice], params: list[list[nn.Parameter]]) -> None:
