@@ -316,3 +316,29 @@ def test_only_the_cuda_backend_touches_torch_cuda():
     outside = [n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))
                and n.name != "TorchCuda" and uses(n)]
     assert outside == [], f"{outside} must go through the runtime object"
+
+
+def test_two_ranks_on_simulated_gpus_equal_single_device_training():
+    """The MPI tier's engine logic (in-process ranks) over the CUDA backend: R=2 ranks x G=2
+    simulated GPUs, uneven parts, against autograd on the global batch."""
+    from cgdp.comm.inproc import InProcGroup
+    from concurrent.futures import ThreadPoolExecutor
+    model, batches = mlp(), data(3, n=11)
+    ref, _ = reference(model, SGD, batches, F.cross_entropy)
+
+    def rank(comm):
+        with cgdp.Trainer(model, SGD, ["cuda:0", "cuda:1"], chunks=2, comm=comm, timeout_s=30) as tr:
+            for x, y in batches:
+                tr.step(torch.tensor_split(x, 2)[comm.rank], torch.tensor_split(y, 2)[comm.rank],
+                        F.cross_entropy)
+                assert_replicas_identical(tr)
+            return copy.deepcopy(tr.replicas[0])
+
+    with simulated_cuda(2, seed=12):
+        group = InProcGroup(2, timeout_s=30)
+        with ThreadPoolExecutor(2) as pool:
+            out = [f.result(timeout=60) for f in [pool.submit(rank, c) for c in group.comms()]]
+        for c in group.comms():
+            c.close()
+    for m in out:
+        assert_params_close(m, ref)

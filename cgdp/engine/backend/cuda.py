@@ -362,8 +362,9 @@ class CudaRNG:
         self._devs = list(devs)
         base = torch.initial_seed()
         self.states = [d.rt.new_rng_state(d.index, cuda_replica_seed(base, j)) for j, d in enumerate(devs)]
-        keys = {d.rt.rng_key(d.index) for d in devs}
-        self._locks = {k: threading.Lock() for k in keys}
+        with _RNG_LOCKS_LOCK:  # one lock per generator, shared by every trainer of the process
+            self._locks = {k: _RNG_LOCKS.setdefault(k, threading.Lock())
+                           for k in {d.rt.rng_key(d.index) for d in devs}}
 
     def forward_all(self, run: Callable[[], Any]) -> Any:
         return run()
@@ -378,6 +379,10 @@ class CudaRNG:
             finally:
                 self.states[j] = d.rt.get_rng_state(d.index)
                 d.rt.set_rng_state(outer, d.index)
+
+
+_RNG_LOCKS: dict[Any, threading.Lock] = {}
+_RNG_LOCKS_LOCK = threading.Lock()
 
 
 def cuda_replica_seed(base: int, j: int) -> int:
