@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.check_steps = 2, 3, 2
-    # the engine's host sum runs one Numba thread on emulated devices (Trainer._host_threads)
+    # the engine's host sum runs one Numba thread on emulated devices (cgdp.engine.backend.host_threads)
     acc_threads = 1
     torch.set_num_threads(1)  # one core per device thread, as each DDP process gets
     cases = QUICK if args.quick else FULL
