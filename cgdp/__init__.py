@@ -8,11 +8,12 @@ The parts: :mod:`cgdp.engine` (the data path of a step, ``Trainer``), :mod:`cgdp
 """
 from cgdp import testing
 from cgdp.engine.accumulate import accumulate
+from cgdp.engine.dataparallel import DataParallel
 from cgdp.engine.trainer import NonFiniteGradientError, Trainer
 from cgdp.planning.chunks import paper_plan
 from cgdp.planning.costmodel import cgdp_backward_time, typical_backward_time
 from cgdp.planning.tuner import PaperChunkSearch
 
-__all__ = ["Trainer", "accumulate", "paper_plan", "PaperChunkSearch", "cgdp_backward_time",
+__all__ = ["Trainer", "DataParallel", "accumulate", "paper_plan", "PaperChunkSearch", "cgdp_backward_time",
            "typical_backward_time", "NonFiniteGradientError"]
 __version__ = "0.1.0"

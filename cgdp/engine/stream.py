@@ -26,6 +26,8 @@ and :meth:`bad_count` → :meth:`set_untouched`. :meth:`set_plan` only between s
 before the last run their backward inside :meth:`holding` (nothing is sent). For clipping, set
 :attr:`want_norm` between steps; after the gradients are back, :meth:`grad_norm` gives the norm
 of the averaged gradient and :meth:`scale_grads` scales every replica's gradient alike.
+``DataParallel`` keeps the buffers between backwards and calls :meth:`arm` instead of
+:meth:`begin_step` (and :meth:`disarm` after).
 """
 from __future__ import annotations
 
@@ -120,12 +122,24 @@ class GradientStream:
             self.none_pids = []
         for flat in self.flats:
             flat.zero_()
+        self.arm(timing, sink)
+
+    def arm(self, timing: bool = False, sink: TraceSink | None = None, sending: bool = True) -> None:
+        """Ready the hooks and the host for one backward, keeping the flat buffers' contents
+        (``DataParallel`` accumulates across backwards). ``sending=False``: the hooks only mark
+        parameters touched (gradient accumulation without communication)."""
         for h in self.hooks:
             h.begin_step()
             h.timing = timing
-        if self.host is not None:
+            h.streaming = self.streaming and sending
+        if self.host is not None and sending:
             self.host.trace = sink
             self.host.begin_step()
+
+    def disarm(self) -> None:
+        """Between backwards: hooks only mark parameters touched, never send."""
+        for h in self.hooks:
+            h.streaming = False
 
     def send(self, j: int, c: int) -> None:
         """Chunk ``c`` of device ``j`` is complete: copy it to the host (called from a hook)."""

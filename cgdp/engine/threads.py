@@ -39,6 +39,10 @@ class DeviceThreads:
             raise first
         return results
 
+    def submit(self, j: int, fn: Callable[[], Any]) -> Future:
+        """``fn()`` on device j's thread, without waiting (the caller waits on the future)."""
+        return self._pools[j].submit(self._guarded, lambda _: fn(), j)
+
     def _guarded(self, fn: Callable[[int], Any], j: int) -> Any:
         try:
             return fn(j)

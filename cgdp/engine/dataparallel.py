@@ -1,0 +1,441 @@
+"""``cgdp.DataParallel``: the engine behind the user's own training loop.
+
+``model = cgdp.DataParallel(net, devices)`` replaces ``torch.nn.DataParallel(net)``; the loop
+stays the user's (``opt.zero_grad()``, ``model(x)``, ``loss.backward()``, ``opt.step()``). It
+drives the same :class:`~cgdp.engine.stream.GradientStream` as ``Trainer`` (hooks, flat buffers,
+device streams, host sum, copy back): one data path, two faces.
+
+* **Replicas.** ``net`` is replica 0, moved to ``devices[0]`` and trained in place
+  (``.module``); replica j > 0 is a deep copy on ``devices[j]`` (``.replicas``). They are never
+  broadcast again: each replica takes the same optimizer step (:mod:`cgdp.engine.mirror`).
+* **Forward** (:mod:`cgdp.engine.scatter`): the arguments are split along dimension 0 in device
+  order, each replica runs on its device's thread (with the caller's grad mode and autocast),
+  the outputs are gathered on ``devices[0]``. In training mode the floating buffers (BatchNorm
+  statistics) are then set to their batch-weighted mean on every replica.
+* **Backward.** The gather's backward (:meth:`_begin_backward`, before any replica gradient
+  exists) readies the flat buffers and arms the hooks, and queues :meth:`_end_backward` with
+  autograd's engine (``queue_callback``, as DDP does), which runs once the whole backward is done,
+  on the thread that called ``backward()``. The hooks send each chunk as backward completes it,
+  the host SUMS the chunks of all replicas (no weighting: the loss on the gathered output already
+  weights each sample) and copies the sum back; the callback flushes the chunks never completed
+  and waits until every sum is back. On CPU-emulated devices autograd runs every replica's
+  backward on its one CPU thread; each replica's hooks are still only touched by that thread.
+* **The sum invariant.** The true gradient is the sum over replicas of their flat buffers. After
+  a synced backward every replica holds the total T. The next backward keeps replica 0's
+  buffer (T, unless the user zeroed it: ``zero_grad`` leaves ``.grad`` None, which zeroes it) and
+  zeroes the others', so accumulation without ``zero_grad`` counts T once. Inside ``no_sync()``
+  nothing is sent, every replica accumulates its own part, and nothing is zeroed before the next
+  backward; the first backward outside sends the accumulated sums.
+* **Gradients changed on replica 0 only** (``torch.nn.utils.clip_grad_norm_(model.parameters())``,
+  a manual edit, ``p.grad = ...``, a backward outside this wrapper): detected before the next
+  optimizer step or clip by the flat buffer's version counter (recorded after each backward and
+  each clip) and ``.grad`` identity, then copied to every replica with a warning, since this costs
+  a device-to-device copy of the whole gradient (``model.clip_grad_norm_`` does not).
+* Parameters that got no gradient since the last ``zero_grad`` keep ``.grad`` None on every
+  replica, as in single-device training.
+
+Not supported: ``comm="mpi"`` (use ``Trainer``), ``torch.autograd.grad`` with respect to the
+parameters, a second backward through the same output, ``optimizer.step(closure)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import warnings
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from cgdp.engine import mirror
+from cgdp.engine.backend import default_devices, host_threads, make_devices, parse_devices
+from cgdp.engine.buffers import sync_buffers
+from cgdp.engine.drain import drain_after_failure
+
+from cgdp.engine.layers import find_layers, trainable_dtype
+from cgdp.engine.rng import EmulatedRNG
+from cgdp.engine.scatter import gather, scatter
+from cgdp.engine.stream import GradientStream
+from cgdp.engine.sync import Guard
+from cgdp.engine.threads import DeviceThreads
+from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
+
+
+class DataParallel(nn.Module):
+    """Data parallelism over ``devices`` behind your own training loop, gradients summed on the host.
+
+    Args:
+        module: the model; it becomes replica 0 (moved to ``devices[0]``, trained in place).
+        devices: ``["cuda:0", "cuda:1", ...]`` or CPU-emulated ``["cpu:0", "cpu:1", ...]``;
+            ``None``: every GPU, or two CPU-emulated devices without one.
+        chunks: chunk size k (the paper's uniform plan), an explicit plan, or ``"auto"`` (the
+            auto tuner's model-based plan; it is not refined by measurement, since the loop is
+            yours).
+        comm: only ``None`` (one machine); use ``cgdp.Trainer(comm="mpi")`` across machines.
+        timeout_s: longest any thread waits for another before backward fails with
+            ``TimeoutError``; ``None`` waits forever.
+        segment_bytes: chunks larger than this travel in segments (see :mod:`cgdp.engine.flatgrad`).
+    """
+
+    def __init__(self, module: nn.Module, devices: Sequence[str] | None = None, *,
+                 chunks: int | Plan | str = "auto", comm: Any = None, timeout_s: float | None = 300.0,
+                 segment_bytes: int = 4 << 20):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if comm is not None:
+            raise NotImplementedError("cgdp.DataParallel runs on one machine (comm=None); to train across "
+                                      "machines with MPI use cgdp.Trainer(..., comm='mpi')")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
+        devices = default_devices() if devices is None else list(devices)
+        parse_devices(devices)
+        infos, layer_params = find_layers(module)
+        if not any(info.numel for info in infos):
+            raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
+        dtype = trainable_dtype(layer_params)
+        self.devices = list(devices)
+        self._closed = False
+        self._broken: str | None = None
+        self._no_sync = False
+        self._lock = threading.Lock()
+        self._in_backward = False
+        self._sending = False
+        self._synced_last = True
+        self._host_fresh = False
+        self._warned = False
+        self._guard = Guard(timeout_s)
+        self._devs = make_devices(devices, self._guard.fail)
+        self._threads: DeviceThreads | None = None
+        self._stream: GradientStream | None = None
+        self._load_hook = None
+        try:
+            self._build(module, infos, layer_params, dtype, chunks, segment_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, module, infos, layer_params, dtype, chunks, segment_bytes) -> None:
+        devs = self._devs
+        before = [p.grad for p in (q for layer in layer_params for q in layer)]
+        module.to(devs[0].torch_device)
+        self.module = module
+        reps = [module] + [copy.deepcopy(module).to(d.torch_device) for d in devs[1:]]
+        object.__setattr__(self, "_replicas", reps)  # not submodules: parameters() is replica 0's
+        params = [[p for layer in find_layers(r)[1] for p in layer] for r in reps]
+        self._buffers_f = [[b for b in r.buffers() if b.is_floating_point()] for r in reps]
+        layer_pids, n = [], 0
+        for layer in layer_params:
+            layer_pids.append(list(range(n, n + len(layer))))
+            n += len(layer)
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        if isinstance(chunks, str):
+            if chunks != "auto":
+                raise ValueError(f"chunks must be an int, an explicit plan or 'auto'; got {chunks!r}")
+            from cgdp.planning.tuner import make_tuner
+            tuner = make_tuner("auto", [i.numel * itemsize for i in infos], len(devs))
+            plan = validate_plan(tuner.plan(), len(infos))
+        else:
+            plan = resolve_plan(chunks, len(infos))
+        self._threads = DeviceThreads(devs, self._guard)
+        self._rng = EmulatedRNG(len(devs))
+        self._stream = GradientStream(devs, params, layer_pids, dtype, segment_bytes=segment_bytes,
+                                      streaming=True, guard=self._guard, comm=None,
+                                      host_threads=host_threads(devs))
+        self._stream.set_plan(plan)
+        self._stream.disarm()
+        # gradients the model already had: replica 0 keeps them, as single-device training would
+        views = self._stream.hooks[0].views
+        self._has_grad = np.array([g is not None for g in before], bool)
+        with torch.no_grad():
+            for pid, g in enumerate(before):
+                if g is not None:
+                    views[pid].copy_(g)
+            for flat in self._stream.flats[1:]:
+                flat.copy_(self._stream.flats[0])
+        self._set_none()
+        self._versions = self._record()
+        mirror.register(self, list(module.parameters()))
+        self._load_hook = module.register_load_state_dict_post_hook(lambda *_: self._broadcast_state())
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def replicas(self) -> list[nn.Module]:
+        return list(self._replicas)
+
+    @property
+    def plan(self) -> Plan:
+        """The chunk plan in use (send order, forward layer numbering)."""
+        return self._stream.plan
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_usable()
+        devs = self._devs
+        parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
+        g = len(parts)
+        in_caller = _caller_context()
+
+        def forward_on(j: int) -> Any:
+            if j >= g:
+                return None
+            fn = lambda: in_caller(lambda: self._replicas[j](*parts[j][0], **parts[j][1]))  # noqa: E731
+            return fn() if devs[j].is_cuda else self._rng.on_device(j, fn)
+
+        run = lambda: self._threads.run_all(forward_on)  # noqa: E731
+        outs = run() if devs[0].is_cuda else self._rng.forward_all(run)
+        if self.training and len(devs) > 1:
+            total = sum(sizes)
+            sync_buffers(self._buffers_f, [n / total for n in sizes] + [0.0] * (len(devs) - g), None)
+            if g < len(devs):  # replicas that got no sample: integer buffers (counters) too
+                self._broadcast_state(buffers_only=True)
+        sync = not self._no_sync
+        return gather(outs[:g], sizes, devs[0].torch_device, lambda: self._begin_backward(sync))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards of forwards run inside accumulate on each device without communication; the
+        first backward of a forward outside sends the accumulated gradient (as DDP's ``no_sync``)."""
+        old, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = old
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient of every replica by the norm of the whole (summed) gradient, computed
+        on the host; returns that norm (as FSDP's method of the same name)."""
+        self._check_usable()
+        if not self._synced_last:
+            raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
+                               "that runs outside model.no_sync()")
+        self._check_grads()
+        total = self._grad_norm(float(norm_type))
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for flat in self._stream.flats:
+                flat.mul_(coef.to(flat.device))
+        self._versions = self._record()
+        self._host_fresh = False
+        return total
+
+    def train(self, mode: bool = True) -> "DataParallel":
+        super().train(mode)
+        for r in self._replicas[1:]:
+            r.train(mode)
+        return self
+
+    def close(self) -> None:
+        """Remove every hook, stop every thread, free the flat and pinned buffers. Replica 0
+        (``.module``) keeps its gradients."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._threads is not None:
+            self._threads.close()
+        if self._stream is not None:
+            mirror.unregister(list(self.module.parameters()))
+            if self._load_hook is not None:
+                self._load_hook.remove()
+            kept = [None if p.grad is None else p.grad.clone() for p in self._stream.params[0]]
+            self._stream.close()
+            for p, g in zip(self._stream.params[0], kept):
+                p.grad = g
+        for d in self._devs:
+            d.close()
+
+    def __enter__(self) -> "DataParallel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ for mirror.py
+    def parameter_maps(self) -> list[dict[int, nn.Parameter]]:
+        """Per replica j > 0: id(replica 0's parameter) -> replica j's (all parameters)."""
+        first = list(self.module.parameters())
+        return [{id(p): q for p, q in zip(first, r.parameters())} for r in self._replicas[1:]]
+
+    def run_on(self, j: int, fn: Callable[[], Any]) -> Future:
+        return self._threads.submit(j, fn)
+
+    def before_step(self) -> None:
+        """Called before the user's optimizer steps: replica 0's gradients are every replica's."""
+        self._check_usable()
+        if self._in_backward:
+            raise RuntimeError("optimizer.step() was called during backward")
+        self._check_grads()
+
+    def mark_broken(self, why: str) -> None:
+        self._broken = why
+
+    # ------------------------------------------------------------------ backward
+    def _begin_backward(self, sync: bool) -> None:
+        """Autograd thread, in the gather's backward, before any replica's gradient exists."""
+        with self._lock:
+            if self._in_backward:
+                return  # a second gathered output in the same backward
+            self._in_backward = True
+        try:
+            self._check_usable()
+            self._guard.reset()
+            self._prepare_buffers()
+            self._stream.arm(sending=sync)
+            self._sending = sync
+            self._host_fresh = False
+            Variable._execution_engine.queue_callback(self._end_backward)
+        except BaseException:
+            self._in_backward = False
+            raise
+
+    def _prepare_buffers(self) -> None:
+        """Make the flat buffers hold what this backward must add to (see the sum invariant)."""
+        st = self._stream
+        views0 = st.hooks[0].views
+        grads = [p.grad for p in st.params[0]]
+        edited = st.flats[0]._version != self._versions[0]
+        with torch.no_grad():
+            if all(g is None for g in grads):  # zero_grad(): a new accumulation from zero
+                for flat in st.flats:
+                    flat.zero_()
+                self._has_grad[:] = False
+            else:
+                if edited and not self._synced_last:
+                    # inside a no_sync window the other replicas hold their own partial sums; only
+                    # zeroing replica 0 (zero_grad(set_to_none=False)) has a meaning for them
+                    if bool(st.flats[0].any()):
+                        raise RuntimeError("replica 0's gradients were changed between backwards inside "
+                                           "model.no_sync(), where every replica holds its own partial "
+                                           "sum; only zero_grad() is supported there")
+                    for flat in st.flats[1:]:
+                        flat.zero_()
+                for pid, g in enumerate(grads):
+                    if g is None:
+                        for hooks in st.hooks:
+                            hooks.views[pid].zero_()
+                        self._has_grad[pid] = False
+                    elif g is not views0[pid]:
+                        views0[pid].copy_(g)
+                        self._has_grad[pid] = True
+                if self._synced_last:  # they hold the total, which replica 0 keeps
+                    for flat in st.flats[1:]:
+                        flat.zero_()
+        for params, hooks in zip(st.params, st.hooks):
+            for p, view in zip(params, hooks.views):
+                p.grad = view
+
+    def _end_backward(self) -> None:
+        """Autograd's final callback, on the thread that called backward: all gradients are in."""
+        st = self._stream
+        try:
+            if self._sending:
+                for j in range(len(self._devs)):
+                    st.flush(j)  # chunks backward never completed (unused layers, idle devices)
+                for j in range(len(self._devs)):
+                    st.wait_returned(j)  # note: host waits until every summed chunk is back
+            self._has_grad |= st.touched() > 0
+            self._set_none()
+            self._synced_last = self._sending
+            self._host_fresh = self._sending
+            self._versions = self._record()
+        except BaseException as exc:
+            self._guard.fail(exc)
+            self._broken = (drain_after_failure(self._devs, st.host)
+                            or f"a backward failed, the replicas' gradients may differ ({exc!r})")
+            raise
+        finally:
+            st.disarm()
+            self._in_backward = False
+
+    # ------------------------------------------------------------------ gradients
+    def _set_none(self) -> None:
+        """Parameters without a gradient since the last zero_grad: ``.grad`` None everywhere."""
+        for pid in np.flatnonzero(~self._has_grad):
+            for params in self._stream.params:
+                params[pid].grad = None
+
+    def _record(self) -> list[int]:
+        return [f._version for f in self._stream.flats]
+
+    def _check_grads(self) -> None:
+        """If replica 0's gradients changed since backward (or the last clip), copy them to
+        every replica."""
+        st = self._stream
+        views0 = st.hooks[0].views
+        grads = [p.grad for p in st.params[0]]
+        changed = st.flats[0]._version != self._versions[0] or any(
+            (g is None) == bool(h) or (g is not None and g is not v)
+            for g, h, v in zip(grads, self._has_grad, views0))
+        if not changed:
+            return
+        if not self._warned:
+            self._warned = True
+            warnings.warn("replica 0's gradients were changed after backward (for example by "
+                          "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)); cgdp.DataParallel "
+                          "copies them to every replica, which moves the whole gradient between devices. "
+                          "Use model.clip_grad_norm_(max_norm) to clip without that copy", stacklevel=4)
+        with torch.no_grad():
+            for pid, g in enumerate(grads):
+                if g is None:
+                    views0[pid].zero_()
+                elif g is not views0[pid]:
+                    views0[pid].copy_(g)
+                self._has_grad[pid] = g is not None
+            for flat in st.flats[1:]:
+                flat.copy_(st.flats[0])
+        for params, hooks in zip(st.params, st.hooks):
+            for p, view in zip(params, hooks.views):
+                p.grad = view
+        self._set_none()
+        self._versions = self._record()
+        self._host_fresh = False
+
+    def _grad_norm(self, norm_type: float) -> torch.Tensor:
+        """The norm of the whole gradient: from the host's sum when it is what every replica holds
+        (one pass over host memory, no device work), else from replica 0's flat buffer."""
+        dst = self._devs[0].torch_device
+        if self._host_fresh and self._stream.host is not None:
+            acc = self._stream.host.acc
+            if norm_type == 2.0:
+                value = float(np.sqrt(np.dot(acc, acc)))
+            elif norm_type == float("inf"):
+                value = float(np.abs(acc).max()) if acc.size else 0.0
+            else:
+                value = float((np.abs(acc.astype(np.float64)) ** norm_type).sum() ** (1.0 / norm_type))
+            return torch.tensor(value, dtype=torch.float32, device=dst)
+        return torch.linalg.vector_norm(self._stream.flats[0], norm_type).float()
+
+    def _broadcast_state(self, buffers_only: bool = False) -> None:
+        """Every replica ← replica 0's parameters and buffers (after ``load_state_dict``)."""
+        with torch.no_grad():
+            for r in self._replicas[1:]:
+                if buffers_only:
+                    for b, b0 in zip(r.buffers(), self.module.buffers()):
+                        b.copy_(b0)
+                else:
+                    r.load_state_dict(self.module.state_dict())
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this cgdp.DataParallel is closed; wrap model.module again")
+        if self._broken:
+            raise RuntimeError(f"this cgdp.DataParallel cannot continue: {self._broken}")
+
+
+def _caller_context() -> Callable[[Callable[[], Any]], Any]:
+    """Run a function on a device thread with the caller's grad mode and autocast (both are
+    thread-local in torch)."""
+    grad = torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
+    casts = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cuda", "cpu") if torch.is_autocast_enabled(dt)]
+
+    def run(fn: Callable[[], Any]) -> Any:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
+            for dt, dtype in casts:
+                stack.enter_context(torch.autocast(dt, dtype=dtype))
+            return fn()
+    return run

@@ -1,0 +1,176 @@
+"""The user's optimizer steps every replica of a ``DataParallel``: one mirror optimizer per replica.
+
+The user builds one optimizer on ``model.parameters()`` (replica 0's). PyTorch's global step
+hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``_post_hook``) see every
+``optimizer.step()``; the pre-hook recognises an optimizer over replica 0's parameters of a live
+``DataParallel`` (by parameter identity, :data:`_OWNERS`), and then:
+
+1. asks the ``DataParallel`` to check that replica 0's gradients are still what backward left,
+   and to mirror them to the other replicas if the user changed them (``before_step``);
+2. the first time, builds one mirror optimizer per other replica: the same class, the same param
+   groups mapped to that replica's parameters, a copy of the user's state (``state_dict``);
+   groups added later with ``add_param_group`` are added to the mirrors too;
+3. before every step, copies every hyperparameter of the user's groups into the mirrors' (so
+   learning-rate schedulers and manual changes just work);
+4. starts each mirror's ``step()`` on its device's thread, concurrently with the user's step of
+   replica 0; the post-hook waits for them.
+
+``optimizer.load_state_dict`` reloads the mirrors (a load post-hook on the user's optimizer).
+
+Invariant: after every ``step()``, each replica's parameters and optimizer state are bitwise
+equal to replica 0's: the same gradients (bitwise: every device receives the same host sum), the
+same state, the same hyperparameters, the same code. Parameters are never broadcast.
+"""
+from __future__ import annotations
+
+import copy
+import weakref
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+if TYPE_CHECKING:
+    from cgdp.engine.dataparallel import DataParallel
+
+_OWNERS: dict[int, weakref.ref] = {}
+"""id(parameter of replica 0) -> the DataParallel that owns it (while it is open)."""
+_installed = False
+_ATTR = "_cgdp_mirror"
+
+
+def register(dp: "DataParallel", params: list[torch.nn.Parameter]) -> None:
+    global _installed
+    if not _installed:
+        register_optimizer_step_pre_hook(_pre_hook)
+        register_optimizer_step_post_hook(_post_hook)
+        _installed = True
+    ref = weakref.ref(dp)
+    for p in params:
+        _OWNERS[id(p)] = ref
+
+
+def unregister(params: list[torch.nn.Parameter]) -> None:
+    for p in params:
+        _OWNERS.pop(id(p), None)
+
+
+def _owner(opt: torch.optim.Optimizer) -> "DataParallel | None":
+    owners = set()
+    unowned = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            ref = _OWNERS.get(id(p))
+            dp = ref() if ref is not None else None
+            if dp is None:
+                unowned += 1
+            else:
+                owners.add(dp)
+    if not owners:
+        return None
+    if len(owners) > 1 or unowned:
+        raise ValueError("this optimizer holds parameters of a cgdp.DataParallel together with other "
+                         "parameters (or those of another DataParallel); build one optimizer per "
+                         "DataParallel, on model.parameters()")
+    return owners.pop()
+
+
+def _pre_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    mirror = opt.__dict__.get(_ATTR)
+    if mirror is False:  # a mirror itself
+        return
+    if mirror is None or mirror.dp() is None:
+        dp = _owner(opt)
+        if dp is None:
+            return
+        mirror = Mirror(opt, dp)
+        opt.__dict__[_ATTR] = mirror
+    mirror.before(args, kwargs)
+
+
+def _post_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    mirror = opt.__dict__.get(_ATTR)
+    if mirror:
+        mirror.after()
+
+
+class Mirror:
+    """The mirror optimizers of one user optimizer (``mirrors[j - 1]`` steps replica j)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, dp: "DataParallel"):
+        self.opt = opt
+        self.dp = weakref.ref(dp)
+        self.maps = dp.parameter_maps()
+        self.inflight: list[Future] = []
+        self.mirrors = [self._build(j) for j in range(1, len(self.maps) + 1)]
+        opt.register_load_state_dict_post_hook(self._reload)
+
+    def _groups(self, j: int, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        mapping = self.maps[j - 1]
+        return [{**{k: v for k, v in g.items() if k != "params"},
+                 "params": [mapping[id(p)] for p in g["params"]]} for g in groups]
+
+    def _build(self, j: int) -> torch.optim.Optimizer:
+        cls = type(self.opt)
+        try:
+            m = cls(self._groups(j, self.opt.param_groups), **self.opt.defaults)
+        except TypeError as exc:
+            raise TypeError(f"cgdp.DataParallel steps every replica with a copy of your optimizer, built "
+                            f"as {cls.__name__}(param_groups, **optimizer.defaults), which failed ({exc}). "
+                            f"Give {cls.__name__} a constructor that accepts its defaults as keywords") from exc
+        m.__dict__[_ATTR] = False
+        if self.opt.state:
+            m.load_state_dict(copy.deepcopy(self.opt.state_dict()))
+        return m
+
+    def _reload(self, opt: torch.optim.Optimizer) -> None:
+        """After ``opt.load_state_dict``: every mirror gets its own copy of the state."""
+        self._sync_groups()
+        state = opt.state_dict()
+        for m in self.mirrors:
+            m.load_state_dict(copy.deepcopy(state))
+
+    def _sync_groups(self) -> None:
+        """Groups added with ``add_param_group`` go to the mirrors; hyperparameters are copied."""
+        groups = self.opt.param_groups
+        for j, m in enumerate(self.mirrors, start=1):
+            if len(m.param_groups) < len(groups):
+                for g in self._groups(j, groups[len(m.param_groups):]):
+                    m.add_param_group(g)
+            dev = next(iter(self.maps[j - 1].values())).device
+            for gu, gm in zip(groups, m.param_groups):
+                if len(gu["params"]) != len(gm["params"]):
+                    raise RuntimeError("the parameters of an optimizer param group of a cgdp.DataParallel "
+                                       "changed after its first step; add parameters with "
+                                       "optimizer.add_param_group instead")
+                for k, v in gu.items():
+                    if k != "params":
+                        gm[k] = v.to(dev) if isinstance(v, torch.Tensor) and v.device != dev else v
+
+    def before(self, args: tuple, kwargs: dict) -> None:
+        dp = self.dp()
+        if self.inflight:
+            raise RuntimeError("the previous optimizer.step() failed on replica 0 after the other replicas "
+                               "had stepped; the replicas are no longer identical. Build a new "
+                               "cgdp.DataParallel from model.module")
+        if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0]: opt
+            raise NotImplementedError("optimizer.step(closure) is not supported with cgdp.DataParallel: "
+                                      "the closure would run on replica 0 only")
+        dp.before_step()
+        self._sync_groups()
+        self.inflight = [dp.run_on(j, m.step) for j, m in enumerate(self.mirrors, start=1)]
+
+    def after(self) -> None:
+        inflight, self.inflight = self.inflight, []
+        errors = []
+        for f in inflight:
+            try:
+                f.result()  # note: host waits for the other replicas' updates
+            except BaseException as exc:
+                errors.append(exc)
+        if errors:
+            dp = self.dp()
+            if dp is not None:
+                dp.mark_broken(f"an optimizer step failed on another replica ({errors[0]!r})")
+            raise errors[0]

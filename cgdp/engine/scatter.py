@@ -1,0 +1,227 @@
+"""``DataParallel``'s step 1 and its mirror image: scatter the arguments, gather the outputs.
+
+**Scatter.** Every tensor argument with a batch dimension (positional or keyword, nested in
+tuples, lists and dicts) is split along dimension 0 in device order, as ``torch.tensor_split``
+does, and moved to its device; all of them must share that first dimension (the batch). A batch
+of n < G samples runs on the first n devices only. 0-dim tensors and other objects go to every
+replica unchanged (tensors moved to its device).
+
+**Gather.** Every replica returns the same structure (a tensor, tuples, lists, dicts, dataclasses
+such as ``transformers``' ``ModelOutput``). For each tensor in it:
+
+* dimension >= 1: concatenated along dimension 0 on ``devices[0]``, in device order;
+* a floating 0-dim tensor (a loss the model computed): ``sum_j w_j * t_j`` with
+  ``w_j = n_j / N``, which is the global value when each replica returns the mean over its own
+  samples (exact for per-sample means; a token mean with padding is not a per-sample mean:
+  compute such a loss on the gathered logits instead);
+* any other 0-dim tensor: stacked into a vector of G values, as ``nn.DataParallel`` does.
+
+Other leaves (ints, strings, None, cache objects) are kept once if every replica returned an
+equal value, otherwise replaced by None with a warning naming the field.
+
+The gathered tensors come out of one autograd function (:class:`_Gather`), so that a backward
+through any of them visits it exactly once: its backward first calls ``on_backward`` (where
+``DataParallel`` readies the engine for this backward), then hands each replica the gradient of
+its share (the slice of the concatenated gradient, or ``w_j`` times a scalar's).
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+_LEAF = "leaf"
+
+
+def _flatten(obj: Any, leaves: list[Any]) -> Any:
+    """Append obj's leaves to ``leaves``; return the spec that rebuilds obj from them."""
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return _LEAF
+    if isinstance(obj, dict):
+        keys = list(obj.keys())
+        return ("map", type(obj), keys, [_flatten(obj[k], leaves) for k in keys])
+    if isinstance(obj, (tuple, list)):
+        return ("seq", type(obj), [_flatten(o, leaves) for o in obj])
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = [f.name for f in dataclasses.fields(obj)]
+        return ("dc", type(obj), names, [_flatten(getattr(obj, n), leaves) for n in names])
+    leaves.append(obj)
+    return _LEAF
+
+
+def _unflatten(spec: Any, it) -> Any:
+    if spec == _LEAF:
+        return next(it)
+    kind, cls = spec[0], spec[1]
+    if kind == "seq":
+        items = [_unflatten(s, it) for s in spec[2]]
+        if cls in (tuple, list):
+            return cls(items)
+        return cls(*items) if hasattr(cls, "_fields") else cls(items)  # namedtuple or subclass
+    values = {k: _unflatten(s, it) for k, s in zip(spec[2], spec[3])}
+    if kind == "dc" or dataclasses.is_dataclass(cls):  # ModelOutput: a dict and a dataclass
+        return cls(**values)
+    return cls(values.items()) if cls is not dict else values
+
+
+def _paths(spec: Any, prefix: str = "output") -> list[str]:
+    """A readable name for each leaf, in leaf order (for messages)."""
+    if spec == _LEAF:
+        return [prefix]
+    if spec[0] == "seq":
+        return [p for i, s in enumerate(spec[2]) for p in _paths(s, f"{prefix}[{i}]")]
+    sep = "." if spec[0] == "dc" or dataclasses.is_dataclass(spec[1]) else ""
+    return [p for k, s in zip(spec[2], spec[3])
+            for p in _paths(s, f"{prefix}.{k}" if sep else f"{prefix}[{k!r}]")]
+
+
+def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
+            ) -> tuple[list[tuple[tuple, dict]], list[int]]:
+    """Per device, its ``(args, kwargs)``; and each part's number of samples."""
+    leaves: list[Any] = []
+    spec = _flatten((tuple(args), dict(kwargs)), leaves)
+    batched = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not batched:
+        raise ValueError("cgdp.DataParallel found no tensor argument with a batch dimension to split "
+                         "across devices; pass the batch as tensors whose first dimension is the batch")
+    n = batched[0].shape[0]
+    if any(x.shape[0] != n for x in batched):
+        raise ValueError(f"cgdp.DataParallel splits every tensor argument along its first dimension, so "
+                         f"they must all have the batch size there; got first dimensions "
+                         f"{[x.shape[0] for x in batched]}. Keep tensors that are not per-sample in the "
+                         f"module (a buffer) instead of passing them")
+    if n == 0:
+        raise ValueError("cgdp.DataParallel got an empty batch (first dimension 0)")
+    g = min(len(devices), n)
+    split = [torch.tensor_split(x, g) if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+             for x in leaves]
+    parts = []
+    for j in range(g):
+        dev = devices[j]
+        mine = [s[j].to(dev, non_blocking=True) if s is not None
+                else x.to(dev, non_blocking=True) if isinstance(x, torch.Tensor) else x
+                for x, s in zip(leaves, split)]
+        parts.append(_unflatten(spec, iter(mine)))
+    sizes = [int(s.shape[0]) for s in torch.tensor_split(torch.empty(n, 0), g)]
+    return parts, sizes
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What :class:`_Gather` needs to split gradients back (one entry per tensor leaf)."""
+    kinds: list[str]
+    """"cat", "wsum" or "stack" per tensor leaf."""
+    devices: list[list[torch.device]]
+    """Per tensor leaf, the device of each replica's tensor."""
+    lengths: list[list[int]]
+    """Per tensor leaf, each replica's size along dimension 0 ("cat")."""
+    weights: list[float]
+    dst: torch.device
+    on_backward: Callable[[], None] | None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: _Plan, *tensors: torch.Tensor):
+        ctx.plan = plan
+        ctx.set_materialize_grads(False)
+        g = len(plan.weights)
+        outs = []
+        for i, kind in enumerate(plan.kinds):
+            ts = tensors[i * g:(i + 1) * g]
+            outs.append(_combine(kind, ts, plan.weights, plan.dst))
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plan: _Plan = ctx.plan
+        if plan.on_backward is not None:
+            plan.on_backward()  # before any replica's gradient exists: DataParallel arms the engine
+        out: list[torch.Tensor | None] = [None]
+        for i, (kind, grad) in enumerate(zip(plan.kinds, grads)):
+            devs = plan.devices[i]
+            if grad is None or kind == "stack":
+                out += [None] * len(devs)
+            elif kind == "cat":
+                out += [p.to(d, non_blocking=True)
+                        for p, d in zip(torch.split(grad, plan.lengths[i]), devs)]
+            else:
+                out += [(grad * w).to(d, non_blocking=True) for w, d in zip(plan.weights, devs)]
+        return tuple(out)
+
+
+def _combine(kind: str, ts: Sequence[torch.Tensor], weights: Sequence[float], dst: torch.device) -> torch.Tensor:
+    if kind == "cat":
+        return torch.cat([t.to(dst) for t in ts], 0)
+    if kind == "stack":
+        return torch.stack([t.to(dst) for t in ts])
+    acc = ts[0].to(dst) * weights[0]
+    for t, w in zip(ts[1:], weights[1:]):
+        acc = acc + t.to(dst) * w
+    return acc
+
+
+_warned: set[str] = set()
+
+
+def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
+           on_backward: Callable[[], None] | None) -> Any:
+    """The replicas' outputs combined on ``dst`` (see the module docstring)."""
+    flat, specs = [], []
+    for o in outputs:
+        leaves: list[Any] = []
+        specs.append(_flatten(o, leaves))
+        flat.append(leaves)
+    if any(s != specs[0] for s in specs[1:]):
+        raise ValueError("the replicas of cgdp.DataParallel returned outputs of different structure "
+                         "(keys or lengths); the model's output must not depend on the batch's content")
+    total = sum(sizes)
+    weights = [n / total for n in sizes]
+    names = _paths(specs[0])
+    kinds, devs, lengths, tensors, result = [], [], [], [], []
+    for i, name in enumerate(names):
+        vals = [leaves[i] for leaves in flat]
+        if all(isinstance(v, torch.Tensor) for v in vals):
+            if vals[0].dim() > 0:
+                kind = "cat"
+            else:
+                kind = "wsum" if vals[0].is_floating_point() else "stack"
+            kinds.append(kind)
+            devs.append([v.device for v in vals])
+            lengths.append([v.shape[0] if v.dim() else 0 for v in vals])
+            tensors += vals
+            result.append(None)  # filled below
+        else:
+            result.append(_same_or_none(vals, name))
+    if kinds:
+        plan = _Plan(kinds, devs, lengths, weights, dst, on_backward)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            combined = iter(_Gather.apply(plan, *tensors))
+        else:
+            g = len(outputs)
+            combined = iter([_combine(k, tensors[i * g:(i + 1) * g], weights, dst)
+                             for i, k in enumerate(kinds)])
+        result = [next(combined) if r is None and isinstance(flat[0][i], torch.Tensor) else r
+                  for i, r in enumerate(result)]
+    return _unflatten(specs[0], iter(result))
+
+
+def _same_or_none(vals: list[Any], name: str) -> Any:
+    first = vals[0]
+    try:
+        same = all(v is first or bool(v == first) for v in vals[1:])
+    except Exception:  # objects without a usable ==
+        same = False
+    if same:
+        return first
+    key = f"{name}:{type(first).__name__}"
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"cgdp.DataParallel cannot gather {name} ({type(first).__name__}): it differs "
+                      f"between replicas and is not a tensor; it is None in the gathered output "
+                      f"(for transformers models, pass use_cache=False)", stacklevel=3)
+    return None
