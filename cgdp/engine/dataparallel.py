@@ -110,6 +110,8 @@ class DataParallel(nn.Module):
         self._warned = False
         self._guard = Guard(timeout_s)
         self._devs = make_devices(devices, self._guard.fail)
+        self.output_device = self._devs[0].torch_device
+        """Where the gathered outputs are (``devices[0]``): put the targets there."""
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
         self._load_hook = None
@@ -189,7 +191,10 @@ class DataParallel(nn.Module):
         outs = run() if devs[0].is_cuda else self._rng.forward_all(run)
         if self.training and len(devs) > 1:
             total = sum(sizes)
-            sync_buffers(self._buffers_f, [n / total for n in sizes] + [0.0] * (len(devs) - g), None)
+            # through .data: the graph just built saved these buffers (BatchNorm), and an in-place
+            # write through the tensors would bump their version and fail its backward
+            sync_buffers([[b.data for b in bufs] for bufs in self._buffers_f],
+                         [n / total for n in sizes] + [0.0] * (len(devs) - g), None)
             if g < len(devs):  # replicas that got no sample: integer buffers (counters) too
                 self._broadcast_state(buffers_only=True)
         sync = not self._no_sync
@@ -414,7 +419,7 @@ class DataParallel(nn.Module):
             for r in self._replicas[1:]:
                 if buffers_only:
                     for b, b0 in zip(r.buffers(), self.module.buffers()):
-                        b.copy_(b0)
+                        b.data.copy_(b0)
                 else:
                     r.load_state_dict(self.module.state_dict())
 

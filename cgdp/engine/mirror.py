@@ -24,6 +24,7 @@ same state, the same hyperparameters, the same code. Parameters are never broadc
 from __future__ import annotations
 
 import copy
+import inspect
 import weakref
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -113,8 +114,13 @@ class Mirror:
 
     def _build(self, j: int) -> torch.optim.Optimizer:
         cls = type(self.opt)
+        sig = inspect.signature(cls.__init__).parameters
+        any_kw = any(p.kind is p.VAR_KEYWORD for p in sig.values())
+        # every group carries all its hyperparameters; the constructor's defaults only matter for
+        # groups added later, and some defaults are not constructor arguments (AdamW's)
+        defaults = {k: v for k, v in self.opt.defaults.items() if any_kw or k in sig}
         try:
-            m = cls(self._groups(j, self.opt.param_groups), **self.opt.defaults)
+            m = cls(self._groups(j, self.opt.param_groups), **defaults)
         except TypeError as exc:
             raise TypeError(f"cgdp.DataParallel steps every replica with a copy of your optimizer, built "
                             f"as {cls.__name__}(param_groups, **optimizer.defaults), which failed ({exc}). "

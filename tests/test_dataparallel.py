@@ -1,0 +1,366 @@
+"""cgdp.DataParallel: the user's own loop on CPU-emulated devices against the same loop on one device."""
+import contextlib
+import copy
+import re
+import pathlib
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cgdp
+from helpers import Gated, Tied, WithBN, assert_params_close, assert_replicas_identical, mlp
+
+SGD = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3)  # noqa: E731
+
+
+def devs(g):
+    return [f"cpu:{i}" for i in range(g)]
+
+
+def batches(n_steps, n, shape=(12,), classes=5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g))
+            for _ in range(n_steps)]
+
+
+def assert_grads_identical(model):
+    first = [p.grad for p in model.module.parameters()]
+    for r in model.replicas[1:]:
+        for g0, p in zip(first, r.parameters()):
+            assert (g0 is None) == (p.grad is None)
+            assert g0 is None or torch.equal(g0, p.grad)
+
+
+def loop(model, data, make_opt, loss_fn=F.cross_entropy, *, sched=None, clip=None, micro=1,
+         use_no_sync=False, zero=True, grads=None):
+    """The issue's loop, written once for ``nn.Module`` and ``cgdp.DataParallel`` alike. With
+    ``micro`` > 1 each batch is accumulated over micro-batches (inside ``no_sync`` but the last,
+    if asked); ``grads`` collects the gradients after each step's backward."""
+    opt = make_opt(model.parameters())
+    scheduler = sched(opt) if sched else None
+    losses, norms = [], []
+    dp = isinstance(model, cgdp.DataParallel)
+    for x, y in data:
+        if zero:
+            opt.zero_grad()
+        n = x.shape[0]
+        parts = list(zip(torch.tensor_split(x, micro), torch.tensor_split(y, micro)))
+        for i, (xm, ym) in enumerate(parts):
+            quiet = use_no_sync and dp and i < micro - 1
+            with model.no_sync() if quiet else contextlib.nullcontext():
+                loss = loss_fn(model(xm), ym) * (xm.shape[0] / n)
+                loss.backward()
+            losses.append(loss.item())
+        if grads is not None:
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        if dp:
+            assert_grads_identical(model)
+        if clip:
+            norm = model.clip_grad_norm_(clip) if dp else torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norms.append(float(norm))
+        opt.step()
+        if scheduler:
+            scheduler.step()
+        if dp:
+            assert_replicas_identical(model)
+    return losses, norms
+
+
+def compare(net, g, data, make_opt, loss_fn=F.cross_entropy, ref_net=None, chunks=1, **kw):
+    ref = copy.deepcopy(net) if ref_net is None else ref_net
+    ref_grads, got_grads = [], []
+    ref_losses, ref_norms = loop(ref, data, make_opt, loss_fn, grads=ref_grads, **kw)
+    with cgdp.DataParallel(net, devs(g), chunks=chunks) as model:
+        losses, norms = loop(model, data, make_opt, loss_fn, grads=got_grads, **kw)
+    for a, b in zip(got_grads, ref_grads):
+        for ga, gb in zip(a, b):
+            assert (ga is None) == (gb is None)
+            if ga is not None:
+                torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    assert_params_close(net, ref)
+    return model
+
+
+@pytest.mark.parametrize("g", [1, 2, 3, 4])
+def test_sgd_momentum_equals_single_device(g):
+    compare(mlp(), g, batches(4, 10), SGD)  # 10 samples: uneven on 3 and 4 devices
+
+
+def test_adamw_scheduler_and_param_groups():
+    def make_opt(params):
+        params = list(params)
+        return torch.optim.AdamW([{"params": params[:2], "lr": 3e-3, "weight_decay": 0.0},
+                                  {"params": params[2:]}], lr=1e-2, weight_decay=0.05)
+    sched = lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=3)  # noqa: E731
+    compare(mlp(), 3, batches(4, 11), make_opt, sched=sched, chunks=2)
+
+
+@pytest.mark.parametrize("norm", [0.5, 100.0])
+def test_clip_grad_norm_on_every_replica(norm):
+    """0.5 clips every step, 100 never: the norm is the summed gradient's, from the host."""
+    compare(mlp(), 3, batches(4, 10), SGD, clip=norm)
+
+
+def test_torch_clip_on_replica_0_is_mirrored():
+    """``torch.nn.utils.clip_grad_norm_(model.parameters())`` changes replica 0 only: the replicas
+    get the same gradients before the step (with a warning), never silently different ones."""
+    net, data = mlp(), batches(3, 10)
+    ref = copy.deepcopy(net)
+    loop(ref, data, SGD, clip=0.3)
+    with cgdp.DataParallel(net, devs(2), chunks=1) as model:
+        opt = SGD(model.parameters())
+        with pytest.warns(UserWarning, match="model.clip_grad_norm_"):
+            for x, y in data:
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+                opt.step()
+                assert_replicas_identical(model)
+    assert_params_close(net, ref)
+
+
+@pytest.mark.parametrize("use_no_sync", [True, False])
+@pytest.mark.parametrize("zero", [True, False])
+def test_gradient_accumulation(use_no_sync, zero):
+    """Three micro-batches per step, in ``no_sync`` but the last, or all synced (each backward
+    keeps what the last one summed); with or without ``zero_grad`` between steps."""
+    compare(mlp(), 3, batches(3, 14), SGD, micro=3, use_no_sync=use_no_sync, zero=zero)
+
+
+def test_tied_weights():
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, 11, (7,), generator=g), torch.randint(0, 11, (7,), generator=g))
+            for _ in range(3)]
+    model = compare(Tied(), 2, data, SGD)
+    assert model.replicas[1].out.weight is model.replicas[1].emb.weight
+
+
+def test_unused_and_frozen_parameters():
+    """``extra`` is used by one sample only (on device 0), ``never`` by nobody, ``frozen`` does not
+    train: their ``.grad`` are what single-device training has (tensors, None, None)."""
+    data = []
+    for s in range(3):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(s))
+        x[1, 0] = 250.0
+        data.append((x, torch.randn(8, 4, generator=torch.Generator().manual_seed(10 + s))))
+    data.append((torch.randn(8, 6), torch.randn(8, 4)))  # nobody uses ``extra``
+    net = Gated()
+    compare(net, 2, data, SGD, loss_fn=F.mse_loss)
+    assert net.never.weight.grad is None and net.frozen.weight.grad is None
+    assert net.extra.weight.grad is None  # step 4 used it nowhere (steps 1-3: compared in compare)
+
+
+class Parts(nn.Module):
+    """Forward on each ``tensor_split`` part (what data parallelism computes for BatchNorm)."""
+    def __init__(self, net, g):
+        super().__init__()
+        self.net, self.g = net, g
+
+    def forward(self, x):
+        return torch.cat([self.net(p) for p in torch.tensor_split(x, self.g)])
+
+
+def test_batchnorm():
+    net = WithBN()
+    data = batches(4, 10, shape=(6,), classes=3)
+    ref = Parts(copy.deepcopy(net), 3)
+    compare(net, 3, data, SGD, ref_net=ref)
+    # the running mean is the batch-weighted mean of the replicas' (= the global batch's update)
+    fresh = WithBN()
+    h = fresh.fc1(data[0][0]).detach()
+    with cgdp.DataParallel(fresh, devs(3)) as model:
+        model(data[0][0])
+        torch.testing.assert_close(fresh.bn.running_mean, 0.1 * h.mean(0), rtol=1e-5, atol=1e-7)
+        assert_replicas_identical(model)
+
+
+def test_eval_and_no_grad_inference():
+    net = WithBN()
+    ref = copy.deepcopy(net).eval()
+    x = torch.randn(9, 6)
+    with cgdp.DataParallel(net, devs(3)) as model:
+        model.eval()
+        assert all(not r.training for r in model.replicas)
+        with torch.no_grad():
+            out = model(x)
+        assert not out.requires_grad
+        torch.testing.assert_close(out, ref(x).detach(), rtol=1e-5, atol=1e-6)
+        assert all(p.grad is None for r in model.replicas for p in r.parameters())
+        model.train()
+        assert all(r.training for r in model.replicas)
+
+
+class Structured(nn.Module):
+    """Returns a dict with a tuple, an integer tensor, a constant and its own mean loss."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x, *, target=None, extra=None):
+        out = self.fc(x)
+        loss = F.cross_entropy(out, target)
+        return {"loss": loss, "pair": (out, out.argmax(1)), "scale": 2, "extra": extra["w"] * 1.0}
+
+
+def test_structured_outputs_and_model_computed_loss():
+    """Keyword and nested arguments are split; outputs gathered; a model's own mean loss is
+    combined as the per-sample mean, so backward on it equals single-device training."""
+    net = Structured()
+    ref = copy.deepcopy(net)
+    x, y, w = torch.randn(7, 5), torch.randint(0, 3, (7,)), torch.randn(7, 2)
+    with cgdp.DataParallel(net, devs(3), chunks=1) as model:
+        out = model(x, target=y, extra={"w": w})
+        want = ref(x, target=y, extra={"w": w})
+        torch.testing.assert_close(out["loss"], want["loss"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(out["pair"][0], want["pair"][0])
+        assert torch.equal(out["pair"][1], want["pair"][1]) and out["scale"] == 2
+        torch.testing.assert_close(out["extra"], w)
+        out["loss"].backward()
+        want["loss"].backward()
+        assert_grads_identical(model)
+        torch.testing.assert_close(net.fc.weight.grad, ref.fc.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_batch_smaller_than_devices():
+    compare(mlp(), 4, batches(2, 3), SGD)  # 3 samples on 4 devices: the last one idles
+
+
+def test_optimizer_state_dict_roundtrip():
+    """opt.load_state_dict reloads every replica's optimizer: training goes on identically."""
+    net, data = mlp(), batches(4, 10)
+    ref = copy.deepcopy(net)
+    loop(ref, data, lambda p: torch.optim.AdamW(p, lr=1e-2))
+    with cgdp.DataParallel(net, devs(2), chunks=1) as model:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for i, (x, y) in enumerate(data):
+            if i == 2:  # a new optimizer from a checkpoint of the old one
+                state = copy.deepcopy(opt.state_dict())
+                opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+                opt.load_state_dict(state)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            assert_replicas_identical(model)
+    assert_params_close(net, ref)
+
+
+def test_add_param_group():
+    def run(model):
+        params = list(model.parameters())
+        opt = torch.optim.SGD(params[:4], lr=0.05, momentum=0.9)
+        for i, (x, y) in enumerate(batches(3, 10)):
+            if i == 1:
+                opt.add_param_group({"params": params[4:], "lr": 0.01})
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if isinstance(model, cgdp.DataParallel):
+                assert_replicas_identical(model)
+    net = mlp()
+    ref = copy.deepcopy(net)
+    run(ref)
+    with cgdp.DataParallel(net, devs(2), chunks=1) as model:
+        run(model)
+    assert_params_close(net, ref)
+
+
+def test_gpt2_with_padding_through_gathered_logits():
+    """A tiny GPT-2 (config in code, no download), right-padded batches with ``labels`` -100 on
+    padding. The exact route: the token-mean loss on the gathered logits. The model's own
+    ``out.loss`` is each replica's token mean combined per sample (documented, not exact)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    torch.manual_seed(0)
+    net = transformers.GPT2LMHeadModel(cfg)
+    g = torch.Generator().manual_seed(5)
+    data = []
+    for _ in range(3):
+        ids = torch.randint(0, 40, (5, 10), generator=g)
+        mask = torch.ones_like(ids)
+        for i, n in enumerate([10, 4, 7, 10, 2]):
+            mask[i, n:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        data.append(({"input_ids": ids, "attention_mask": mask}, labels))
+
+    def lm_loss(out, labels):
+        logits = out.logits[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    def run(model):
+        # SGD: Adam would turn the rounding noise of exactly-zero gradients (the key bias of
+        # attention) into full-size steps, on one device as on several
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        for batch, labels in data:
+            opt.zero_grad()
+            out = model(**batch, labels=labels)
+            loss = lm_loss(out, labels)
+            loss.backward()
+            if isinstance(model, cgdp.DataParallel):
+                model.clip_grad_norm_(1.0)
+                parts = torch.tensor_split(labels, len(model.replicas))
+                per_part = [model.module(input_ids=i, attention_mask=m, labels=p).loss.item()
+                            for i, m, p in zip(torch.tensor_split(batch["input_ids"], 2),
+                                               torch.tensor_split(batch["attention_mask"], 2), parts)]
+                want = sum(l * p.shape[0] / labels.shape[0] for l, p in zip(per_part, parts))
+                assert out.loss.item() == pytest.approx(want, rel=1e-5)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if isinstance(model, cgdp.DataParallel):
+                assert_replicas_identical(model)
+
+    ref = copy.deepcopy(net)
+    run(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing in the output is dropped with use_cache=False
+        with cgdp.DataParallel(net, devs(2), chunks=2) as model:
+            run(model)
+    assert_params_close(net, ref)
+
+
+def test_wrapper_state_dict_and_load_reach_every_replica():
+    net = mlp()
+    with cgdp.DataParallel(net, devs(2)) as model:
+        other = mlp(seed=7)
+        model.load_state_dict({f"module.{k}": v for k, v in other.state_dict().items()})
+        assert_replicas_identical(model)
+        assert_params_close(model.replicas[1], other, rtol=0)
+
+
+def test_errors_say_what_to_do():
+    with pytest.raises(NotImplementedError, match="Trainer"):
+        cgdp.DataParallel(mlp(), devs(2), comm="mpi")
+    with cgdp.DataParallel(mlp(), devs(2)) as model:
+        with pytest.raises(ValueError, match="first dimension"):
+            model(torch.randn(4, 12), torch.randn(3, 12))
+        opt = torch.optim.LBFGS(model.parameters())
+        F.cross_entropy(model(torch.randn(4, 12)), torch.tensor([0, 1, 2, 3])).backward()
+        with pytest.raises(NotImplementedError, match="closure"):
+            opt.step(lambda: 0.0)
+        mixed = torch.optim.SGD(list(model.parameters()) + [nn.Parameter(torch.zeros(2))], lr=0.1)
+        with pytest.raises(ValueError, match="one optimizer per"):
+            mixed.step()
+    with pytest.raises(RuntimeError, match="closed"):
+        model(torch.randn(4, 12))
+
+
+def test_default_devices_without_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("defaults to the GPUs here")
+    with cgdp.DataParallel(mlp()) as model:
+        assert model.devices == ["cpu:0", "cpu:1"] and len(model.replicas) == 2
+
+
+def test_readme_example_runs():
+    """README's DataParallel example runs as written (on CPU-emulated devices here)."""
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "cgdp.DataParallel" in b]
+    assert blocks, "README has no cgdp.DataParallel example"
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
