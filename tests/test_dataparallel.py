@@ -13,6 +13,11 @@ from torch import nn
 import cgdp
 from helpers import Gated, Tied, WithBN, assert_params_close, assert_replicas_identical, mlp
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)
+
+
 SGD = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3)  # noqa: E731
 
 
