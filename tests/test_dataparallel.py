@@ -338,6 +338,58 @@ def test_wrapper_state_dict_and_load_reach_every_replica():
         assert_params_close(model.replicas[1], other, rtol=0)
 
 
+def test_caller_autocast_and_direct_load_reach_replicas():
+    net = mlp()
+    with cgdp.DataParallel(net, devs(2)) as model:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model(torch.randn(4, 12)).dtype == torch.bfloat16
+        other = mlp(seed=9)
+        model.module.load_state_dict(other.state_dict())
+        assert_params_close(model.replicas[1], other, rtol=0)
+
+
+class Fails(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return _Boom.apply(self.fc(x))
+
+
+class _Boom(torch.autograd.Function):
+    fail = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _Boom.fail:
+            raise RuntimeError("boom")
+        return g
+
+
+def test_failed_backward_leaves_a_usable_model():
+    net = Fails()
+    ref = copy.deepcopy(net)
+    x = torch.randn(6, 4)
+    with cgdp.DataParallel(net, devs(2), timeout_s=10) as model:
+        with pytest.raises(RuntimeError, match="boom"):
+            model(x).sum().backward()
+        _Boom.fail = False
+        try:
+            with pytest.warns(UserWarning, match="failed"):
+                out = model(x)
+            out.sum().backward()
+            ref(x).sum().backward()
+        finally:
+            _Boom.fail = True
+        assert_grads_identical(model)
+    torch.testing.assert_close(net.fc.weight.grad, ref.fc.weight.grad)
+
+
 def test_errors_say_what_to_do():
     with pytest.raises(NotImplementedError, match="Trainer"):
         cgdp.DataParallel(mlp(), devs(2), comm="mpi")

@@ -176,6 +176,7 @@ class DataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_usable()
+        self._after_failed_backward()
         devs = self._devs
         parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
         g = len(parts)
@@ -258,6 +259,10 @@ class DataParallel(nn.Module):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # ------------------------------------------------------------------ for mirror.py
     def parameter_maps(self) -> list[dict[int, nn.Parameter]]:
         """Per replica j > 0: id(replica 0's parameter) -> replica j's (all parameters)."""
@@ -270,8 +275,7 @@ class DataParallel(nn.Module):
     def before_step(self) -> None:
         """Called before the user's optimizer steps: replica 0's gradients are every replica's."""
         self._check_usable()
-        if self._in_backward:
-            raise RuntimeError("optimizer.step() was called during backward")
+        self._after_failed_backward()
         self._check_grads()
 
     def mark_broken(self, why: str) -> None:
@@ -295,6 +299,25 @@ class DataParallel(nn.Module):
         except BaseException:
             self._in_backward = False
             raise
+
+    def _after_failed_backward(self) -> None:
+        """A backward that raised never reached :meth:`_end_backward`: its copies may still be in
+        flight and the gradients are partial. Let everything stop and start again from zero."""
+        if not self._in_backward:
+            return
+        self._guard.fail(RuntimeError("the previous backward failed"))
+        self._broken = drain_after_failure(self._devs, self._stream.host)
+        self._guard.reset()
+        self._stream.disarm()
+        with torch.no_grad():
+            for flat in self._stream.flats:
+                flat.zero_()
+        self._has_grad[:] = False
+        self._set_none()
+        self._versions = self._record()
+        self._synced_last, self._in_backward = True, False
+        warnings.warn("the previous backward through cgdp.DataParallel failed; the gradients it left "
+                      "were dropped (every .grad is None)", stacklevel=3)
 
     def _prepare_buffers(self) -> None:
         """Make the flat buffers hold what this backward must add to (see the sum invariant)."""

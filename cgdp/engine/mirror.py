@@ -81,7 +81,8 @@ def _pre_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     mirror = opt.__dict__.get(_ATTR)
     if mirror is False:  # a mirror itself
         return
-    if mirror is None or mirror.dp() is None:
+    if mirror is None or mirror.dp() is None or mirror.dp().closed:
+        opt.__dict__.pop(_ATTR, None)  # a closed model's optimizer steps replica 0 alone again
         dp = _owner(opt)
         if dp is None:
             return
