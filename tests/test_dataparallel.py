@@ -390,9 +390,42 @@ def test_failed_backward_leaves_a_usable_model():
     torch.testing.assert_close(net.fc.weight.grad, ref.fc.weight.grad)
 
 
+def test_ranks_average_like_ddp():
+    """Two in-process MPI ranks of two emulated devices each, every rank its own half of the
+    global batch (7 samples: uneven on its devices), each with a BatchNorm model and its loop:
+    the gradient is the mean over ranks (as DDP's), so training equals one device on the global
+    batch with the loss averaged over the ranks' halves."""
+    from concurrent.futures import ThreadPoolExecutor
+    from cgdp.comm.inproc import InProcGroup
+    net, data = WithBN(), batches(3, 14, shape=(6,), classes=3)
+    ref = copy.deepcopy(net)
+    ref_opt = SGD(ref.parameters())
+    for x, y in data:
+        ref_opt.zero_grad()
+        halves = zip(torch.tensor_split(x, 2), torch.tensor_split(y, 2))
+        loss = sum(F.cross_entropy(torch.cat([ref(p) for p in torch.tensor_split(xh, 2)]), yh)
+                   for xh, yh in halves) / 2
+        loss.backward()
+        ref_opt.step()
+
+    def rank(comm):
+        mine = [(torch.tensor_split(x, 2)[comm.rank], torch.tensor_split(y, 2)[comm.rank]) for x, y in data]
+        model = cgdp.DataParallel(copy.deepcopy(net), devs(2), chunks=1, comm=comm, timeout_s=20)
+        with model:
+            loop(model, mine, SGD, clip=100.0)
+            return copy.deepcopy(model.module)
+
+    group = InProcGroup(2, timeout_s=20)
+    with ThreadPoolExecutor(2) as pool:
+        got = [f.result(timeout=120) for f in [pool.submit(rank, c) for c in group.comms()]]
+    for g in got:
+        assert_params_close(g, ref)
+    assert all(torch.equal(a, b) for a, b in zip(got[0].state_dict().values(), got[1].state_dict().values()))
+
+
 def test_errors_say_what_to_do():
-    with pytest.raises(NotImplementedError, match="Trainer"):
-        cgdp.DataParallel(mlp(), devs(2), comm="mpi")
+    with pytest.raises(ValueError, match="comm must be"):
+        cgdp.DataParallel(mlp(), devs(2), comm="nccl")
     with cgdp.DataParallel(mlp(), devs(2)) as model:
         with pytest.raises(ValueError, match="first dimension"):
             model(torch.randn(4, 12), torch.randn(3, 12))

@@ -34,8 +34,14 @@ device streams, host sum, copy back): one data path, two faces.
 * Parameters that got no gradient since the last ``zero_grad`` keep ``.grad`` None on every
   replica, as in single-device training.
 
-Not supported: ``comm="mpi"`` (use ``Trainer``), ``torch.autograd.grad`` with respect to the
-parameters, a second backward through the same output, ``optimizer.step(closure)``.
+* **Several machines** (``comm="mpi"``): each rank runs the same loop on its own batch; the host
+  sums of all ranks are allreduced chunk by chunk (the engine's MPI tier, as for ``Trainer``), and
+  the gradients handed to the replicas are scaled by 1/R, so the result is the mean over ranks of
+  each rank's gradient, as with DDP. Every rank must do the same synced backwards and training
+  forwards (BatchNorm statistics are averaged over all ranks, a collective per training forward).
+
+Not supported: ``torch.autograd.grad`` with respect to the parameters, a second backward through
+the same output, ``optimizer.step(closure)``.
 """
 from __future__ import annotations
 
@@ -52,11 +58,13 @@ from torch import nn
 from torch.autograd import Variable
 
 from cgdp.engine import mirror
+from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import default_devices, host_threads, make_devices, parse_devices
+from cgdp.engine.batch import batch_weights
 from cgdp.engine.buffers import sync_buffers
 from cgdp.engine.drain import drain_after_failure
-
-from cgdp.engine.layers import find_layers, trainable_dtype
+from cgdp.engine.layers import LayerInfo, find_layers, trainable_dtype
+from cgdp.engine.replicas import state_digest
 from cgdp.engine.rng import EmulatedRNG
 from cgdp.engine.scatter import gather, scatter
 from cgdp.engine.stream import GradientStream
@@ -75,7 +83,9 @@ class DataParallel(nn.Module):
         chunks: chunk size k (the paper's uniform plan), an explicit plan, or ``"auto"`` (the
             auto tuner's model-based plan; it is not refined by measurement, since the loop is
             yours).
-        comm: only ``None`` (one machine); use ``cgdp.Trainer(comm="mpi")`` across machines.
+        comm: ``None`` for one machine, ``"mpi"`` (or a :class:`cgdp.comm.Comm`) for several:
+            gradients are then averaged over ranks, as with DDP. Every rank must build the same
+            model (checked at start-up). The comm belongs to the model: ``close()`` closes it.
         timeout_s: longest any thread waits for another before backward fails with
             ``TimeoutError``; ``None`` waits forever.
         segment_bytes: chunks larger than this travel in segments (see :mod:`cgdp.engine.flatgrad`).
@@ -87,9 +97,6 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if comm is not None:
-            raise NotImplementedError("cgdp.DataParallel runs on one machine (comm=None); to train across "
-                                      "machines with MPI use cgdp.Trainer(..., comm='mpi')")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
         devices = default_devices() if devices is None else list(devices)
@@ -115,7 +122,12 @@ class DataParallel(nn.Module):
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
         self._load_hook = None
+        self._comm: Comm | None = None
         try:
+            self._comm = make_comm(comm, timeout_s=timeout_s)
+            if self._comm is not None:
+                self._comm.attach(self._guard.fail)
+                self._comm.check_same(_signature(module, infos, len(devices), dtype))
             self._build(module, infos, layer_params, dtype, chunks, segment_bytes)
         except BaseException:
             self.close()
@@ -143,10 +155,12 @@ class DataParallel(nn.Module):
             plan = validate_plan(tuner.plan(), len(infos))
         else:
             plan = resolve_plan(chunks, len(infos))
+        if self._comm is not None:
+            plan = self._comm.broadcast_object(plan)  # rank 0's plan: the same chunks everywhere
         self._threads = DeviceThreads(devs, self._guard)
         self._rng = EmulatedRNG(len(devs))
         self._stream = GradientStream(devs, params, layer_pids, dtype, segment_bytes=segment_bytes,
-                                      streaming=True, guard=self._guard, comm=None,
+                                      streaming=True, guard=self._guard, comm=self._comm,
                                       host_threads=host_threads(devs))
         self._stream.set_plan(plan)
         self._stream.disarm()
@@ -190,16 +204,17 @@ class DataParallel(nn.Module):
 
         run = lambda: self._threads.run_all(forward_on)  # noqa: E731
         outs = run() if devs[0].is_cuda else self._rng.forward_all(run)
-        if self.training and len(devs) > 1:
-            total = sum(sizes)
+        if self.training and self._buffers_f[0] and (len(devs) > 1 or self._comm is not None):
+            weights, _ = batch_weights(sizes, self._comm)  # over all ranks with a comm
             # through .data: the graph just built saved these buffers (BatchNorm), and an in-place
             # write through the tensors would bump their version and fail its backward
             sync_buffers([[b.data for b in bufs] for bufs in self._buffers_f],
-                         [n / total for n in sizes] + [0.0] * (len(devs) - g), None)
+                         weights + [0.0] * (len(devs) - g), self._comm)
             if g < len(devs):  # replicas that got no sample: integer buffers (counters) too
                 self._broadcast_state(buffers_only=True)
         sync = not self._no_sync
-        return gather(outs[:g], sizes, devs[0].torch_device, lambda: self._begin_backward(sync))
+        scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
+        return gather(outs[:g], sizes, devs[0].torch_device, lambda: self._begin_backward(sync), scale)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -252,6 +267,8 @@ class DataParallel(nn.Module):
                 p.grad = g
         for d in self._devs:
             d.close()
+        if self._comm is not None:
+            self._comm.close()
 
     def __enter__(self) -> "DataParallel":
         return self
@@ -365,6 +382,10 @@ class DataParallel(nn.Module):
                 for j in range(len(self._devs)):
                     st.wait_returned(j)  # note: host waits until every summed chunk is back
             self._has_grad |= st.touched() > 0
+            if self._sending and self._comm is not None:
+                self._comm.fence(self._guard.timeout_s)
+                # a parameter with a gradient on any rank has one on every rank
+                self._has_grad = self._comm.allreduce_small(self._has_grad.astype(np.float64)) > 0
             self._set_none()
             self._synced_last = self._sending
             self._host_fresh = self._sending
@@ -451,6 +472,13 @@ class DataParallel(nn.Module):
             raise RuntimeError("this cgdp.DataParallel is closed; wrap model.module again")
         if self._broken:
             raise RuntimeError(f"this cgdp.DataParallel cannot continue: {self._broken}")
+
+
+def _signature(module: nn.Module, infos: Sequence[LayerInfo], devices: int, dtype: torch.dtype) -> dict[str, str]:
+    """What every MPI rank must have the same of (checked at start-up by ``Comm.check_same``)."""
+    return {"face": "DataParallel", "devices_per_rank": str(devices),
+            "initial_parameters": state_digest(module) + " (seed every rank the same)",
+            "layers": ";".join(f"{i.name}:{i.numels}" for i in infos), "dtype": str(dtype)}
 
 
 def _caller_context() -> Callable[[Callable[[], Any]], Any]:

@@ -42,13 +42,18 @@ class Replicas:
 
 def signature(replicas: Replicas, layers: Sequence[LayerInfo], mode: str, dtype: torch.dtype) -> dict[str, str]:
     """What every MPI rank must have the same of (checked at start-up by ``Comm.check_same``)."""
-    digest = hashlib.sha256()
-    for name, t in replicas.modules[0].state_dict().items():
-        digest.update(name.encode())
-        digest.update(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     opt = replicas.optimizers[0]
     return {"devices_per_rank": str(len(replicas.modules)), "mode": mode,
-            "initial_parameters": digest.hexdigest()[:16] + " (seed every rank the same)",
+            "initial_parameters": state_digest(replicas.modules[0]) + " (seed every rank the same)",
             "layers": ";".join(f"{i.name}:{i.numels}" for i in layers), "dtype": str(dtype),
             "optimizer": type(opt).__name__,
             "optimizer_defaults": repr(sorted(opt.defaults.items(), key=str))}
+
+
+def state_digest(module: nn.Module) -> str:
+    """A short hash of the module's parameters and buffers (names and bits)."""
+    digest = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        digest.update(name.encode())
+        digest.update(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

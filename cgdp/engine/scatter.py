@@ -22,7 +22,8 @@ equal value, otherwise replaced by None with a warning naming the field.
 The gathered tensors come out of one autograd function (:class:`_Gather`), so that a backward
 through any of them visits it exactly once: its backward first calls ``on_backward`` (where
 ``DataParallel`` readies the engine for this backward), then hands each replica the gradient of
-its share (the slice of the concatenated gradient, or ``w_j`` times a scalar's).
+its share (the slice of the concatenated gradient, or ``w_j`` times a scalar's), times ``scale``
+(``1/R`` across R MPI ranks, so that ranks average as in DDP).
 """
 from __future__ import annotations
 
@@ -121,6 +122,8 @@ class _Plan:
     weights: list[float]
     dst: torch.device
     on_backward: Callable[[], None] | None
+    scale: float = 1.0
+    """Every gradient handed to the replicas is multiplied by this (1/R across R ranks)."""
 
 
 class _Gather(torch.autograd.Function):
@@ -144,6 +147,8 @@ class _Gather(torch.autograd.Function):
         out: list[torch.Tensor | None] = [None]
         for i, (kind, grad) in enumerate(zip(plan.kinds, grads)):
             devs = plan.devices[i]
+            if grad is not None and plan.scale != 1.0:
+                grad = grad * plan.scale
             if grad is None or kind == "stack":
                 out += [None] * len(devs)
             elif kind == "cat":
@@ -169,7 +174,7 @@ _warned: set[str] = set()
 
 
 def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
-           on_backward: Callable[[], None] | None) -> Any:
+           on_backward: Callable[[], None] | None, scale: float = 1.0) -> Any:
     """The replicas' outputs combined on ``dst`` (see the module docstring)."""
     flat, specs = [], []
     for o in outputs:
@@ -198,7 +203,7 @@ def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
         else:
             result.append(_same_or_none(vals, name))
     if kinds:
-        plan = _Plan(kinds, devs, lengths, weights, dst, on_backward)
+        plan = _Plan(kinds, devs, lengths, weights, dst, on_backward, scale)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             combined = iter(_Gather.apply(plan, *tensors))
         else:
