@@ -57,6 +57,12 @@ def test_two_ranks_two_devices_equal_single_device_and_are_bitwise_identical():
         assert f"OK {case}" in out, out
 
 
+def test_dataparallel_two_ranks_average_like_ddp():
+    rc, out, _ = mpirun("dataparallel.py", timeout=120)
+    assert rc == 0, out
+    assert "OK dataparallel" in out, out
+
+
 def test_frozen_rank_gives_timeout_then_the_job_ends():
     """Rank 1 freezes (SIGSTOP) mid-backward of step 2: rank 0 raises TimeoutError after timeout_s
     naming what it waited for (a chunk's allreduce; or, should the frozen rank have delivered its
