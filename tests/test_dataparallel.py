@@ -423,12 +423,30 @@ def test_ranks_average_like_ddp():
     assert all(torch.equal(a, b) for a, b in zip(got[0].state_dict().values(), got[1].state_dict().values()))
 
 
+def test_retained_graph_backward_twice_accumulates():
+    net = mlp()
+    ref = copy.deepcopy(net)
+    x, y = torch.randn(9, 12), torch.randint(0, 5, (9,))
+    with cgdp.DataParallel(net, devs(3), chunks=1) as model:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward(retain_graph=True)
+        (2 * loss).backward()
+        assert_grads_identical(model)
+    loss = F.cross_entropy(ref(x), y)
+    loss.backward(retain_graph=True)
+    (2 * loss).backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_errors_say_what_to_do():
     with pytest.raises(ValueError, match="comm must be"):
         cgdp.DataParallel(mlp(), devs(2), comm="nccl")
     with cgdp.DataParallel(mlp(), devs(2)) as model:
         with pytest.raises(ValueError, match="first dimension"):
             model(torch.randn(4, 12), torch.randn(3, 12))
+        with pytest.raises(RuntimeError, match="autograd.grad"):
+            torch.autograd.grad(model(torch.randn(4, 12)).sum(), list(model.parameters()))
         opt = torch.optim.LBFGS(model.parameters())
         F.cross_entropy(model(torch.randn(4, 12)), torch.tensor([0, 1, 2, 3])).backward()
         with pytest.raises(NotImplementedError, match="closure"):

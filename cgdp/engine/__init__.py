@@ -4,7 +4,9 @@
 laid out in chunk order; ``param.grad`` are views into it) → ``backend`` (device streams: CUDA or
 CPU-emulated) → ``host`` (pinned slots, the accumulator thread) → ``accumulate`` (the host kernel)
 → copy back; ``stream`` holds these together for G replicas (what both faces, ``Trainer`` and
-``DataParallel``, share) → ``trainer`` (the step and the update). Around the step: ``batch``
+``DataParallel``, share) → ``trainer`` (the step and the update) and ``dataparallel`` (the same
+data path behind the user's own loop: ``scatter`` splits arguments and gathers outputs, ``mirror``
+steps every replica with the user's optimizer). Around the step: ``batch``
 (splitting and weighting), ``typical`` (the paper's baseline), ``buffers`` (BatchNorm statistics), ``timing``
 (profiles and traces), ``sync`` (waiting without hanging), ``layers`` (what a layer is).
 

@@ -20,28 +20,25 @@ device streams, host sum, copy back): one data path, two faces.
   weights each sample) and copies the sum back; the callback flushes the chunks never completed
   and waits until every sum is back. On CPU-emulated devices autograd runs every replica's
   backward on its one CPU thread; each replica's hooks are still only touched by that thread.
-* **The sum invariant.** The true gradient is the sum over replicas of their flat buffers. After
-  a synced backward every replica holds the total T. The next backward keeps replica 0's
-  buffer (T, unless the user zeroed it: ``zero_grad`` leaves ``.grad`` None, which zeroes it) and
-  zeroes the others', so accumulation without ``zero_grad`` counts T once. Inside ``no_sync()``
-  nothing is sent, every replica accumulates its own part, and nothing is zeroed before the next
-  backward; the first backward outside sends the accumulated sums.
-* **Gradients changed on replica 0 only** (``torch.nn.utils.clip_grad_norm_(model.parameters())``,
-  a manual edit, ``p.grad = ...``, a backward outside this wrapper): detected before the next
-  optimizer step or clip by the flat buffer's version counter (recorded after each backward and
-  each clip) and ``.grad`` identity, then copied to every replica with a warning, since this costs
-  a device-to-device copy of the whole gradient (``model.clip_grad_norm_`` does not).
-* Parameters that got no gradient since the last ``zero_grad`` keep ``.grad`` None on every
-  replica, as in single-device training.
-
+* **The sum invariant** (:mod:`cgdp.engine.replica_grads`): the true gradient is the sum over
+  replicas of their flat buffers. After a synced backward every replica holds the total; the next
+  backward keeps replica 0's and zeroes the others' (accumulation without ``zero_grad`` counts it
+  once); inside ``no_sync()`` nothing is sent and every replica accumulates its own part, which
+  the first synced backward sends. A change to replica 0's gradients alone
+  (``torch.nn.utils.clip_grad_norm_(model.parameters())``, ``p.grad = ...``) is detected by the
+  flat buffer's version counter and ``.grad`` identity before the next step or clip, and copied
+  to every replica with a warning (it moves the whole gradient between devices;
+  ``model.clip_grad_norm_`` does not). Parameters with no gradient since the last ``zero_grad``
+  keep ``.grad`` None on every replica, as on one device.
 * **Several machines** (``comm="mpi"``): each rank runs the same loop on its own batch; the host
   sums of all ranks are allreduced chunk by chunk (the engine's MPI tier, as for ``Trainer``), and
   the gradients handed to the replicas are scaled by 1/R, so the result is the mean over ranks of
   each rank's gradient, as with DDP. Every rank must do the same synced backwards and training
   forwards (BatchNorm statistics are averaged over all ranks, a collective per training forward).
 
-Not supported: ``torch.autograd.grad`` with respect to the parameters, a second backward through
-the same output, ``optimizer.step(closure)``.
+Not supported: ``torch.autograd.grad`` through the output (a clear error: it never reaches the
+hooks), ``optimizer.step(closure)``. A second backward through a retained graph accumulates, as on
+one device.
 """
 from __future__ import annotations
 
@@ -64,6 +61,7 @@ from cgdp.engine.batch import batch_weights
 from cgdp.engine.buffers import sync_buffers
 from cgdp.engine.drain import drain_after_failure
 from cgdp.engine.layers import LayerInfo, find_layers, trainable_dtype
+from cgdp.engine.replica_grads import ReplicaGrads
 from cgdp.engine.replicas import state_digest
 from cgdp.engine.rng import EmulatedRNG
 from cgdp.engine.scatter import gather, scatter
@@ -112,9 +110,7 @@ class DataParallel(nn.Module):
         self._lock = threading.Lock()
         self._in_backward = False
         self._sending = False
-        self._synced_last = True
         self._host_fresh = False
-        self._warned = False
         self._guard = Guard(timeout_s)
         self._devs = make_devices(devices, self._guard.fail)
         self.output_device = self._devs[0].torch_device
@@ -164,17 +160,7 @@ class DataParallel(nn.Module):
                                       host_threads=host_threads(devs))
         self._stream.set_plan(plan)
         self._stream.disarm()
-        # gradients the model already had: replica 0 keeps them, as single-device training would
-        views = self._stream.hooks[0].views
-        self._has_grad = np.array([g is not None for g in before], bool)
-        with torch.no_grad():
-            for pid, g in enumerate(before):
-                if g is not None:
-                    views[pid].copy_(g)
-            for flat in self._stream.flats[1:]:
-                flat.copy_(self._stream.flats[0])
-        self._set_none()
-        self._versions = self._record()
+        self._grads = ReplicaGrads(self._stream, before)
         mirror.register(self, list(module.parameters()))
         self._load_hook = module.register_load_state_dict_post_hook(lambda *_: self._broadcast_state())
 
@@ -230,16 +216,17 @@ class DataParallel(nn.Module):
         """Clip the gradient of every replica by the norm of the whole (summed) gradient, computed
         on the host; returns that norm (as FSDP's method of the same name)."""
         self._check_usable()
-        if not self._synced_last:
+        if not self._grads.synced_last:
             raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
                                "that runs outside model.no_sync()")
-        self._check_grads()
+        if self._grads.mirror_if_changed():
+            self._host_fresh = False
         total = self._grad_norm(float(norm_type))
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
             for flat in self._stream.flats:
                 flat.mul_(coef.to(flat.device))
-        self._versions = self._record()
+        self._grads.record()
         self._host_fresh = False
         return total
 
@@ -293,7 +280,8 @@ class DataParallel(nn.Module):
         """Called before the user's optimizer steps: replica 0's gradients are every replica's."""
         self._check_usable()
         self._after_failed_backward()
-        self._check_grads()
+        if self._grads.mirror_if_changed():
+            self._host_fresh = False
 
     def mark_broken(self, why: str) -> None:
         self._broken = why
@@ -308,7 +296,7 @@ class DataParallel(nn.Module):
         try:
             self._check_usable()
             self._guard.reset()
-            self._prepare_buffers()
+            self._grads.prepare()
             self._stream.arm(sending=sync)
             self._sending = sync
             self._host_fresh = False
@@ -326,51 +314,10 @@ class DataParallel(nn.Module):
         self._broken = drain_after_failure(self._devs, self._stream.host)
         self._guard.reset()
         self._stream.disarm()
-        with torch.no_grad():
-            for flat in self._stream.flats:
-                flat.zero_()
-        self._has_grad[:] = False
-        self._set_none()
-        self._versions = self._record()
-        self._synced_last, self._in_backward = True, False
+        self._grads.reset()
+        self._in_backward = False
         warnings.warn("the previous backward through cgdp.DataParallel failed; the gradients it left "
                       "were dropped (every .grad is None)", stacklevel=3)
-
-    def _prepare_buffers(self) -> None:
-        """Make the flat buffers hold what this backward must add to (see the sum invariant)."""
-        st = self._stream
-        views0 = st.hooks[0].views
-        grads = [p.grad for p in st.params[0]]
-        edited = st.flats[0]._version != self._versions[0]
-        with torch.no_grad():
-            if all(g is None for g in grads):  # zero_grad(): a new accumulation from zero
-                for flat in st.flats:
-                    flat.zero_()
-                self._has_grad[:] = False
-            else:
-                if edited and not self._synced_last:
-                    # inside a no_sync window the other replicas hold their own partial sums; only
-                    # zeroing replica 0 (zero_grad(set_to_none=False)) has a meaning for them
-                    if bool(st.flats[0].any()):
-                        raise RuntimeError("replica 0's gradients were changed between backwards inside "
-                                           "model.no_sync(), where every replica holds its own partial "
-                                           "sum; only zero_grad() is supported there")
-                    for flat in st.flats[1:]:
-                        flat.zero_()
-                for pid, g in enumerate(grads):
-                    if g is None:
-                        for hooks in st.hooks:
-                            hooks.views[pid].zero_()
-                        self._has_grad[pid] = False
-                    elif g is not views0[pid]:
-                        views0[pid].copy_(g)
-                        self._has_grad[pid] = True
-                if self._synced_last:  # they hold the total, which replica 0 keeps
-                    for flat in st.flats[1:]:
-                        flat.zero_()
-        for params, hooks in zip(st.params, st.hooks):
-            for p, view in zip(params, hooks.views):
-                p.grad = view
 
     def _end_backward(self) -> None:
         """Autograd's final callback, on the thread that called backward: all gradients are in."""
@@ -381,15 +328,14 @@ class DataParallel(nn.Module):
                     st.flush(j)  # chunks backward never completed (unused layers, idle devices)
                 for j in range(len(self._devs)):
                     st.wait_returned(j)  # note: host waits until every summed chunk is back
-            self._has_grad |= st.touched() > 0
+            touched = st.touched()
+            reached = bool(touched.any())
             if self._sending and self._comm is not None:
                 self._comm.fence(self._guard.timeout_s)
                 # a parameter with a gradient on any rank has one on every rank
-                self._has_grad = self._comm.allreduce_small(self._has_grad.astype(np.float64)) > 0
-            self._set_none()
-            self._synced_last = self._sending
+                touched = self._comm.allreduce_small(touched + self._grads.has_grad)
+            self._grads.finish(touched, self._sending)
             self._host_fresh = self._sending
-            self._versions = self._record()
         except BaseException as exc:
             self._guard.fail(exc)
             self._broken = (drain_after_failure(self._devs, st.host)
@@ -398,49 +344,12 @@ class DataParallel(nn.Module):
         finally:
             st.disarm()
             self._in_backward = False
-
-    # ------------------------------------------------------------------ gradients
-    def _set_none(self) -> None:
-        """Parameters without a gradient since the last zero_grad: ``.grad`` None everywhere."""
-        for pid in np.flatnonzero(~self._has_grad):
-            for params in self._stream.params:
-                params[pid].grad = None
-
-    def _record(self) -> list[int]:
-        return [f._version for f in self._stream.flats]
-
-    def _check_grads(self) -> None:
-        """If replica 0's gradients changed since backward (or the last clip), copy them to
-        every replica."""
-        st = self._stream
-        views0 = st.hooks[0].views
-        grads = [p.grad for p in st.params[0]]
-        changed = st.flats[0]._version != self._versions[0] or any(
-            (g is None) == bool(h) or (g is not None and g is not v)
-            for g, h, v in zip(grads, self._has_grad, views0))
-        if not changed:
-            return
-        if not self._warned:
-            self._warned = True
-            warnings.warn("replica 0's gradients were changed after backward (for example by "
-                          "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)); cgdp.DataParallel "
-                          "copies them to every replica, which moves the whole gradient between devices. "
-                          "Use model.clip_grad_norm_(max_norm) to clip without that copy", stacklevel=4)
-        with torch.no_grad():
-            for pid, g in enumerate(grads):
-                if g is None:
-                    views0[pid].zero_()
-                elif g is not views0[pid]:
-                    views0[pid].copy_(g)
-                self._has_grad[pid] = g is not None
-            for flat in st.flats[1:]:
-                flat.copy_(st.flats[0])
-        for params, hooks in zip(st.params, st.hooks):
-            for p, view in zip(params, hooks.views):
-                p.grad = view
-        self._set_none()
-        self._versions = self._record()
-        self._host_fresh = False
+        if not reached:
+            # the gather's backward ran but no parameter's .grad received anything: the graph was
+            # run by torch.autograd.grad, which never reaches the hooks (buffers stay consistent)
+            raise RuntimeError("torch.autograd.grad through the output of cgdp.DataParallel is not "
+                               "supported: it would give replica 0's share of the gradient only. "
+                               "Use loss.backward() and read .grad")
 
     def _grad_norm(self, norm_type: float) -> torch.Tensor:
         """The norm of the whole gradient: from the host's sum when it is what every replica holds

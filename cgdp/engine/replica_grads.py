@@ -1,0 +1,150 @@
+"""What each replica's gradient holds between backwards of ``DataParallel`` (the sum invariant).
+
+The user's loop only sees replica 0: ``zero_grad`` sets its ``.grad`` to None, clipping or manual
+edits change its values, a backward accumulates into them. :class:`ReplicaGrads` keeps the flat
+buffers of all replicas (:mod:`cgdp.engine.flatgrad`) consistent with that, so that
+
+    the true gradient is the sum over replicas of their flat buffers, at any time.
+
+* After a synced backward every replica holds the total T (the host sum, bitwise the same on
+  every device). The next backward (:meth:`prepare`) keeps replica 0's buffer and zeroes the
+  others', so accumulating without ``zero_grad`` counts T once. If the last backward was not
+  synced (``no_sync``), every replica holds its own partial sum and nothing is zeroed.
+* ``.grad`` None on replica 0 means "no gradient" (``zero_grad``): that parameter's slice is
+  zeroed on every replica; a tensor put in ``.grad`` by the user is copied into the flat buffer.
+* ``has_grad[pid]``: whether the parameter has a gradient since the last ``zero_grad``, in the
+  single-device sense; parameters without one keep ``.grad`` None on every replica.
+* ``versions``: the flat buffers' version counters, recorded after every backward and every
+  change made by cgdp itself. Replica 0's counter moving, or its ``.grad`` no longer being its
+  view, means the user changed replica 0's gradients: :meth:`mirror_if_changed` then copies them
+  to every replica (with a warning) before they are used.
+
+Threads: :meth:`prepare` runs on autograd's thread (in the gather's backward), everything else on
+the caller's thread; never two at once (a backward and the user's loop do not overlap).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from cgdp.engine.stream import GradientStream
+
+
+class ReplicaGrads:
+    def __init__(self, stream: GradientStream, initial: Sequence[torch.Tensor | None]):
+        """``initial``: replica 0's ``.grad`` before wrapping (kept, as one device would)."""
+        self.stream = stream
+        self.has_grad = np.array([g is not None for g in initial], bool)
+        self.synced_last = True
+        """Whether the last backward was synced (every replica holds the total)."""
+        self._warned = False
+        views = stream.hooks[0].views
+        with torch.no_grad():
+            for pid, g in enumerate(initial):
+                if g is not None:
+                    views[pid].copy_(g)
+            for flat in stream.flats[1:]:
+                flat.copy_(stream.flats[0])
+        self.set_none()
+        self.record()
+
+    def prepare(self) -> None:
+        """Before a backward adds to the buffers: make them hold what it must add to."""
+        st = self.stream
+        views0 = st.hooks[0].views
+        grads = [p.grad for p in st.params[0]]
+        edited = st.flats[0]._version != self.versions[0]
+        with torch.no_grad():
+            if all(g is None for g in grads):  # zero_grad(): a new accumulation from zero
+                for flat in st.flats:
+                    flat.zero_()
+                self.has_grad[:] = False
+            else:
+                if edited and not self.synced_last:
+                    # inside a no_sync window the other replicas hold their own partial sums; only
+                    # zeroing replica 0 (zero_grad(set_to_none=False)) has a meaning for them
+                    if bool(st.flats[0].any()):  # note: a CPU-GPU sync point, on this rare path only
+                        raise RuntimeError("replica 0's gradients were changed between backwards inside "
+                                           "model.no_sync(), where every replica holds its own partial "
+                                           "sum; only zero_grad() is supported there")
+                    for flat in st.flats[1:]:
+                        flat.zero_()
+                for pid, g in enumerate(grads):
+                    if g is None:
+                        for hooks in st.hooks:
+                            hooks.views[pid].zero_()
+                        self.has_grad[pid] = False
+                    elif g is not views0[pid]:
+                        views0[pid].copy_(g)
+                        self.has_grad[pid] = True
+                if self.synced_last:  # they hold the total, which replica 0 keeps
+                    for flat in st.flats[1:]:
+                        flat.zero_()
+        self._attach()
+
+    def finish(self, touched: np.ndarray, synced: bool) -> None:
+        """After a backward: ``touched[pid] > 0`` where some replica (some rank) got a gradient."""
+        self.has_grad |= touched > 0
+        self.set_none()
+        self.synced_last = synced
+        self.record()
+
+    def reset(self) -> None:
+        """Every gradient dropped (after a failed backward): all buffers zero, ``.grad`` None."""
+        with torch.no_grad():
+            for flat in self.stream.flats:
+                flat.zero_()
+        self.has_grad[:] = False
+        self.set_none()
+        self.synced_last = True
+        self.record()
+
+    def mirror_if_changed(self) -> bool:
+        """If replica 0's gradients changed since the last record, copy them to every replica;
+        whether they had."""
+        st = self.stream
+        views0 = st.hooks[0].views
+        grads = [p.grad for p in st.params[0]]
+        changed = st.flats[0]._version != self.versions[0] or any(
+            (g is None) == bool(h) or (g is not None and g is not v)
+            for g, h, v in zip(grads, self.has_grad, views0))
+        if not changed:
+            return False
+        if not self._warned:
+            self._warned = True
+            warnings.warn("replica 0's gradients were changed after backward (for example by "
+                          "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)); cgdp.DataParallel "
+                          "copies them to every replica, which moves the whole gradient between devices. "
+                          "Use model.clip_grad_norm_(max_norm) to clip without that copy", stacklevel=5)
+        with torch.no_grad():
+            for pid, g in enumerate(grads):
+                if g is None:
+                    views0[pid].zero_()
+                elif g is not views0[pid]:
+                    views0[pid].copy_(g)
+                self.has_grad[pid] = g is not None
+            for flat in st.flats[1:]:
+                flat.copy_(st.flats[0])
+        self._attach()
+        self.set_none()
+        self.record()
+        return True
+
+    def set_none(self) -> None:
+        """Parameters without a gradient since the last zero_grad: ``.grad`` None everywhere."""
+        for pid in np.flatnonzero(~self.has_grad):
+            for params in self.stream.params:
+                params[pid].grad = None
+
+    def record(self) -> None:
+        """The buffers as they are now are cgdp's doing (after a backward, a clip, a mirror)."""
+        self.versions = [f._version for f in self.stream.flats]
+
+    def _attach(self) -> None:
+        """Every ``.grad`` is its view into the flat buffer (autograd adds into it in place)."""
+        for params, hooks in zip(self.stream.params, self.stream.hooks):
+            for p, view in zip(params, hooks.views):
+                p.grad = view
