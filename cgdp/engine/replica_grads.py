@@ -147,4 +147,5 @@ class ReplicaGrads:
         """Every ``.grad`` is its view into the flat buffer (autograd adds into it in place)."""
         for params, hooks in zip(self.stream.params, self.stream.hooks):
             for p, view in zip(params, hooks.views):
-                p.grad = view
+                if p.grad is not view:
+                    p.grad = view
