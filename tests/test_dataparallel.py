@@ -231,6 +231,26 @@ def test_structured_outputs_and_model_computed_loss():
         torch.testing.assert_close(net.fc.weight.grad, ref.fc.weight.grad, rtol=1e-5, atol=1e-7)
 
 
+def test_auto_chunks_tune_while_training_and_change_nothing():
+    """chunks="auto" times uniform plans over the first iterations of the loop and switches plans
+    between steps (buffers relaid, gradients kept): results equal one device all along."""
+    net = mlp(widths=(12, 16, 16, 16, 16, 5))
+    ref = copy.deepcopy(net)
+    data = batches(20, 10)
+    loop(ref, data, SGD)
+    with cgdp.DataParallel(net, devs(2)) as model:
+        plans = []
+        opt = SGD(model.parameters())
+        for x, y in data:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            assert_replicas_identical(model)
+            plans.append(model.plan)
+        assert len({str(p) for p in plans}) >= 3 and not model.tuning  # tried several, chose
+    assert_params_close(net, ref)
+
+
 def test_batch_smaller_than_devices():
     compare(mlp(), 4, batches(2, 3), SGD)  # 3 samples on 4 devices: the last one idles
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import time
 import warnings
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence
@@ -59,7 +60,7 @@ from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import default_devices, host_threads, make_devices, parse_devices
 from cgdp.engine.batch import batch_weights
 from cgdp.engine.buffers import sync_buffers
-from cgdp.engine.drain import drain_after_failure
+from cgdp.engine.drain import drain_after_failure, quiesce
 from cgdp.engine.layers import LayerInfo, find_layers, trainable_dtype
 from cgdp.engine.replica_grads import ReplicaGrads
 from cgdp.engine.replicas import state_digest
@@ -78,9 +79,10 @@ class DataParallel(nn.Module):
         module: the model; it becomes replica 0 (moved to ``devices[0]``, trained in place).
         devices: ``["cuda:0", "cuda:1", ...]`` or CPU-emulated ``["cpu:0", "cpu:1", ...]``;
             ``None``: every GPU, or two CPU-emulated devices without one.
-        chunks: chunk size k (the paper's uniform plan), an explicit plan, or ``"auto"`` (the
-            auto tuner's model-based plan; it is not refined by measurement, since the loop is
-            yours).
+        chunks: chunk size k (the paper's uniform plan), an explicit plan, or ``"auto"``: the
+            auto tuner times the uniform plans over the first iterations of your loop (the time
+            between two ``optimizer.step()`` calls; about 3 x log2(layers) iterations) and keeps
+            the fastest. The plan never changes results, only speed.
         comm: ``None`` for one machine, ``"mpi"`` (or a :class:`cgdp.comm.Comm`) for several:
             gradients are then averaged over ranks, as with DDP. Every rank must build the same
             model (checked at start-up). The comm belongs to the model: ``close()`` closes it.
@@ -143,12 +145,15 @@ class DataParallel(nn.Module):
             layer_pids.append(list(range(n, n + len(layer))))
             n += len(layer)
         itemsize = torch.tensor([], dtype=dtype).element_size()
+        self._tuner = None
+        self._t_step: float | None = None
         if isinstance(chunks, str):
             if chunks != "auto":
                 raise ValueError(f"chunks must be an int, an explicit plan or 'auto'; got {chunks!r}")
             from cgdp.planning.tuner import make_tuner
-            tuner = make_tuner("auto", [i.numel * itemsize for i in infos], len(devs))
-            plan = validate_plan(tuner.plan(), len(infos))
+            # no step profiles here (the loop is the user's): the tuner measures uniform plans
+            self._tuner = make_tuner("auto", [i.numel * itemsize for i in infos], len(devs))
+            plan = validate_plan(self._tuner.plan(), len(infos))
         else:
             plan = resolve_plan(chunks, len(infos))
         if self._comm is not None:
@@ -264,6 +269,11 @@ class DataParallel(nn.Module):
         self.close()
 
     @property
+    def tuning(self) -> bool:
+        """Whether ``chunks="auto"`` is still timing plans."""
+        return self._tuner is not None
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -282,6 +292,33 @@ class DataParallel(nn.Module):
         self._after_failed_backward()
         if self._grads.mirror_if_changed():
             self._host_fresh = False
+
+    def after_step(self) -> None:
+        """Called after the user's optimizer stepped every replica: while tuning, the time since
+        the last step is one iteration under the current plan; switch to the tuner's next plan."""
+        if self._tuner is None:
+            return
+        now = time.perf_counter()
+        if self._t_step is not None:
+            self._tuner.observe(now - self._t_step)
+            plan, done = self._tuner.plan(), self._tuner.done
+            if self._comm is not None:  # rank 0 decides, every rank follows
+                plan, done = self._comm.broadcast_object((plan, done))
+            if plan != self._stream.plan:
+                self._set_plan(validate_plan(plan, len(self._stream.layer_pids)))
+            if done:
+                self._tuner = None
+            now = time.perf_counter()  # the switch is not part of the next iteration
+        self._t_step = now
+
+    def _set_plan(self, plan: Plan) -> None:
+        """Relay the flat buffers for ``plan`` (their contents kept), with nothing in flight."""
+        quiesce(self._devs, self._stream.host, self._guard.timeout_s)
+        self._stream.set_plan(plan)
+        self._stream.disarm()
+        self._grads.set_none()
+        self._grads.record()
+        self._host_fresh = False
 
     def mark_broken(self, why: str) -> None:
         self._broken = why

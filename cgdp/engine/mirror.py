@@ -181,3 +181,6 @@ class Mirror:
             if dp is not None:
                 dp.mark_broken(f"an optimizer step failed on another replica ({errors[0]!r})")
             raise errors[0]
+        dp = self.dp()
+        if dp is not None:
+            dp.after_step()
