@@ -183,6 +183,8 @@ class DataParallel(nn.Module):
         self._check_usable()
         self._after_failed_backward()
         devs = self._devs
+        for d in devs:
+            d.check_caller()  # CUDA: the replicas run on the default streams, as must the gather
         parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
         g = len(parts)
         in_caller = _caller_context()
