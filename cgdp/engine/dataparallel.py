@@ -14,8 +14,9 @@ device streams, host sum, copy back): one data path, two faces.
   statistics) are then set to their batch-weighted mean on every replica.
 * **Backward.** The gather's backward (:meth:`_begin_backward`, before any replica gradient
   exists) readies the flat buffers and arms the hooks, and queues :meth:`_end_backward` with
-  autograd's engine (``queue_callback``, as DDP does), which runs once the whole backward is done,
-  on the thread that called ``backward()``. The hooks send each chunk as backward completes it,
+  autograd's engine (``queue_callback``, as DDP does), which runs once the whole backward is done
+  (on the thread that finished it: the caller's on CPU, possibly an autograd device thread on
+  CUDA), before the caller's ``backward()`` returns. The hooks send each chunk as backward completes it,
   the host SUMS the chunks of all replicas (no weighting: the loss on the gathered output already
   weights each sample) and copies the sum back; the callback flushes the chunks never completed
   and waits until every sum is back. On CPU-emulated devices autograd runs every replica's
@@ -359,7 +360,7 @@ class DataParallel(nn.Module):
                       "were dropped (every .grad is None)", stacklevel=3)
 
     def _end_backward(self) -> None:
-        """Autograd's final callback, on the thread that called backward: all gradients are in."""
+        """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
         st = self._stream
         try:
             if self._sending:

@@ -19,8 +19,9 @@ buffers of all replicas (:mod:`cgdp.engine.flatgrad`) consistent with that, so t
   view, means the user changed replica 0's gradients: :meth:`mirror_if_changed` then copies them
   to every replica (with a warning) before they are used.
 
-Threads: :meth:`prepare` runs on autograd's thread (in the gather's backward), everything else on
-the caller's thread; never two at once (a backward and the user's loop do not overlap).
+Threads: :meth:`prepare` and :meth:`finish` run on autograd's threads (the gather's backward, the
+end-of-backward callback), everything else on the caller's thread; never two at once (the caller
+waits in ``backward()`` while autograd runs).
 """
 from __future__ import annotations
 
