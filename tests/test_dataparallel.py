@@ -251,6 +251,19 @@ def test_auto_chunks_tune_while_training_and_change_nothing():
     assert_params_close(net, ref)
 
 
+def test_bf16_parameters():
+    """16-bit parameters: the host sums in float32 and rounds once (the Trainer's precision
+    rules); the replicas stay bitwise identical and training follows float32 training closely."""
+    net, data = mlp(), batches(3, 10)
+    ref = copy.deepcopy(net)
+    loop(ref, data, SGD, clip=1.0)
+    low = copy.deepcopy(net).to(torch.bfloat16)
+    bf16 = [(x.to(torch.bfloat16), y) for x, y in data]
+    with cgdp.DataParallel(low, devs(3), chunks=1) as model:
+        loop(model, bf16, SGD, clip=1.0)  # checks the replicas after every step
+    assert_params_close(low.float(), ref, rtol=3e-2)
+
+
 def test_batch_smaller_than_devices():
     compare(mlp(), 4, batches(2, 3), SGD)  # 3 samples on 4 devices: the last one idles
 

@@ -51,7 +51,6 @@ import warnings
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 from torch.autograd import Variable
@@ -70,6 +69,7 @@ from cgdp.engine.scatter import gather, scatter
 from cgdp.engine.stream import GradientStream
 from cgdp.engine.sync import Guard
 from cgdp.engine.threads import DeviceThreads
+from cgdp.engine.update import device_norm
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 
 
@@ -222,7 +222,8 @@ class DataParallel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradient of every replica by the norm of the whole (summed) gradient, computed
-        on the host; returns that norm (as FSDP's method of the same name)."""
+        on the host during backward (from the second call on); returns that norm (as FSDP's
+        method of the same name)."""
         self._check_usable()
         if not self._grads.synced_last:
             raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
@@ -232,8 +233,7 @@ class DataParallel(nn.Module):
         total = self._grad_norm(float(norm_type))
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
-            for flat in self._stream.flats:
-                flat.mul_(coef.to(flat.device))
+            self._stream.scale_grads(coef)
         self._grads.record()
         self._host_fresh = False
         return total
@@ -392,19 +392,20 @@ class DataParallel(nn.Module):
                                "Use loss.backward() and read .grad")
 
     def _grad_norm(self, norm_type: float) -> torch.Tensor:
-        """The norm of the whole gradient: from the host's sum when it is what every replica holds
-        (one pass over host memory, no device work), else from replica 0's flat buffer."""
-        dst = self._devs[0].torch_device
-        if self._host_fresh and self._stream.host is not None:
-            acc = self._stream.host.acc
-            if norm_type == 2.0:
-                value = float(np.sqrt(np.dot(acc, acc)))
-            elif norm_type == float("inf"):
-                value = float(np.abs(acc).max()) if acc.size else 0.0
+        """The norm of the whole gradient. The 2-norm comes from the host, which summed the squares
+        while it summed the gradient (:meth:`GradientStream.grad_norm`, asked for from the first
+        clip on), when the host's sum is what every replica holds; otherwise, and for other
+        norms, from replica 0's flat buffer."""
+        st = self._stream
+        if norm_type == 2.0:
+            if self._host_fresh and st.want_norm:
+                value = st.grad_norm()  # no pass over the gradient: summed during backward
             else:
-                value = float((np.abs(acc.astype(np.float64)) ** norm_type).sum() ** (1.0 / norm_type))
-            return torch.tensor(value, dtype=torch.float32, device=dst)
-        return torch.linalg.vector_norm(self._stream.flats[0], norm_type).float()
+                value = device_norm(st.flats[0])
+            st.want_norm = True  # from the next backward on, the host sums the squares
+        else:
+            value = float(torch.linalg.vector_norm(st.flats[0], norm_type, dtype=torch.float64))
+        return torch.tensor(value, dtype=torch.float32, device=self._devs[0].torch_device)
 
     def _broadcast_state(self, buffers_only: bool = False) -> None:
         """Every replica ← replica 0's parameters and buffers (after ``load_state_dict``)."""
