@@ -74,11 +74,11 @@ def loop(model, data, make_opt, loss_fn=F.cross_entropy, *, sched=None, clip=Non
     return losses, norms
 
 
-def compare(net, g, data, make_opt, loss_fn=F.cross_entropy, ref_net=None, chunks=1, **kw):
+def compare(net, g, data, make_opt, loss_fn=F.cross_entropy, ref_net=None, chunks=1, names=None, **kw):
     ref = copy.deepcopy(net) if ref_net is None else ref_net
     ref_grads, got_grads = [], []
     ref_losses, ref_norms = loop(ref, data, make_opt, loss_fn, grads=ref_grads, **kw)
-    with cgdp.DataParallel(net, devs(g), chunks=chunks) as model:
+    with cgdp.DataParallel(net, names or devs(g), chunks=chunks) as model:
         losses, norms = loop(model, data, make_opt, loss_fn, grads=got_grads, **kw)
     for a, b in zip(got_grads, ref_grads):
         for ga, gb in zip(a, b):
@@ -262,6 +262,18 @@ def test_bf16_parameters():
     with cgdp.DataParallel(low, devs(3), chunks=1) as model:
         loop(model, bf16, SGD, clip=1.0)  # checks the replicas after every step
     assert_params_close(low.float(), ref, rtol=3e-2)
+
+
+@pytest.mark.parametrize("g", [2, 3])
+def test_cuda_backend_on_the_simulated_runtime(g):
+    """The CUDA backend's own code (events, stream waits, autograd's final callback on whichever
+    thread ends backward) against the simulated asynchronous runtime: no_sync accumulation,
+    clipping and BatchNorm equal one device."""
+    from cgdp.testing import simulated_cuda
+    net = WithBN()
+    with simulated_cuda(g, seed=g):
+        compare(net, g, batches(3, 14, shape=(6,), classes=3), SGD, ref_net=Parts(copy.deepcopy(net), g),
+                names=[f"cuda:{i}" for i in range(g)], micro=2, use_no_sync=True, clip=0.5)
 
 
 def test_batch_smaller_than_devices():

@@ -57,14 +57,13 @@ from torch.autograd import Variable
 
 from cgdp.engine import mirror
 from cgdp.comm import Comm, make_comm
-from cgdp.engine.backend import default_devices, host_threads, make_devices, parse_devices
+from cgdp.engine.backend import default_devices, host_threads, make_devices, make_rng, parse_devices
 from cgdp.engine.batch import batch_weights
 from cgdp.engine.buffers import sync_buffers
 from cgdp.engine.drain import drain_after_failure, quiesce
 from cgdp.engine.layers import LayerInfo, find_layers, trainable_dtype
 from cgdp.engine.replica_grads import ReplicaGrads
 from cgdp.engine.replicas import state_digest
-from cgdp.engine.rng import EmulatedRNG
 from cgdp.engine.scatter import gather, scatter
 from cgdp.engine.stream import GradientStream
 from cgdp.engine.sync import Guard
@@ -160,7 +159,7 @@ class DataParallel(nn.Module):
         if self._comm is not None:
             plan = self._comm.broadcast_object(plan)  # rank 0's plan: the same chunks everywhere
         self._threads = DeviceThreads(devs, self._guard)
-        self._rng = EmulatedRNG(len(devs))
+        self._rng = make_rng(devs)  # one random stream per replica
         self._stream = GradientStream(devs, params, layer_pids, dtype, segment_bytes=segment_bytes,
                                       streaming=True, guard=self._guard, comm=self._comm,
                                       host_threads=host_threads(devs))
@@ -193,11 +192,9 @@ class DataParallel(nn.Module):
         def forward_on(j: int) -> Any:
             if j >= g:
                 return None
-            fn = lambda: in_caller(lambda: self._replicas[j](*parts[j][0], **parts[j][1]))  # noqa: E731
-            return fn() if devs[j].is_cuda else self._rng.on_device(j, fn)
+            return self._rng.on_device(j, lambda: in_caller(lambda: self._replicas[j](*parts[j][0], **parts[j][1])))
 
-        run = lambda: self._threads.run_all(forward_on)  # noqa: E731
-        outs = run() if devs[0].is_cuda else self._rng.forward_all(run)
+        outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on))
         if self.training and self._buffers_f[0] and (len(devs) > 1 or self._comm is not None):
             weights, _ = batch_weights(sizes, self._comm)  # over all ranks with a comm
             # through .data: the graph just built saved these buffers (BatchNorm), and an in-place
