@@ -243,7 +243,8 @@ class Loader:
     def order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
             return np.arange(len(self.dataset))
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+        # seeds are taken modulo 2**64, as torch.manual_seed does (so --seed -1 works)
+        return np.random.default_rng([self.seed % 2**64, epoch]).permutation(len(self.dataset))
 
     def _produce(self, epoch: int, pos: int) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
         while True:

@@ -4,12 +4,18 @@ Emulated devices share torch's one CPU generator. A model that draws no random n
 forwards concurrently. Once a forward draws (dropout), every emulated device gets its own random
 stream, derived from torch's seed, swapped in under a lock: forward passes then take turns, and
 results do not depend on which thread ran first. GPUs have a generator each and never take turns.
+
+Device j's stream is seeded with a 64-bit word that NumPy's ``SeedSequence`` draws from
+``(torch.initial_seed(), j)``: defined for every seed torch can hold (0 to 2**64-1, which is
+also what ``torch.manual_seed(-1)`` stores), the same in every run with the same seed, and
+independent streams for different devices.
 """
 from __future__ import annotations
 
 import threading
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 
@@ -18,7 +24,7 @@ class EmulatedRNG:
         self._lock = threading.Lock()
         self.turns = False
         """Whether forward passes take turns, each with its own random stream."""
-        self.states = [torch.Generator().manual_seed(torch.initial_seed() * 1009 + 7919 * j).get_state()
+        self.states = [torch.Generator().manual_seed(device_seed(torch.initial_seed(), j)).get_state()
                        for j in range(num_devices)]
 
     def forward_all(self, run: Callable[[], Any]) -> Any:
@@ -47,3 +53,10 @@ class EmulatedRNG:
             finally:
                 self.states[j] = torch.default_generator.get_state()
                 torch.default_generator.set_state(outer)
+
+
+def device_seed(seed: int, j: int) -> int:
+    """The seed of emulated device j's random stream, in [0, 2**64): a hash of torch's seed and j
+    (never an overflowing product: an unseeded process has a random 64-bit seed)."""
+    seq = np.random.SeedSequence(entropy=seed % 2**64, spawn_key=(j,))
+    return int(seq.generate_state(1, np.uint64)[0])
