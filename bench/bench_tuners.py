@@ -53,7 +53,7 @@ def check(model: nn.Module, plan, data) -> float:
     """Relative error of the plan's parameters against autograd on one device after 3 steps."""
     ref = copy.deepcopy(model)
     opt = optimizer(ref.parameters())
-    with cgdp.Trainer(model, optimizer, DEVICES, chunks=plan) as tr:
+    with cgdp.Trainer(copy.deepcopy(model), optimizer, DEVICES, chunks=plan) as tr:
         for x, y in data[:3]:
             opt.zero_grad()
             F.cross_entropy(ref(x), y).backward()
@@ -64,7 +64,7 @@ def check(model: nn.Module, plan, data) -> float:
 
 
 def run_tuner(model: nn.Module, spec: str, data, max_steps: int) -> dict:
-    with cgdp.Trainer(model, optimizer, DEVICES, chunks=spec) as tr:
+    with cgdp.Trainer(copy.deepcopy(model), optimizer, DEVICES, chunks=spec) as tr:
         t0 = time.perf_counter()
         steps = 0
         while not tr.tuner.done and steps < max_steps:
@@ -78,7 +78,7 @@ def run_tuner(model: nn.Module, spec: str, data, max_steps: int) -> dict:
 def measure(model: nn.Module, plans: dict[str, list[list[int]]], data, rounds: int, steps: int) -> dict[str, float]:
     """Median step time of every plan, in interleaved rounds on one trainer."""
     times: dict[str, list[float]] = {k: [] for k in plans}
-    with cgdp.Trainer(model, optimizer, DEVICES, chunks=1) as tr:
+    with cgdp.Trainer(copy.deepcopy(model), optimizer, DEVICES, chunks=1) as tr:
         i = 0
         for _ in range(rounds):
             for name, plan in plans.items():
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.width, args.rounds, args.steps = 8, 32, 2, 2
     torch.set_num_threads(1)  # one core per device thread
     model = flat_mlp(args.layers, args.width)
-    L = len(cgdp.Trainer(model, optimizer, ["cpu:0"], mode="single").layers)
+    L = len(cgdp.Trainer(copy.deepcopy(model), optimizer, ["cpu:0"], mode="single").layers)
     data = batches(16, args.batch, args.width)
 
     tuners = [run_tuner(model, spec, data, args.max_tuner_steps) for spec in ("paper", "auto")]

@@ -33,6 +33,7 @@ json files (runs of different ``--parts``, merged in the order given).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -231,7 +232,8 @@ def check_modes(name: str, dev: Dev, batch: int, steps: int = 2, replicas: int =
     try:
         for mode in modes:
             torch.manual_seed(2)  # dropout draws the same masks in every mode
-            tr = make_trainer(model, dev, mode, replicas=1 if mode == "single" else replicas)
+            tr = make_trainer(copy.deepcopy(model), dev, mode,  # each mode from the same start
+                              replicas=1 if mode == "single" else replicas)
             try:
                 for _ in range(steps):
                     tr.step(x, y, loss_fn)

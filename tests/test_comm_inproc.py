@@ -1,6 +1,7 @@
 """The comm contract on in-process ranks (threads), and the engine's multi-rank logic without mpiexec."""
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -148,7 +149,7 @@ def test_two_ranks_two_devices_equal_single_device_training(chunks):
     ref, ref_losses = reference(model, SGD, data, F.cross_entropy)
 
     def rank(comm):
-        with cgdp.Trainer(model, SGD, ["cpu:0", "cpu:1"], chunks=chunks, comm=comm,
+        with cgdp.Trainer(copy.deepcopy(model), SGD, ["cpu:0", "cpu:1"], chunks=chunks, comm=comm,
                           timeout_s=30) as tr:
             losses = []
             for x, y in data:
@@ -183,7 +184,7 @@ def test_auto_tuner_learns_the_mpi_stage_from_the_probe():
     model = mlp()
 
     def rank(comm):
-        with cgdp.Trainer(model, SGD, ["cpu:0"], chunks="auto", comm=comm, timeout_s=30) as tr:
+        with cgdp.Trainer(copy.deepcopy(model), SGD, ["cpu:0"], chunks="auto", comm=comm, timeout_s=30) as tr:
             return tr.tuner.comm, tr.tuner.ranks
 
     (c0, r0), (c1, r1) = on_ranks(2, rank, timeout_s=30)
@@ -196,7 +197,7 @@ def test_non_finite_gradient_on_one_rank_is_rejected_on_every_rank_and_training_
     x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
 
     def rank(comm):
-        with cgdp.Trainer(model, SGD, ["cpu:0", "cpu:1"], comm=comm, timeout_s=30) as tr:
+        with cgdp.Trainer(copy.deepcopy(model), SGD, ["cpu:0", "cpu:1"], comm=comm, timeout_s=30) as tr:
             bad = x.clone()
             if comm.rank == 1:
                 bad[0, 0] = float("nan")

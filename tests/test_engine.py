@@ -22,7 +22,8 @@ def batches(n_steps, n, shape=(12,), classes=5, seed=1):
 
 
 def run(model, make_opt, devices, data, loss_fn=F.cross_entropy, check_replicas=True, **kw):
-    with cgdp.Trainer(model, make_opt, devices, **kw) as tr:
+    """Trains a copy of ``model`` (the trainer trains the model it gets in place)."""
+    with cgdp.Trainer(copy.deepcopy(model), make_opt, devices, **kw) as tr:
         losses = []
         for x, y in data:
             losses.append(tr.step(x, y, loss_fn))
@@ -113,11 +114,12 @@ def test_batchnorm_buffers_identical_and_batch_weighted():
     assert_params_close(got, ref)
     # running_mean: the batch-weighted mean of the devices' statistics is the global batch's
     single, _ = reference(model, SGD, data[:1], F.cross_entropy, n_parts=3)
+    initial = copy.deepcopy(model)
     with cgdp.Trainer(model, SGD, devs(3)) as tr:
         tr.step(*data[0], F.cross_entropy)
         x = data[0][0]
         with torch.no_grad():
-            h = copy.deepcopy(model).fc1(x)
+            h = initial.fc1(x)
         expect = 0.9 * torch.zeros(8) + 0.1 * h.mean(0)
         torch.testing.assert_close(tr.replicas[0].bn.running_mean, expect, rtol=1e-5, atol=1e-7)
         assert int(tr.replicas[2].bn.num_batches_tracked) == 1
@@ -230,7 +232,8 @@ def test_close_removes_hooks_threads_and_buffers():
     assert not [n for n in left if n.startswith("cgdp")], left
     with pytest.raises(RuntimeError, match="closed"):
         tr.step(*batches(1, 6)[0], F.cross_entropy)
-    # the user's model is never touched
+    # the user's model is replica 0: after close it has neither hooks nor gradient views
+    assert replica is model
     assert all(p.grad is None for p in model.parameters())
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
 

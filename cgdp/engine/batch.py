@@ -4,14 +4,24 @@ The batch is split in device order as ``torch.tensor_split`` does. Device j gets
 ``w_j = n_j / N``, N the global batch over all ranks, so that the sum of the devices' weighted
 gradients is the gradient of the global mean loss, also for uneven splits.
 
+Two forms. ``split_batch(inputs, targets, g)`` (``step(inputs, targets, loss_fn)``): tensors that
+all share the batch dimension. ``split_nested(batch, g)`` (``step(batch, loss_fn)``): a tensor or
+any nesting of tuples (named tuples included), lists and mappings (``dict``, Hugging Face's
+``BatchEncoding``) of tensors and other values. The batch size N is the first dimension that most
+of its tensors share; every tensor whose first dimension is N is split, every other value goes to
+every device whole. Each part keeps the batch's structure and container types; its tensors are
+views of the batch's until :func:`to_device` copies them to the device (on the device's thread).
+
 With micro-batches, each device's part is split again the same way (:func:`split_tree`, which
 also handles nested tuples, lists and mappings); micro-batch i of device j weighs its own
 samples / N, so all weights still sum to 1.
 """
 from __future__ import annotations
 
+import copy
+from collections import Counter
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -46,6 +56,70 @@ def split_batch(inputs: Any, targets: Any, g: int) -> tuple[list[Part], list[int
         xj = tuple(s[j] for s in split_x)
         parts.append((xj if isinstance(inputs, (tuple, list)) else xj[0], split_y[j]))
     return parts, [int(s.shape[0]) for s in split_y]
+
+
+def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int]]:
+    """``batch`` split in device order into ``g`` parts of the same structure, and each part's size."""
+    found: list[tuple[str, torch.Tensor]] = []
+    _map(batch, lambda t, where: found.append((where, t)) or t)
+    dims = Counter(t.shape[0] for _, t in found if t.dim() > 0)
+    if not dims:
+        raise ValueError(f"cannot split the batch across devices: it holds no tensor with a batch "
+                         f"dimension (found {_describe(found) or 'no tensor at all'}). Pass a tensor, or "
+                         f"a tuple, list or dict of tensors whose first dimension is the batch")
+    ranked = dims.most_common()
+    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+        tied = [d for d, c in ranked if c == ranked[0][1]]
+        raise ValueError(f"cannot tell the batch dimension: the batch holds as many tensors of first "
+                         f"dimension {tied[0]} as of {tied[1]} ({_describe(found)}). cgdp splits the "
+                         f"tensors whose first dimension most tensors share; pass values that are not "
+                         f"per-sample to loss_fn through its closure instead of the batch")
+    n = ranked[0][0]
+    if n < g:
+        raise ValueError(f"a batch of {n} sample(s) cannot be split across {g} devices; "
+                         f"use a batch of at least {g} (one sample per device)")
+    splits: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def piece(j: int) -> Callable[[torch.Tensor, str], Any]:
+        def take(t: torch.Tensor, where: str) -> torch.Tensor:
+            if t.dim() == 0 or t.shape[0] != n:
+                return t
+            if id(t) not in splits:
+                splits[id(t)] = torch.tensor_split(t, g)
+            return splits[id(t)][j]
+        return take
+
+    parts = [_map(batch, piece(j)) for j in range(g)]
+    return parts, [n // g + (1 if j < n % g else 0) for j in range(g)]
+
+
+def to_device(part: Any, device: torch.device) -> Any:
+    """``part`` with every tensor copied to ``device`` (non-tensor values as they are)."""
+    return _map(part, lambda t, where: t.to(device, non_blocking=True))
+
+
+def _map(tree: Any, fn: Callable[[torch.Tensor, str], Any], where: str = "batch") -> Any:
+    """``tree`` rebuilt with ``fn(tensor, path)`` in place of every tensor, containers kept."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree, where)
+    if isinstance(tree, Mapping):
+        try:
+            out = copy.copy(tree)  # keeps the mapping's type and attributes (BatchEncoding, defaultdict)
+            for k, v in tree.items():
+                out[k] = _map(v, fn, f"{where}[{k!r}]")
+        except TypeError:  # a read-only mapping: a dict of the same items
+            out = {k: _map(v, fn, f"{where}[{k!r}]") for k, v in tree.items()}
+        return out
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a named tuple
+        return type(tree)(*(_map(v, fn, f"{where}.{f}") for f, v in zip(tree._fields, tree)))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_map(v, fn, f"{where}[{i}]") for i, v in enumerate(tree))
+    return tree
+
+
+def _describe(found: list[tuple[str, torch.Tensor]]) -> str:
+    return ", ".join(f"{where}: shape {tuple(t.shape)}" for where, t in found[:6]) + (
+        ", ..." if len(found) > 6 else "")
 
 
 def batch_weights(sizes: list[int], comm: Comm | None) -> tuple[list[float], int]:

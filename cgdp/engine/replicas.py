@@ -1,9 +1,11 @@
 """One replica of the model, one optimizer, per device; and what every MPI rank must agree on.
 
-Each device gets a deep copy of the user's model and its own optimizer, built by the user's
-``optimizer(params)`` factory. The replicas' parameters are listed in the engine's numbering
-(layers in forward order, each layer's parameters in registration order), which is the order of
-the flat gradient buffer's views.
+The user's model is replica 0: it is moved to the first device in place (as ``model.to(...)``
+does) and trained there, as DDP trains the module it wraps. Every other device gets a deep copy,
+made before training starts, so all replicas begin bitwise identical. Each replica has its own
+optimizer, built by the user's ``optimizer(params)`` factory. The replicas' parameters are listed
+in the engine's numbering (layers in forward order, each layer's parameters in registration
+order), which is the order of the flat gradient buffer's views.
 """
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ class Replicas:
                  optimizer: Callable[..., torch.optim.Optimizer]):
         self.modules: list[nn.Module] = []
         self.params: list[list[nn.Parameter]] = []
-        for dev in devs:
-            replica = copy.deepcopy(model).to(dev.torch_device)
+        # the copies first, then the model itself moves: no copy is made on devices[0] on the way
+        copies = [copy.deepcopy(model).to(dev.torch_device) for dev in devs[1:]]
+        for replica in [model.to(devs[0].torch_device), *copies]:
             _, lp = find_layers(replica)
             self.modules.append(replica)
             self.params.append([p for layer in lp for p in layer])

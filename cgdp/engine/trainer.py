@@ -20,8 +20,9 @@ One iteration (``step``), for G devices (and R ranks when a comm is attached):
    update (:mod:`cgdp.engine.update`): hyperparameter check, clipping, schedulers.
 With ``micro_batches=k``, steps 2-3 run k-1 times first with the hooks holding (nothing is sent).
 
-Ownership: the flat buffers, hooks and host buffers are the trainer's; the user's ``model`` is
-never modified (every replica is a deep copy). Between steps nothing is in flight.
+Ownership: the flat buffers, hooks and host buffers are the trainer's. The user's ``model`` is
+replica 0 (moved to ``devices[0]`` in place, trained in place, its ``.grad`` views of the flat
+buffer until ``close()``); the other replicas are deep copies. Between steps nothing is in flight.
 """
 from __future__ import annotations
 
@@ -35,12 +36,13 @@ import torch
 from torch import nn
 
 from cgdp.engine.backend import host_threads, make_devices, make_rng, parse_devices
-from cgdp.engine.batch import batch_weights, check_micro_batches, micro_rounds, split_batch
+from cgdp.engine.batch import batch_weights, check_micro_batches, micro_rounds
 from cgdp.engine.buffers import sync_buffers
 from cgdp.engine.drain import drain_after_failure, quiesce
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.layers import LayerInfo, find_layers, trainable_dtype
+from cgdp.engine.losses import DeviceLoss, ambient_autocast, backward_weight, loss_weights, parse_step
 from cgdp.engine.replicas import Replicas, signature
 from cgdp.engine.stream import GradientStream, wire_dtype
 from cgdp.planning.profile import StepProfile
@@ -62,7 +64,9 @@ class Trainer:
     """Data-parallel training over ``devices`` with gradients averaged on the host.
 
     Args:
-        model: the module to train; each device gets a deep copy (``.replicas``).
+        model: the module to train. It becomes replica 0: moved to ``devices[0]`` in place (as
+            ``model.to(...)`` does) and trained in place; the other devices get deep copies
+            (``.replicas``).
         optimizer: ``params -> torch.optim.Optimizer``; one optimizer is built per replica.
         devices: ``["cuda:0", "cuda:1", ...]`` or CPU-emulated ``["cpu:0", "cpu:1", ...]``.
         mode: ``"cgdp"`` (host averaging during backward), ``"typical"`` (device 0 gathers,
@@ -229,19 +233,23 @@ class Trainer:
         """Trace the next step: ``last_trace`` then holds its stream events."""
         self._trace_once = True
 
-    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> float:
-        """One training iteration on the global batch; returns its mean loss."""
+    def step(self, *args: Any) -> float:
+        """One training iteration on the global batch; returns its loss (see :mod:`cgdp.engine.losses`).
+
+        ``step(batch, loss_fn)``: ``batch`` a tensor or a nesting of tuples, lists and dicts (a
+        ``BatchEncoding``); ``loss_fn(model, part)`` returns the mean loss over the part's samples,
+        or ``(loss_sum, count)`` for a mean over items (tokens) of the global batch.
+        ``step(inputs, targets, loss_fn)``: ``loss_fn(model(*inputs), targets)``, mean-reduced.
+        """
         self._check_usable()
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+        call = parse_step(args, len(self._devs))                                     # 1. split
         if self._comm is None:  # before anything runs (with a comm: in the step's allreduce)
             check_hyperparameters(self.optimizers)
-        parts, sizes = split_batch(inputs, targets, len(self._devs))             # 1. split
         for d in self._devs:
             d.check_caller()
-        weights, total = batch_weights(sizes, self._comm)
-        self._weights = weights
-        rounds = micro_rounds(parts, sizes, total, self._micro)
+        self._weights, total = batch_weights(call.sizes, self._comm)
+        rounds = micro_rounds(call.parts, call.sizes, total, self._micro)
+        amp = ambient_autocast(self._devs[0].torch_device.type)  # thread-local: captured here
 
         tuning = self._tuner_plan()
         profiling = self._profile_always or self._profile_once or bool(
@@ -253,10 +261,11 @@ class Trainer:
         t_start = time.perf_counter()
         phase = "forward"
         try:
-            held = self._hold_micro_batches(rounds[:-1], loss_fn)  # micro-batches 1..k-1, if any
+            held = self._hold_micro_batches(rounds[:-1], call.compute, amp)  # micro-batches 1..k-1
             parts, weights = rounds[-1]
-            fw = self._forward_all(parts, loss_fn)                                   # 2. forward
-            losses = [f[0] for f in fw]
+            fw = self._forward_all(parts, call.compute, amp)                         # 2. forward
+            losses = [f[0].loss for f in fw]
+            weights = loss_weights([f[0] for f in fw], weights, self._comm, call.nested)
             phase = "backward"
             # 3.-6. backward; hooks send each chunk, the host sums it (and allreduces it across
             # ranks) and copies it back, while backward goes on; returns when all are back
@@ -367,56 +376,49 @@ class Trainer:
                 d.begin_timing()
         self._stream.begin_step(timing, sink)
 
-    def _forward_all(self, parts, loss_fn) -> list[tuple[torch.Tensor, Any, Any]]:
-        run = lambda: self._threads.run_all(lambda j: self._forward_on(j, parts[j], loss_fn))  # noqa: E731
+    def _forward_all(self, parts: list[Any], compute, amp) -> list[tuple[DeviceLoss, Any, Any]]:
+        def run() -> list[tuple[DeviceLoss, Any, Any]]:
+            return self._threads.run_all(lambda j: self._forward_on(j, parts[j], compute, amp))
         return self._rng.forward_all(run)
 
-    def _forward_on(self, j: int, part: tuple[Any, Any], loss_fn) -> tuple[torch.Tensor, Any, Any]:
+    def _forward_on(self, j: int, part: Any, compute, amp) -> tuple[DeviceLoss, Any, Any]:
         """(loss, start stamp, end stamp): stamps on the device's clock (see ``Device.stamp``)."""
         dev = self._devs[j]
-        x, y = part
         f0 = dev.stamp()
-        loss = self._rng.on_device(j, lambda: self._loss_on(j, x, y, loss_fn))
+
+        def forward() -> DeviceLoss:
+            with amp():
+                return compute(self.replicas[j], part, dev.torch_device)
+        loss = self._rng.on_device(j, forward)
         return loss, f0, dev.stamp()
 
-    def _loss_on(self, j: int, x: Any, y: torch.Tensor, loss_fn) -> torch.Tensor:
-        dev = self._devs[j]
-        if isinstance(x, tuple):
-            out = self.replicas[j](*(t.to(dev.torch_device, non_blocking=True) for t in x))
-        else:
-            out = self.replicas[j](x.to(dev.torch_device, non_blocking=True))
-        loss = loss_fn(out, y.to(dev.torch_device, non_blocking=True))
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise TypeError(f"loss_fn must return a scalar tensor (mean-reduced), got {shape}; "
-                            f"use reduction='mean' or call .mean() on the loss")
-        if not loss.is_floating_point() or not loss.requires_grad:
-            raise ValueError("the loss does not depend on any trainable parameter (no grad_fn); "
-                             "check that loss_fn uses the model output")
-        return loss
-
-    def _hold_micro_batches(self, rounds, loss_fn) -> tuple[list[float], list[float], float]:
+    def _hold_micro_batches(self, rounds, compute, amp) -> tuple[list[float], list[float], float]:
         """Forward and backward of micro-batches 1..k-1 on every device; the gradients add up in
         the flat buffers and the hooks send nothing. Returns their losses, weights and seconds."""
         values: list[float] = []
         weights: list[float] = []
         t0 = time.perf_counter()
         for parts, w in rounds:
-            fw = self._forward_all(parts, loss_fn)
-            values += self._threads.run_all(lambda j: self._held_backward_on(j, fw[j][0], w[j]))
+            fw = self._forward_all(parts, compute, amp)
+            if any(f[0].count is not None for f in fw):
+                raise NotImplementedError(
+                    "micro_batches > 1 needs loss_fn to return the mean over the part's samples; "
+                    "(loss_sum, count) losses are not supported with micro-batches yet (their weight "
+                    "1 / total count is known only after every micro-batch's forward)")
+            values += self._threads.run_all(lambda j: self._held_backward_on(j, fw[j][0].loss, w[j]))
             weights += w
         return values, weights, time.perf_counter() - t0
 
     def _held_backward_on(self, j: int, loss: torch.Tensor, w: float) -> float:
         with self._stream.holding(j):
-            torch.autograd.backward(loss, grad_tensors=torch.full((), w, dtype=loss.dtype, device=loss.device))
+            torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
         return float(loss.detach())
 
     def _backward_on(self, j: int, loss: torch.Tensor, w: float) -> tuple[float, Any, Any, Any]:
         """(loss value, backward start, backward end, gradients back): stamps as in forward."""
         dev = self._devs[j]
         b0 = dev.stamp()
-        torch.autograd.backward(loss, grad_tensors=torch.full((), w, dtype=loss.dtype, device=loss.device))
+        torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
         if self._events is not None:
             dev.backward_issued()
         self._stream.flush(j)

@@ -1,0 +1,312 @@
+"""``step(batch, loss_fn)``: nested batches, ``(loss_sum, count)`` losses, autocast, the model
+trained in place; each against plain single-device autograd."""
+import copy
+from collections import OrderedDict, namedtuple
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cgdp
+from cgdp.engine.batch import split_nested
+from cgdp.engine.losses import backward_weight
+from helpers import assert_params_close, assert_replicas_identical, mlp
+
+SGD = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+ADAM = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+Pair = namedtuple("Pair", "a b")
+
+
+def devs(g):
+    return [f"cpu:{i}" for i in range(g)]
+
+
+class KwNet(nn.Module):
+    """Keyword arguments, a non-tensor argument and a tensor that is not per-sample."""
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = mlp((12, 16, 5))
+
+    def forward(self, x, *, scale: float, offset: torch.Tensor):
+        return self.body(x * scale) + offset
+
+
+def kw_batches(n_steps, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(n, 12, generator=g), "y": torch.randint(0, 5, (n,), generator=g),
+             "extra": {"scale": 0.5, "offset": torch.randn(5, generator=g), "tag": "train"}}
+            for _ in range(n_steps)]
+
+
+def kw_loss(m, b):
+    assert b["extra"]["tag"] == "train"
+    return F.cross_entropy(m(b["x"], scale=b["extra"]["scale"], offset=b["extra"]["offset"]), b["y"])
+
+
+def train_reference(model, make_opt, batches, loss_fn):
+    """Plain single-device training with ``loss_fn(model, batch)`` on the whole batch."""
+    model = copy.deepcopy(model)
+    opt = make_opt(model.parameters())
+    losses = []
+    for b in batches:
+        opt.zero_grad()
+        loss = loss_fn(model, b)
+        if isinstance(loss, tuple):
+            loss = loss[0] / loss[1]
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def train(model, make_opt, g, batches, loss_fn, **kw):
+    with cgdp.Trainer(model, make_opt, devs(g), **kw) as tr:
+        losses = []
+        for b in batches:
+            losses.append(tr.step(b, loss_fn))
+            assert_replicas_identical(tr)
+        return losses
+
+
+@pytest.mark.parametrize("g", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", ["cgdp", "typical"])
+def test_nested_batch_with_keyword_arguments_equals_single_device(g, mode):
+    model = KwNet()
+    data = kw_batches(3, 10)  # 10 samples: uneven across 3 and 4 devices
+    ref, ref_losses = train_reference(model, ADAM, data, kw_loss)
+    losses = train(model, ADAM, g, data, kw_loss, mode=mode, chunks=1)
+    assert_params_close(model, ref)  # the model passed in was trained in place
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_model_is_replica_zero_and_the_others_are_copies():
+    model = mlp()
+    with cgdp.Trainer(model, SGD, devs(3)) as tr:
+        assert tr.replicas[0] is model
+        assert all(r is not model for r in tr.replicas[1:])
+        assert not any(p is q for p, q in zip(model.parameters(), tr.replicas[1].parameters()))
+        x, y = torch.randn(6, 12), torch.randint(0, 5, (6,))
+        before = [p.detach().clone() for p in model.parameters()]
+        tr.step(x, y, F.cross_entropy)
+        assert not any(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_split_keeps_structure_and_splits_only_batch_tensors():
+    from transformers import BatchEncoding
+    n, g = 7, 3
+    ids = torch.arange(n * 2).reshape(n, 2)
+    other = torch.randn(4, 3)
+    batch = OrderedDict(enc=BatchEncoding({"input_ids": ids, "attention_mask": ids > 3}),
+                        pair=Pair(ids[:, 0], [other, "text", 3]), scalar=torch.tensor(2.0), none=None)
+    parts, sizes = split_nested(batch, g)
+    assert sizes == [3, 2, 2]
+    for j, part in enumerate(parts):
+        assert type(part) is OrderedDict and type(part["enc"]) is BatchEncoding
+        assert type(part["pair"]) is Pair and type(part["pair"].b) is list
+        assert torch.equal(part["enc"]["input_ids"], torch.tensor_split(ids, g)[j])
+        assert torch.equal(part["enc"]["attention_mask"], torch.tensor_split(ids > 3, g)[j])
+        assert part["enc"].input_ids is part["enc"]["input_ids"]  # BatchEncoding attribute access
+        assert torch.equal(part["pair"].a, torch.tensor_split(ids[:, 0], g)[j])
+        assert part["pair"].b[0] is other and part["pair"].b[1:] == ["text", 3]
+        assert part["scalar"] is batch["scalar"] and part["none"] is None
+    assert batch["enc"]["input_ids"] is ids  # the caller's batch is left as it was
+    t = torch.randn(5, 2)
+    parts, sizes = split_nested(t, 2)
+    assert sizes == [3, 2] and torch.equal(torch.cat(parts), t)
+
+
+@pytest.mark.parametrize("batch, match", [
+    ({"n": 3, "s": "x"}, "no tensor with a batch dimension"),
+    ((torch.tensor(1.0),), "no tensor with a batch dimension"),
+    ({"x": torch.randn(8, 2), "w": torch.randn(5)}, "cannot tell the batch dimension"),
+    ((torch.randn(1, 3), torch.randn(1)), "cannot be split across 2 devices"),
+])
+def test_batches_that_cannot_be_split_are_named(batch, match):
+    with pytest.raises(ValueError, match=match):
+        split_nested(batch, 2)
+
+
+def test_loss_errors_are_clear_and_the_trainer_stays_usable():
+    model = KwNet()
+    data = kw_batches(1, 7)[0]
+    with cgdp.Trainer(model, SGD, devs(2)) as tr:
+        with pytest.raises(TypeError, match="model\\(\\*\\*batch\\).loss"):
+            tr.step(data, lambda m, b: {"loss": kw_loss(m, b)})
+        with pytest.raises(TypeError, match="same form on every device"):  # parts of 4 and 3
+            tr.step(data, lambda m, b: (kw_loss(m, b), 1) if b["x"].shape[0] == 4 else kw_loss(m, b))
+        with pytest.raises(ValueError, match="counts sum to 0"):
+            tr.step(data, lambda m, b: (kw_loss(m, b) * 0, 0))
+        with pytest.raises(ValueError, match="count of -1"):
+            tr.step(data, lambda m, b: (kw_loss(m, b), -1))
+        with pytest.raises(TypeError, match="second element"):
+            tr.step(data, lambda m, b: (kw_loss(m, b), "many"))
+        with pytest.raises(TypeError, match="callable as loss_fn\\(model, batch\\)"):
+            tr.step(data, "cross_entropy")
+        with pytest.raises(TypeError, match="takes \\(batch, loss_fn\\)"):
+            tr.step(data)
+        assert tr.step(data, kw_loss) > 0  # none of these broke it
+        assert_replicas_identical(tr)
+
+
+class TokenLM(nn.Module):
+    """A per-token model: embedding, a layer that mixes the sequence, a tied output."""
+    def __init__(self, vocab=13, dim=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.out(torch.tanh(self.mix(h + h.mean(1, keepdim=True))))
+
+
+def token_batches(n_steps, n, t=6, seed=2):
+    """Padded sequences (label -100 on padding) of very different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_steps):
+        ids = torch.randint(0, 13, (n, t), generator=g)
+        lengths = torch.randint(1, t + 1, (n,), generator=g)
+        labels = torch.where(torch.arange(t) < lengths[:, None], torch.randint(0, 13, (n, t), generator=g), -100)
+        out.append({"ids": ids, "labels": labels})
+    return out
+
+
+def token_sum(m, b):
+    logits = m(b["ids"])
+    return (F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="sum"),
+            (b["labels"] != -100).sum())
+
+
+def token_mean(m, b):
+    return F.cross_entropy(m(b["ids"]).flatten(0, 1), b["labels"].flatten())  # ignore_index=-100
+
+
+@pytest.mark.parametrize("g", [2, 3])
+def test_sum_count_loss_is_the_global_token_mean(g):
+    model = TokenLM()
+    data = token_batches(4, 7)
+    ref, ref_losses = train_reference(model, ADAM, data, token_mean)
+    losses = train(copy.deepcopy(model), ADAM, g, data, token_sum, chunks=1)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    # the per-part token mean, weighted by samples, is not the global token mean
+    with cgdp.Trainer(copy.deepcopy(model), ADAM, devs(g)) as tr:
+        for b in data:
+            tr.step(b, token_mean)
+        err = max(((p - q).abs().max() / q.abs().max()).item()
+                  for p, q in zip(tr.replicas[0].parameters(), ref.parameters()))
+    assert err > 1e-3
+    with cgdp.Trainer(model, ADAM, devs(g)) as tr:
+        for b in data:
+            tr.step(b, token_sum)
+        assert_params_close(tr.replicas[0], ref)
+
+
+def test_sum_count_loss_over_ranks_is_the_global_token_mean():
+    from test_comm_inproc import on_ranks
+    model = TokenLM()
+    data = token_batches(3, 9)
+    ref, ref_losses = train_reference(model, SGD, data, token_mean)
+
+    def rank(comm):
+        with cgdp.Trainer(copy.deepcopy(model), SGD, devs(2), comm=comm, timeout_s=30) as tr:
+            losses = []
+            for b in data:
+                mine = {k: torch.tensor_split(v, comm.size)[comm.rank] for k, v in b.items()}
+                losses.append(tr.step(mine, token_sum))
+            return tr.replicas[0], losses
+
+    (m0, l0), (m1, l1) = on_ranks(2, rank, timeout_s=30)
+    assert l0 == l1 == pytest.approx(ref_losses, rel=1e-5)
+    assert_params_close(m0, ref)
+    assert all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters()))
+
+
+def _nearest(w, dtype):
+    """The value of ``dtype`` nearest to ``w``, by search over every positive finite value."""
+    bits = torch.arange(0, 0x7F80 if dtype == torch.bfloat16 else 0x7C00, dtype=torch.int32)
+    values = bits.to(torch.int16).view(dtype).double().tolist()
+    return min(values, key=lambda v: abs(Fraction(v) - Fraction(w)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("w", [1 / 3, 2 / 3, 3 / 7, 1 + 2**-8 + 2**-30, 1 / 1000])
+def test_backward_weight_is_correctly_rounded(w, dtype):
+    t = backward_weight(w, dtype, torch.device("cpu"))
+    assert t.dtype == dtype and t.dim() == 0
+    assert float(t) == _nearest(w, dtype)
+
+
+def test_backward_weight_in_float32_and_float64():
+    assert backward_weight(1 / 3, torch.float32, torch.device("cpu")).item() == torch.tensor(1 / 3).item()
+    assert backward_weight(1 / 3, torch.float64, torch.device("cpu")).item() == 1 / 3
+
+
+def test_bf16_loss_gets_the_correctly_rounded_weight():
+    """A bf16 loss (autocast, no float32 reduction) on 3 devices: each device's backward starts
+    from bf16(1/3) = 0.333984375; the gradient is that times the part's gradient."""
+    model = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    x = torch.ones(3, 4)
+    with cgdp.Trainer(model, lambda p: torch.optim.SGD(p, lr=1.0), devs(3), mode="typical") as tr:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            tr.step(x, lambda m, b: m(b).sum())  # each part: one sample, loss = 4 in bf16
+        # w = bf16(1/3) per device, dL/dweight = 1 per sample: 3 * 0.333984375
+        assert model.weight.detach()[0, 0].item() == pytest.approx(1.0 - 3 * 0.333984375, abs=1e-7)
+
+
+def _amp_loss(seen):
+    def loss_fn(m, b):
+        out = m(b[0])
+        seen.add(out.dtype)
+        return F.cross_entropy(out, b[1])
+    return loss_fn
+
+
+def _single_amp(model, data, parts=1, amp=True):
+    """One device, ``torch.autocast('cpu', bfloat16)`` around the forward; with ``parts``, the
+    loss is the sample-weighted sum over the ``tensor_split`` parts and the autocast weight cache
+    is off, so each part's weight gradient reaches float32 on its own, as on separate devices."""
+    model = copy.deepcopy(model)
+    opt = SGD(model.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp, cache_enabled=parts == 1):
+            loss = sum(F.cross_entropy(model(a), b) * (a.shape[0] / x.shape[0])
+                       for a, b in zip(torch.tensor_split(x, parts), torch.tensor_split(y, parts)))
+        loss.backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("g", [1, 3, 4])
+def test_autocast_around_step_applies_on_every_device(g):
+    model = mlp((12, 64, 64, 5))
+    gen = torch.Generator().manual_seed(4)
+    data = [(torch.randn(10, 12, generator=gen), torch.randint(0, 5, (10,), generator=gen))
+            for _ in range(3)]
+    seen = set()
+    got = copy.deepcopy(model)
+    with cgdp.Trainer(got, SGD, devs(g)) as tr:
+        for b in data:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                tr.step(b, _amp_loss(seen))
+            assert_replicas_identical(tr)
+    assert seen == {torch.bfloat16}  # every device's forward ran under autocast
+    # exact against one device running the same bf16 computations on the same parts
+    assert_params_close(got, _single_amp(model, data, parts=g), rtol=1e-5)
+
+    # against one device on the whole batch: within the rounding of bf16 autocast itself
+    def err(a, b):
+        return max(((p - q).abs().max() / q.abs().max()).item()
+                   for p, q in zip(a.parameters(), b.parameters()))
+    whole = _single_amp(model, data)
+    bf16_itself = err(whole, _single_amp(model, data, amp=False))
+    assert 1e-4 < bf16_itself and err(got, whole) <= 2 * bf16_itself
