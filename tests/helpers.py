@@ -93,6 +93,35 @@ def reference(model, make_opt, batches, loss_fn, n_parts=None):
     return model, losses
 
 
+def reference_step2(model, make_opt, batches, loss_fn):
+    """Plain single-device training with ``loss_fn(model, batch)`` on each whole batch (a pair
+    ``(loss_sum, count)`` is trained as ``loss_sum / count``)."""
+    model = copy.deepcopy(model)
+    opt = make_opt(model.parameters())
+    losses = []
+    for b in batches:
+        opt.zero_grad()
+        loss = loss_fn(model, b)
+        if isinstance(loss, tuple):
+            loss = loss[0] / loss[1]
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def train_step2(model, make_opt, g, batches, loss_fn, **kw):
+    """``model`` trained in place by ``step(batch, loss_fn)`` on g emulated devices, replicas
+    checked identical after every step; the losses ``step`` returned."""
+    import cgdp
+    with cgdp.Trainer(model, make_opt, [f"cpu:{i}" for i in range(g)], **kw) as tr:
+        losses = []
+        for b in batches:
+            losses.append(tr.step(b, loss_fn))
+            assert_replicas_identical(tr)
+        return losses
+
+
 def assert_params_close(a: nn.Module, b: nn.Module, rtol=1e-5, floor=1e-12):
     """Per parameter, max |a - b| / max |b| <= rtol; ``floor`` bounds the scale from below, for
     parameters that only hold rounding noise (a gradient that is zero in exact arithmetic)."""

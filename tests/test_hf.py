@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import cgdp
-from helpers import assert_params_close, assert_replicas_identical
+from helpers import assert_params_close, reference_step2, train_step2
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,25 +48,11 @@ def lm_batches(lengths_per_step, t=8, seed=0):
 
 
 def reference(model, batches, loss_fn=hf_loss):
-    model = copy.deepcopy(model)
-    opt = SGD(model.parameters())
-    losses = []
-    for b in batches:
-        opt.zero_grad()
-        loss = loss_fn(model, b)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return model, losses
+    return reference_step2(model, SGD, batches, loss_fn)
 
 
 def train(model, g, batches, loss_fn, **kw):
-    with cgdp.Trainer(model, SGD, devs(g), **kw) as tr:
-        losses = []
-        for b in batches:
-            losses.append(tr.step(b, loss_fn))
-            assert_replicas_identical(tr)
-        return losses
+    return train_step2(model, SGD, g, batches, loss_fn, **kw)
 
 
 def rel_err(a, b):

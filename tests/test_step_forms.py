@@ -12,7 +12,7 @@ from torch import nn
 import cgdp
 from cgdp.engine.batch import split_nested
 from cgdp.engine.losses import backward_weight
-from helpers import assert_params_close, assert_replicas_identical, mlp
+from helpers import assert_params_close, assert_replicas_identical, mlp, reference_step2, train_step2
 
 SGD = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
 ADAM = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
@@ -46,38 +46,13 @@ def kw_loss(m, b):
     return F.cross_entropy(m(b["x"], scale=b["extra"]["scale"], offset=b["extra"]["offset"]), b["y"])
 
 
-def train_reference(model, make_opt, batches, loss_fn):
-    """Plain single-device training with ``loss_fn(model, batch)`` on the whole batch."""
-    model = copy.deepcopy(model)
-    opt = make_opt(model.parameters())
-    losses = []
-    for b in batches:
-        opt.zero_grad()
-        loss = loss_fn(model, b)
-        if isinstance(loss, tuple):
-            loss = loss[0] / loss[1]
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return model, losses
-
-
-def train(model, make_opt, g, batches, loss_fn, **kw):
-    with cgdp.Trainer(model, make_opt, devs(g), **kw) as tr:
-        losses = []
-        for b in batches:
-            losses.append(tr.step(b, loss_fn))
-            assert_replicas_identical(tr)
-        return losses
-
-
 @pytest.mark.parametrize("g", [1, 2, 3, 4])
 @pytest.mark.parametrize("mode", ["cgdp", "typical"])
 def test_nested_batch_with_keyword_arguments_equals_single_device(g, mode):
     model = KwNet()
     data = kw_batches(3, 10)  # 10 samples: uneven across 3 and 4 devices
-    ref, ref_losses = train_reference(model, ADAM, data, kw_loss)
-    losses = train(model, ADAM, g, data, kw_loss, mode=mode, chunks=1)
+    ref, ref_losses = reference_step2(model, ADAM, data, kw_loss)
+    losses = train_step2(model, ADAM, g, data, kw_loss, mode=mode, chunks=1)
     assert_params_close(model, ref)  # the model passed in was trained in place
     assert losses == pytest.approx(ref_losses, rel=1e-5)
 
@@ -192,27 +167,22 @@ def token_mean(m, b):
 def test_sum_count_loss_is_the_global_token_mean(g):
     model = TokenLM()
     data = token_batches(4, 7)
-    ref, ref_losses = train_reference(model, ADAM, data, token_mean)
-    losses = train(copy.deepcopy(model), ADAM, g, data, token_sum, chunks=1)
+    ref, ref_losses = reference_step2(model, ADAM, data, token_mean)
+    got = copy.deepcopy(model)
+    losses = train_step2(got, ADAM, g, data, token_sum, chunks=1)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_params_close(got, ref)
     # the per-part token mean, weighted by samples, is not the global token mean
-    with cgdp.Trainer(copy.deepcopy(model), ADAM, devs(g)) as tr:
-        for b in data:
-            tr.step(b, token_mean)
-        err = max(((p - q).abs().max() / q.abs().max()).item()
-                  for p, q in zip(tr.replicas[0].parameters(), ref.parameters()))
+    train_step2(model, ADAM, g, data, token_mean)
+    err = max(((p - q).abs().max() / q.abs().max()).item() for p, q in zip(model.parameters(), ref.parameters()))
     assert err > 1e-3
-    with cgdp.Trainer(model, ADAM, devs(g)) as tr:
-        for b in data:
-            tr.step(b, token_sum)
-        assert_params_close(tr.replicas[0], ref)
 
 
 def test_sum_count_loss_over_ranks_is_the_global_token_mean():
     from test_comm_inproc import on_ranks
     model = TokenLM()
     data = token_batches(3, 9)
-    ref, ref_losses = train_reference(model, SGD, data, token_mean)
+    ref, ref_losses = reference_step2(model, SGD, data, token_mean)
 
     def rank(comm):
         with cgdp.Trainer(copy.deepcopy(model), SGD, devs(2), comm=comm, timeout_s=30) as tr:
