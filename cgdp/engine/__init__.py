@@ -6,8 +6,9 @@ CPU-emulated) → ``host`` (pinned slots, the accumulator thread) → ``accumula
 → copy back; ``stream`` holds these together for G replicas (what both faces, ``Trainer`` and
 ``DataParallel``, share) → ``trainer`` (the step and the update) and ``dataparallel`` (the same
 data path behind the user's own loop: ``scatter`` splits arguments and gathers outputs, ``mirror``
-steps every replica with the user's optimizer). Around the step: ``batch``
-(splitting and weighting), ``typical`` (the paper's baseline), ``buffers`` (BatchNorm statistics), ``timing``
+steps every replica with the user's optimizer). Around the step: ``batch`` (splitting and
+weighting), ``losses`` (each device's loss, its backward weight, autocast), ``typical`` (the
+paper's baseline), ``buffers`` (BatchNorm statistics), ``timing``
 (profiles and traces), ``sync`` (waiting without hanging), ``layers`` (what a layer is).
 
 May import: :mod:`cgdp.planning` (plans, profiles, tuners) and :mod:`cgdp.comm`. Never imports
