@@ -290,3 +290,28 @@ def test_grad_views_survive_a_user_zero_grad():
             tr.step(x, y, F.cross_entropy)
             assert_replicas_identical(tr)
         assert_params_close(tr.replicas[0], ref)
+
+
+class WithConstant(torch.nn.Module):
+    """A floating buffer the forward only reads (as rotary frequencies are), beside BatchNorm."""
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(6, 64)
+        self.bn = torch.nn.BatchNorm1d(64)
+        self.register_buffer("freq", torch.rand(64))
+
+    def forward(self, x):
+        return self.bn(self.fc(x)) * self.freq
+
+
+def test_buffers_the_step_does_not_write_stay_bitwise_constant():
+    """1/3·v + 1/3·v + 1/3·v is not always v: averaging a constant buffer would make it drift."""
+    model = WithConstant()
+    freq, mean0 = model.freq.clone(), model.bn.running_mean.clone()
+    with cgdp.Trainer(model, SGD, devs(3)) as tr:
+        for x, y in batches(3, 9, shape=(6,), classes=64):
+            tr.step(x, y, F.cross_entropy)
+            assert_replicas_identical(tr)
+    assert torch.equal(model.freq, freq)
+    assert not torch.equal(model.bn.running_mean, mean0)  # written buffers are still averaged

@@ -3,16 +3,61 @@
 Each replica updated its running statistics on its own part of the batch; after the update every
 replica's floating buffers are set to their batch-weighted mean (the weights of the gradient, so
 over all ranks with a comm), which is what one device would hold for an even split.
+
+Only buffers that the step wrote are averaged: a weighted mean of equal values is not always that
+value in floating point (1/3·v + 1/3·v + 1/3·v can differ from v by one unit), so averaging a
+constant buffer (the rotary frequencies of a Llama model, a fixed mask) would make it drift by a
+few units every step. :class:`BufferWatch` keeps each replica's buffers as they were after the last
+sync and compares (torch's version counter does not see BatchNorm's writes): one more copy of the
+floating buffers per device, one pass over them and one host sync per device per step.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
+import numpy as np
 import torch
 
 from cgdp.comm import Comm
 
 
-def sync_buffers(buffers: list[list[torch.Tensor]], weights: list[float], comm: Comm | None) -> None:
-    """``buffers[j]``: replica j's floating buffers, in the same order on every replica."""
+class BufferWatch:
+    """Which of the replicas' floating buffers were written since the last :meth:`synced`."""
+
+    def __init__(self, buffers: list[list[torch.Tensor]]):
+        self.buffers = buffers
+        self._seen = [[b.detach().clone() for b in bufs] for bufs in buffers]
+
+    def changed(self, comm: Comm | None) -> list[bool]:
+        """Per buffer: written on some replica (of some rank, with a comm) since the last sync."""
+        if len(self.buffers) == 1 and comm is None:  # nothing to make identical
+            return [False] * len(self.buffers[0])
+        if not self.buffers[0]:
+            return []
+        written = np.zeros(len(self.buffers[0]), np.float64)
+        with torch.no_grad():
+            for bufs, seen in zip(self.buffers, self._seen):
+                # NaN != NaN: a NaN buffer counts as written, and is averaged (it stays NaN)
+                flags = torch.stack([(b != s).any() for b, s in zip(bufs, seen)])
+                written += flags.cpu().numpy()  # note: host waits for this device's comparison
+        if comm is not None:  # every rank must average the same buffers
+            written = comm.allreduce_small(written)
+        return (written > 0).tolist()
+
+    def synced(self) -> None:
+        """The buffers' values now (after a sync or a load) are the new baseline."""
+        with torch.no_grad():
+            for bufs, seen in zip(self.buffers, self._seen):
+                if bufs:
+                    torch._foreach_copy_(seen, bufs)
+
+
+def sync_buffers(buffers: list[list[torch.Tensor]], weights: list[float], comm: Comm | None,
+                 only: Sequence[bool] | None = None) -> None:
+    """``buffers[j]``: replica j's floating buffers, in the same order on every replica;
+    ``only``: which of them to average (all by default)."""
+    if only is not None:
+        buffers = [[b for b, keep in zip(bufs, only) if keep] for bufs in buffers]
     if not buffers[0] or (len(buffers) == 1 and comm is None):
         return
     with torch.no_grad():

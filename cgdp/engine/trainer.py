@@ -37,7 +37,7 @@ from torch import nn
 
 from cgdp.engine.backend import host_threads, make_devices, make_rng, parse_devices
 from cgdp.engine.batch import batch_weights, check_micro_batches, micro_rounds
-from cgdp.engine.buffers import sync_buffers
+from cgdp.engine.buffers import BufferWatch, sync_buffers
 from cgdp.engine.drain import drain_after_failure, quiesce
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 from cgdp.comm import Comm, make_comm
@@ -169,6 +169,7 @@ class Trainer:
         reps = Replicas(model, self._devs, optimizer)
         self.replicas, self.optimizers = reps.modules, reps.optimizers
         self._params, self._buffers = reps.params, reps.buffers
+        self._buffer_watch = BufferWatch(reps.buffers)
 
         self._comm = make_comm(comm, timeout_s=self._timeout_s)
         if self._comm is not None:
@@ -315,6 +316,7 @@ class Trainer:
             # the right dtype and device, and two optimizers sharing one state corrupt each other
             opt.load_state_dict(copy.deepcopy(state["optimizer"]))
         self._schedulers.load_state_dict(state.get("scheduler"))
+        self._buffer_watch.synced()  # the loaded buffers are the same on every replica
         self.step_count = int(state.get("step", 0))
         if state.get("device_rng") is not None and len(state["device_rng"]) == len(self._devs):
             self._rng.states = [st.clone() for st in state["device_rng"]]
@@ -465,7 +467,8 @@ class Trainer:
             up = [(u0, dev.stamp())] + [None] * (len(self._devs) - 1)
         else:
             up = self._threads.run_all(lambda j: self._update_on(j, coef))
-        sync_buffers(self._buffers, self._weights, self._comm)
+        sync_buffers(self._buffers, self._weights, self._comm, self._buffer_watch.changed(self._comm))
+        self._buffer_watch.synced()
         self._schedulers.step(only_first_stepped=self.mode == "typical")
         return up
 
