@@ -2,12 +2,14 @@
 
 One iteration (``step``), for G devices (and R ranks when a comm is attached):
 
-1. The global batch is split in device order (``torch.tensor_split``); device j gets weight
-   w_j = n_j / N (N the global batch over all ranks), so that the sum of the devices' weighted
-   gradients is the gradient of the global mean loss, also for uneven splits.
+1. The global batch is split in device order (``torch.tensor_split``; a nested batch where its
+   tensors have the batch dimension, :mod:`cgdp.engine.batch`).
 2. Forward and loss on every device, each on its own host thread (one thread per device for the
-   whole run). Every loss is checked before any backward starts, so a bad loss rejects the step
-   cleanly.
+   whole run), inside the caller's ``torch.autocast`` if there is one. Every loss is checked
+   before any backward starts, so a bad loss rejects the step cleanly. Then each device's weight
+   (:mod:`cgdp.engine.losses`): w_j = n_j / N for a mean over samples (N the global batch over
+   all ranks), 1 / Σ count for ``(loss_sum, count)`` losses, so that the sum of the devices'
+   weighted gradients is the gradient of the global mean loss, also for uneven splits.
 3. Backward with ``grad_tensors=w_j``. Gradient hooks (:mod:`cgdp.engine.hooks`) count down each chunk
    and send it to the host when complete (:mod:`cgdp.engine.backend`); chunks are contiguous slices of the
    flat gradient buffer (:mod:`cgdp.engine.flatgrad`).
@@ -16,8 +18,8 @@ One iteration (``step``), for G devices (and R ranks when a comm is attached):
 7. After backward each device flushes the chunks it never completed (unused layers), its compute
    stream waits for the last H2D copy, and it steps its own optimizer. Parameters that got no
    gradient anywhere get ``.grad = None`` first, as in single-device training. Floating buffers
-   (BatchNorm statistics) are set to their batch-weighted mean on every replica. Around the
-   update (:mod:`cgdp.engine.update`): hyperparameter check, clipping, schedulers.
+   the step wrote (BatchNorm statistics) are set to their batch-weighted mean on every replica.
+   Around the update (:mod:`cgdp.engine.update`): hyperparameter check, clipping, schedulers.
 With ``micro_batches=k``, steps 2-3 run k-1 times first with the hooks holding (nothing is sent).
 
 Ownership: the flat buffers, hooks and host buffers are the trainer's. The user's ``model`` is
@@ -234,7 +236,7 @@ class Trainer:
         """Trace the next step: ``last_trace`` then holds its stream events."""
         self._trace_once = True
 
-    def step(self, *args: Any) -> float:
+    def step(self, *args: Any, loss_fn: Callable[..., Any] | None = None) -> float:
         """One training iteration on the global batch; returns its loss (see :mod:`cgdp.engine.losses`).
 
         ``step(batch, loss_fn)``: ``batch`` a tensor or a nesting of tuples, lists and dicts (a
@@ -243,6 +245,8 @@ class Trainer:
         ``step(inputs, targets, loss_fn)``: ``loss_fn(model(*inputs), targets)``, mean-reduced.
         """
         self._check_usable()
+        if loss_fn is not None:
+            args = (*args, loss_fn)
         call = parse_step(args, len(self._devs))                                     # 1. split
         if self._comm is None:  # before anything runs (with a comm: in the step's allreduce)
             check_hyperparameters(self.optimizers)
