@@ -270,8 +270,8 @@ class Trainer:
             parts, weights = rounds[-1]
             fw = self._forward_all(parts, call.compute, amp)                         # 2. forward
             losses = [f[0].loss for f in fw]
+            phase = "backward"  # with MPI the weights are a collective: ranks agree from here on
             weights = loss_weights([f[0] for f in fw], weights, self._comm, call.nested)
-            phase = "backward"
             # 3.-6. backward; hooks send each chunk, the host sums it (and allreduces it across
             # ranks) and copies it back, while backward goes on; returns when all are back
             bw = self._threads.run_all(lambda j: self._backward_on(j, losses[j], weights[j]))
