@@ -315,3 +315,21 @@ def test_buffers_the_step_does_not_write_stay_bitwise_constant():
             assert_replicas_identical(tr)
     assert torch.equal(model.freq, freq)
     assert not torch.equal(model.bn.running_mean, mean0)  # written buffers are still averaged
+
+
+def test_first_forward_that_draws_random_numbers_counts_once_in_batchnorm():
+    """Emulated devices do the forward again, with a random stream each, the first time it
+    draws: what that first try wrote into BatchNorm's statistics is undone."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(8, 2))
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    with torch.no_grad():
+        h = model[0](x)
+    with cgdp.Trainer(model, lambda p: torch.optim.SGD(p, lr=0.0), devs(2)) as tr:
+        tr.step(x, y, F.cross_entropy)
+        assert tr._rng.turns
+        assert_replicas_identical(tr)
+    assert int(model[1].num_batches_tracked) == 1
+    expect = 0.1 * (0.5 * h[:4].mean(0) + 0.5 * h[4:].mean(0))
+    torch.testing.assert_close(model[1].running_mean, expect, rtol=1e-5, atol=1e-7)

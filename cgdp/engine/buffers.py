@@ -9,7 +9,9 @@ value in floating point (1/3·v + 1/3·v + 1/3·v can differ from v by one unit)
 constant buffer (the rotary frequencies of a Llama model, a fixed mask) would make it drift by a
 few units every step. :class:`BufferWatch` keeps each replica's buffers as they were after the last
 sync and compares (torch's version counter does not see BatchNorm's writes): one more copy of the
-floating buffers per device, one pass over them and one host sync per device per step.
+floating buffers per device, one pass over them and one host sync per device per step. The same
+copy (with the other buffers) lets a forward that must be done again (:mod:`cgdp.engine.rng`)
+start from the buffers as they were (:meth:`BufferWatch.restore`).
 """
 from __future__ import annotations
 
@@ -24,9 +26,13 @@ from cgdp.comm import Comm
 class BufferWatch:
     """Which of the replicas' floating buffers were written since the last :meth:`synced`."""
 
-    def __init__(self, buffers: list[list[torch.Tensor]]):
+    def __init__(self, buffers: list[list[torch.Tensor]], others: list[list[torch.Tensor]] | None = None):
+        """``buffers[j]``: replica j's floating buffers; ``others[j]``: its other buffers (only
+        restored, never averaged)."""
         self.buffers = buffers
+        self.others = others or [[] for _ in buffers]
         self._seen = [[b.detach().clone() for b in bufs] for bufs in buffers]
+        self._seen_others = [[b.detach().clone() for b in bufs] for bufs in self.others]
 
     def changed(self, comm: Comm | None) -> list[bool]:
         """Per buffer: written on some replica (of some rank, with a comm) since the last sync."""
@@ -46,10 +52,18 @@ class BufferWatch:
 
     def synced(self) -> None:
         """The buffers' values now (after a sync or a load) are the new baseline."""
+        self._copy(self.buffers + self.others, self._seen + self._seen_others)
+
+    def restore(self) -> None:
+        """Every buffer back to the baseline (a forward is to be done again)."""
+        self._copy(self._seen + self._seen_others, self.buffers + self.others)
+
+    @staticmethod
+    def _copy(src: list[list[torch.Tensor]], dst: list[list[torch.Tensor]]) -> None:
         with torch.no_grad():
-            for bufs, seen in zip(self.buffers, self._seen):
-                if bufs:
-                    torch._foreach_copy_(seen, bufs)
+            for s, d in zip(src, dst):
+                if s:
+                    torch._foreach_copy_(d, s)
 
 
 def sync_buffers(buffers: list[list[torch.Tensor]], weights: list[float], comm: Comm | None,

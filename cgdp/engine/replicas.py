@@ -21,7 +21,8 @@ from cgdp.engine.layers import LayerInfo, find_layers
 
 
 class Replicas:
-    """``modules[j]``, ``params[j]`` (engine order), ``optimizers[j]``, ``buffers[j]`` (floating)."""
+    """``modules[j]``, ``params[j]`` (engine order), ``optimizers[j]``, ``buffers[j]`` (floating),
+    ``other_buffers[j]`` (the rest: BatchNorm's ``num_batches_tracked``, masks)."""
 
     def __init__(self, model: nn.Module, devs: Sequence[Device],
                  optimizer: Callable[..., torch.optim.Optimizer]):
@@ -41,6 +42,7 @@ class Replicas:
                                 f"{type(opt).__name__}")
             self.optimizers.append(opt)
         self.buffers = [[b for b in r.buffers() if b.is_floating_point()] for r in self.modules]
+        self.other_buffers = [[b for b in r.buffers() if not b.is_floating_point()] for r in self.modules]
 
 
 def signature(replicas: Replicas, layers: Sequence[LayerInfo], mode: str, dtype: torch.dtype) -> dict[str, str]:

@@ -27,8 +27,9 @@ class EmulatedRNG:
         self.states = [torch.Generator().manual_seed(device_seed(torch.initial_seed(), j)).get_state()
                        for j in range(num_devices)]
 
-    def forward_all(self, run: Callable[[], Any]) -> Any:
-        """``run()`` (every device's forward); done again with per-device streams if it drew."""
+    def forward_all(self, run: Callable[[], Any], restore: Callable[[], None] = lambda: None) -> Any:
+        """``run()`` (every device's forward); done again with per-device streams if it drew,
+        after ``restore()`` has put back what the first forward wrote (BatchNorm statistics)."""
         if self.turns:
             return run()
         before = torch.default_generator.get_state()
@@ -36,8 +37,9 @@ class EmulatedRNG:
         if torch.equal(torch.default_generator.get_state(), before):
             return out  # no random numbers drawn: nothing depends on thread timing
         # the model draws random numbers: from now on every emulated device has its own stream;
-        # this forward is done again that way (its graphs are dropped, nothing else was changed)
+        # this forward is done again that way (its graphs are dropped, its buffer writes undone)
         torch.default_generator.set_state(before)
+        restore()
         self.turns = True
         return run()
 

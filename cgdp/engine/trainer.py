@@ -171,7 +171,7 @@ class Trainer:
         reps = Replicas(model, self._devs, optimizer)
         self.replicas, self.optimizers = reps.modules, reps.optimizers
         self._params, self._buffers = reps.params, reps.buffers
-        self._buffer_watch = BufferWatch(reps.buffers)
+        self._buffer_watch = BufferWatch(reps.buffers, reps.other_buffers)
 
         self._comm = make_comm(comm, timeout_s=self._timeout_s)
         if self._comm is not None:
@@ -385,7 +385,7 @@ class Trainer:
     def _forward_all(self, parts: list[Any], compute, amp) -> list[tuple[DeviceLoss, Any, Any]]:
         def run() -> list[tuple[DeviceLoss, Any, Any]]:
             return self._threads.run_all(lambda j: self._forward_on(j, parts[j], compute, amp))
-        return self._rng.forward_all(run)
+        return self._rng.forward_all(run, self._buffer_watch.restore)
 
     def _forward_on(self, j: int, part: Any, compute, amp) -> tuple[DeviceLoss, Any, Any]:
         """(loss, start stamp, end stamp): stamps on the device's clock (see ``Device.stamp``)."""

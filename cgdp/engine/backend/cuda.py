@@ -366,7 +366,9 @@ class CudaRNG:
             self._locks = {k: _RNG_LOCKS.setdefault(k, threading.Lock())
                            for k in {d.rt.rng_key(d.index) for d in devs}}
 
-    def forward_all(self, run: Callable[[], Any]) -> Any:
+    def forward_all(self, run: Callable[[], Any], restore: Callable[[], None] = lambda: None) -> Any:
+        """``run()``: each replica has its own stream from the start, so no forward is done again
+        (``restore`` is never needed)."""
         return run()
 
     def on_device(self, j: int, fn: Callable[[], Any]) -> Any:
