@@ -62,7 +62,8 @@ def rel_err(a, b):
 def gpt2():
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                  eos_token_id=0)
     model = transformers.GPT2LMHeadModel(cfg)
     assert model.lm_head.weight is model.transformer.wte.weight  # tied embeddings
     return model
