@@ -72,11 +72,12 @@ def parse_step(args: Sequence[Any], g: int) -> StepCall:
     loss_fn = args[-1]
     if len(args) == 3:
         if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {_kind(loss_fn)}")
         parts, sizes = split_batch(args[0], args[1], g)
         return StepCall(parts, sizes, False, partial(_output_loss, loss_fn))
     if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {loss_fn!r}")
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {_kind(loss_fn)}"
+                        f" (step takes (batch, loss_fn) or (inputs, targets, loss_fn))")
     parts, sizes = split_nested(args[0], g)
     return StepCall(parts, sizes, True, partial(_model_loss, loss_fn))
 
