@@ -61,7 +61,11 @@ def split_batch(inputs: Any, targets: Any, g: int) -> tuple[list[Part], list[int
 def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int]]:
     """``batch`` split in device order into ``g`` parts of the same structure, and each part's size."""
     found: list[tuple[str, torch.Tensor]] = []
-    _map(batch, lambda t, where: found.append((where, t)) or t)
+
+    def note(t: torch.Tensor, where: str) -> torch.Tensor:
+        found.append((where, t))
+        return t
+    _map(batch, note)
     dims = Counter(t.shape[0] for _, t in found if t.dim() > 0)
     if not dims:
         raise ValueError(f"cannot split the batch across devices: it holds no tensor with a batch "
@@ -103,13 +107,14 @@ def _map(tree: Any, fn: Callable[[torch.Tensor, str], Any], where: str = "batch"
     if isinstance(tree, torch.Tensor):
         return fn(tree, where)
     if isinstance(tree, Mapping):
+        items = {k: _map(v, fn, f"{where}[{k!r}]") for k, v in tree.items()}
         try:
             out = copy.copy(tree)  # keeps the mapping's type and attributes (BatchEncoding, defaultdict)
-            for k, v in tree.items():
-                out[k] = _map(v, fn, f"{where}[{k!r}]")
+            for k, v in items.items():
+                out[k] = v
+            return out
         except TypeError:  # a read-only mapping: a dict of the same items
-            out = {k: _map(v, fn, f"{where}[{k!r}]") for k, v in tree.items()}
-        return out
+            return items
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a named tuple
         return type(tree)(*(_map(v, fn, f"{where}.{f}") for f, v in zip(tree._fields, tree)))
     if isinstance(tree, (tuple, list)):
