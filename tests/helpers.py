@@ -72,6 +72,43 @@ class WithBN(nn.Module):
         return self.fc2(torch.relu(self.bn(self.fc1(x))))
 
 
+class TokenLM(nn.Module):
+    """A per-token model: embedding, a layer that mixes the sequence, a tied output."""
+    def __init__(self, vocab=13, dim=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.out(torch.tanh(self.mix(h + h.mean(1, keepdim=True))))
+
+
+def token_batches(n_steps, n, t=6, seed=2):
+    """Padded sequences (label -100 on padding) of very different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_steps):
+        ids = torch.randint(0, 13, (n, t), generator=g)
+        lengths = torch.randint(1, t + 1, (n,), generator=g)
+        labels = torch.where(torch.arange(t) < lengths[:, None], torch.randint(0, 13, (n, t), generator=g), -100)
+        out.append({"ids": ids, "labels": labels})
+    return out
+
+
+def token_sum(m, b):
+    logits = m(b["ids"])
+    return (F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="sum"),
+            (b["labels"] != -100).sum())
+
+
+def token_mean(m, b):
+    return F.cross_entropy(m(b["ids"]).flatten(0, 1), b["labels"].flatten())  # ignore_index=-100
+
+
 def reference(model, make_opt, batches, loss_fn, n_parts=None):
     """Plain single-device autograd training. With ``n_parts``, the loss is the batch-weighted sum
     of the losses of the ``tensor_split`` parts (what data parallelism computes for models whose

@@ -12,7 +12,8 @@ from torch import nn
 import cgdp
 from cgdp.engine.batch import split_nested
 from cgdp.engine.losses import backward_weight
-from helpers import assert_params_close, assert_replicas_identical, mlp, reference_step2, train_step2
+from helpers import (TokenLM, assert_params_close, assert_replicas_identical, mlp, reference_step2,
+                     token_batches, token_mean, token_sum, train_step2)
 
 SGD = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
 ADAM = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
@@ -125,43 +126,6 @@ def test_loss_errors_are_clear_and_the_trainer_stays_usable():
         assert tr.step(data, kw_loss) > 0  # none of these broke it
         assert tr.step(data, loss_fn=kw_loss) > 0
         assert_replicas_identical(tr)
-
-
-class TokenLM(nn.Module):
-    """A per-token model: embedding, a layer that mixes the sequence, a tied output."""
-    def __init__(self, vocab=13, dim=8):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(vocab, dim)
-        self.mix = nn.Linear(dim, dim)
-        self.out = nn.Linear(dim, vocab, bias=False)
-        self.out.weight = self.emb.weight
-
-    def forward(self, ids):
-        h = self.emb(ids)
-        return self.out(torch.tanh(self.mix(h + h.mean(1, keepdim=True))))
-
-
-def token_batches(n_steps, n, t=6, seed=2):
-    """Padded sequences (label -100 on padding) of very different lengths."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n_steps):
-        ids = torch.randint(0, 13, (n, t), generator=g)
-        lengths = torch.randint(1, t + 1, (n,), generator=g)
-        labels = torch.where(torch.arange(t) < lengths[:, None], torch.randint(0, 13, (n, t), generator=g), -100)
-        out.append({"ids": ids, "labels": labels})
-    return out
-
-
-def token_sum(m, b):
-    logits = m(b["ids"])
-    return (F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="sum"),
-            (b["labels"] != -100).sum())
-
-
-def token_mean(m, b):
-    return F.cross_entropy(m(b["ids"]).flatten(0, 1), b["labels"].flatten())  # ignore_index=-100
 
 
 @pytest.mark.parametrize("g, mode", [(2, "cgdp"), (3, "cgdp"), (3, "typical"), (1, "single")])

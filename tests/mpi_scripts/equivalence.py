@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import cgdp
-from helpers import Gated, WithBN, assert_params_close, assert_replicas_identical, mlp, reference
+from helpers import (Gated, TokenLM, WithBN, assert_params_close, assert_replicas_identical, mlp, reference,
+                     reference_step2, token_batches, token_mean, token_sum)
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
@@ -33,14 +34,23 @@ def digest(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def case(name, model, make_opt, data, chunks, loss_fn=F.cross_entropy, n_parts=None):
-    ref, ref_losses = reference(model, make_opt, data, loss_fn, n_parts=n_parts)
+def case(name, model, make_opt, data, chunks, loss_fn=F.cross_entropy, n_parts=None, ref_loss_fn=None):
+    """``ref_loss_fn``: the two-argument form, dict batches, ``loss_fn(model, part)`` on every
+    device and ``ref_loss_fn(model, batch)`` for the reference on the whole batch."""
+    if ref_loss_fn is None:
+        ref, ref_losses = reference(model, make_opt, data, loss_fn, n_parts=n_parts)
+    else:
+        ref, ref_losses = reference_step2(model, make_opt, data, ref_loss_fn)
     with cgdp.Trainer(model, make_opt, ["cpu:0", "cpu:1"], chunks=chunks, comm="mpi",
                       timeout_s=30) as tr:
         losses = []
-        for x, y in data:
-            mine = torch.tensor_split(x, size)[rank], torch.tensor_split(y, size)[rank]
-            losses.append(tr.step(*mine, loss_fn))
+        for b in data:
+            if ref_loss_fn is None:
+                mine = torch.tensor_split(b[0], size)[rank], torch.tensor_split(b[1], size)[rank]
+                losses.append(tr.step(*mine, loss_fn))
+            else:
+                mine = {k: torch.tensor_split(v, size)[rank] for k, v in b.items()}
+                losses.append(tr.step(mine, loss_fn))
             assert_replicas_identical(tr)
             digests = world.allgather(digest(tr.replicas[0]))
             assert len(set(digests)) == 1, f"{name}: ranks differ after step {len(losses)}"
@@ -67,3 +77,6 @@ for x, _ in gated:
 case("gated-layer-used-on-one-rank", Gated(), SGD, gated, chunks=1)
 # BatchNorm statistics: batch-weighted mean over all devices of all ranks
 case("batchnorm", WithBN(), SGD, batches(3, 12, dim=6, classes=3), chunks=1, n_parts=2 * size)
+# (loss_sum, count): padded sequences; the counts of all devices of all ranks make the token mean
+case("token-sum-count", TokenLM(), SGD, token_batches(3, 9), chunks=1, loss_fn=token_sum,
+     ref_loss_fn=token_mean)
