@@ -176,7 +176,13 @@ def backward_weight(w: float, dtype: torch.dtype, device: torch.device) -> torch
 
 def ambient_autocast(device_type: str) -> Callable[[], ContextManager[Any]]:
     """A context factory that re-enters the calling thread's autocast state for ``device_type``."""
-    if not torch.is_autocast_enabled(device_type):
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError):  # torch < 2.4: one function per device type
+        cpu = device_type == "cpu"
+        enabled = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
+        dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
+    if not enabled:
         return contextlib.nullcontext
-    return partial(torch.autocast, device_type, dtype=torch.get_autocast_dtype(device_type),
-                   cache_enabled=torch.is_autocast_cache_enabled())
+    return partial(torch.autocast, device_type, dtype=dtype, cache_enabled=torch.is_autocast_cache_enabled())
