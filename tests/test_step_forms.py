@@ -238,6 +238,15 @@ def test_autocast_around_step_applies_on_every_device(g):
                 tr.step(b, _amp_loss(seen))
             assert_replicas_identical(tr)
     assert seen == {torch.bfloat16}  # every device's forward ran under autocast
+    with cgdp.Trainer(copy.deepcopy(model), SGD, devs(g)) as tr:  # the three-argument form too
+        outputs = set()
+
+        def record(out, y):
+            outputs.add(out.dtype)
+            return F.cross_entropy(out, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            tr.step(*data[0], record)
+        assert outputs == {torch.bfloat16}
     # exact against one device running the same bf16 computations on the same parts
     assert_params_close(got, _single_amp(model, data, parts=g), rtol=1e-5)
 
