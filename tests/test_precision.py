@@ -106,7 +106,7 @@ def test_mixed_dtypes_are_refused_clearly():
     model = mlp()
     model[0].to(torch.bfloat16)
     with pytest.raises(TypeError, match=r"share one dtype.*model.to\(torch.bfloat16\)"):
-        cgdp.Trainer(model, SGD, ["cpu:0"])
+        cgdp.Trainer(copy.deepcopy(model), SGD, ["cpu:0"])
     with pytest.raises(TypeError, match="float32, float64, bfloat16 or float16"):
         cgdp.Trainer(mlp().to(torch.complex64), SGD, ["cpu:0"])
 
@@ -118,7 +118,7 @@ def test_two_ranks_round_after_the_allreduce_as_one_rank_rounds_after_its_sum():
     model, data = mlp().to(torch.bfloat16), batches(3, 10)
     kw = dict(clip_grad_norm=0.05, chunks=1)
     loss = lambda out, t: F.cross_entropy(out.float(), t)  # noqa: E731
-    with cgdp.Trainer(model, SGD, ["cpu:0", "cpu:1"], **kw) as tr:
+    with cgdp.Trainer(copy.deepcopy(model), SGD, ["cpu:0", "cpu:1"], **kw) as tr:
         norms = []
         for x, y in data:
             tr.step(x.bfloat16(), y, loss)
@@ -126,7 +126,7 @@ def test_two_ranks_round_after_the_allreduce_as_one_rank_rounds_after_its_sum():
         one = {k: v.clone() for k, v in tr.replicas[0].state_dict().items()}
 
     def rank(comm):
-        with cgdp.Trainer(model, SGD, ["cpu:0"], comm=comm, timeout_s=30, **kw) as tr:
+        with cgdp.Trainer(copy.deepcopy(model), SGD, ["cpu:0"], comm=comm, timeout_s=30, **kw) as tr:
             got = []
             for x, y in data:
                 tr.step(torch.tensor_split(x, 2)[comm.rank].bfloat16(),

@@ -46,7 +46,7 @@ def reference(model, make_opt, data, *, clip=None, scheduler=None):
 
 
 def train(model, make_opt, devices, data, **kw):
-    with cgdp.Trainer(model, make_opt, devices, **kw) as tr:
+    with cgdp.Trainer(copy.deepcopy(model), make_opt, devices, **kw) as tr:
         norms, losses = [], []
         for x, y in data:
             losses.append(tr.step(x, y, F.cross_entropy))
@@ -87,7 +87,7 @@ def test_host_norm_is_the_global_norm_across_ranks(micro):
     ref, ref_norms, _ = reference(model, SGD, data, clip=MAX_NORM)
 
     def rank(comm):
-        with cgdp.Trainer(model, SGD, devs(2), comm=comm, timeout_s=30, clip_grad_norm=MAX_NORM,
+        with cgdp.Trainer(copy.deepcopy(model), SGD, devs(2), comm=comm, timeout_s=30, clip_grad_norm=MAX_NORM,
                           chunks=1, micro_batches=micro) as tr:
             norms = []
             for x, y in data:
@@ -138,7 +138,7 @@ def test_micro_batches_with_clipping_and_data_dependent_layers():
         F.mse_loss(ref(x), y).backward()
         torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], MAX_NORM)
         opt.step()
-    with cgdp.Trainer(model, SGD, devs(2), micro_batches=3, clip_grad_norm=MAX_NORM) as tr:
+    with cgdp.Trainer(copy.deepcopy(model), SGD, devs(2), micro_batches=3, clip_grad_norm=MAX_NORM) as tr:
         for x, y in data:
             tr.step(x, y, F.mse_loss)
             assert_replicas_identical(tr)
@@ -148,7 +148,7 @@ def test_micro_batches_with_clipping_and_data_dependent_layers():
 
 def test_chunks_travel_in_the_last_micro_batch_only():
     model, data = mlp(), batches(1, 12)
-    with cgdp.Trainer(model, SGD, devs(2), micro_batches=3, chunks=1) as tr:
+    with cgdp.Trainer(copy.deepcopy(model), SGD, devs(2), micro_batches=3, chunks=1) as tr:
         sends = []
         for j, dev in enumerate(tr._devs):
             def send(*args, _orig=dev.send, _j=j):
@@ -178,11 +178,11 @@ def test_scheduler_equals_one_device_and_is_saved(g):
     assert_params_close(got, ref)
     assert state["scheduler"]["last_epoch"] == 5
     # resumed from a checkpoint after 3 steps, it ends where uninterrupted training ends
-    with cgdp.Trainer(model, SGD, devs(g), scheduler=STEP_LR) as tr:
+    with cgdp.Trainer(copy.deepcopy(model), SGD, devs(g), scheduler=STEP_LR) as tr:
         for x, y in data[:3]:
             tr.step(x, y, F.cross_entropy)
         mid = copy.deepcopy(tr.state_dict())
-    with cgdp.Trainer(model, SGD, devs(g), scheduler=STEP_LR) as tr:
+    with cgdp.Trainer(copy.deepcopy(model), SGD, devs(g), scheduler=STEP_LR) as tr:
         tr.load_state_dict(mid)
         assert [o.param_groups[0]["lr"] for o in tr.optimizers] == [0.05 * 0.5] * g
         for x, y in data[3:]:
@@ -192,7 +192,7 @@ def test_scheduler_equals_one_device_and_is_saved(g):
 
 def test_scheduler_does_not_step_after_a_rejected_update():
     model = mlp()
-    with cgdp.Trainer(model, SGD, devs(2), scheduler=STEP_LR) as tr:
+    with cgdp.Trainer(copy.deepcopy(model), SGD, devs(2), scheduler=STEP_LR) as tr:
         x, y = batches(1, 8)[0]
         bad = x.clone()
         bad[0, 0] = float("nan")
@@ -213,7 +213,7 @@ def test_scheduler_must_be_a_factory():
 # ---------------------------------------------------------------------------------- hyperparameters
 def test_changing_one_replica_only_is_an_error_and_the_trainer_stays_usable():
     model, data = mlp(), batches(2, 8)
-    with cgdp.Trainer(model, SGD, devs(3)) as tr:
+    with cgdp.Trainer(copy.deepcopy(model), SGD, devs(3)) as tr:
         tr.step(*data[0], F.cross_entropy)
         before = copy.deepcopy(tr.replicas[0].state_dict())
         tr.optimizers[0].param_groups[0]["lr"] = 0.01
@@ -234,7 +234,7 @@ def test_ranks_with_different_hyperparameters_reject_the_step_together():
     model, data = mlp(), batches(2, 8)
 
     def rank(comm):
-        with cgdp.Trainer(model, SGD, devs(2), comm=comm, timeout_s=30) as tr:
+        with cgdp.Trainer(copy.deepcopy(model), SGD, devs(2), comm=comm, timeout_s=30) as tr:
             x, y = (torch.tensor_split(t, 2)[comm.rank] for t in data[0])
             tr.step(x, y, F.cross_entropy)
             if comm.rank == 1:
