@@ -77,7 +77,8 @@ def test_split_keeps_structure_and_splits_only_batch_tensors():
     other = torch.randn(4, 3)
     batch = OrderedDict(enc=BatchEncoding({"input_ids": ids, "attention_mask": ids > 3}),
                         pair=Pair(ids[:, 0], [other, "text", 3]), scalar=torch.tensor(2.0), none=None)
-    parts, sizes = split_nested(batch, g)
+    parts, sizes, whole = split_nested(batch, g)
+    assert whole == {id(other), id(batch["scalar"])}
     assert sizes == [3, 2, 2]
     for j, part in enumerate(parts):
         assert type(part) is OrderedDict and type(part["enc"]) is BatchEncoding
@@ -90,7 +91,7 @@ def test_split_keeps_structure_and_splits_only_batch_tensors():
         assert part["scalar"] is batch["scalar"] and part["none"] is None
     assert batch["enc"]["input_ids"] is ids  # the caller's batch is left as it was
     t = torch.randn(5, 2)
-    parts, sizes = split_nested(t, 2)
+    parts, sizes, _ = split_nested(t, 2)
     assert sizes == [3, 2] and torch.equal(torch.cat(parts), t)
 
 
@@ -144,6 +145,20 @@ def test_sum_count_loss_is_the_global_token_mean(g, mode):
     train_step2(model, ADAM, g, data, token_mean)
     err = max(((p - q).abs().max() / q.abs().max()).item() for p, q in zip(model.parameters(), ref.parameters()))
     assert err > 1e-3
+
+
+def test_nested_batch_with_micro_batches_and_sum_count_limits():
+    """Micro-batches split each device's nested part again; a mean loss is exact, a pair is
+    refused with a clear error (its weight needs every micro-batch's count first)."""
+    model = KwNet()
+    data = kw_batches(2, 15)  # 5 samples per device: the (5,) offset must stay whole in micro-batches
+    ref, _ = reference_step2(model, ADAM, data, kw_loss)
+    train_step2(model, ADAM, 3, data, kw_loss, micro_batches=2)
+    assert_params_close(model, ref)
+    with cgdp.Trainer(TokenLM(), ADAM, devs(2), micro_batches=2) as tr:
+        with pytest.raises(NotImplementedError, match="not supported with micro-batches"):
+            tr.step(token_batches(1, 8)[0], token_sum)
+        tr.step(token_batches(1, 8)[0], token_mean)  # still usable
 
 
 def test_sum_count_loss_over_ranks_is_the_global_token_mean():

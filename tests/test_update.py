@@ -87,7 +87,8 @@ def test_host_norm_is_the_global_norm_across_ranks(micro):
     ref, ref_norms, _ = reference(model, SGD, data, clip=MAX_NORM)
 
     def rank(comm):
-        with cgdp.Trainer(copy.deepcopy(model), SGD, devs(2), comm=comm, timeout_s=30, clip_grad_norm=MAX_NORM,
+        with cgdp.Trainer(copy.deepcopy(model), SGD, devs(2), comm=comm, timeout_s=30,
+                          clip_grad_norm=MAX_NORM,
                           chunks=1, micro_batches=micro) as tr:
             norms = []
             for x, y in data:

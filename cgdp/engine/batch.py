@@ -58,8 +58,10 @@ def split_batch(inputs: Any, targets: Any, g: int) -> tuple[list[Part], list[int
     return parts, [int(s.shape[0]) for s in split_y]
 
 
-def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int]]:
-    """``batch`` split in device order into ``g`` parts of the same structure, and each part's size."""
+def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int], frozenset[int]]:
+    """``batch`` split in device order into ``g`` parts of the same structure, each part's size,
+    and the ids of the tensors that went whole into every part (micro-batches leave them whole
+    too, whatever their first dimension)."""
     found: list[tuple[str, torch.Tensor]] = []
 
     def note(t: torch.Tensor, where: str) -> torch.Tensor:
@@ -82,19 +84,8 @@ def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int]]:
     if n < g:
         raise ValueError(f"a batch of {n} sample(s) cannot be split across {g} devices; "
                          f"use a batch of at least {g} (one sample per device)")
-    splits: dict[int, tuple[torch.Tensor, ...]] = {}
-
-    def piece(j: int) -> Callable[[torch.Tensor, str], Any]:
-        def take(t: torch.Tensor, where: str) -> torch.Tensor:
-            if t.dim() == 0 or t.shape[0] != n:
-                return t
-            if id(t) not in splits:
-                splits[id(t)] = torch.tensor_split(t, g)
-            return splits[id(t)][j]
-        return take
-
-    parts = [_map(batch, piece(j)) for j in range(g)]
-    return parts, [n // g + (1 if j < n % g else 0) for j in range(g)]
+    whole = frozenset(id(t) for _, t in found if t.dim() == 0 or t.shape[0] != n)
+    return split_tree(batch, n, g), [n // g + (1 if j < n % g else 0) for j in range(g)], whole
 
 
 def to_device(part: Any, device: torch.device) -> Any:
@@ -141,24 +132,26 @@ def check_micro_batches(k: Any) -> int:
     return k
 
 
-def split_tree(tree: Any, n: int, k: int) -> list[Any]:
+def split_tree(tree: Any, n: int, k: int, whole: frozenset[int] = frozenset()) -> list[Any]:
     """``tree`` (a tensor, or any nesting of tuples, lists and mappings) in ``k`` pieces: every
-    tensor whose first dimension is ``n`` is split as ``torch.tensor_split`` does, every other
-    value goes whole into each piece."""
-    if isinstance(tree, torch.Tensor):
-        if tree.dim() and tree.shape[0] == n:
-            return list(torch.tensor_split(tree, k))
-        return [tree] * k
-    if isinstance(tree, Mapping):
-        split = {key: split_tree(v, n, k) for key, v in tree.items()}
-        return [type(tree)({key: s[i] for key, s in split.items()}) for i in range(k)]
-    if isinstance(tree, (tuple, list)):
-        split = [split_tree(v, n, k) for v in tree]
-        return [type(tree)(s[i] for s in split) for i in range(k)]
-    return [tree] * k
+    tensor whose first dimension is ``n`` (and whose id is not in ``whole``) is split as
+    ``torch.tensor_split`` does, every other value goes whole into each piece."""
+    splits: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def piece(i: int) -> Callable[[torch.Tensor, str], Any]:
+        def take(t: torch.Tensor, where: str) -> torch.Tensor:
+            if id(t) in whole or t.dim() == 0 or t.shape[0] != n:
+                return t
+            if id(t) not in splits:
+                splits[id(t)] = torch.tensor_split(t, k)
+            return splits[id(t)][i]
+        return take
+
+    return [_map(tree, piece(i)) for i in range(k)]
 
 
-def micro_rounds(parts: list[Any], sizes: list[int], total: int, k: int) -> list[tuple[list[Any], list[float]]]:
+def micro_rounds(parts: list[Any], sizes: list[int], total: int, k: int,
+                 whole: frozenset[int] = frozenset()) -> list[tuple[list[Any], list[float]]]:
     """Each device's part in ``k`` micro-batches, grouped by round: round i holds every device's
     i-th micro-batch and its weight (its samples / ``total``), so that the weights of all rounds
     and devices sum to the global batch's. With ``k == 1``: one round, the parts themselves."""
@@ -169,7 +162,7 @@ def micro_rounds(parts: list[Any], sizes: list[int], total: int, k: int) -> list
         raise ValueError(f"micro_batches={k} needs at least {k} samples on every device, but device "
                          f"{short[0]} gets {sizes[short[0]]} of this batch; use a larger batch or fewer "
                          f"micro-batches")
-    split = [split_tree(part, n, k) for part, n in zip(parts, sizes)]
+    split = [split_tree(part, n, k, whole) for part, n in zip(parts, sizes)]
     return [([s[i] for s in split], [_micro_size(n, k, i) / total for n in sizes]) for i in range(k)]
 
 

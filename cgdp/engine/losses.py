@@ -62,6 +62,8 @@ class StepCall:
     """The two-argument form ``step(batch, loss_fn)``."""
     compute: Callable[[nn.Module, Any, torch.device], DeviceLoss]
     """``compute(replica, part, device)``: forward and loss, on the device's thread."""
+    whole: frozenset[int] = frozenset()
+    """Ids of the batch's tensors that every part holds whole (micro-batches keep them whole)."""
 
 
 def parse_step(args: Sequence[Any], g: int) -> StepCall:
@@ -78,8 +80,8 @@ def parse_step(args: Sequence[Any], g: int) -> StepCall:
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {_kind(loss_fn)}"
                         f" (step takes (batch, loss_fn) or (inputs, targets, loss_fn))")
-    parts, sizes = split_nested(args[0], g)
-    return StepCall(parts, sizes, True, partial(_model_loss, loss_fn))
+    parts, sizes, whole = split_nested(args[0], g)
+    return StepCall(parts, sizes, True, partial(_model_loss, loss_fn), whole)
 
 
 def _output_loss(loss_fn: Callable, model: nn.Module, part: tuple[Any, torch.Tensor],

@@ -253,7 +253,7 @@ class Trainer:
         for d in self._devs:
             d.check_caller()
         self._weights, total = batch_weights(call.sizes, self._comm)
-        rounds = micro_rounds(call.parts, call.sizes, total, self._micro)
+        rounds = micro_rounds(call.parts, call.sizes, total, self._micro, call.whole)
         amp = ambient_autocast(self._devs[0].torch_device.type)  # thread-local: captured here
 
         tuning = self._tuner_plan()
