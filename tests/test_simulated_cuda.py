@@ -28,7 +28,7 @@ def data(n_steps=3, n=11, shape=(12,), classes=5, seed=0):
 
 def train(devices, batches, model=None, opt=SGD, check=True, **kw):
     model = model or mlp()
-    with cgdp.Trainer(model, opt, devices, **kw) as tr:
+    with cgdp.Trainer(copy.deepcopy(model), opt, devices, **kw) as tr:
         for x, y in batches:
             tr.step(x, y, F.cross_entropy)
             if check:
@@ -327,7 +327,8 @@ def test_two_ranks_on_simulated_gpus_equal_single_device_training():
     ref, _ = reference(model, SGD, batches, F.cross_entropy)
 
     def rank(comm):
-        with cgdp.Trainer(model, SGD, ["cuda:0", "cuda:1"], chunks=2, comm=comm, timeout_s=30) as tr:
+        with cgdp.Trainer(copy.deepcopy(model), SGD, ["cuda:0", "cuda:1"], chunks=2, comm=comm,
+                          timeout_s=30) as tr:
             for x, y in batches:
                 tr.step(torch.tensor_split(x, 2)[comm.rank], torch.tensor_split(y, 2)[comm.rank],
                         F.cross_entropy)
