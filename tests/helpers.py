@@ -148,10 +148,12 @@ def reference_step2(model, make_opt, batches, loss_fn):
 
 
 def train_step2(model, make_opt, g, batches, loss_fn, **kw):
-    """``model`` trained in place by ``step(batch, loss_fn)`` on g emulated devices, replicas
-    checked identical after every step; the losses ``step`` returned."""
+    """``model`` trained in place by ``step(batch, loss_fn)`` on g emulated devices (or the
+    device list g), replicas checked identical after every step; the losses ``step`` returned."""
     import cgdp
-    with cgdp.Trainer(model, make_opt, [f"cpu:{i}" for i in range(g)], **kw) as tr:
+    devices = [f"cpu:{i}" for i in range(g)] if isinstance(g, int) else g
+    with cgdp.Trainer(model, make_opt, devices, **kw) as tr:
+        assert tr.replicas[0] is model
         losses = []
         for b in batches:
             losses.append(tr.step(b, loss_fn))

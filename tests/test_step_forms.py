@@ -272,3 +272,17 @@ def test_autocast_around_step_applies_on_every_device(g):
     whole = _single_amp(model, data)
     bf16_itself = err(whole, _single_amp(model, data, amp=False))
     assert 1e-4 < bf16_itself and err(got, whole) <= 2 * bf16_itself
+
+
+def test_sum_count_loss_over_the_cuda_backend():
+    """The two-argument form through the CUDA backend (simulated runtime): the model is replica 0,
+    (loss_sum, count) gives the global token mean."""
+    from cgdp.testing import simulated_cuda
+    model = TokenLM()
+    data = token_batches(3, 7)
+    ref, ref_losses = reference_step2(model, SGD, data, token_mean)
+    with simulated_cuda(2, seed=3):
+        losses = train_step2(model, SGD, ["cuda:0", "cuda:1"], data, token_sum)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_params_close(model, ref)
+
