@@ -106,7 +106,8 @@ def test_a_missing_wait_before_the_update_shows_as_a_wrong_result(monkeypatch):
 
 
 def test_a_host_sum_before_the_copy_landed_shows_as_a_wrong_result(monkeypatch):
-    """Break the other ordering: the host is told a chunk arrived when its copy was issued."""
+    """Break the other ordering: the host is told a chunk arrived when its copy was issued. The
+    early sum reads slots the copies have not filled: wrong parameters, or NaN caught as such."""
     batches = data(2)
     model = mlp()
     ref, _ = reference(model, SGD, batches, F.cross_entropy)
@@ -119,7 +120,10 @@ def test_a_host_sum_before_the_copy_landed_shows_as_a_wrong_result(monkeypatch):
     monkeypatch.setattr(cuda_backend.CudaDevice, "send", early)
     slow_stream(monkeypatch, "send", "d2h")
     with simulated_cuda(2, seed=5, max_delay_s=0.003):
-        _, got = train(["cuda:0", "cuda:1"], batches, model, check=False, chunks=1)
+        try:
+            _, got = train(["cuda:0", "cuda:1"], batches, model, check=False, chunks=1)
+        except cgdp.NonFiniteGradientError:
+            return  # the host summed slots the copies had not filled yet (uninitialised memory)
     assert any((a - b).abs().max() > 1e-5 * b.abs().max() for a, b in zip(got, ref.parameters()))
 
 
