@@ -517,3 +517,27 @@ def test_readme_example_runs():
     assert blocks, "README has no cgdp.DataParallel example"
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
+
+
+def test_close_frees_the_other_replicas_held_by_the_users_optimizer():
+    """The mirror optimizers hold replica j's parameters and optimizer state; after close() the
+    user's optimizer (alive, with its load hook) must not keep them, nor reload them."""
+    import gc
+    import weakref
+    net = mlp()
+    model = cgdp.DataParallel(net, devices=devs(2), chunks=1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for x, y in batches(2, 8):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    other = [weakref.ref(p) for p in model.replicas[1].parameters()]
+    model.close()
+    del model
+    gc.collect()
+    assert all(r() is None for r in other)
+    opt.load_state_dict(opt.state_dict())  # no mirror left to reload
+    before = [p.detach().clone() for p in net.parameters()]
+    F.cross_entropy(net(batches(1, 8)[0][0]), batches(1, 8)[0][1]).backward()
+    opt.step()  # replica 0 alone, as any optimizer
+    assert any(not torch.equal(a, p) for a, p in zip(before, net.parameters()))

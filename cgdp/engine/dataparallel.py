@@ -48,6 +48,7 @@ import copy
 import threading
 import time
 import warnings
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence
 
@@ -120,6 +121,8 @@ class DataParallel(nn.Module):
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
         self._load_hook = None
+        self.mirrors: weakref.WeakSet = weakref.WeakSet()
+        """The :class:`~cgdp.engine.mirror.Mirror` of each optimizer that stepped this model."""
         self._comm: Comm | None = None
         try:
             self._comm = make_comm(comm, timeout_s=timeout_s)
@@ -251,6 +254,8 @@ class DataParallel(nn.Module):
             self._threads.close()
         if self._stream is not None:
             mirror.unregister(list(self.module.parameters()))
+            for m in list(self.mirrors):  # they hold the other replicas' parameters and state
+                m.detach()
             if self._load_hook is not None:
                 self._load_hook.remove()
             kept = [None if p.grad is None else p.grad.clone() for p in self._stream.params[0]]

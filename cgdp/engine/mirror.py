@@ -106,7 +106,16 @@ class Mirror:
         self.maps = dp.parameter_maps()
         self.inflight: list[Future] = []
         self.mirrors = [self._build(j) for j in range(1, len(self.maps) + 1)]
-        opt.register_load_state_dict_post_hook(self._reload)
+        self._load_hook = opt.register_load_state_dict_post_hook(self._reload)
+        dp.mirrors.add(self)
+
+    def detach(self) -> None:
+        """The ``DataParallel`` closed: drop the mirror optimizers (the other replicas' parameters
+        and optimizer state) and the hook on the user's optimizer, which steps replica 0 alone."""
+        self._load_hook.remove()
+        self.mirrors, self.maps, self.inflight = [], [], []
+        if self.opt.__dict__.get(_ATTR) is self:
+            del self.opt.__dict__[_ATTR]
 
     def _groups(self, j: int, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mapping = self.maps[j - 1]
