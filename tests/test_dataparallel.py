@@ -541,3 +541,23 @@ def test_close_frees_the_other_replicas_held_by_the_users_optimizer():
     F.cross_entropy(net(batches(1, 8)[0][0]), batches(1, 8)[0][1]).backward()
     opt.step()  # replica 0 alone, as any optimizer
     assert any(not torch.equal(a, p) for a, p in zip(before, net.parameters()))
+
+
+def test_modes_set_on_replica_0_alone_reach_every_replica():
+    """net.eval() (or BatchNorm frozen on model.module) without model.eval(): every replica must
+    run in replica 0's modes, or inference differs by row and running statistics change."""
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 2))
+    with cgdp.DataParallel(net, devices=devs(2)) as model:
+        x = torch.randn(6, 8)
+        model(x)  # a training forward: the replicas' running statistics move
+        net.eval()
+        stats = net[1].running_mean.clone()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), net(x), rtol=1e-5, atol=1e-6)
+        assert torch.equal(net[1].running_mean, stats)
+        net.train()
+        net[1].eval()  # frozen BatchNorm while the rest trains
+        model(x).sum().backward()
+        assert [m.training for m in model.replicas[1].modules()] == [m.training for m in net.modules()]
+        assert torch.equal(net[1].running_mean, stats)
+        assert torch.equal(model.replicas[1][1].running_mean, stats)

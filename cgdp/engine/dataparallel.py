@@ -143,6 +143,7 @@ class DataParallel(nn.Module):
         object.__setattr__(self, "_replicas", reps)  # not submodules: parameters() is replica 0's
         params = [[p for layer in find_layers(r)[1] for p in layer] for r in reps]
         self._buffers_f = [[b for b in r.buffers() if b.is_floating_point()] for r in reps]
+        self._submodules = [list(r.modules()) for r in reps]  # same order on every replica
         layer_pids, n = [], 0
         for layer in layer_params:
             layer_pids.append(list(range(n, n + len(layer))))
@@ -188,6 +189,7 @@ class DataParallel(nn.Module):
         devs = self._devs
         for d in devs:
             d.check_caller()  # CUDA: the replicas run on the default streams, as must the gather
+        self._copy_modes()
         parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
         g = len(parts)
         in_caller = _caller_context()
@@ -198,7 +200,7 @@ class DataParallel(nn.Module):
             return self._rng.on_device(j, lambda: in_caller(lambda: self._replicas[j](*parts[j][0], **parts[j][1])))
 
         outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on))
-        if self.training and self._buffers_f[0] and (len(devs) > 1 or self._comm is not None):
+        if self.module.training and self._buffers_f[0] and (len(devs) > 1 or self._comm is not None):
             weights, _ = batch_weights(sizes, self._comm)  # over all ranks with a comm
             # through .data: the graph just built saved these buffers (BatchNorm), and an in-place
             # write through the tensors would bump their version and fail its backward
@@ -237,6 +239,15 @@ class DataParallel(nn.Module):
         self._grads.record()
         self._host_fresh = False
         return total
+
+    def _copy_modes(self) -> None:
+        """Every replica's modules take replica 0's train/eval modes: ``net.eval()`` or a frozen
+        BatchNorm set on ``model.module`` alone must not leave the other replicas training."""
+        flags = [m.training for m in self._submodules[0]]
+        for mods in self._submodules[1:]:
+            for m, f in zip(mods, flags):
+                if m.training is not f:
+                    m.training = f
 
     def train(self, mode: bool = True) -> "DataParallel":
         super().train(mode)
