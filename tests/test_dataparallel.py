@@ -561,3 +561,36 @@ def test_modes_set_on_replica_0_alone_reach_every_replica():
         assert [m.training for m in model.replicas[1].modules()] == [m.training for m in net.modules()]
         assert torch.equal(net[1].running_mean, stats)
         assert torch.equal(model.replicas[1][1].running_mean, stats)
+
+
+def test_freezing_after_wrapping_equals_one_device_and_unfreezing_is_an_error():
+    """requires_grad set on model.module after wrapping: a freeze reaches every replica (before,
+    the other replicas' gradients still updated the frozen layer); unfreezing a layer frozen at
+    wrapping would leave the replicas drifting apart, so it is a clear error."""
+    net = mlp()
+    first = next(net.children())
+    ref = copy.deepcopy(net)
+    ref_first = next(ref.children())
+    data = batches(4, 8)
+    with cgdp.DataParallel(net, devices=devs(2), chunks=1) as model:
+        ro, mo = SGD(ref.parameters()), SGD(model.parameters())
+        for i, (x, y) in enumerate(data):
+            if i == 2:
+                for p in list(first.parameters()) + list(ref_first.parameters()):
+                    p.requires_grad_(False)
+            for o in (ro, mo):
+                o.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            F.cross_entropy(model(x), y).backward()
+            ro.step()
+            mo.step()
+            assert_replicas_identical(model)
+        assert_params_close(net, ref)
+    frozen = mlp()
+    for p in next(frozen.children()).parameters():
+        p.requires_grad_(False)
+    with cgdp.DataParallel(frozen, devices=devs(2)) as model:
+        for p in next(frozen.children()).parameters():
+            p.requires_grad_(True)
+        with pytest.raises(RuntimeError, match="frozen when cgdp.DataParallel was built"):
+            model(data[0][0])

@@ -144,6 +144,9 @@ class DataParallel(nn.Module):
         params = [[p for layer in find_layers(r)[1] for p in layer] for r in reps]
         self._buffers_f = [[b for b in r.buffers() if b.is_floating_point()] for r in reps]
         self._submodules = [list(r.modules()) for r in reps]  # same order on every replica
+        self._all_params = [list(r.parameters()) for r in reps]
+        self._wrapped_trainable = [p.requires_grad for p in self._all_params[0]]
+        self._trainable = list(self._wrapped_trainable)
         layer_pids, n = [], 0
         for layer in layer_params:
             layer_pids.append(list(range(n, n + len(layer))))
@@ -190,6 +193,7 @@ class DataParallel(nn.Module):
         for d in devs:
             d.check_caller()  # CUDA: the replicas run on the default streams, as must the gather
         self._copy_modes()
+        self._copy_requires_grad()
         parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
         g = len(parts)
         in_caller = _caller_context()
@@ -248,6 +252,23 @@ class DataParallel(nn.Module):
             for m, f in zip(mods, flags):
                 if m.training is not f:
                     m.training = f
+
+    def _copy_requires_grad(self) -> None:
+        """Parameters frozen on replica 0 after wrapping are frozen on every replica; one that was
+        frozen when wrapped has no place in the flat buffers and cannot start training."""
+        now = [p.requires_grad for p in self._all_params[0]]
+        if now == self._trainable:
+            return
+        names = [n for (n, _), was, r in zip(self.module.named_parameters(), self._wrapped_trainable, now)
+                 if r and not was]
+        if names:
+            raise RuntimeError(f"parameters frozen when cgdp.DataParallel was built now require grad "
+                               f"({', '.join(names[:5])}); unfreeze them before wrapping, or wrap "
+                               f"model.module again after close()")
+        for params in self._all_params[1:]:
+            for q, r in zip(params, now):
+                q.requires_grad_(r)
+        self._trainable = now
 
     def train(self, mode: bool = True) -> "DataParallel":
         super().train(mode)
