@@ -594,3 +594,38 @@ def test_freezing_after_wrapping_equals_one_device_and_unfreezing_is_an_error():
             p.requires_grad_(True)
         with pytest.raises(RuntimeError, match="frozen when cgdp.DataParallel was built"):
             model(data[0][0])
+
+
+class _Temperature(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 16), nn.Linear(16, 5)
+        self.temp = nn.Parameter(torch.tensor(1.5))  # used by the loss only, not in forward
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+@pytest.mark.parametrize("how", ["zero_grad", "accumulate", "no_sync"])
+def test_parameter_used_only_in_the_loss(how):
+    """Autograd reaches such a parameter (its AccumulateGrad runs first) before the gather's
+    backward arms the engine; its gradient was dropped (.grad None, never updated)."""
+    net = _Temperature()
+    ref = copy.deepcopy(net)
+    data = batches(6, 10)
+    with cgdp.DataParallel(net, devices=devs(3), chunks=1) as model:
+        ro, mo = SGD(ref.parameters()), SGD(model.parameters())
+        for i, (x, y) in enumerate(data):
+            if how == "zero_grad" or i % 2 == 0:
+                ro.zero_grad()
+                mo.zero_grad()
+            F.cross_entropy(ref(x) / ref.temp, y).backward()
+            quiet = model.no_sync() if how == "no_sync" and i % 2 == 0 else contextlib.nullcontext()
+            with quiet:
+                F.cross_entropy(model(x) / net.temp, y).backward()
+            if how == "zero_grad" or i % 2 == 1:
+                torch.testing.assert_close(net.temp.grad, ref.temp.grad, rtol=1e-5, atol=1e-7)
+                ro.step()
+                mo.step()
+                assert_replicas_identical(model)
+        assert_params_close(net, ref)

@@ -26,6 +26,9 @@ class DeviceHooks:
         self.pending: list[int] = []
         self.sent: list[bool] = []
         self.touched = bytearray(len(params))
+        self.replaced = bytearray(len(params))
+        """Per parameter: the hook found ``.grad`` replaced (None before this backward) and put
+        the view back, overwriting the view's old contents."""
         self.ready_at: list[Any] = [0.0] * len(params)
         self.streaming = False
         """True in mode 'cgdp': hooks send chunks. Otherwise they only mark parameters touched."""
@@ -52,6 +55,7 @@ class DeviceHooks:
                 # then stores a new tensor instead of adding into the flat buffer. Put it back.
                 view.copy_(p.grad)
                 p.grad = view
+                self.replaced[pid] = 1
             self.touched[pid] = 1
             if self.timing:
                 self.ready_at[pid] = self._stamp()

@@ -57,6 +57,11 @@ class ReplicaGrads:
         st = self.stream
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]
+        # hooks that ran since the last record: this backward already reached parameters that it
+        # does not reach through the gathered output (one used only in the loss, as a learnable
+        # temperature), before this gather's backward; autograd's add is then no user edit
+        early = st.touched() > 0
+        self.has_grad |= early
         edited = st.flats[0]._version != self.versions[0]
         with torch.no_grad():
             if all(g is None for g in grads):  # zero_grad(): a new accumulation from zero
@@ -64,7 +69,11 @@ class ReplicaGrads:
                     flat.zero_()
                 self.has_grad[:] = False
             else:
-                if edited and not self.synced_last:
+                if not self.synced_last:  # early gradients that replaced a None .grad: zero_grad
+                    for pid in np.flatnonzero(early & (np.frombuffer(st.hooks[0].replaced, np.uint8) > 0)):
+                        for hooks in st.hooks[1:]:
+                            hooks.views[pid].zero_()
+                if edited and not self.synced_last and not early.any():
                     # inside a no_sync window the other replicas hold their own partial sums; only
                     # zeroing replica 0 (zero_grad(set_to_none=False)) has a meaning for them
                     if bool(st.flats[0].any()):  # note: a CPU-GPU sync point, on this rare path only
@@ -143,6 +152,9 @@ class ReplicaGrads:
     def record(self) -> None:
         """The buffers as they are now are cgdp's doing (after a backward, a clip, a mirror)."""
         self.versions = [f._version for f in self.stream.flats]
+        for hooks in self.stream.hooks:  # from here on, a hook that runs is a new backward's
+            hooks.touched[:] = bytes(len(hooks.touched))
+            hooks.replaced[:] = bytes(len(hooks.replaced))
 
     def _attach(self) -> None:
         """Every ``.grad`` is its view into the flat buffer (autograd adds into it in place)."""
