@@ -629,3 +629,28 @@ def test_parameter_used_only_in_the_loss(how):
                 mo.step()
                 assert_replicas_identical(model)
         assert_params_close(net, ref)
+
+
+def test_parameters_edited_outside_the_optimizer_reach_every_replica():
+    """In-place edits of model.module's parameters (weight clipping under no_grad, an init) used
+    to reach replica 0 only: the replicas drifted apart silently."""
+    net = mlp()
+    ref = copy.deepcopy(net)
+    with cgdp.DataParallel(net, devices=devs(2), chunks=1) as model:
+        ro, mo = SGD(ref.parameters()), SGD(model.parameters())
+        for x, y in batches(3, 8):
+            for o in (ro, mo):
+                o.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                F.cross_entropy(model(x), y).backward()
+            ro.step()
+            mo.step()
+            with torch.no_grad():
+                for p in list(ref.parameters()) + list(net.parameters()):
+                    p.clamp_(-0.05, 0.05)
+        with pytest.warns(UserWarning, match="changed outside optimizer.step"):
+            model(batches(1, 8)[0][0])
+        assert_replicas_identical(model)
+        assert_params_close(net, ref)

@@ -175,6 +175,7 @@ class DataParallel(nn.Module):
         self._grads = ReplicaGrads(self._stream, before)
         mirror.register(self, list(module.parameters()))
         self._load_hook = module.register_load_state_dict_post_hook(lambda *_: self._broadcast_state())
+        self._record_parameters()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -194,6 +195,7 @@ class DataParallel(nn.Module):
             d.check_caller()  # CUDA: the replicas run on the default streams, as must the gather
         self._copy_modes()
         self._copy_requires_grad()
+        self._copy_edited_parameters()
         parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
         g = len(parts)
         in_caller = _caller_context()
@@ -333,6 +335,7 @@ class DataParallel(nn.Module):
     def after_step(self) -> None:
         """Called after the user's optimizer stepped every replica: while tuning, the time since
         the last step is one iteration under the current plan; switch to the tuner's next plan."""
+        self._record_parameters()
         if self._tuner is None:
             return
         now = time.perf_counter()
@@ -441,6 +444,26 @@ class DataParallel(nn.Module):
             value = float(torch.linalg.vector_norm(st.flats[0], norm_type, dtype=torch.float64))
         return torch.tensor(value, dtype=torch.float32, device=self._devs[0].torch_device)
 
+    def _record_parameters(self) -> None:
+        """Replica 0's parameters as they are now are every replica's (version counters)."""
+        self._param_versions = [p._version for p in self._all_params[0]]
+
+    def _copy_edited_parameters(self) -> None:
+        """Replica 0's parameters changed in place outside the optimizer (``p.clamp_`` under
+        ``no_grad``, ``torch.nn.init``): copy them to every replica, with a warning, so they never
+        drift apart. Seen through the version counters, which ``p.data`` does not share."""
+        if [p._version for p in self._all_params[0]] == self._param_versions:
+            return
+        warnings.warn("replica 0's parameters were changed outside optimizer.step() (in place under "
+                      "torch.no_grad(), e.g. p.clamp_ or torch.nn.init); cgdp.DataParallel copies them "
+                      "to every replica before this forward. Changes through p.data are not seen: "
+                      "make them on every replica (model.replicas)", stacklevel=5)
+        with torch.no_grad():
+            for params in self._all_params[1:]:
+                for q, p in zip(params, self._all_params[0]):
+                    q.copy_(p)
+        self._record_parameters()
+
     def _broadcast_state(self, buffers_only: bool = False) -> None:
         """Every replica ← replica 0's parameters and buffers (after ``load_state_dict``)."""
         with torch.no_grad():
@@ -450,6 +473,8 @@ class DataParallel(nn.Module):
                         b.data.copy_(b0)
                 else:
                     r.load_state_dict(self.module.state_dict())
+        if not buffers_only:
+            self._record_parameters()
 
     def _check_usable(self) -> None:
         if self._closed:
