@@ -44,6 +44,7 @@ from cgdp.comm import Comm
 from cgdp.engine.backend.base import Device, TraceSink
 from cgdp.engine.flatgrad import Layout, attach_grads, make_layout
 from cgdp.engine.hooks import DeviceHooks
+from cgdp.engine.lifetime import weak_call
 from cgdp.engine.host import HostAccumulator
 from cgdp.engine.precision import kernel_dtype
 from cgdp.engine.sync import Guard
@@ -77,7 +78,8 @@ class GradientStream:
         self.hooks: list[DeviceHooks] = []
         self.host: HostAccumulator | None = None
         for j, dev in enumerate(self.devs):
-            hooks = DeviceHooks(self.params[j], partial(self.send, j), dev.stamp)
+            # the hooks hold the stream weakly: no cycle stream <-> hooks keeps the buffers alive
+            hooks = DeviceHooks(self.params[j], weak_call(self.send, j), dev.stamp)
             hooks.streaming = streaming
             self.hooks.append(hooks)
         if streaming:

@@ -5,32 +5,93 @@ update (a CUDA device is bound to its thread once, at start).
 them. A failure on any thread is reported to the step's :class:`~cgdp.engine.sync.Guard`, so
 that the other threads stop waiting, and the first real failure (not the aborts it caused) is
 what the caller sees.
+
+Bounded waits: the calling thread never waits on a device thread for longer than ``timeout_s``
+(plus a tenth of it, at most 1 s, for the threads' own, more specific timeouts to fire first). A device thread
+that does not come back in time (a forward stuck in user code, a wedged driver call) gives
+``TimeoutError``; Ctrl-C while waiting gives ``KeyboardInterrupt`` within :data:`~cgdp.engine.sync.POLL_S`.
+Either way the other threads are told to stop, and :attr:`DeviceThreads.stuck` names the threads
+still busy, which the trainer then refuses to use again. Device threads are daemon threads, so a
+thread that never returns cannot keep the interpreter from exiting, and :meth:`close` never joins
+a stuck thread.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+import time
+from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 from cgdp.engine.backend.base import Device
-from cgdp.engine.sync import Guard, StepAborted
+from cgdp.engine.sync import POLL_S, Guard, StepAborted
+
+SETTLE_S = 0.5
+"""After a failure or Ctrl-C, how long the caller waits for the other device threads to stop (a
+waiting thread notices within POLL_S; one still computing is then counted as stuck)."""
+
+
+class _DeviceThread:
+    """A daemon thread running submitted functions in order (a one-thread pool that exit never joins)."""
+
+    def __init__(self, dev: Device):
+        self.name = dev.name
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=_serve, args=(self._q, dev.bind_thread),
+                                       name=f"cgdp-{dev.name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+
+def _serve(q: queue.SimpleQueue, bind: Callable[[], None]) -> None:
+    # a plain function (not a method): the thread holds its queue, never the trainer
+    bind()
+    while True:
+        item = q.get()  # idle between steps
+        if item is None:
+            return
+        fut, fn, args = item
+        if not fut.set_running_or_notify_cancel():
+            continue
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:
+            fut.set_exception(exc)
+        del item, fut, fn, args  # drop the step's objects while idle
 
 
 class DeviceThreads:
     def __init__(self, devs: Sequence[Device], guard: Guard):
         self._guard = guard
-        self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"cgdp-{d.name}", initializer=d.bind_thread)
-                       for d in devs]
+        self._threads = [_DeviceThread(d) for d in devs]
+        self.stuck: list[str] = []
+        """Devices whose thread did not come back from an abandoned call (the trainer is unusable)."""
 
     def run_all(self, fn: Callable[[int], Any]) -> list[Any]:
         """``[fn(0), fn(1), ...]``, each on its device's thread; the first real failure is raised."""
-        futs: list[Future] = [pool.submit(self._guarded, fn, j) for j, pool in enumerate(self._pools)]
+        futs = [t.submit(self._guarded, fn, j) for j, t in enumerate(self._threads)]
+        try:
+            self._wait(futs)
+        except BaseException as exc:  # a timeout here, or KeyboardInterrupt
+            self._abandon(futs, exc)
+            raise
+        if not all(f.done() for f in futs):  # another thread failed and this one did not stop
+            self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done()]
+            raise self._guard.error or RuntimeError("a device thread did not stop")
         results, first = [], None
         for f in futs:
-            try:
-                results.append(f.result())  # note: host waits for the device threads
-            except BaseException as exc:
-                if first is None or (isinstance(first, StepAborted) and not isinstance(exc, StepAborted)):
-                    first = exc
+            exc = f.exception()
+            if exc is None:
+                results.append(f.result())
+            elif first is None or (isinstance(first, StepAborted) and not isinstance(exc, StepAborted)):
+                first = exc
         if first is not None:
             # the first failure recorded anywhere (a device, the host, the comm) is the cause;
             # what the other threads raised (aborts, their own timeouts) follows from it
@@ -41,7 +102,34 @@ class DeviceThreads:
 
     def submit(self, j: int, fn: Callable[[], Any]) -> Future:
         """``fn()`` on device j's thread, without waiting (the caller waits on the future)."""
-        return self._pools[j].submit(self._guarded, lambda _: fn(), j)
+        return self._threads[j].submit(self._guarded, lambda _: fn(), j)
+
+    def _wait(self, futs: list[Future]) -> None:
+        """Wait for every thread, waking every POLL_S (so Ctrl-C surfaces); bounded by timeout_s."""
+        timeout = self._guard.timeout_s
+        # the device threads' own waits time out after timeout_s with a message naming what they
+        # waited for; this outer bound fires just after, for a thread stuck outside any wait
+        deadline = None if timeout is None else time.monotonic() + timeout + min(0.1 * timeout, 1.0)
+        for f in futs:
+            while True:
+                try:
+                    f.exception(timeout=POLL_S)  # note: host waits for the device threads
+                    break
+                except TimeoutError:
+                    if self._guard.error is not None:
+                        break  # another thread failed: the others stop at their next wait
+                    if deadline is not None and time.monotonic() > deadline:
+                        busy = [t.name for t, g in zip(self._threads, futs) if not g.done()]
+                        raise TimeoutError(f"the device thread(s) of {', '.join(busy)} did not finish within "
+                                           f"timeout_s = {timeout:g} s (a forward or loss_fn that never "
+                                           f"returns?); raise timeout_s if a step can really take that long")
+        if self._guard.error is not None:  # let the others reach their next wait and stop
+            _settle(futs)
+
+    def _abandon(self, futs: list[Future], exc: BaseException) -> None:
+        self._guard.fail(exc)  # every waiting thread stops at its next wake-up
+        _settle(futs)
+        self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done()]
 
     def _guarded(self, fn: Callable[[int], Any], j: int) -> Any:
         try:
@@ -50,7 +138,28 @@ class DeviceThreads:
             self._guard.fail(exc)
             raise
 
+    def on_device_thread(self) -> bool:
+        """Whether the calling thread is one of the device threads (e.g. inside ``loss_fn``)."""
+        me = threading.current_thread()
+        return any(t.thread is me for t in self._threads)
+
     def close(self) -> None:
-        for pool in self._pools:
-            pool.shutdown(wait=True)
-        self._pools = []
+        """Stop every thread; joins only threads that are idle (a stuck one is left, a daemon)."""
+        for t in self._threads:
+            t.stop()
+        for t in self._threads:
+            if t.name not in self.stuck and t.thread is not threading.current_thread():
+                t.thread.join(timeout=SETTLE_S)
+        self._threads = []
+
+
+def _settle(futs: list[Future]) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    for f in futs:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            f.exception(timeout=left)
+        except TimeoutError:
+            return

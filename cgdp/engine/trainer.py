@@ -45,7 +45,9 @@ from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.layers import LayerInfo, find_layers, trainable_dtype
 from cgdp.engine.losses import DeviceLoss, ambient_autocast, backward_weight, loss_weights, parse_step
+from cgdp.engine.lifetime import Resources, exclusive, finalizer
 from cgdp.engine.replicas import Replicas, signature
+from cgdp.engine.state import check_state
 from cgdp.engine.stream import GradientStream, wire_dtype
 from cgdp.planning.profile import StepProfile
 from cgdp.engine.sync import Guard
@@ -158,6 +160,8 @@ class Trainer:
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
         self._comm: Comm | None = None
+        self._res = Resources()  # stopped by close(), or when the trainer is dropped unclosed
+        self._release = finalizer(self, self._res)
         try:
             self._build(model, optimizer, chunks, comm)
             self._schedulers = Schedulers(scheduler, self.optimizers)
@@ -165,6 +169,7 @@ class Trainer:
         except BaseException:
             self.close()
             raise
+        self._res.take(self)
 
     # ------------------------------------------------------------------ construction
     def _build(self, model, optimizer, chunks, comm) -> None:
@@ -221,6 +226,7 @@ class Trainer:
     def layer_names(self) -> list[str]:
         return [info.name for info in self.layers]
 
+    @exclusive
     def set_plan(self, plan: int | Plan) -> None:
         """Switch the chunk plan between steps (every rank must pass the same plan)."""
         self._check_usable()
@@ -236,6 +242,7 @@ class Trainer:
         """Trace the next step: ``last_trace`` then holds its stream events."""
         self._trace_once = True
 
+    @exclusive
     def step(self, *args: Any, loss_fn: Callable[..., Any] | None = None) -> float:
         """One training iteration on the global batch; returns its loss (see :mod:`cgdp.engine.losses`).
 
@@ -312,8 +319,11 @@ class Trainer:
                 "tuner": self.tuner.state_dict() if self.tuner is not None else None,
                 "scheduler": self._schedulers.state_dict()}
 
+    @exclusive
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; checked in full first, so a bad one changes nothing."""
         self._check_usable()
+        check_state(state, self.replicas[0], self.optimizers[0], len(self.layers), self.tuner)
         for r, opt in zip(self.replicas, self.optimizers):
             r.load_state_dict(state["model"])
             # each replica needs its own copy: load_state_dict keeps tensors that already have
@@ -336,14 +346,11 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
-        if self._threads is not None:
-            self._threads.close()
-        if self._stream is not None:
-            self._stream.close()
-        for d in self._devs:
-            d.close()
-        if self._comm is not None:
-            self._comm.close()
+        self._res.take(self)
+        try:
+            self._release()  # the finalizer: runs once, here or when the trainer is dropped
+        finally:
+            self._threads = self._stream = self._comm = None
 
     def __enter__(self) -> "Trainer":
         return self
@@ -374,8 +381,10 @@ class Trainer:
 
     def _begin_step(self, timing: bool) -> None:
         self._guard.reset()
-        self._events = [] if timing else None
-        sink = (lambda *e: self._events.append(e)) if timing else None
+        events: list | None = [] if timing else None
+        self._events = events
+        # the sink holds the list, not the trainer: no reference cycle through the devices
+        sink = (lambda *e: events.append(e)) if events is not None else None
         for d in self._devs:
             d.trace = sink
             if timing:
@@ -497,6 +506,9 @@ class Trainer:
             self._broken = f"a failure during the update may have left replicas different ({exc!r})"
         if self._comm is not None and phase != "forward":
             self._broken = f"a failure in a step with MPI peers leaves them out of step ({exc!r})"
+        if self._threads.stuck:
+            self._broken = (f"the device thread(s) of {', '.join(self._threads.stuck)} never returned from "
+                            f"a step that failed ({exc!r}); create a new Trainer (load a checkpoint into it)")
         self._guard.reset()
 
     # ------------------------------------------------------------------ profiles and traces

@@ -1,0 +1,95 @@
+"""A trainer's lifetime: one caller at a time, and everything it owns released when it ends.
+
+Invariants:
+
+* **One call at a time.** ``step``, ``load_state_dict`` and ``set_plan`` are :func:`exclusive`:
+  a second call while one runs (from another thread, or from inside ``loss_fn`` or the model's
+  forward, which run on the device threads) is a ``RuntimeError`` at once, never a hang and never
+  two steps interleaved on the same replicas.
+* **No reference cycles through the engine.** The engine's threads and callbacks hold the
+  trainer only weakly (:func:`weak_call`), so a trainer is freed by reference counting the moment
+  its last user reference goes, not whenever the cycle collector runs.
+* **Dropped means closed.** :class:`Resources` holds what must be stopped (device threads, the
+  gradient stream with its hooks and host accumulator, the devices' stream workers, the comm)
+  but never the trainer; a ``weakref.finalize`` runs
+  :meth:`Resources.release` when the trainer is freed without ``close()`` (and at interpreter
+  exit). ``close()`` runs the same finalizer, so release happens exactly once.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any, Callable, Sequence, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def exclusive(method: F) -> F:
+    """Refuse a call of ``method`` while another exclusive call on the same object runs."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        lock = self.__dict__.setdefault("_exclusive_lock", threading.Lock())  # setdefault is atomic
+        if not lock.acquire(blocking=False):
+            threads = getattr(self, "_threads", None)
+            if threads is not None and threads.on_device_thread():
+                where = ("from a device thread, i.e. from inside loss_fn or the model's forward; "
+                         "call it after step() has returned")
+            else:
+                where = ("from another thread while one is running; a Trainer takes one call at a "
+                         "time: serialise the calls with a lock, or use one Trainer per thread")
+            raise RuntimeError(f"Trainer.{method.__name__}() was called {where}")
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            lock.release()
+    return call  # type: ignore[return-value]
+
+
+def weak_call(bound: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+    """``functools.partial(bound, *args)`` holding the bound method's object weakly."""
+    ref = weakref.WeakMethod(bound)  # type: ignore[arg-type]
+
+    def call(*more: Any) -> Any:
+        fn = ref()
+        if fn is None:
+            raise RuntimeError("the Trainer this callback belongs to is gone")
+        return fn(*args, *more)
+    return call
+
+
+class Resources:
+    """What a trainer must stop when it ends; holds no reference to the trainer itself."""
+
+    def __init__(self) -> None:
+        self.threads: Any = None
+        self.stream: Any = None
+        self.devs: Sequence[Any] = ()
+        self.comm: Any = None
+
+    def take(self, trainer: Any) -> None:
+        """Note what ``trainer`` has built so far (called after construction and by close())."""
+        self.threads, self.stream, self.comm = trainer._threads, trainer._stream, trainer._comm
+        self.devs = list(trainer._devs)
+
+    def release(self) -> None:
+        """Stop every thread, remove the hooks, free the flat and pinned buffers, close the comm; once."""
+        steps = [getattr(self.threads, "close", None), getattr(self.stream, "close", None),
+                 *(d.close for d in self.devs), getattr(self.comm, "close", None)]
+        self.threads = self.stream = self.comm = None
+        self.devs = ()
+        first: BaseException | None = None
+        for close in steps:
+            if close is None:
+                continue
+            try:
+                close()
+            except BaseException as exc:  # release the rest anyway; report the first failure
+                first = first or exc
+        if first is not None:
+            raise first
+
+
+def finalizer(owner: object, res: Resources) -> weakref.finalize:
+    """Run ``res.release()`` when ``owner`` is freed (or at exit), or when called; only once."""
+    return weakref.finalize(owner, res.release)
