@@ -1,17 +1,30 @@
-"""Checkpoints: everything a run needs to continue bit for bit, written atomically.
+"""Checkpoints: everything a run needs to continue bit for bit, written atomically, checked on load.
 
-A checkpoint is one ``torch.save`` file holding the trainer's state (model, optimizer, step, chunk
-plan, tuner), the random states (torch CPU and CUDA, NumPy, Python), the data loader's position
-and the resolved config. Invariant: the file at ``path`` is always a complete checkpoint, the old
-one or the new one. :func:`save` writes a temporary file in the same directory, flushes and fsyncs
-it, then ``os.replace``\\ s it over ``path`` (atomic on POSIX and Windows within one file system)
-and fsyncs the directory so the rename itself survives a power cut. A crash at any point leaves
-the previous checkpoint loadable and at worst a stray ``.tmp`` file, which the next save removes.
+A checkpoint holds the trainer's state (model, optimizer, step, chunk plan, tuner), the random
+states (torch CPU and CUDA, NumPy, Python), the data loader's position and the resolved config,
+all as tensors and plain Python data (:func:`rng_state` converts NumPy's state).
+
+File format: a header line ``CGDP-CHECKPOINT 2``, a line with the SHA-256 of the payload, then the
+payload, a ``torch.save`` file. :func:`load` reads it back with ``torch.load(weights_only=True)``,
+so a checkpoint can never run code (a crafted pickle is refused, not executed), and checks the
+SHA-256 first, so a flipped bit or a truncated file is a :class:`CheckpointError`, never a
+silently different model.
+
+Invariant: the file at ``path`` is always a complete checkpoint, the old one or the new one.
+:func:`save` writes a temporary file in the same directory, flushes and fsyncs it, then
+``os.replace``\\ s it over ``path`` (atomic on POSIX and Windows within one file system) and fsyncs
+the directory so the rename itself survives a power cut. A crash, a full disk or Ctrl-C at any
+point leaves the previous checkpoint loadable and at worst a stray ``.tmp`` file, which the next
+save removes.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
+import io
 import os
 import pathlib
+import pickle
 import random
 import tempfile
 from typing import Any
@@ -20,6 +33,8 @@ import numpy as np
 import torch
 
 TMP_PREFIX = ".checkpoint-"
+MAGIC = b"CGDP-CHECKPOINT 2\n"
+_DIGEST_LINE = 64 + 1  # hex SHA-256 and a newline
 
 
 class CheckpointError(RuntimeError):
@@ -40,41 +55,89 @@ def _fsync_dir(d: pathlib.Path) -> None:
 
 
 def save(state: dict[str, Any], path: str | os.PathLike) -> None:
-    """Write ``state`` to ``path`` atomically (see the module docstring)."""
+    """Write ``state`` to ``path`` atomically (see the module docstring); ``CheckpointError`` if the
+    disk is full or not writable (the previous checkpoint is then untouched)."""
     path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f"{TMP_PREFIX}{path.name}.*.tmp"):  # left by a crashed save
-        stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", suffix=".tmp", dir=path.parent)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getbuffer()
+    digest = hashlib.sha256(payload).hexdigest().encode()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f"{TMP_PREFIX}{path.name}.*.tmp"):  # left by a crashed save
+            stale.unlink(missing_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise _write_error(e, path) from None
     try:
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; a checkpoint is an ordinary result file
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            f.write(MAGIC + digest + b"\n")
+            f.write(payload)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the rename makes it visible
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:  # also Ctrl-C: the old checkpoint stays, the partial one goes
         pathlib.Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise _write_error(e, path) from None
         raise
     _fsync_dir(path.parent)
 
 
+def _write_error(e: OSError, path: pathlib.Path) -> CheckpointError:
+    kept = "the previous checkpoint there is intact" if path.exists() else "no checkpoint was written"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = f"the disk is full (no space left on the device of {path.parent})"
+        fix = "free some space (or use another --out) and run again with --resume"
+    else:
+        what = f"{e.strerror or e}"
+        fix = "check that the directory is writable"
+    return CheckpointError(f"cannot save checkpoint {path}: {what}; {kept}. To continue, {fix}")
+
+
 def load(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save`, verifying its SHA-256; never runs pickled code."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; run once with --out {path.parent} "
                               f"(checkpoints are written there), or pass --resume PATH")
     try:
-        # weights_only=False: the checkpoint holds RNG states and Python objects we wrote ourselves
-        return torch.load(path, map_location="cpu", weights_only=False)
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror}") from None
+    if not data.startswith(MAGIC):
+        kind = "a torch file, but not one written by cgdp.train" if data[:2] == b"PK" or data[:1] == b"\x80" \
+            else "not a cgdp checkpoint"
+        raise CheckpointError(f"{path} cannot be read as a checkpoint: it is {kind} (or one from an older "
+                              f"cgdp). Pass the checkpoint.pt of a cgdp.train run, or start without --resume")
+    head = len(MAGIC) + _DIGEST_LINE
+    digest, payload = data[len(MAGIC):head - 1], memoryview(data)[head:]
+    if hashlib.sha256(payload).hexdigest().encode() != digest:
+        raise CheckpointError(f"checkpoint {path} is damaged: its SHA-256 checksum does not match its "
+                              f"contents (a truncated copy, a flipped bit on disk). Use an intact copy, or "
+                              f"start again without --resume")
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} holds Python objects other than tensors and plain data "
+                              f"({first[:200]}); it was not written by cgdp.train and is not loaded, "
+                              f"because loading it could run code") from None
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); it is not "
                               f"a cgdp checkpoint or it is damaged") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a cgdp checkpoint")
+    return state
 
 
 def rng_state() -> dict[str, Any]:
-    """Every global random state a training step can touch."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+    """Every global random state a training step can touch, as tensors and plain data."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {"torch": torch.get_rng_state(),
+                             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                                       int(has_gauss), float(gauss)),
                              "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -83,7 +146,8 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import pathlib
 import tomllib
 import typing
@@ -126,7 +127,8 @@ class TrainConfig:
         _check(self.epochs >= 0 and self.warmup_steps >= 0, "train.epochs and train.warmup_steps must be >= 0")
         _check(self.lr > 0, f"train.lr must be > 0; got {self.lr}")
         _check(self.momentum >= 0 and self.weight_decay >= 0, "train.momentum and train.weight_decay must be >= 0")
-        _check(self.timeout_s > 0, f"train.timeout_s must be > 0; got {self.timeout_s}")
+        _check(self.timeout_s > 0 and math.isfinite(self.timeout_s),
+               f"train.timeout_s must be a finite number of seconds > 0 (e.g. 86400 for a day); got {self.timeout_s}")
         if self.chunks != "auto" and self.chunks.lstrip("-").isdigit():
             _check(int(self.chunks) >= 1, f"train.chunks must be >= 1 (or auto, or a plan file); got {self.chunks}")
 
@@ -136,7 +138,10 @@ class RunConfig:
     out: str = ""
     """Results directory (metrics.jsonl, config.toml, checkpoint.pt, plots); empty = print only."""
     resume: str = ""
-    """Checkpoint to continue from; ``--resume`` alone means ``OUT/checkpoint.pt``."""
+    """Checkpoint to continue from; ``--resume`` alone means ``OUT/checkpoint.pt``. The run's model,
+    data and train settings come from the checkpoint; flags given again must match (steps may grow)."""
+    overwrite: bool = False
+    """Replace the results of an earlier run in ``out`` (without it, such an ``out`` is refused)."""
     log_every: int = 1
     """Write a metrics line (loss, samples/s, phase times) every N steps."""
     profile_every: int = 50
@@ -328,6 +333,9 @@ def load_file(spec: str) -> Config:
                               f"{', '.join(presets())}")
     try:
         data = tomllib.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file (not UTF-8); --config takes a TOML file such as "
+                          f"cgdp/configs/default.toml, or a preset name") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e}); see cgdp/configs/default.toml for an example") from None
     except OSError as e:
@@ -335,9 +343,12 @@ def load_file(spec: str) -> Config:
     return Config.from_dict(data, origin=str(path))
 
 
-def parse_args(argv: list[str]) -> tuple[Config, dict[str, bool]]:
-    """Parse ``[--config FILE|PRESET] [--key value ...] [--help ...]`` into a Config and CLI-only flags."""
-    flags = {"help": False, "list_models": False, "list_presets": False, "print_config": False}
+def parse_args(argv: list[str]) -> tuple[Config, dict[str, typing.Any]]:
+    """Parse ``[--config FILE|PRESET] [--key value ...] [--help ...]`` into a Config and CLI-only
+    flags; ``flags["given"]`` holds the ``(flag, "section.field", raw)`` set on the command line
+    and ``flags["config"]`` the ``--config`` argument (or None)."""
+    flags: dict[str, typing.Any] = {"help": False, "list_models": False, "list_presets": False,
+                                    "print_config": False}
     keys = all_keys()
     pairs: list[tuple[str, str, str | None]] = []  # (flag, dotted key, raw value or None)
     config_file: str | None = None
@@ -370,7 +381,23 @@ def parse_args(argv: list[str]) -> tuple[Config, dict[str, bool]]:
             raise ConfigError(_unknown(name))
         pairs.append((tok.split("=")[0], keys[name], raw))
     cfg = load_file(config_file) if config_file else Config()
+    flags.update(given=pairs, config=config_file)
     return apply_overrides(cfg, pairs), flags
+
+
+def resumed_config(saved: dict, cfg: Config, given: list[tuple[str, str, str | None]]) -> Config:
+    """The config of ``--resume`` without ``--config``: the saved run's model, data and train
+    settings, with the flags ``given`` on this command line on top; the run section is this one's."""
+    d = cfg.to_dict()
+    try:
+        old = Config.from_dict({sec: saved[sec] for sec in ("model", "data", "train")},
+                               origin="the checkpoint's config").to_dict()
+    except (KeyError, TypeError):
+        raise ConfigError("the checkpoint holds no readable config; pass the run's settings again") from None
+    mine = {dotted for _, dotted, _ in given}
+    for sec in ("model", "data", "train"):
+        d[sec] = {k: (d[sec][k] if f"{sec}.{k}" in mine else v) for k, v in old[sec].items()}
+    return Config(**{sec: SECTIONS[sec](**d[sec]) for sec in SECTIONS})
 
 
 def apply_overrides(cfg: Config, pairs: list[tuple[str, str, str | None]]) -> Config:

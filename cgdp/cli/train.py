@@ -21,7 +21,9 @@ import json
 import math
 import os
 import pathlib
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -31,14 +33,17 @@ from torch import nn
 
 from cgdp.cli import checkpoint
 from cgdp.cli import report
+from cgdp.cli import startup
 from cgdp.cli import trace
-from cgdp.cli.config import Config, ConfigError, help_text, parse_args, presets, to_toml
+from cgdp.cli.config import Config, ConfigError, help_text, parse_args, presets, resumed_config, to_toml
 from cgdp.data import DataError, Loader, SyntheticDataset, digits, eval_batches, open_shards
 from cgdp.models import MODELS, build_model, count_params, get_spec
 from cgdp.cli.progress import Progress
 
 # settings a resumed run may change; anything else must match the checkpoint's run
 RESUMABLE_CHANGES = {"train.steps", "train.epochs", "train.timeout_s", "data.prefetch"}
+RUN_FILES = ("checkpoint.pt", "metrics.jsonl")
+"""Files whose presence marks ``out`` as holding a run (refused without --resume or --overwrite)."""
 
 
 # ------------------------------------------------------------------------------- the job
@@ -58,20 +63,19 @@ class Job:
     """This process's MPI rank (0 on one machine); only rank 0 writes results."""
     ranks: int = 1
     """MPI ranks; each takes its part of every global batch."""
+    saved_step: int | None = None
+    """The step of the newest checkpoint in ``out`` (None: there is none)."""
 
     @property
     def global_batch(self) -> int:
         return self.cfg.train.batch * len(self.devices) * self.ranks
 
 
-_LAUNCHER_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
-
-
 def mpi_world(spec: str) -> tuple[int, int]:
     """(rank, ranks): with ``auto``, MPI is used when an MPI launcher started several ranks."""
     if spec == "none":
         return 0, 1
-    if spec == "auto" and not any(int(os.environ.get(k, "1") or 1) > 1 for k in _LAUNCHER_SIZE):
+    if spec == "auto" and startup.launched_ranks() <= 1:
         return 0, 1
     try:
         from mpi4py import MPI
@@ -94,6 +98,9 @@ def resolve_devices(spec: str, mode: str, gpus: int) -> list[str]:
         if gpus and n > gpus:
             raise ConfigError(f"--devices {n} asks for {n} GPUs but this machine has {gpus}; use "
                               f"--devices {gpus} or fewer, or cpu:0,...,cpu:{n - 1} for CPU-emulated devices")
+        if mode == "single" and n != 1:
+            raise ConfigError(f"mode 'single' trains on one device but --devices asks for {n}; "
+                              f"pass --devices 1 or use --mode cgdp")
         return [f"cuda:{i}" for i in range(n)] if gpus else [f"cpu:{i}" for i in range(n)]
     names = [s.strip() for s in spec.split(",") if s.strip()]
     kinds = set()
@@ -152,8 +159,19 @@ def _datasets(cfg: Config, global_batch: int) -> tuple[Any, Any]:
             SyntheticDataset(shape, classes, min(n, global_batch), seed=cfg.train.seed + 1))
 
 
-def prepare(cfg: Config, gpus: int | None = None) -> Job:
-    """Check everything and build the job; raises ConfigError / DataError / CheckpointError."""
+def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> Job:
+    """Check everything and build the job; raises ConfigError / DataError / CheckpointError.
+
+    ``flags`` (from :func:`parse_args`): with ``--resume`` and no ``--config``, the checkpoint's
+    settings are the run's, and only the flags given on this command line change them."""
+    resume, resume_path = None, None
+    if cfg.run.resume:
+        resume_path = (pathlib.Path(cfg.run.out) / "checkpoint.pt" if cfg.run.resume == "auto"
+                       else pathlib.Path(cfg.run.resume))
+        resume = checkpoint.load(resume_path)
+        _check_layout(resume, resume_path)
+        if flags is not None and not flags.get("config"):
+            cfg = resumed_config(resume["config"], cfg, flags.get("given", []))
     if gpus is None:
         from cgdp.engine.backend.cuda import cuda_count
         gpus = cuda_count()
@@ -161,11 +179,17 @@ def prepare(cfg: Config, gpus: int | None = None) -> Job:
     devices = resolve_devices(t.devices, t.mode, gpus)
     rank, ranks = mpi_world(t.comm)
     global_batch = t.batch * len(devices) * ranks
+    if cfg.data.dataset == "synthetic":  # before 100 global batches of indices are laid out
+        spec = get_spec(cfg.model.name)
+        shape = tuple(cfg.data.input_shape) or spec.input_shape
+        _raise(startup.check_batch_memory(global_batch, shape, f"synthetic {cfg.model.name} inputs"), DataError)
     train_set, eval_set = _datasets(cfg, global_batch)
     classes = cfg.model.num_classes or train_set.num_classes
     if classes < train_set.num_classes:
         raise ConfigError(f"model.num_classes = {classes}, but the data has labels up to "
                           f"{train_set.num_classes - 1}; use --num_classes {train_set.num_classes} (or 0)")
+    _raise(startup.check_labels(train_set, classes, given=bool(cfg.model.num_classes)), DataError)
+    _raise(startup.check_batch_memory(global_batch, train_set.sample_shape, "training inputs"), DataError)
     torch.manual_seed(t.seed)  # the initial weights depend on the seed only
     try:
         model = build_model(cfg.model.name, classes, train_set.sample_shape)
@@ -188,6 +212,10 @@ def prepare(cfg: Config, gpus: int | None = None) -> Job:
 
     out = pathlib.Path(cfg.run.out) if cfg.run.out else None
     if out is not None:
+        held = [f for f in RUN_FILES if (out / f).exists()]
+        if held and not cfg.run.resume and not cfg.run.overwrite:
+            raise ConfigError(f"--out {out} already holds a run ({', '.join(held)}); continue it with "
+                              f"--out {out} --resume, choose a new --out, or pass --overwrite to replace it")
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -196,15 +224,29 @@ def prepare(cfg: Config, gpus: int | None = None) -> Job:
         parent = pathlib.Path(cfg.run.trace).parent
         if not parent.is_dir():
             raise ConfigError(f"--trace {cfg.run.trace}: directory {parent} does not exist; create it first")
-    resume = None
-    if cfg.run.resume:
-        path = out / "checkpoint.pt" if cfg.run.resume == "auto" else pathlib.Path(cfg.run.resume)
-        resume = checkpoint.load(path)
-        _check_resumable(cfg, resume, path)
-        if resume["trainer"]["step"] >= total:
-            raise ConfigError(f"checkpoint {path} is at step {resume['trainer']['step']}, and this run has "
+    saved = None
+    if resume is not None:
+        _check_resumable(cfg, resume, resume_path)
+        saved = resume["trainer"]["step"]
+        if saved >= total:
+            raise ConfigError(f"checkpoint {resume_path} is at step {saved}, and this run has "
                               f"{total} steps: nothing to do. Raise --steps to train further")
-    return Job(cfg, devices, model, train_set, eval_set, classes, chunks, total, out, resume, rank, ranks)
+    return Job(cfg, devices, model, train_set, eval_set, classes, chunks, total, out, resume, rank, ranks,
+               saved_step=saved)
+
+
+def _raise(msg: str | None, kind: type[Exception]) -> None:
+    if msg:
+        raise kind(msg)
+
+
+def _check_layout(ck: dict, path: pathlib.Path) -> None:
+    """A checkpoint that passed its checksum may still not be one of cgdp.train's."""
+    ok = (all(isinstance(ck.get(k), dict) for k in ("trainer", "rng", "loader", "config"))
+          and isinstance(ck["trainer"].get("step"), int))
+    if not ok:
+        raise checkpoint.CheckpointError(f"{path} is not a cgdp.train checkpoint (it holds {sorted(ck)}); "
+                                         f"pass the checkpoint.pt of a cgdp.train run")
 
 
 def _check_resumable(cfg: Config, ck: dict, path: pathlib.Path) -> None:
@@ -260,6 +302,8 @@ class Metrics:
     def __init__(self, out: pathlib.Path | None, append: bool):
         self.rows: list[dict] = []
         self.f = open(out / "metrics.jsonl", "a" if append else "w") if out is not None else None
+        if self.f is not None and append and self.f.tell() and not _ends_with_newline(out / "metrics.jsonl"):
+            self.f.write("\n")  # a crash cut the last line: start on a line of our own
 
     def write(self, row: dict) -> None:
         self.rows.append(row)
@@ -273,6 +317,69 @@ class Metrics:
     def __exit__(self, *exc) -> None:
         if self.f is not None:
             self.f.close()
+
+
+def _ends_with_newline(path: pathlib.Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def resume_row(out: pathlib.Path | None, start: int) -> dict:
+    """The metrics line that marks a resume: step lines after ``start`` already in the file were
+    written by the run that crashed after its checkpoint, and are superseded by the lines below."""
+    redone: list[int] = []
+    path = out / "metrics.jsonl" if out is not None else None
+    if path is not None and path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:  # a line cut by the crash
+                continue
+            if isinstance(row, dict) and row.get("kind") == "step" and row.get("step", 0) > start:
+                redone.append(int(row["step"]))
+    note = f"resumed from the checkpoint at step {start}"
+    if redone:
+        note += (f"; the step lines {min(redone)}..{max(redone)} above were written after that checkpoint "
+                 f"and are superseded by the lines below")
+    return {"kind": "resume", "step": start, "superseded": [min(redone), max(redone)] if redone else None,
+            "note": note}
+
+
+class GracefulStop:
+    """Ctrl-C in a one-process run: the first finishes the current step, saves a checkpoint and
+    stops; a second raises ``KeyboardInterrupt`` at once. (With MPI every rank would have to stop
+    at the same step, so there Ctrl-C keeps its default meaning.)"""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested = False
+
+    def __enter__(self) -> "GracefulStop":
+        if self.enabled:
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterrupted: stopping after this step and saving a checkpoint (Ctrl-C again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def _nonfinite(e: FloatingPointError, x: Any, step: int, lr: float) -> Exception:
+    """Blame the data when the inputs were not finite, the learning rate only when they were."""
+    xs = x if isinstance(x, (tuple, list)) else (x,)
+    bad = sum(int((~torch.isfinite(t)).sum()) for t in xs if isinstance(t, torch.Tensor) and t.is_floating_point())
+    if bad:
+        return DataError(f"the input batch of step {step} holds {bad} NaN/Inf value(s): the data is bad, not the "
+                         f"learning rate. Clean the dataset (no update was applied)")
+    return FloatingPointError(f"{e} (the run diverged at step {step}; --lr is {lr})")
 
 
 def _finite(v: Any) -> Any:
@@ -289,6 +396,7 @@ def _save(job: Job, trainer, loader: Loader) -> None:
     checkpoint.save({"trainer": trainer.state_dict(), "rng": checkpoint.rng_state(),
                      "loader": loader.state_dict(), "config": job.cfg.to_dict()},
                     job.out / "checkpoint.pt")
+    job.saved_step = trainer.step_count
 
 
 def train(job: Job) -> dict:
@@ -302,13 +410,15 @@ def train(job: Job) -> dict:
     metrics = Metrics(job.out if lead else None, append=job.resume is not None)
     wall0 = time.perf_counter()
     with cgdp.Trainer(job.model, make_optimizer(t), job.devices, mode=t.mode, chunks=job.chunks,
-                      timeout_s=t.timeout_s, comm="mpi" if job.ranks > 1 else None) as trainer, metrics:
+                      timeout_s=t.timeout_s, comm="mpi" if job.ranks > 1 else None) as trainer, metrics, \
+            GracefulStop(job.ranks == 1) as interrupt:
         start = 0
         if job.resume is not None:
             trainer.load_state_dict(job.resume["trainer"])
             loader.load_state_dict(job.resume["loader"])
             checkpoint.set_rng_state(job.resume["rng"])
             start = trainer.step_count
+            metrics.write(resume_row(job.out if lead else None, start))
         metrics.write({"kind": "config", "config": cfg.to_dict(), "devices": job.devices,
                        "layers": [layer.name for layer in trainer.layers],
                        "params": count_params(trainer.replicas[0]), "steps": job.total_steps,
@@ -337,7 +447,10 @@ def train(job: Job) -> dict:
                 if profiling:
                     trainer.profile_next()
                 t_step = time.perf_counter()
-                loss = trainer.step(x, y, loss_fn)
+                try:
+                    loss = trainer.step(x, y, loss_fn)
+                except FloatingPointError as e:  # cgdp.NonFiniteGradientError
+                    raise _nonfinite(e, x, step + 1, lr) from None
                 wall = time.perf_counter() - t0
                 n, st = step + 1, trainer.stats
                 if tracer.wants(step):
@@ -358,11 +471,13 @@ def train(job: Job) -> dict:
                     progress.note(f"step {n}: eval accuracy {acc:.4f}, eval loss {eloss:.4f}")
                 if lead and job.out is not None and r.checkpoint_every and n % r.checkpoint_every == 0:
                     _save(job, trainer, loader)
+                if interrupt.requested:
+                    break
         finally:
             progress.close()
             loader.close()
         done = trainer.step_count
-        if lead and job.out is not None and (done == job.total_steps or r.stop_after):
+        if lead and job.out is not None and (done == job.total_steps or r.stop_after or interrupt.requested):
             _save(job, trainer, loader)
         note = tracer.write()
         if note:
@@ -370,8 +485,10 @@ def train(job: Job) -> dict:
         steps_rows = [row for row in metrics.rows if row.get("kind") == "step"]
         run_s = sum(x["wall_s"] for x in steps_rows)
         if done < job.total_steps:
-            final = {"kind": "stopped", "final": False, "step": done,
-                     "note": f"stopped after {done} steps; continue with --resume"}
+            why = "interrupted" if interrupt.requested else "stopped"
+            saved = f"checkpoint saved in {job.out}; " if job.out is not None else "no --out, so no checkpoint; "
+            final = {"kind": "stopped", "final": False, "step": done, "interrupted": interrupt.requested,
+                     "note": f"{why} after {done} steps; {saved}continue with --resume"}
         else:
             acc, eloss = evaluate(trainer, job.eval_set)
             final = {"kind": "final", "final": True, "step": done, "eval_accuracy": acc, "eval_loss": eloss,
@@ -402,6 +519,8 @@ def _summarise(job: Job, rows: list[dict], profile: dict | None, layers: list, t
 # ------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    world = startup.early_world(argv)  # several MPI ranks: MPI is up before anything can fail
+    job, error = None, None
     try:
         cfg, flags = parse_args(argv)
         if flags["help"]:
@@ -414,10 +533,21 @@ def main(argv: list[str] | None = None) -> int:
         if flags["list_presets"]:
             print("\n".join(presets()))
             return 0
-        job = prepare(cfg)
+        job = prepare(cfg, flags=flags)
     except (ConfigError, DataError, checkpoint.CheckpointError) as e:
-        print(f"cgdp.train: error: {e}", file=sys.stderr)
+        error = str(e)
+    except Exception as e:  # not a user error; still, with MPI the other ranks must not wait forever
+        if world is None:
+            raise
+        error = f"{type(e).__name__}: {e}"
+    if world is not None:  # every rank exits together, or none does
+        fp = startup.fingerprint(job.cfg, job.devices, job.train_set, job.total_steps) if job else None
+        error = startup.agree(world, error, fp)
+    if error:
+        if world is None or world.Get_rank() == 0:
+            print(f"cgdp.train: error: {error}", file=sys.stderr)
         return 2
+    cfg = job.cfg
     resolved = to_toml(cfg)
     lead = job.rank == 0
     if lead:
@@ -430,10 +560,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         final = train(job)
     except KeyboardInterrupt:
-        print("\ninterrupted; continue from the last checkpoint with --resume", file=sys.stderr)
+        if job.out is None:
+            kept = "no checkpoint (no --out)"
+        elif job.saved_step is None:
+            kept = "no checkpoint was saved (none had been written yet)"
+        else:
+            kept = f"the checkpoint at step {job.saved_step} in {job.out} is intact; continue with --resume"
+        print(f"\ninterrupted; {kept}", file=sys.stderr)
         return 130
-    except FloatingPointError as e:  # cgdp.NonFiniteGradientError: the run diverged
-        print(f"cgdp.train: error: {e} (the run diverged; --lr is {cfg.train.lr})", file=sys.stderr)
+    except (DataError, checkpoint.CheckpointError) as e:
+        print(f"cgdp.train: error: {e}", file=sys.stderr)
+        return 2
+    except FloatingPointError as e:  # the run diverged (the inputs were finite)
+        print(f"cgdp.train: error: {e}", file=sys.stderr)
         return 1
     if not lead:
         return 0
@@ -442,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({final['wall_s']:.1f} s)")
     else:
         print(final["note"])
-    return 0
+    return 130 if final.get("interrupted") else 0
 
 
 if __name__ == "__main__":

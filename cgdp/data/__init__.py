@@ -169,7 +169,11 @@ class ShardDataset:
             if missing:
                 raise DataError(f"shard {p.name} lacks array(s) {missing} (it has {f.files}); save it "
                                 f"with np.savez(path, x=inputs, y=labels)")
-            out.append((p.name, f["x"], f["y"]))
+            try:
+                out.append((p.name, f["x"], f["y"]))
+            except ValueError as e:  # object arrays (pickles) are refused: loading them runs code
+                raise DataError(f"shard {p.name} cannot be read: {e}. Shards hold numeric arrays only; "
+                                f"save x as float32 (or uint8) and y as integer labels") from None
         for p in sorted(d.glob("*.npy")):
             stem = p.name[:-4]
             if stem.endswith("_y"):
