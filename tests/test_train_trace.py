@@ -37,7 +37,7 @@ def test_trace_of_a_run_names_every_stream(tmp_path, capsys):
         assert by_stream.get(key), f"no spans on {key}"
     # 4 layers, one chunk each, 2 traced steps: every chunk goes down and back on each device
     assert len(by_stream[("cpu:0", "d2h")]) == 8 and len(by_stream[("host", "accumulate")]) == 8
-    assert trace["otherData"]["steps"] == [4, 5]
+    assert trace["otherData"]["steps"] == [3, 4]  # --trace_step 3 traces step 3
 
 
 def test_chrome_trace_layout():

@@ -155,7 +155,7 @@ class RunConfig:
     trace: str = ""
     """Write a Chrome/Perfetto trace (JSON) of some iterations to this file."""
     trace_step: int = 5
-    """First step traced (after warm-up)."""
+    """First step traced (after warm-up), counted from 1 as in metrics.jsonl."""
     trace_steps: int = 1
     """Number of consecutive steps traced."""
     progress: str = "auto"

@@ -10,11 +10,15 @@ Examples::
     python -m cgdp.plan --model resnet152 --minibatch 16 --hardware paper-p100
     python -m cgdp.plan --model vgg16 --hardware pcie4-8gpu-switch --nodes 2 --network-gbps 100
     python -m cgdp.plan --model runs/profile.json --hardware pcie3-4gpu --timeline step.png
+    python -m cgdp.plan --model runs/job/metrics.jsonl   # the profile lines cgdp.train wrote
+
+Every user error (a bad number, a missing file) is one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -32,29 +36,59 @@ LIMITS = {"compute": "backward compute (communication is hidden)", "d2h": "devic
           "ring": "ring allreduce over the links"}
 
 
+MAX_GPUS = 64
+"""GPUs per machine the cost model is asked about (it has one link per device or switch)."""
+MAX_NODES = 4096
+LAYER_NOTE = ("layers as in the paper's profile: weighted layers, BatchNorm folded into its convolution; "
+              "cgdp.train's models count every BatchNorm as a layer of its own, see docs/train.md")
+
+
+class PlanError(ValueError):
+    """A user error: printed as one line, exit code 2."""
+
+
 def load_model(spec: str, minibatch: int | None) -> ModelCosts:
     if spec.lower() in PAPER_MODELS:
-        return paper_model(spec, minibatch)
+        try:
+            return paper_model(spec, minibatch)
+        except ValueError as exc:
+            raise PlanError(f"--model {spec}: {exc}") from None
     path = Path(spec)
-    if not path.exists():
-        raise SystemExit(f"--model {spec!r}: not a built-in model ({', '.join(PAPER_MODELS)}) and no such file")
+    if not path.is_file():
+        raise PlanError(f"--model {spec!r}: not a built-in model ({', '.join(PAPER_MODELS)}) and no such file")
     from cgdp.planning.calibrate import calibrate
     from cgdp.planning.profile import StepProfile
     try:
-        data = json.loads(path.read_text())
-        profiles = [StepProfile.from_dict(d) for d in (data if isinstance(data, list) else [data])]
-    except (ValueError, TypeError, KeyError) as exc:
-        raise SystemExit(f"--model {spec}: not a StepProfile JSON (Trainer.last_profile.to_dict()): {exc}")
-    return calibrate(profiles).model
+        profiles = [StepProfile.from_dict(d) for d in _profile_dicts(path.read_text())]
+        if not profiles:
+            raise ValueError("it holds no profile (cgdp.train writes one every --profile_every steps)")
+        return calibrate(profiles).model
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as exc:
+        raise PlanError(f"--model {spec}: not a StepProfile JSON (Trainer.last_profile.to_dict()) nor a "
+                        f"metrics.jsonl with profile lines: {exc}") from None
+
+
+def _profile_dicts(text: str) -> list[dict]:
+    """A StepProfile JSON (one or a list), or the ``"kind": "profile"`` lines of a metrics.jsonl."""
+    try:
+        data = json.loads(text)
+        return data if isinstance(data, list) else [data]
+    except ValueError:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        return [{k: v for k, v in r.items() if k not in ("kind", "step")}
+                for r in rows if isinstance(r, dict) and r.get("kind") == "profile"]
 
 
 def load_hardware(args: argparse.Namespace) -> Hardware:
     if args.hardware in PRESETS:
         hw = preset(args.hardware)
-    elif Path(args.hardware).exists():
-        hw = Hardware.from_dict(json.loads(Path(args.hardware).read_text()))
+    elif Path(args.hardware).is_file():
+        try:
+            hw = Hardware.from_dict(json.loads(Path(args.hardware).read_text()))
+        except (ValueError, TypeError, UnicodeDecodeError) as exc:
+            raise PlanError(f"--hardware {args.hardware}: not a Hardware JSON: {exc}") from None
     else:
-        raise SystemExit(f"--hardware {args.hardware!r}: not a preset ({', '.join(PRESETS)}) and no such file")
+        raise PlanError(f"--hardware {args.hardware!r}: not a preset ({', '.join(PRESETS)}) and no such file")
     d = hw.to_dict()
     for key in ("gpus", "pcie_gen", "devices_per_switch", "host_mem_gbps", "host_threads", "nodes",
                 "network_gbps", "p2p_gbps", "sync_s"):
@@ -62,9 +96,30 @@ def load_hardware(args: argparse.Namespace) -> Hardware:
         if value is not None:
             d[key] = value
     try:
-        return Hardware.from_dict(d)
-    except ValueError as exc:
-        raise SystemExit(f"hardware: {exc}")
+        hw = Hardware.from_dict(d)
+    except (ValueError, TypeError) as exc:
+        raise PlanError(f"hardware: {exc}") from None
+    for key, value in hw.to_dict().items():  # also what a JSON file said
+        if isinstance(value, float) and not (math.isfinite(value) and value >= 0):
+            raise PlanError(f"hardware: {key} must be a finite number >= 0, got {value}")
+    if hw.gpus > MAX_GPUS or hw.nodes > MAX_NODES:
+        raise PlanError(f"hardware: {hw.gpus} GPUs x {hw.nodes} nodes is beyond what the planner models "
+                        f"(at most {MAX_GPUS} GPUs per machine and {MAX_NODES} machines)")
+    return hw
+
+
+def _positive(kind: type, what: str):
+    """An argparse type: a finite number > 0 (argparse turns the ValueError into exit code 2)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not (math.isfinite(v) and v > 0):
+            raise argparse.ArgumentTypeError(f"must be {what} > 0, got {text}")
+        return v
+    parse.__name__ = what
+    return parse
 
 
 def describe(r: SimResult) -> str:
@@ -97,23 +152,31 @@ def save_timeline(result: SimResult, path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cgdp.plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="resnet152", help=f"{', '.join(PAPER_MODELS)} or a StepProfile JSON")
-    ap.add_argument("--minibatch", type=int, default=None, help="per-GPU minibatch (resnet152 only)")
+    pos_int, pos_float = _positive(int, "an integer"), _positive(float, "a number")
+    ap.add_argument("--minibatch", type=pos_int, default=None, help="per-GPU minibatch (resnet152 only)")
     ap.add_argument("--hardware", default="pcie4-8gpu", help=f"preset ({', '.join(PRESETS)}) or a JSON file")
-    ap.add_argument("--gpus", type=int)
-    ap.add_argument("--pcie-gen", dest="pcie_gen", type=int)
-    ap.add_argument("--devices-per-switch", dest="devices_per_switch", type=int)
-    ap.add_argument("--host-gbps", dest="host_mem_gbps", type=float)
-    ap.add_argument("--host-threads", dest="host_threads", type=int)
-    ap.add_argument("--nodes", type=int)
-    ap.add_argument("--network-gbps", dest="network_gbps", type=float, help="Gbit/s per machine")
-    ap.add_argument("--p2p-gbps", dest="p2p_gbps", type=float)
-    ap.add_argument("--sync-us", dest="sync_us", type=float, help="per-chunk sync cost, microseconds")
+    ap.add_argument("--gpus", type=pos_int)
+    ap.add_argument("--pcie-gen", dest="pcie_gen", type=pos_int)
+    ap.add_argument("--devices-per-switch", dest="devices_per_switch", type=pos_int)
+    ap.add_argument("--host-gbps", dest="host_mem_gbps", type=pos_float)
+    ap.add_argument("--host-threads", dest="host_threads", type=pos_int)
+    ap.add_argument("--nodes", type=pos_int)
+    ap.add_argument("--network-gbps", dest="network_gbps", type=pos_float, help="Gbit/s per machine")
+    ap.add_argument("--p2p-gbps", dest="p2p_gbps", type=pos_float)
+    ap.add_argument("--sync-us", dest="sync_us", type=pos_float, help="per-chunk sync cost, microseconds")
     ap.add_argument("--chunks", default="auto", help="'auto' (planner) or a uniform chunk size k")
     ap.add_argument("--timeline", help="write the CGDP timeline to this PNG (needs matplotlib)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(argv)  # exits with 2 and a usage line on a malformed option
     args.sync_s = args.sync_us * 1e-6 if args.sync_us is not None else None
+    try:
+        return _run(args)
+    except PlanError as exc:
+        print(f"python -m cgdp.plan: error: {exc}", file=sys.stderr)
+        return 2
 
+
+def _run(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.minibatch)
     hw = load_hardware(args)
     costs = stage_costs(hw)
@@ -124,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             k = int(args.chunks)
         except ValueError:
-            raise SystemExit(f"--chunks must be 'auto' or an int chunk size, got {args.chunks!r}")
+            raise PlanError(f"--chunks must be 'auto' or an int chunk size, got {args.chunks!r}") from None
+        if k < 1:
+            raise PlanError(f"--chunks {k}: a chunk holds at least one layer; use 1 (one layer per chunk) or auto")
         plan, how = paper_plan(model.num_layers, k), f"uniform k={k}"
     res = {m: simulate(model, costs, plan, m) for m in ("cgdp", "typical", "ring")}
     floor = model.forward_s + sum(model.backward_s) + model.update_s
@@ -134,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                           "binding": {m: r.binding for m, r in res.items()}, "compute_floor_s": floor}, indent=1))
     else:
         total = sum(model.layer_bytes)
-        print(f"model: {args.model}, {model.num_layers} layers, {total / 1e6:.1f} MB of gradients; "
+        note = f" ({LAYER_NOTE})" if args.model.lower() in PAPER_MODELS else ""
+        print(f"model: {args.model}, {model.num_layers} layers{note}, {total / 1e6:.1f} MB of gradients; "
               f"one device computes {floor * 1e3:.2f} ms per step")
         link = "measured links" if hw.link_gbps else f"PCIe gen {hw.pcie_gen} x{hw.pcie_lanes}"
         print(f"hardware: {hw.name}: {hw.gpus} GPU(s) x {hw.nodes} node(s), {link} "

@@ -425,7 +425,8 @@ def train(job: Job) -> dict:
                        "steps_per_epoch": loader.steps_per_epoch, "resumed_at": start if job.resume else None})
         stop = job.total_steps if not r.stop_after else min(job.total_steps, start + r.stop_after)
         tracer = trace.Recorder(r.trace if lead else "",
-                                max(start, min(r.trace_step, job.total_steps - r.trace_steps)),
+                                # trace_step counts from 1, like the step lines; the recorder from 0
+                                max(start, min(r.trace_step - 1, job.total_steps - r.trace_steps)),
                                 r.trace_steps, trainer.devices)
         last_profile = None
         progress = Progress(job.total_steps, start, r.progress if lead else "off")

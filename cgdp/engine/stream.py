@@ -48,6 +48,7 @@ from cgdp.engine.lifetime import weak_call
 from cgdp.engine.host import HostAccumulator
 from cgdp.engine.precision import kernel_dtype
 from cgdp.engine.sync import Guard
+from cgdp.engine.typical import nonfinite_layers
 from cgdp.engine.update import device_norm, scale_gradients
 from cgdp.planning.chunks import Plan
 
@@ -195,8 +196,8 @@ class GradientStream:
         return float(sum(self.host.bad)) if self.host is not None else 0.0
 
     def bad_layers(self, names: Sequence[str]) -> str:
-        if self.host is None:
-            return "see the gradients of replica 0"
+        if self.host is None:  # typical and single modes: replica 0 holds the summed gradient
+            return nonfinite_layers(self.params[0], self.layer_pids, names)
         chunks = sorted({self.layout.segment_chunk[s] for s, b in enumerate(self.host.bad) if b})
         return ", ".join(names[i] or "<root>" for c in chunks for i in self.layout.plan[c]) or "unknown"
 

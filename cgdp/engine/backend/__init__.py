@@ -48,7 +48,8 @@ def parse_devices(devices: Sequence[str], share: bool = False) -> tuple[str, lis
         if missing:
             raise ValueError(f"cuda:{missing[0]} is not there: this machine has {n} CUDA device(s) "
                              f"visible{' (torch.cuda is not available)' if n == 0 else ''}; "
-                             f"use cuda:0..cuda:{n - 1}" + (" or 'cpu:N' devices" if n == 0 else ""))
+                             + (f"use cuda:0..cuda:{n - 1}" if n > 1 else "use cuda:0" if n == 1
+                                else "use CPU-emulated devices 'cpu:N' instead"))
     return kind, idx
 
 
