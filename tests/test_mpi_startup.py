@@ -3,19 +3,11 @@ code 2 within seconds, and rank 0 names the rank and what differs (never a hang 
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-MPIEXEC = shutil.which("mpiexec")
+from test_mpi import MPIEXEC, mpirun
 
 pytestmark = [
     pytest.mark.mpi,
@@ -24,19 +16,10 @@ pytestmark = [
 ]
 
 
-def run_cli(rank: int, extra: str, *args: str, timeout: float = 60.0) -> tuple[int, str, float]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [MPIEXEC, "-n", "2", sys.executable, str(HERE / "mpi_scripts" / "cli_per_rank.py"), str(rank), extra,
-           "--steps", "3", "--devices", "1", "--progress", "off", "--plots", "false", *args]
-    t0 = time.monotonic()
-    try:
-        p = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
-        pytest.fail(f"the MPI job hung for {timeout:g} s:\n{out}")
-    return p.returncode, p.stdout, time.monotonic() - t0
+def run_cli(rank: int, extra: str, *args: str) -> tuple[int, str, float]:
+    """``mpiexec -n 2`` of ``python -m cgdp.train ARGS``, rank ``rank`` with ``EXTRA`` too."""
+    return mpirun("cli_per_rank.py", str(rank), extra, "--steps", "3", "--devices", "1", "--progress", "off",
+                  "--plots", "false", *args)
 
 
 def test_one_ranks_user_error_ends_every_rank():
