@@ -326,3 +326,11 @@ def test_memory_does_not_grow_over_create_close_cycles():
     # one trainer of this model holds ~170 MB (2 replicas, momentum, flat and host buffers): 8
     # trainers kept alive would add over 1 GB; what remains is the allocator's noise
     assert rss[-1] - rss[3] < 250, rss
+
+
+def test_typical_mode_names_the_non_finite_layers():
+    with cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1"], mode="typical") as tr:
+        bad = X.clone()
+        bad[0, 0] = float("inf")
+        with pytest.raises(cgdp.NonFiniteGradientError, match=r"\(layers: 0\); the update was not applied"):
+            tr.step(bad, Y, F.cross_entropy)

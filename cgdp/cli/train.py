@@ -187,7 +187,8 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
     classes = cfg.model.num_classes or train_set.num_classes
     if classes < train_set.num_classes:
         raise ConfigError(f"model.num_classes = {classes}, but the data has labels up to "
-                          f"{train_set.num_classes - 1}; use --num_classes {train_set.num_classes} (or 0)")
+                          f"{train_set.num_classes - 1}; labels must be 0..{classes - 1}: fix the labels, or "
+                          f"pass --num_classes {train_set.num_classes} (or 0) if the data really has that many")
     _raise(startup.check_labels(train_set, classes, given=bool(cfg.model.num_classes)), DataError)
     _raise(startup.check_batch_memory(global_batch, train_set.sample_shape, "training inputs"), DataError)
     torch.manual_seed(t.seed)  # the initial weights depend on the seed only

@@ -1,0 +1,293 @@
+"""The training and planning CLIs under faults and bad input: untrusted or damaged checkpoints, a
+used --out, Ctrl-C, a full disk, bad data and bad settings. Each ends with a clear message and a
+documented exit code (2 for what the user can fix), never a raw traceback, and loses nothing
+that was saved."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cgdp.cli import checkpoint
+from cgdp.cli.plan import main as plan_main
+from cgdp.cli.train import main
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = ["--chunks", "1", "--progress", "off", "--plots", "false", "--profile_every", "0"]
+
+
+def run(capsys, *args: str) -> tuple[int, str]:
+    rc = main([*BASE, *args])
+    cap = capsys.readouterr()
+    assert "Traceback" not in cap.err
+    return rc, cap.out + cap.err
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------ untrusted and damaged checkpoints
+class Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):  # what an attacker's pickle does when it is loaded
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_malicious_checkpoint_never_runs(tmp_path, capsys, wrapped):
+    """A pickle whose loading would create a file: on --resume it is refused, never run. Also when
+    it carries cgdp's header and a valid checksum (anyone can compute one)."""
+    out, marker = tmp_path / "run", tmp_path / "pwned"
+    out.mkdir()
+    buf = tmp_path / "payload.pt"
+    torch.save({"trainer": Payload(marker), "config": {}}, buf)
+    data = buf.read_bytes()
+    if wrapped:
+        data = checkpoint.MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data
+    (out / "checkpoint.pt").write_bytes(data)
+    rc, text = run(capsys, "--out", str(out), "--resume", "--steps", "4")
+    assert rc == 2, text
+    assert not marker.exists(), "the checkpoint's code ran"
+    expect = "could run code" if wrapped else "not one written by cgdp.train"
+    assert expect in text, text
+
+
+def test_flipped_bit_and_truncation_are_caught(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run(capsys, "--out", str(out), "--steps", "2")[0] == 0
+    ck = out / "checkpoint.pt"
+    good = ck.read_bytes()
+    mid = len(good) // 2  # inside the model's weights
+    for damaged in (good[:mid] + bytes([good[mid] ^ 0x04]) + good[mid + 1:], good[:-100]):
+        ck.write_bytes(damaged)
+        rc, text = run(capsys, "--out", str(out), "--resume", "--steps", "4")
+        assert rc == 2 and "damaged: its SHA-256 checksum does not match" in text, text
+
+
+def test_foreign_torch_file_on_resume(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    torch.save({"weight": torch.ones(3)}, out / "checkpoint.pt")
+    rc, text = run(capsys, "--out", str(out), "--resume")
+    assert rc == 2 and "a torch file, but not one written by cgdp.train" in text, text
+
+
+def test_checkpoint_holds_only_plain_data(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run(capsys, "--out", str(out), "--steps", "2", "--chunks", "auto")[0] == 0
+    raw = (out / "checkpoint.pt").read_bytes()
+    payload = raw[len(checkpoint.MAGIC) + 65:]
+    (tmp_path / "p.pt").write_bytes(payload)
+    state = torch.load(tmp_path / "p.pt", weights_only=True)  # no allow-list needed
+    assert set(state) == {"trainer", "rng", "loader", "config"}
+
+
+# ------------------------------------------------------------------ --out, --resume, Ctrl-C
+def test_used_out_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run(capsys, "--out", str(out), "--steps", "2", "--lr", "0.02", "--batch", "16")[0] == 0
+    before = (out / "metrics.jsonl").read_text()
+    rc, text = run(capsys, "--out", str(out), "--steps", "3")
+    assert rc == 2 and "already holds a run" in text and "--overwrite" in text, text
+    assert (out / "metrics.jsonl").read_text() == before
+    # --resume alone takes the run's settings (lr, batch) from the checkpoint; steps may grow
+    rc, text = run(capsys, "--out", str(out), "--resume", "--steps", "4")
+    assert rc == 0, text
+    config = [r for r in rows(out) if r["kind"] == "config"][-1]["config"]
+    assert config["train"]["lr"] == 0.02 and config["train"]["batch"] == 16
+    assert [r["step"] for r in rows(out) if r["kind"] == "step"] == [1, 2, 3, 4]
+    rc, text = run(capsys, "--out", str(out), "--resume", "--steps", "5", "--lr", "0.5")
+    assert rc == 2 and "train.lr: 0.02 -> 0.5" in text, text
+    rc, text = run(capsys, "--out", str(out), "--steps", "2", "--overwrite")
+    assert rc == 0, text
+    assert [r["step"] for r in rows(out) if r["kind"] == "step"] == [1, 2]
+
+
+def test_resume_after_a_crash_marks_the_repeated_steps(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run(capsys, "--out", str(out), "--steps", "3")[0] == 0
+    at3 = (out / "checkpoint.pt").read_bytes()
+    assert run(capsys, "--out", str(out), "--resume", "--steps", "6")[0] == 0
+    # a crash after step 6 whose last checkpoint was step 3, the last line cut mid-write
+    (out / "checkpoint.pt").write_bytes(at3)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "step", "st')
+    assert run(capsys, "--out", str(out), "--resume", "--steps", "7")[0] == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert lines[-1].startswith('{"kind": "final"')
+    parsed = [json.loads(line) for line in lines if not line.startswith('{"kind": "step", "st')]
+    marks = [r for r in parsed if r["kind"] == "resume"]
+    assert marks[-1]["step"] == 3 and marks[-1]["superseded"] == [4, 6], marks
+    assert "superseded by the lines below" in marks[-1]["note"]
+
+
+CTRL_C = ["--steps", "100000", "--progress", "lines", "--log_every", "1", "--plots", "false", "--chunks", "1",
+          "--profile_every", "0"]
+
+
+def _interrupt(out: Path, times: int) -> tuple[int, str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen([sys.executable, "-m", "cgdp.train", "--out", str(out), *CTRL_C], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "metrics.jsonl").exists() or '"kind": "step"' not in (out / "metrics.jsonl").read_text():
+            assert time.monotonic() < deadline and p.poll() is None, "training did not start"
+            time.sleep(0.1)
+        for _ in range(times):
+            p.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+        text, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    return p.returncode, text
+
+
+def test_ctrl_c_saves_a_checkpoint_then_resume_continues(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc, text = _interrupt(out, 1)
+    assert rc == 130, text
+    assert "stopping after this step and saving a checkpoint" in text and "Traceback" not in text, text
+    ck = checkpoint.load(out / "checkpoint.pt")
+    done = ck["trainer"]["step"]
+    assert done >= 1 and [r for r in rows(out) if r["kind"] == "stopped"][-1]["step"] == done
+    rc, text = run(capsys, "--out", str(out), "--resume", "--steps", str(done + 2))
+    assert rc == 0, text
+
+
+def test_second_ctrl_c_stops_at_once_and_tells_the_truth(tmp_path):
+    rc, text = _interrupt(tmp_path / "run", 2)
+    assert rc == 130, text
+    assert "interrupted; no checkpoint was saved (none had been written yet)" in text, text
+    assert "Traceback" not in text, text
+
+
+# ------------------------------------------------------------------ a full disk, Ctrl-C during a save
+@pytest.mark.parametrize("fault", ["enospc", "ctrl-c"])
+def test_failed_final_save_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch, fault):
+    out = tmp_path / "run"
+    assert run(capsys, "--out", str(out), "--steps", "2")[0] == 0
+
+    def broken(fd):
+        if fault == "enospc":
+            raise OSError(28, "No space left on device")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint.os, "fsync", broken)
+    rc, text = run(capsys, "--out", str(out), "--resume", "--steps", "4")
+    monkeypatch.undo()
+    if fault == "enospc":
+        assert rc == 2 and "the disk is full" in text and "the previous checkpoint there is intact" in text, text
+    else:
+        assert rc == 130 and "the checkpoint at step 2" in text and "is intact" in text, text
+    assert checkpoint.load(out / "checkpoint.pt")["trainer"]["step"] == 2
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+# ------------------------------------------------------------------ bad data and bad settings
+def _shards(d: Path, y: np.ndarray, x: np.ndarray | None = None) -> Path:
+    d.mkdir()
+    if x is None:
+        x = np.random.default_rng(0).random((len(y), 1, 8, 8), dtype=np.float32)
+    np.savez(d / "part.npz", x=x, y=y)
+    return d
+
+
+def test_labels_out_of_range(tmp_path, capsys):
+    y = np.arange(200) % 10
+    y[7] = 10 ** 6
+    d = _shards(tmp_path / "stray", y)
+    rc, text = run(capsys, "--dataset", "shards", "--shards", str(d), "--steps", "1")
+    assert rc == 2 and "only 11 distinct labels occur: a 1000001-class output layer" in text, text
+    rc, text = run(capsys, "--dataset", "shards", "--shards", str(d), "--steps", "1", "--num_classes", "10")
+    assert rc == 2 and "num_classes = 10, but the data has labels up to 1000000; labels must be 0..9" in text, text
+    y[7] = 2 ** 62
+    d = _shards(tmp_path / "huge", y)
+    rc, text = run(capsys, "--dataset", "shards", "--shards", str(d), "--steps", "1")
+    assert rc == 2 and "labels go up to 4611686018427387904" in text, text
+
+
+def test_nan_in_the_data_is_not_blamed_on_the_learning_rate(tmp_path, capsys):
+    x = np.random.default_rng(0).random((200, 1, 8, 8), dtype=np.float32)
+    x[::2, 0, 0, 0] = np.nan
+    d = _shards(tmp_path / "nan", np.arange(200) % 10, x)
+    rc, text = run(capsys, "--dataset", "shards", "--shards", str(d), "--steps", "2", "--batch", "8")
+    assert rc == 2 and "the data is bad, not the learning rate" in text and "--lr" not in text, text
+    rc, text = run(capsys, "--steps", "3", "--lr", "1e30")
+    assert rc == 1 and "diverged" in text and "--lr is 1e+30" in text, text
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--mode", "single", "--devices", "2"], "mode 'single' trains on one device"),
+    (["--timeout_s", "inf"], "timeout_s must be a finite number"),
+    (["--timeout_s", "nan"], "timeout_s must be a finite number"),
+    (["--dataset", "synthetic", "--model", "alexnet", "--batch", "100000000"], "lower --batch"),
+    (["--dataset", "synthetic", "--batch", "2000000000"], "lower --batch"),
+])
+def test_bad_settings_are_exit_code_2(capsys, args, match):
+    t0 = time.monotonic()
+    rc, text = run(capsys, *args)
+    assert rc == 2 and match in text, text
+    assert time.monotonic() - t0 < 10
+
+
+def test_object_array_npz_and_binary_config(tmp_path, capsys):
+    d = tmp_path / "obj"
+    d.mkdir()
+    np.savez(d / "a.npz", x=np.array([1, 2, 3, 4], dtype=object), y=np.arange(4))
+    rc, text = run(capsys, "--dataset", "shards", "--shards", str(d))
+    assert rc == 2 and "numeric arrays only" in text, text
+    cfg = tmp_path / "bin.toml"
+    cfg.write_bytes(bytes(range(256)))
+    rc, text = run(capsys, "--config", str(cfg))
+    assert rc == 2 and "not a text file" in text, text
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--chunks", "0"], "a chunk holds at least one layer"),
+    (["--gpus", "-2"], "--gpus: must be an integer > 0"),
+    (["--host-gbps", "0"], "--host-gbps: must be a number > 0"),
+    (["--host-gbps", "nan"], "--host-gbps: must be a number > 0"),
+    (["--network-gbps", "-5"], "--network-gbps: must be a number > 0"),
+    (["--gpus", "100000"], "beyond what the planner models"),
+    (["--model", "no/such.json"], "no such file"),
+])
+def test_plan_user_errors_are_one_line_and_exit_code_2(capsys, args, match):
+    t0 = time.monotonic()
+    try:
+        rc = plan_main(args)
+    except SystemExit as e:  # argparse's own exit, also code 2
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and match in err and "Traceback" not in err, err
+    assert time.monotonic() - t0 < 10
+
+
+def test_plan_reads_the_profile_lines_of_metrics_jsonl(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*BASE, "--out", str(out), "--steps", "4", "--profile_every", "2"]) == 0
+    capsys.readouterr()
+    assert plan_main(["--model", str(out / "metrics.jsonl"), "--hardware", "pcie3-4gpu", "--chunks", "1"]) == 0
+    assert "model: " in capsys.readouterr().out
+    assert plan_main(["--model", "resnet152", "--gpus", "2"]) == 0
+    assert "156 layers (layers as in the paper's profile" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None or torch.cuda.is_available(), reason="no-GPU message")
+def test_no_gpu_message_names_no_impossible_range():
+    import cgdp
+    with pytest.raises(ValueError) as e:
+        cgdp.Trainer(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), ["cuda:0"])
+    assert "cuda:-1" not in str(e.value) and "cpu:N" in str(e.value)
