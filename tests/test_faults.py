@@ -95,6 +95,37 @@ def test_a_step_that_returns_after_ctrl_c_leaves_the_trainer_usable(stall):
         assert_replicas_identical(tr)
 
 
+def test_failure_while_another_device_computes_long_leaves_the_trainer_usable():
+    """Device 0 fails at once while device 1's forward takes 1.5 s: the step waits for device 1
+    (it is slow, not stuck) and the trainer stays usable."""
+    class Slow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x):
+            if SLOW["on"] and threading.current_thread().name == "cgdp-cpu:1":
+                time.sleep(1.5)
+            return self.net(x)
+
+    def loss(out, y):
+        if SLOW["on"] and threading.current_thread().name == "cgdp-cpu:0":
+            raise RuntimeError("boom on device 0")
+        return F.cross_entropy(out, y)
+
+    SLOW["on"] = True
+    with cgdp.Trainer(Slow(), SGD, ["cpu:0", "cpu:1"], timeout_s=10) as tr:
+        with pytest.raises(RuntimeError, match="boom on device 0"):
+            tr.step(X, Y, loss)
+        SLOW["on"] = False
+        tr.step(X, Y, F.cross_entropy)
+        assert tr.step_count == 1
+        assert_replicas_identical(tr)
+
+
+SLOW = {"on": False}
+
+
 HANG_SCRIPT = textwrap.dedent("""
     import sys, threading, time, signal
     import torch, torch.nn.functional as F

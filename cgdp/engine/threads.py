@@ -82,9 +82,6 @@ class DeviceThreads:
         except BaseException as exc:  # a timeout here, or KeyboardInterrupt
             self._abandon(futs, exc)
             raise
-        if not all(f.done() for f in futs):  # another thread failed and this one did not stop
-            self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done()]
-            raise self._guard.error or RuntimeError("a device thread did not stop")
         results, first = [], None
         for f in futs:
             exc = f.exception()
@@ -110,21 +107,21 @@ class DeviceThreads:
         # the device threads' own waits time out after timeout_s with a message naming what they
         # waited for; this outer bound fires just after, for a thread stuck outside any wait
         deadline = None if timeout is None else time.monotonic() + timeout + min(0.1 * timeout, 1.0)
+        # after a failure elsewhere, a waiting thread stops at its next wake-up and a computing one
+        # when its computation ends; both are waited for (a thread still busy at the deadline is stuck)
         for f in futs:
             while True:
                 try:
                     f.exception(timeout=POLL_S)  # note: host waits for the device threads
                     break
                 except TimeoutError:
-                    if self._guard.error is not None:
-                        break  # another thread failed: the others stop at their next wait
                     if deadline is not None and time.monotonic() > deadline:
+                        if self._guard.error is not None:  # the cause, not the thread it left stuck
+                            raise self._guard.error
                         busy = [t.name for t, g in zip(self._threads, futs) if not g.done()]
                         raise TimeoutError(f"the device thread(s) of {', '.join(busy)} did not finish within "
                                            f"timeout_s = {timeout:g} s (a forward or loss_fn that never "
                                            f"returns?); raise timeout_s if a step can really take that long")
-        if self._guard.error is not None:  # let the others reach their next wait and stop
-            _settle(futs)
 
     def _abandon(self, futs: list[Future], exc: BaseException) -> None:
         self._guard.fail(exc)  # every waiting thread stops at its next wake-up

@@ -82,7 +82,8 @@ class Trainer:
             Every rank must build the same model with the same initial parameters (checked at
             start-up). A comm passed in belongs to the trainer from then on: ``close()`` closes it.
         timeout_s: longest any thread waits for another before the step fails with
-            ``TimeoutError`` (a lost copy, a dead MPI peer). ``None`` waits forever.
+            ``TimeoutError`` (a lost copy, a dead MPI peer, a forward that never returns: the
+            trainer is then unusable). ``None`` waits forever (Ctrl-C still ends a step).
         profile: profile every step (``.last_profile``); ``profile_next()`` profiles one.
         segment_bytes: chunks larger than this travel in segments of this size, so that copy
             out, host sum and copy back of one chunk overlap (see :mod:`cgdp.engine.flatgrad`).
