@@ -25,7 +25,6 @@ rounds, medians of per-step wall times.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -38,7 +37,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench_engine import FULL, LR, QUICK, Case, DDPPool, params_of, rel_err  # noqa: E402
-from common import command_line, fmt, machine, machine_md, median, table  # noqa: E402
+from common import command_line, fmt, machine, machine_md, median, table, write_results  # noqa: E402
 
 NAMES = ("single", "cgdp.DataParallel", "cgdp.Trainer", "nn.DataParallel", "DDP")
 THREADS = {"nn.DataParallel": 2}
@@ -188,15 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{case.name}: " + " | ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["step_s"].items())
               + f" | check {r['rel_err']}", flush=True)
         results.append(r)
-    md = report(results, info, cmd)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(md)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "command": cmd, "results": results}, f, indent=1, default=str)
-    if not args.md:
-        print(md)
+    write_results(report(results, info, cmd), results, info, cmd, args.md, args.json)
     return 0
 
 

@@ -26,7 +26,6 @@ gradient per replica per step) and ``cnn`` (compute-heavy: four 3x3 convolutions
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -40,7 +39,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from common import command_line, fmt, machine, machine_md, median, table  # noqa: E402
+from common import command_line, fmt, machine, machine_md, median, table, write_results  # noqa: E402
 
 LR = 0.01
 
@@ -377,15 +376,7 @@ def main(argv: list[str] | None = None) -> int:
               f"DDP {1e3 * r['cpu_s']['DDP']:.0f} 2xsingle {2e3 * r['cpu_s']['single']:.0f} | exposed {100 * r['exposed_frac']:.1f} % "
               f"| check {r['rel_err']}", flush=True)
         results.append(r)
-    md = report(results, info, cmd)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(md)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "command": cmd, "results": results}, f, indent=1, default=str)
-    if not args.md:
-        print(md)
+    write_results(report(results, info, cmd), results, info, cmd, args.md, args.json)
     return 0
 
 

@@ -125,3 +125,17 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def fmt(x: float, digits: int = 1) -> str:
     return "n/a" if x != x else f"{x:.{digits}f}"
+
+
+def write_results(md: str, results: object, info: Mapping[str, str], cmd: str,
+                  md_path: str | None, json_path: str | None) -> None:
+    """The markdown page to ``md_path`` (printed if none) and the raw results to ``json_path``."""
+    import json
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(md)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"machine": info, "command": cmd, "results": results}, f, indent=1, default=str)
+    if not md_path:
+        print(md)
