@@ -8,8 +8,12 @@ CPU-emulated) → ``host`` (pinned slots, the accumulator thread) → ``accumula
 data path behind the user's own loop: ``scatter`` splits arguments and gathers outputs, ``mirror``
 steps every replica with the user's optimizer). Around the step: ``batch`` (splitting and
 weighting), ``losses`` (each device's loss, its backward weight, autocast), ``typical`` (the
-paper's baseline), ``buffers`` (BatchNorm statistics), ``timing``
-(profiles and traces), ``sync`` (waiting without hanging), ``layers`` (what a layer is).
+paper's baseline), ``buffers`` (BatchNorm statistics), ``update`` (clipping, schedulers,
+hyperparameter agreement), ``precision`` (gradient dtypes on the host), ``replicas``,
+``replica_grads`` (DataParallel's gradient bookkeeping), ``threads`` (one host thread per
+device), ``lifetime`` (one caller at a time; release on close or drop), ``state`` (checked
+restores), ``drain`` (bringing the engine to rest), ``timing`` (profiles and traces), ``rng``
+(random streams per device), ``sync`` (waiting without hanging), ``layers`` (what a layer is).
 
 May import: :mod:`cgdp.planning` (plans, profiles, tuners) and :mod:`cgdp.comm`. Never imports
 :mod:`cgdp.cli`.
