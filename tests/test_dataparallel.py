@@ -654,3 +654,17 @@ def test_parameters_edited_outside_the_optimizer_reach_every_replica():
             model(batches(1, 8)[0][0])
         assert_replicas_identical(model)
         assert_params_close(net, ref)
+
+
+def test_dtype_or_device_conversion_of_the_wrapper_is_a_clear_error():
+    with cgdp.DataParallel(mlp(), devs(2)) as model:
+        for convert in (lambda m: m.to(torch.float64), lambda m: m.half(), lambda m: m.double(),
+                        lambda m: m.to("meta")):
+            with pytest.raises(RuntimeError, match="before wrapping"):
+                convert(model)
+        assert model.to("cpu") is model and model.float() is model  # what is in use: a no-op
+        for r in model.replicas:
+            assert all(p.dtype == torch.float32 for p in r.parameters())
+        x, y = batches(1, 6)[0]
+        F.cross_entropy(model(x), y).backward()
+        assert_grads_identical(model)

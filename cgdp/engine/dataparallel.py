@@ -278,6 +278,19 @@ class DataParallel(nn.Module):
             r.train(mode)
         return self
 
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "DataParallel":
+        """``model.to(...)``, ``.half()``, ``.cuda()``...: nn.Module would convert replica 0 alone (the
+        other replicas are no submodules), so any change of dtype or device is refused; one that
+        changes nothing (``.to`` the device and dtype already in use) is a no-op."""
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            out = fn(t)
+            if out.dtype != t.dtype or out.device != t.device:
+                raise RuntimeError(f"cgdp.DataParallel cannot convert its replicas (to {out.dtype} on "
+                                   f"{out.device}; they are {t.dtype} on {t.device}): it would change "
+                                   f"replica 0 only. Convert the model before wrapping it, e.g. "
+                                   f"cgdp.DataParallel(net.to(dtype), devices)")
+        return self
+
     def close(self) -> None:
         """Remove every hook, stop every thread, free the flat and pinned buffers. Replica 0
         (``.module``) keeps its gradients."""
