@@ -668,3 +668,21 @@ def test_dtype_or_device_conversion_of_the_wrapper_is_a_clear_error():
         x, y = batches(1, 6)[0]
         F.cross_entropy(model(x), y).backward()
         assert_grads_identical(model)
+
+
+def test_global_optimizer_hooks_exist_only_while_a_model_is_open():
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+    from cgdp.engine import mirror
+
+    def ours():
+        return [h for hooks in (_global_optimizer_pre_hooks, _global_optimizer_post_hooks)
+                for h in hooks.values() if h in (mirror._pre_hook, mirror._post_hook)]
+    assert ours() == []
+    a = cgdp.DataParallel(mlp(), devs(2))
+    b = cgdp.DataParallel(mlp(), devs(2))
+    assert len(ours()) == 2
+    a.close()
+    assert len(ours()) == 2  # b still needs them
+    b.close()
+    b.close()
+    assert ours() == []

@@ -121,6 +121,7 @@ class DataParallel(nn.Module):
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
         self._load_hook = None
+        self._registered = False
         self.mirrors: weakref.WeakSet = weakref.WeakSet()
         """The :class:`~cgdp.engine.mirror.Mirror` of each optimizer that stepped this model."""
         self._comm: Comm | None = None
@@ -174,6 +175,7 @@ class DataParallel(nn.Module):
         self._stream.disarm()
         self._grads = ReplicaGrads(self._stream, before)
         mirror.register(self, list(module.parameters()))
+        self._registered = True
         self._load_hook = module.register_load_state_dict_post_hook(lambda *_: self._broadcast_state())
         self._record_parameters()
 
@@ -300,7 +302,8 @@ class DataParallel(nn.Module):
         if self._threads is not None:
             self._threads.close()
         if self._stream is not None:
-            mirror.unregister(list(self.module.parameters()))
+            if self._registered:
+                mirror.unregister(list(self.module.parameters()))
             for m in list(self.mirrors):  # they hold the other replicas' parameters and state
                 m.detach()
             if self._load_hook is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
 import weakref
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -37,24 +38,37 @@ if TYPE_CHECKING:
 
 _OWNERS: dict[int, weakref.ref] = {}
 """id(parameter of replica 0) -> the DataParallel that owns it (while it is open)."""
-_installed = False
 _ATTR = "_cgdp_mirror"
+_lock = threading.Lock()
+_live = 0
+"""How many DataParallel are registered: the global step hooks exist only while one is (every
+optimizer step in the process pays their ownership lookup)."""
+_handles: list = []
 
 
 def register(dp: "DataParallel", params: list[torch.nn.Parameter]) -> None:
-    global _installed
-    if not _installed:
-        register_optimizer_step_pre_hook(_pre_hook)
-        register_optimizer_step_post_hook(_post_hook)
-        _installed = True
-    ref = weakref.ref(dp)
-    for p in params:
-        _OWNERS[id(p)] = ref
+    global _live
+    with _lock:
+        if _live == 0:
+            _handles[:] = [register_optimizer_step_pre_hook(_pre_hook),
+                           register_optimizer_step_post_hook(_post_hook)]
+        _live += 1
+        ref = weakref.ref(dp)
+        for p in params:
+            _OWNERS[id(p)] = ref
 
 
 def unregister(params: list[torch.nn.Parameter]) -> None:
-    for p in params:
-        _OWNERS.pop(id(p), None)
+    """Once per :func:`register` (at close, or when the DataParallel is freed)."""
+    global _live
+    with _lock:
+        for p in params:
+            _OWNERS.pop(id(p), None)
+        _live -= 1
+        if _live == 0:
+            for h in _handles:
+                h.remove()
+            _handles.clear()
 
 
 def _owner(opt: torch.optim.Optimizer) -> "DataParallel | None":
