@@ -686,3 +686,26 @@ def test_global_optimizer_hooks_exist_only_while_a_model_is_open():
     b.close()
     b.close()
     assert ours() == []
+
+
+def test_a_model_dropped_without_close_frees_its_threads():
+    import gc
+    import threading
+    import weakref
+    gc.collect()
+    before = threading.active_count()
+    refs = []
+    for i in range(3):
+        net = mlp()
+        model = cgdp.DataParallel(net, devs(2), chunks=1)
+        opt = SGD(model.parameters())  # its mirror hooks must not keep the model alive
+        x, y = batches(1, 6)[0]
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        refs.append(weakref.ref(model))
+        del model
+    gc.collect()
+    assert [r() for r in refs] == [None] * 3
+    assert threading.active_count() == before
+    assert next(net.parameters()).grad is not None  # replica 0 keeps its gradients
+    opt.step()  # the last model's optimizer steps replica 0 alone again

@@ -115,18 +115,20 @@ class DataParallel(nn.Module):
         self._sending = False
         self._host_fresh = False
         self._guard = Guard(timeout_s)
-        self._devs = make_devices(devices, self._guard.fail)
+        # what close() releases; held by a finalizer too, so that a DataParallel dropped without
+        # close() stops its threads (nothing in it refers back to this wrapper)
+        self._res = res = _Resources()
+        self._finalizer = weakref.finalize(self, _release, res)
+        self._devs = res.devs = make_devices(devices, self._guard.fail)
         self.output_device = self._devs[0].torch_device
         """Where the gathered outputs are (``devices[0]``): put the targets there."""
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
-        self._load_hook = None
-        self._registered = False
-        self.mirrors: weakref.WeakSet = weakref.WeakSet()
+        self.mirrors: weakref.WeakSet = res.mirrors
         """The :class:`~cgdp.engine.mirror.Mirror` of each optimizer that stepped this model."""
         self._comm: Comm | None = None
         try:
-            self._comm = make_comm(comm, timeout_s=timeout_s)
+            self._comm = res.comm = make_comm(comm, timeout_s=timeout_s)
             if self._comm is not None:
                 self._comm.attach(self._guard.fail)
                 self._comm.check_same(_signature(module, infos, len(devices), dtype))
@@ -166,17 +168,18 @@ class DataParallel(nn.Module):
             plan = resolve_plan(chunks, len(infos))
         if self._comm is not None:
             plan = self._comm.broadcast_object(plan)  # rank 0's plan: the same chunks everywhere
-        self._threads = DeviceThreads(devs, self._guard)
+        self._threads = self._res.threads = DeviceThreads(devs, self._guard)
         self._rng = make_rng(devs)  # one random stream per replica
-        self._stream = GradientStream(devs, params, layer_pids, dtype, segment_bytes=segment_bytes,
+        self._stream = self._res.stream = GradientStream(devs, params, layer_pids, dtype, segment_bytes=segment_bytes,
                                       streaming=True, guard=self._guard, comm=self._comm,
                                       host_threads=host_threads(devs))
         self._stream.set_plan(plan)
         self._stream.disarm()
         self._grads = ReplicaGrads(self._stream, before)
-        mirror.register(self, list(module.parameters()))
-        self._registered = True
-        self._load_hook = module.register_load_state_dict_post_hook(lambda *_: self._broadcast_state())
+        self._res.registered = list(module.parameters())
+        mirror.register(self, self._res.registered)
+        me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
+        self._res.load_hook = module.register_load_state_dict_post_hook(lambda *_: me()._broadcast_state())
         self._record_parameters()
 
     # ------------------------------------------------------------------ public API
@@ -299,23 +302,7 @@ class DataParallel(nn.Module):
         if self._closed:
             return
         self._closed = True
-        if self._threads is not None:
-            self._threads.close()
-        if self._stream is not None:
-            if self._registered:
-                mirror.unregister(list(self.module.parameters()))
-            for m in list(self.mirrors):  # they hold the other replicas' parameters and state
-                m.detach()
-            if self._load_hook is not None:
-                self._load_hook.remove()
-            kept = [None if p.grad is None else p.grad.clone() for p in self._stream.params[0]]
-            self._stream.close()
-            for p, g in zip(self._stream.params[0], kept):
-                p.grad = g
-        for d in self._devs:
-            d.close()
-        if self._comm is not None:
-            self._comm.close()
+        self._finalizer()
 
     def __enter__(self) -> "DataParallel":
         return self
@@ -497,6 +484,40 @@ class DataParallel(nn.Module):
             raise RuntimeError("this cgdp.DataParallel is closed; wrap model.module again")
         if self._broken:
             raise RuntimeError(f"this cgdp.DataParallel cannot continue: {self._broken}")
+
+
+class _Resources:
+    """What a ``DataParallel`` must release (threads, buffers, hooks), without the wrapper itself."""
+
+    def __init__(self) -> None:
+        self.devs: list = []
+        self.threads: DeviceThreads | None = None
+        self.stream: GradientStream | None = None
+        self.comm: Comm | None = None
+        self.registered: list[nn.Parameter] | None = None  # replica 0's, given to mirror.register
+        self.load_hook: Any = None
+        self.mirrors: weakref.WeakSet = weakref.WeakSet()
+
+
+def _release(res: _Resources) -> None:
+    """``close()``, or the finalizer of a ``DataParallel`` dropped without it (runs once)."""
+    if res.threads is not None:
+        res.threads.close()
+    if res.registered is not None:
+        mirror.unregister(res.registered)
+    for m in list(res.mirrors):  # they hold the other replicas' parameters and state
+        m.detach()
+    if res.load_hook is not None:
+        res.load_hook.remove()
+    if res.stream is not None:
+        kept = [None if p.grad is None else p.grad.clone() for p in res.stream.params[0]]
+        res.stream.close()
+        for p, g in zip(res.stream.params[0], kept):  # replica 0 keeps its gradients
+            p.grad = g
+    for d in res.devs:
+        d.close()
+    if res.comm is not None:
+        res.comm.close()
 
 
 def _signature(module: nn.Module, infos: Sequence[LayerInfo], devices: int, dtype: torch.dtype) -> dict[str, str]:
