@@ -425,8 +425,7 @@ def test_failed_backward_leaves_a_usable_model():
             model(x).sum().backward()
         _Boom.fail = False
         try:
-            with pytest.warns(UserWarning, match="failed"):
-                out = model(x)
+            out = model(x)  # it failed before any gradient: nothing to drop, as on one device
             out.sum().backward()
             ref(x).sum().backward()
         finally:
@@ -709,3 +708,66 @@ def test_a_model_dropped_without_close_frees_its_threads():
     assert threading.active_count() == before
     assert next(net.parameters()).grad is not None  # replica 0 keeps its gradients
     opt.step()  # the last model's optimizer steps replica 0 alone again
+
+
+class PerSampleLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.net(x), y, reduction="none")
+
+
+def test_failed_second_backward_keeps_the_first_gradient_as_one_device():
+    net = PerSampleLoss()
+    ref = copy.deepcopy(net)
+    data = batches(2, 9)
+    with cgdp.DataParallel(net, devs(3), chunks=1) as model:
+        for m in (model, ref):
+            opt = SGD(m.parameters())
+            for x, y in data:
+                opt.zero_grad()
+                loss = m(x, y).mean()
+                loss.backward()
+                with pytest.raises(RuntimeError, match="second time"):
+                    loss.backward()  # no retain_graph: fails in the replicas' backward
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    opt.step()  # the first backward's gradient, as on one device
+        assert_replicas_identical(model)
+    assert_params_close(net, ref)
+
+
+class FailsLate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc2(_Boom.apply(self.fc1(x)))
+
+
+def test_backward_failing_partway_refuses_the_step_until_redone():
+    net = FailsLate()
+    ref = copy.deepcopy(net)
+    x = torch.randn(6, 4)
+    with cgdp.DataParallel(net, devs(2), chunks=1) as model:
+        opt = SGD(model.parameters())
+        with pytest.raises(RuntimeError, match="boom"):
+            model(x).sum().backward()  # fc2's gradient arrived, fc1's never will
+        with pytest.raises(RuntimeError, match="zero_grad.*redo"), pytest.warns(UserWarning, match="partway"):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(net.parameters(), ref.parameters()))
+        _Boom.fail = False
+        try:
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            ref_opt = SGD(ref.parameters())
+            ref(x).sum().backward()
+            ref_opt.step()
+        finally:
+            _Boom.fail = True
+        assert_replicas_identical(model)
+    assert_params_close(net, ref)

@@ -39,7 +39,9 @@ device streams, host sum, copy back): one data path, two faces.
 
 Not supported: ``torch.autograd.grad`` through the output (a clear error: it never reaches the
 hooks), ``optimizer.step(closure)``. A second backward through a retained graph accumulates, as on
-one device.
+one device. A backward that fails before any replica's gradient arrived (a second backward without
+``retain_graph``) leaves the gradients as they were, as on one device; one that fails partway
+drops them, and ``optimizer.step()`` refuses to run until the step's backward is redone.
 """
 from __future__ import annotations
 
@@ -112,6 +114,7 @@ class DataParallel(nn.Module):
         self._no_sync = False
         self._lock = threading.Lock()
         self._in_backward = False
+        self._incomplete = False  # a backward failed partway and dropped the gradients
         self._sending = False
         self._host_fresh = False
         self._guard = Guard(timeout_s)
@@ -332,6 +335,10 @@ class DataParallel(nn.Module):
         """Called before the user's optimizer steps: replica 0's gradients are every replica's."""
         self._check_usable()
         self._after_failed_backward()
+        if self._incomplete:
+            raise RuntimeError("the last backward through cgdp.DataParallel failed partway, so the "
+                               "gradients are incomplete (they were dropped); call optimizer.zero_grad() "
+                               "and redo this step's forward and backward before optimizer.step()")
         if self._grads.mirror_if_changed():
             self._host_fresh = False
 
@@ -394,10 +401,13 @@ class DataParallel(nn.Module):
         self._broken = drain_after_failure(self._devs, self._stream.host)
         self._guard.reset()
         self._stream.disarm()
-        self._grads.reset()
         self._in_backward = False
-        warnings.warn("the previous backward through cgdp.DataParallel failed; the gradients it left "
-                      "were dropped (every .grad is None)", stacklevel=3)
+        if self._grads.undo_prepare():
+            return  # it failed before any gradient changed: they are kept, as on one device
+        self._grads.reset()
+        self._incomplete = True
+        warnings.warn("the previous backward through cgdp.DataParallel failed partway; the gradients "
+                      "it left were dropped (every .grad is None)", stacklevel=3)
 
     def _end_backward(self) -> None:
         """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
@@ -415,6 +425,7 @@ class DataParallel(nn.Module):
                 # a parameter with a gradient on any rank has one on every rank
                 touched = self._comm.allreduce_small(touched + self._grads.has_grad)
             self._grads.finish(touched, self._sending)
+            self._incomplete = False
             self._host_fresh = self._sending
         except BaseException as exc:
             self._guard.fail(exc)

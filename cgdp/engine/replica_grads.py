@@ -102,6 +102,22 @@ class ReplicaGrads:
         self.synced_last = synced
         self.record()
 
+    def undo_prepare(self) -> bool:
+        """After a backward failed: if no hook ran after :meth:`prepare` (it failed before any
+        replica's gradient was accumulated), put back what the buffers held before it, as one
+        device keeps its gradients; whether it could. :meth:`prepare` kept the sum of the
+        buffers; after a synced backward it left the total on replica 0 alone."""
+        st = self.stream
+        if st.touched().any():
+            return False
+        with torch.no_grad():
+            if self.synced_last:
+                for flat in st.flats[1:]:
+                    flat.copy_(st.flats[0])
+        self.set_none()
+        self.record()
+        return True
+
     def reset(self) -> None:
         """Every gradient dropped (after a failed backward): all buffers zero, ``.grad`` None."""
         with torch.no_grad():
