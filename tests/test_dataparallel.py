@@ -771,3 +771,29 @@ def test_backward_failing_partway_refuses_the_step_until_redone():
             _Boom.fail = True
         assert_replicas_identical(model)
     assert_params_close(net, ref)
+
+
+def test_warnings_point_at_the_users_line():
+    import inspect
+
+    def where(call):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            line = inspect.currentframe().f_back.f_lineno
+            call()
+        assert caught, "no warning"
+        return [(pathlib.Path(w.filename).name, w.lineno - line) for w in caught]
+
+    x, y = batches(1, 6)[0]
+    with cgdp.DataParallel(mlp(), devs(2), chunks=1) as model:
+        opt = SGD(model.parameters())
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        assert where(lambda: opt.step()) == [("test_dataparallel.py", 0)]  # the step that copies
+        with torch.no_grad():
+            next(model.parameters()).clamp_(-0.1, 0.1)
+        assert where(lambda: model(x)) == [("test_dataparallel.py", 0)]
+    with cgdp.DataParallel(FailsLate(), devs(2), chunks=1) as model:
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.randn(6, 4)).sum().backward()
+        assert where(lambda: model(torch.randn(6, 4))) == [("test_dataparallel.py", 0)]

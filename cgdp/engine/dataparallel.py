@@ -49,7 +49,6 @@ import contextlib
 import copy
 import threading
 import time
-import warnings
 import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence
@@ -72,6 +71,7 @@ from cgdp.engine.stream import GradientStream
 from cgdp.engine.sync import Guard
 from cgdp.engine.threads import DeviceThreads
 from cgdp.engine.update import device_norm
+from cgdp.engine.user_warning import warn_user
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 
 
@@ -406,8 +406,8 @@ class DataParallel(nn.Module):
             return  # it failed before any gradient changed: they are kept, as on one device
         self._grads.reset()
         self._incomplete = True
-        warnings.warn("the previous backward through cgdp.DataParallel failed partway; the gradients "
-                      "it left were dropped (every .grad is None)", stacklevel=3)
+        warn_user("the previous backward through cgdp.DataParallel failed partway; the gradients "
+                  "it left were dropped (every .grad is None)")
 
     def _end_backward(self) -> None:
         """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
@@ -468,10 +468,10 @@ class DataParallel(nn.Module):
         drift apart. Seen through the version counters, which ``p.data`` does not share."""
         if [p._version for p in self._all_params[0]] == self._param_versions:
             return
-        warnings.warn("replica 0's parameters were changed outside optimizer.step() (in place under "
-                      "torch.no_grad(), e.g. p.clamp_ or torch.nn.init); cgdp.DataParallel copies them "
-                      "to every replica before this forward. Changes through p.data are not seen: "
-                      "make them on every replica (model.replicas)", stacklevel=5)
+        warn_user("replica 0's parameters were changed outside optimizer.step() (in place under "
+                  "torch.no_grad(), e.g. p.clamp_ or torch.nn.init); cgdp.DataParallel copies them "
+                  "to every replica before this forward. Changes through p.data are not seen: "
+                  "make them on every replica (model.replicas)")
         with torch.no_grad():
             for params in self._all_params[1:]:
                 for q, p in zip(params, self._all_params[0]):

@@ -25,13 +25,13 @@ waits in ``backward()`` while autograd runs).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from cgdp.engine.stream import GradientStream
+from cgdp.engine.user_warning import warn_user
 
 
 class ReplicaGrads:
@@ -141,10 +141,10 @@ class ReplicaGrads:
             return False
         if not self._warned:
             self._warned = True
-            warnings.warn("replica 0's gradients were changed after backward (for example by "
-                          "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)); cgdp.DataParallel "
-                          "copies them to every replica, which moves the whole gradient between devices. "
-                          "Use model.clip_grad_norm_(max_norm) to clip without that copy", stacklevel=5)
+            warn_user("replica 0's gradients were changed after backward (for example by "
+                      "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)); cgdp.DataParallel "
+                      "copies them to every replica, which moves the whole gradient between devices. "
+                      "Use model.clip_grad_norm_(max_norm) to clip without that copy")
         with torch.no_grad():
             for pid, g in enumerate(grads):
                 if g is None:

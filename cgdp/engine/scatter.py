@@ -28,10 +28,11 @@ its share (the slice of the concatenated gradient, or ``w_j`` times a scalar's),
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Callable, Sequence
 
 import torch
+
+from cgdp.engine.user_warning import warn_user
 
 _LEAF = "leaf"
 
@@ -226,7 +227,7 @@ def _same_or_none(vals: list[Any], name: str) -> Any:
     key = f"{name}:{type(first).__name__}"
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(f"cgdp.DataParallel cannot gather {name} ({type(first).__name__}): it differs "
-                      f"between replicas and is not a tensor; it is None in the gathered output "
-                      f"(for transformers models, pass use_cache=False)", stacklevel=3)
+        warn_user(f"cgdp.DataParallel cannot gather {name} ({type(first).__name__}): it differs "
+                  f"between replicas and is not a tensor; it is None in the gathered output "
+                  f"(for transformers models, pass use_cache=False)")
     return None

@@ -1,0 +1,28 @@
+"""Warnings of ``DataParallel`` that point at the user's line, not into torch or cgdp.
+
+They are raised from deep inside calls the user made (``optimizer.step()`` through torch's step
+hooks, ``model(x)`` through ``nn.Module.__call__``), at a depth that depends on the path taken,
+so no fixed ``stacklevel`` is right: the warning is attributed to the innermost frame outside
+torch's and cgdp's source trees (``skip_file_prefixes`` from Python 3.12 on, the same walk by
+hand before).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+_SKIP = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # cgdp/
+         os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=_SKIP)
+        return
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: the caller of warn_user
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
