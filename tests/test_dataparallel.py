@@ -496,7 +496,7 @@ def test_errors_say_what_to_do():
         with pytest.raises(NotImplementedError, match="closure"):
             opt.step(lambda: 0.0)
         mixed = torch.optim.SGD(list(model.parameters()) + [nn.Parameter(torch.zeros(2))], lr=0.1)
-        with pytest.raises(ValueError, match="one optimizer per"):
+        with pytest.raises(ValueError, match="separate optimizer"):
             mixed.step()
     with pytest.raises(RuntimeError, match="closed"):
         model(torch.randn(4, 12))
@@ -797,3 +797,27 @@ def test_warnings_point_at_the_users_line():
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.randn(6, 4)).sum().backward()
         assert where(lambda: model(torch.randn(6, 4))) == [("test_dataparallel.py", 0)]
+
+
+def test_two_optimizers_on_separate_subsets_and_mixed_optimizer_as_documented():
+    net = mlp()
+    ref = copy.deepcopy(net)
+    data = batches(2, 9)
+    with cgdp.DataParallel(net, devs(3), chunks=1) as model:
+        for m in (model, ref):
+            params = list(m.parameters())
+            opts = [SGD(params[:4]), torch.optim.Adam(params[4:], lr=1e-2)]
+            for x, y in data:
+                for o in opts:
+                    o.zero_grad()
+                F.cross_entropy(m(x), y).backward()
+                for o in opts:
+                    o.step()
+        assert_replicas_identical(model)
+        outside = nn.Parameter(torch.zeros(3))
+        mixed = SGD([*model.parameters(), outside])
+        with pytest.raises(ValueError, match="separate optimizer"):
+            mixed.step()
+    assert_params_close(net, ref)
+    doc = (pathlib.Path(__file__).parents[1] / "docs" / "migration.md").read_text()
+    assert "p.data" in doc and "separate" in doc and "refused" in doc

@@ -86,8 +86,9 @@ def _owner(opt: torch.optim.Optimizer) -> "DataParallel | None":
         return None
     if len(owners) > 1 or unowned:
         raise ValueError("this optimizer holds parameters of a cgdp.DataParallel together with other "
-                         "parameters (or those of another DataParallel); build one optimizer per "
-                         "DataParallel, on model.parameters()")
+                         "parameters (or those of another DataParallel); an optimizer may hold the "
+                         "parameters of one DataParallel only (model.parameters() or a subset): build "
+                         "a separate optimizer for the others")
     return owners.pop()
 
 
