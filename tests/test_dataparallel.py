@@ -821,3 +821,10 @@ def test_two_optimizers_on_separate_subsets_and_mixed_optimizer_as_documented():
     assert_params_close(net, ref)
     doc = (pathlib.Path(__file__).parents[1] / "docs" / "migration.md").read_text()
     assert "p.data" in doc and "separate" in doc and "refused" in doc
+
+
+def test_closing_from_a_device_thread_does_not_join_itself():
+    # what the garbage collector does when it frees a dropped model on a device thread
+    model = cgdp.DataParallel(mlp(), devs(2))
+    model.run_on(1, model.close).result(timeout=30)
+    assert model.closed
