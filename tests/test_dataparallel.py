@@ -676,6 +676,8 @@ def test_global_optimizer_hooks_exist_only_while_a_model_is_open():
     def ours():
         return [h for hooks in (_global_optimizer_pre_hooks, _global_optimizer_post_hooks)
                 for h in hooks.values() if h in (mirror._pre_hook, mirror._post_hook)]
+    import gc
+    gc.collect()  # models other tests dropped without close()
     assert ours() == []
     a = cgdp.DataParallel(mlp(), devs(2))
     b = cgdp.DataParallel(mlp(), devs(2))
