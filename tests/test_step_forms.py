@@ -124,6 +124,9 @@ def test_loss_errors_are_clear_and_the_trainer_stays_usable():
             tr.step(data, "cross_entropy")
         with pytest.raises(TypeError, match="takes \\(batch, loss_fn\\)"):
             tr.step(data)
+        for torch_loss in (F.cross_entropy, nn.CrossEntropyLoss()):  # targets forgotten
+            with pytest.raises(TypeError, match="takes \\(output, target\\).*step\\(inputs, targets, loss_fn\\)"):
+                tr.step(data["x"], torch_loss)
         assert tr.step(data, kw_loss) > 0  # none of these broke it
         assert tr.step(data, loss_fn=kw_loss) > 0
         assert_replicas_identical(tr)

@@ -80,8 +80,22 @@ def parse_step(args: Sequence[Any], g: int) -> StepCall:
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {_kind(loss_fn)}"
                         f" (step takes (batch, loss_fn) or (inputs, targets, loss_fn))")
+    if _is_output_loss(loss_fn):
+        raise TypeError(f"step(batch, loss_fn) calls loss_fn(model, batch), but {_name(loss_fn)} takes "
+                        f"(output, target); pass the targets too: step(inputs, targets, loss_fn)")
     parts, sizes, whole = split_nested(args[0], g)
     return StepCall(parts, sizes, True, partial(_model_loss, loss_fn), whole)
+
+
+def _is_output_loss(fn: Any) -> bool:
+    """A torch loss (``nn.CrossEntropyLoss()``, ``F.cross_entropy``): called as (output, target)."""
+    return isinstance(fn, nn.modules.loss._Loss) or getattr(fn, "__module__", None) == "torch.nn.functional"
+
+
+def _name(fn: Any) -> str:
+    if isinstance(fn, nn.Module):
+        return f"{type(fn).__name__}()"
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', type(fn).__name__)}".lstrip(".")
 
 
 def _output_loss(loss_fn: Callable, model: nn.Module, part: tuple[Any, torch.Tensor],
