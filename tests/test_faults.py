@@ -262,6 +262,33 @@ def _broken_states(good: dict) -> list[tuple[str, dict, str]]:
     return out
 
 
+def test_a_model_with_extra_state_loads_its_own_state():
+    """A module's get_extra_state() is in its state dict as any object, not a tensor."""
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.seen = mlp(), 0
+
+        def forward(self, x):
+            return self.net(x)
+
+        def get_extra_state(self):
+            return {"seen": self.seen}
+
+        def set_extra_state(self, state):
+            self.seen = state["seen"]
+
+    with cgdp.Trainer(Counted(), SGD, ["cpu:0", "cpu:1"]) as tr:
+        tr.step(X, Y, F.cross_entropy)
+        state = tr.state_dict()
+        state["model"]["_extra_state"] = {"seen": 7}
+        tr.load_state_dict(state)
+        assert [r.seen for r in tr.replicas] == [7, 7]
+        tr.step(X, Y, F.cross_entropy)
+        for a, b in zip(*(r.parameters() for r in tr.replicas)):
+            assert torch.equal(a, b)
+
+
 def test_failed_load_state_dict_changes_nothing():
     other = _trained(seed=1)
     good = other.state_dict()

@@ -19,6 +19,9 @@ from torch import nn
 
 from cgdp.planning.chunks import validate_plan
 
+_EXTRA_STATE = "_extra_state"
+"""The key suffix of a module's ``get_extra_state()`` in its state dict (not a tensor)."""
+
 
 def check_state(state: Any, model: nn.Module, optimizer: torch.optim.Optimizer, num_layers: int,
                 tuner: Any) -> None:
@@ -62,6 +65,8 @@ def _check_model(sd: Any, model: nn.Module) -> None:
                          f"{' ...' if len(extra) > 5 else ''}; was it saved from another model?")
     for k, t in mine.items():
         v = sd[k]
+        if k.endswith(_EXTRA_STATE):  # get_extra_state()'s value: any object its set_extra_state takes
+            continue
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"the saved model's {k} is a {type(v).__name__}, not a tensor")
         if v.shape != t.shape:
