@@ -96,6 +96,18 @@ def test_checkpoint_holds_only_plain_data(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ --out, --resume, Ctrl-C
+def test_used_out_without_a_checkpoint_does_not_suggest_resume(tmp_path, capsys):
+    """A run killed before its first checkpoint left metrics.jsonl only: --resume cannot help."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "config"}\n')
+    rc, text = run(capsys, "--out", str(out), "--steps", "2")
+    assert rc == 2 and "no checkpoint to continue from" in text and "--resume" not in text, text
+    rc, text = run(capsys, "--out", str(out), "--resume", "--steps", "2")
+    assert rc == 2 and "nothing to resume" in text and "--overwrite" in text, text
+    assert run(capsys, "--out", str(out), "--overwrite", "--steps", "2")[0] == 0
+
+
 def test_used_out_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
     out = tmp_path / "run"
     assert run(capsys, "--out", str(out), "--steps", "2", "--lr", "0.02", "--batch", "16")[0] == 0

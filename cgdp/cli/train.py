@@ -168,6 +168,11 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
     if cfg.run.resume:
         resume_path = (pathlib.Path(cfg.run.out) / "checkpoint.pt" if cfg.run.resume == "auto"
                        else pathlib.Path(cfg.run.resume))
+        if cfg.run.resume == "auto" and not resume_path.exists() and (resume_path.parent / "metrics.jsonl").exists():
+            raise checkpoint.CheckpointError(
+                f"--out {resume_path.parent} holds a run that stopped before saving a checkpoint (no "
+                f"checkpoint.pt), so there is nothing to resume; start again with --overwrite (or a new "
+                f"--out), and pass --checkpoint_every N to save along the way")
         resume = checkpoint.load(resume_path)
         _check_layout(resume, resume_path)
         if flags is not None and not flags.get("config"):
@@ -215,8 +220,10 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
     if out is not None:
         held = [f for f in RUN_FILES if (out / f).exists()]
         if held and not cfg.run.resume and not cfg.run.overwrite:
-            raise ConfigError(f"--out {out} already holds a run ({', '.join(held)}); continue it with "
-                              f"--out {out} --resume, choose a new --out, or pass --overwrite to replace it")
+            go_on = (f"continue it with --out {out} --resume, " if "checkpoint.pt" in held else
+                     "it has no checkpoint to continue from (it stopped before saving one); ")
+            raise ConfigError(f"--out {out} already holds a run ({', '.join(held)}); {go_on}"
+                              f"choose a new --out, or pass --overwrite to replace it")
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
