@@ -68,6 +68,7 @@ def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int], frozenset[in
         found.append((where, t))
         return t
     _map(batch, note)
+    _refuse_ragged_records(batch)
     dims = Counter(t.shape[0] for _, t in found if t.dim() > 0)
     if not dims:
         raise ValueError(f"cannot split the batch across devices: it holds no tensor with a batch "
@@ -86,6 +87,30 @@ def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int], frozenset[in
                          f"use a batch of at least {g} (one sample per device)")
     whole = frozenset(id(t) for _, t in found if t.dim() == 0 or t.shape[0] != n)
     return split_tree(batch, n, g), [n // g + (1 if j < n % g else 0) for j in range(g)], whole
+
+
+def _refuse_ragged_records(tree: Any, where: str = "batch") -> None:
+    """A list of per-sample records (dicts with the same keys, as torchvision's detection targets)
+    whose tensors differ in length cannot be split by their first dimension: those lengths are
+    not the batch, and counting them could pick one of them as the batch size (the images would
+    then go whole to every device and the records' rows would be split instead)."""
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            _refuse_ragged_records(v, f"{where}[{k!r}]")
+    elif isinstance(tree, (tuple, list)):
+        records = isinstance(tree, list) and len(tree) > 1 and all(isinstance(r, Mapping) for r in tree)
+        if records and len({tuple(r) for r in tree}) == 1:
+            for key in tree[0]:
+                lengths = {r[key].shape[0] for r in tree if isinstance(r[key], torch.Tensor) and r[key].dim()}
+                if len(lengths) > 1:
+                    raise ValueError(
+                        f"cannot split the batch across devices: {where} is a list of {len(tree)} per-sample "
+                        f"records whose {key!r} tensors have different first dimensions "
+                        f"({sorted(lengths)[:6]}), and cgdp splits tensors by their first dimension only. "
+                        f"Pad them into tensors whose first dimension is the batch (with a length per "
+                        f"sample), or give each step a batch of tensors")
+        for i, v in enumerate(tree):
+            _refuse_ragged_records(v, f"{where}[{i}]")
 
 
 def to_device(part: Any, device: torch.device) -> Any:
