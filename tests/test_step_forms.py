@@ -123,6 +123,8 @@ def test_loss_errors_are_clear_and_the_trainer_stays_usable():
             tr.step(data, lambda m, b: (kw_loss(m, b), -1))
         with pytest.raises(TypeError, match="second element"):
             tr.step(data, lambda m, b: (kw_loss(m, b), "many"))
+        with pytest.raises(TypeError, match="count is a bool tensor.*mask.sum\\(\\)"):
+            tr.step(data, lambda m, b: (kw_loss(m, b), torch.tensor(True)))
         with pytest.raises(TypeError, match="callable as loss_fn\\(model, batch\\)"):
             tr.step(data, "cross_entropy")
         with pytest.raises(TypeError, match="takes \\(batch, loss_fn\\)"):

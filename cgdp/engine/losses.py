@@ -142,6 +142,9 @@ def _count(count: Any) -> float:
         value = float(count.detach())  # note: CPU-GPU sync point; the weights need every count
     elif isinstance(count, (int, float, np.integer, np.floating)) and not isinstance(count, bool):
         value = float(count)
+    elif isinstance(count, torch.Tensor) and count.dtype == torch.bool:
+        raise TypeError(f"loss_fn returned a pair whose count is a bool tensor of shape {tuple(count.shape)}; "
+                        f"return the number of items summed, e.g. mask.sum()")
     else:
         raise TypeError(f"loss_fn returned a pair; its second element must be the number of items "
                         f"summed (an int or a one-element tensor), got {_kind(count)}")
