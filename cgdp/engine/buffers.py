@@ -9,9 +9,10 @@ value in floating point (1/3·v + 1/3·v + 1/3·v can differ from v by one unit)
 constant buffer (the rotary frequencies of a Llama model, a fixed mask) would make it drift by a
 few units every step. :class:`BufferWatch` keeps each replica's buffers as they were after the last
 sync and compares (torch's version counter does not see BatchNorm's writes): one more copy of the
-floating buffers per device, one pass over them and one host sync per device per step. The same
-copy (with the other buffers) lets a forward that must be done again (:mod:`cgdp.engine.rng`)
-start from the buffers as they were (:meth:`BufferWatch.restore`).
+floating buffers per device, one pass over them and one host sync per device per step; only the
+buffers that changed are copied again. The same copy (with the other buffers, kept only while it
+can still be needed) lets a forward that must be done again (:mod:`cgdp.engine.rng`) start from the
+buffers as they were (:meth:`BufferWatch.restore`).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class BufferWatch:
         self.others = others or [[] for _ in buffers]
         self._seen = [[b.detach().clone() for b in bufs] for bufs in buffers]
         self._seen_others = [[b.detach().clone() for b in bufs] for bufs in self.others]
+        self._others_version = [[b._version for b in bufs] for bufs in self.others]
 
     def changed(self, comm: Comm | None) -> list[bool]:
         """Per buffer: written on some replica (of some rank, with a comm) since the last sync."""
@@ -42,17 +44,34 @@ class BufferWatch:
             return []
         written = np.zeros(len(self.buffers[0]), np.float64)
         with torch.no_grad():
-            for bufs, seen in zip(self.buffers, self._seen):
-                # NaN != NaN: a NaN buffer counts as written, and is averaged (it stays NaN)
-                flags = torch.stack([(b != s).any() for b, s in zip(bufs, seen)])
-                written += flags.cpu().numpy()  # note: host waits for this device's comparison
+            # NaN != NaN: a NaN buffer counts as written, and is averaged (it stays NaN).
+            # Every device's comparison is issued before the host waits for any of them.
+            flags = [torch.stack([(b != s).any() for b, s in zip(bufs, seen)])
+                     for bufs, seen in zip(self.buffers, self._seen)]
+            for f in flags:
+                written += f.cpu().numpy()  # note: host waits for this device's comparison
         if comm is not None:  # every rank must average the same buffers
             written = comm.allreduce_small(written)
         return (written > 0).tolist()
 
-    def synced(self) -> None:
-        """The buffers' values now (after a sync or a load) are the new baseline."""
-        self._copy(self.buffers + self.others, self._seen + self._seen_others)
+    def synced(self, changed: Sequence[bool] | None = None, others: bool = True) -> None:
+        """The buffers' values now (after a sync or a load) are the new baseline. ``changed``
+        (from :meth:`changed`): only those floating buffers moved, the rest still equal their
+        baseline. ``others=False``: the other buffers' baseline is no longer needed (no forward
+        will be done again, so :meth:`restore` is never called)."""
+        if changed is None:
+            self._copy(self.buffers, self._seen)
+        elif any(changed):
+            pick = lambda xs: [[b for b, c in zip(bufs, changed) if c] for bufs in xs]  # noqa: E731
+            self._copy(pick(self.buffers), pick(self._seen))
+        if others:
+            # the other buffers (counters, masks) are written by ordinary in-place ops, which
+            # bump the version counter: copy only those written since their last copy
+            moved = [[b._version != v for b, v in zip(bufs, vs)]
+                     for bufs, vs in zip(self.others, self._others_version)]
+            pick = lambda xs: [[b for b, m in zip(bufs, mv) if m] for bufs, mv in zip(xs, moved)]  # noqa: E731
+            self._copy(pick(self.others), pick(self._seen_others))
+            self._others_version = [[b._version for b in bufs] for bufs in self.others]
 
     def restore(self) -> None:
         """Every buffer back to the baseline (a forward is to be done again)."""

@@ -481,8 +481,11 @@ class Trainer:
             up = [(u0, dev.stamp())] + [None] * (len(self._devs) - 1)
         else:
             up = self._threads.run_all(lambda j: self._update_on(j, coef))
-        sync_buffers(self._buffers, self._weights, self._comm, self._buffer_watch.changed(self._comm))
-        self._buffer_watch.synced()
+        changed = self._buffer_watch.changed(self._comm)
+        sync_buffers(self._buffers, self._weights, self._comm, changed)
+        # a forward is done again (and the buffers restored) only on emulated devices, until
+        # their random streams take turns
+        self._buffer_watch.synced(changed, others=not (self._devs[0].is_cuda or self._rng.turns))
         self._schedulers.step(only_first_stepped=self.mode == "typical")
         return up
 
