@@ -36,7 +36,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench_engine import FULL, LR, QUICK, Case, DDPPool, params_of, rel_err  # noqa: E402
+from bench_engine import FULL, LR, QUICK, Case, DDPPool, add_case_args, params_of, rel_err  # noqa: E402
 from common import command_line, fmt, machine, machine_md, median, table, write_results  # noqa: E402
 
 NAMES = ("single", "cgdp.DataParallel", "cgdp.Trainer", "nn.DataParallel", "DDP")
@@ -167,12 +167,7 @@ def report(results: list[dict], info: dict[str, str], cmd: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small models, 2 rounds of 3 steps")
-    ap.add_argument("--models", default="mlp,cnn", help="which cases: mlp, cnn")
-    ap.add_argument("--per-replica", type=int, default=16, help="samples per replica")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=8, help="steps per contender per round")
-    ap.add_argument("--check-steps", type=int, default=3)
+    add_case_args(ap)
     ap.add_argument("--md", help="write the markdown report here")
     ap.add_argument("--json", help="write the raw figures here")
     args = ap.parse_args(argv)

@@ -343,14 +343,19 @@ def report(results: list[dict], info: dict[str, str], cmd: str) -> str:
                "back on all devices at ms"], prof_rows), ""])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_case_args(ap: argparse.ArgumentParser) -> None:
+    """The options every benchmark over these cases takes (also bench_dataparallel's)."""
     ap.add_argument("--quick", action="store_true", help="small models, 2 rounds of 3 steps")
     ap.add_argument("--models", default="mlp,cnn", help="which cases: mlp, cnn")
     ap.add_argument("--per-replica", type=int, default=16, help="samples per replica")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8, help="steps per contender per round")
     ap.add_argument("--check-steps", type=int, default=3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_case_args(ap)
     ap.add_argument("--segment-kib", type=int, default=None,
                     help="cgdp's segment_bytes in KiB (default: the Trainer's)")
     ap.add_argument("--md", help="write the markdown report here")
