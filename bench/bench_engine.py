@@ -275,7 +275,7 @@ def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps:
              "acc_ms": c.acc_s * 1e3, "h2d_ms": c.h2d_s * 1e3, "back_ms": c.back_s * 1e3}
             for c in prof.chunks],
         "profile_backward_ms": None if prof is None else prof.backward_s * 1e3,
-        "kernel": "cgdp.engine.accumulate" + ("" if segment_bytes is None else f", segment_bytes {segment_bytes >> 10} KiB"),
+        "kernel": "cgdp.engine.core.accumulate" + ("" if segment_bytes is None else f", segment_bytes {segment_bytes >> 10} KiB"),
         "threads": f"torch {torch.get_num_threads()} per device thread / per process; Numba "
                    f"{acc_threads} for cgdp's accumulator",
     }

@@ -26,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cgdp  # noqa: E402
-from cgdp.engine import stream as stream_mod  # noqa: E402
+from cgdp.engine.core import stream as stream_mod  # noqa: E402
 
 
 def model(layers: int = 16, width: int = 256) -> nn.Module:

@@ -7,9 +7,9 @@ The parts: :mod:`cgdp.engine` (the data path of a step, ``Trainer``), :mod:`cgdp
 ``python -m cgdp.train`` and ``python -m cgdp.plan`` commands).
 """
 from cgdp import testing
-from cgdp.engine.accumulate import accumulate
-from cgdp.engine.dataparallel import DataParallel
-from cgdp.engine.trainer import NonFiniteGradientError, Trainer
+from cgdp.engine.core.accumulate import accumulate
+from cgdp.engine.dataparallel.dataparallel import DataParallel
+from cgdp.engine.trainer.trainer import NonFiniteGradientError, Trainer
 from cgdp.planning.chunks import paper_plan
 from cgdp.planning.costmodel import cgdp_backward_time, typical_backward_time
 from cgdp.planning.tuner import PaperChunkSearch

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import cgdp
-from cgdp.engine.accumulate import BLOCK, SERIAL_BELOW
+from cgdp.engine.core.accumulate import BLOCK, SERIAL_BELOW
 
 
 @pytest.mark.parametrize("nparts", [1, 2, 3, 4, 5, 6, 7, 8, 9])
@@ -80,7 +80,7 @@ def test_bad_arguments_are_rejected(bad, match):
 @pytest.mark.parametrize("nparts", [1, 2, 3, 5])
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
 def test_sum_of_squares_in_the_same_pass_is_exact_and_thread_independent(nparts, dtype):
-    from cgdp.engine.accumulate import set_threads
+    from cgdp.engine.core.accumulate import set_threads
     n = 3 * SERIAL_BELOW + 5
     g = torch.Generator().manual_seed(nparts)
     ts = [torch.randn(n, generator=g) for _ in range(nparts)]
@@ -111,8 +111,8 @@ def test_sum_of_squares_in_the_same_pass_is_exact_and_thread_independent(nparts,
 def test_rounding_to_16_bits_matches_torch(dtype):
     """The host's float32 → bf16/fp16 rounding (in the summing pass, and after an allreduce) is
     torch's: ties to even, subnormals, overflow to inf."""
-    from cgdp.engine.accumulate import accumulate_unchecked, round_into
-    from cgdp.engine.precision import host_array
+    from cgdp.engine.core.accumulate import accumulate_unchecked, round_into
+    from cgdp.engine.core.precision import host_array
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SERIAL_BELOW + 999, generator=g) * torch.logspace(-30, 30, SERIAL_BELOW + 999)
     x[:8] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -11, 1 + 3 * 2 ** -11,

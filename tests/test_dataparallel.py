@@ -671,7 +671,7 @@ def test_dtype_or_device_conversion_of_the_wrapper_is_a_clear_error():
 
 def test_global_optimizer_hooks_exist_only_while_a_model_is_open():
     from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
-    from cgdp.engine import mirror
+    from cgdp.engine.dataparallel import mirror
 
     def ours():
         return [h for hooks in (_global_optimizer_pre_hooks, _global_optimizer_post_hooks)

@@ -1,4 +1,5 @@
-"""The folders are the architecture: imports between cgdp's parts run one way (README, Layout)."""
+"""The folders are the architecture: imports between cgdp's parts, and between the engine's rooms, run one way
+(README, Layout), and no module of cgdp imports itself back through others."""
 import ast
 import pathlib
 
@@ -7,19 +8,39 @@ import cgdp
 PKG = pathlib.Path(cgdp.__file__).parent
 ALLOWED = {  # part -> the parts it may import
     "cli": {"cli", "engine", "planning", "comm", "data", "models"},
+    "testing": {"testing", "engine"},
     "engine": {"engine", "planning", "comm"},
     "planning": {"planning"},
     "comm": {"comm"},
     "data": {"data"},
     "models": {"models"},
 }
+ROOMS = {  # room of cgdp/engine -> the rooms it may import (engine/__init__.py says why)
+    "trainer": {"trainer", "core", "backend", "sync"},
+    "dataparallel": {"dataparallel", "core", "backend", "sync"},
+    "core": {"core", "backend", "sync"},
+    "backend": {"backend", "sync"},
+    "sync": {"sync"},
+}
+
+
+def _module(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+MODULES = {_module(f): f for f in PKG.rglob("*.py")}
 
 
 def _imports(path: pathlib.Path) -> list[str]:
+    """Every cgdp module that ``path`` imports, wherever the import stands (top level, inside a function, or
+    under ``TYPE_CHECKING``): ``from cgdp.x import y`` names the module ``cgdp.x.y`` where that is a module."""
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cgdp."):
-            out.append(node.module)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cgdp"):
+            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES]
+            out += subs if len(subs) == len(node.names) else [node.module, *subs]
         elif isinstance(node, ast.Import):
             out += [a.name for a in node.names if a.name.startswith("cgdp.")]
     return out
@@ -34,10 +55,63 @@ def test_parts_import_one_way():
         part = rel[0]
         assert part in ALLOWED, f"new part cgdp/{part}: add it to README's Layout and to ALLOWED"
         for m in _imports(f):
-            target = m.split(".")[1]
+            target = m.split(".")[1] if "." in m else m
             if target in ALLOWED and target not in ALLOWED[part]:
                 wrong.append(f"{'/'.join(rel)} imports {m}")
     assert not wrong, wrong
+
+
+def test_engine_rooms_import_one_way():
+    """A face never imports the other face; core never imports a face; backend only sync."""
+    wrong = []
+    engine = PKG / "engine"
+    for f in engine.rglob("*.py"):
+        rel = f.relative_to(engine).parts
+        if rel == ("__init__.py",):
+            continue
+        room = rel[0].removesuffix(".py")
+        assert room in ROOMS, (f"new room cgdp/engine/{rel[0]}: add it to ROOMS, to engine/__init__.py "
+                               "and to README's Layout")
+        for m in _imports(f):
+            if not m.startswith("cgdp.engine."):
+                continue
+            target = m.split(".")[2]
+            if target not in ROOMS[room]:
+                wrong.append(f"engine/{'/'.join(rel)} imports {m}")
+    assert not wrong, wrong
+
+
+def test_engine_has_few_loose_modules():
+    loose = sorted(f.name for f in (PKG / "engine").glob("*.py") if f.name != "__init__.py")
+    assert len(loose) <= 3, f"the engine's modules belong in its rooms: {loose}"
+
+
+def test_no_import_cycles():
+    """No module of cgdp reaches itself through imports (lazy and TYPE_CHECKING imports included; a package's
+    own ``__init__`` is not counted as imported by its submodules)."""
+    graph = {m: {t for t in _imports(f) if t in MODULES and t != m} for m, f in MODULES.items()}
+    cycles, state = [], {}
+
+    def visit(m: str, path: list[str]) -> None:  # path ends with m
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(path[path.index(t):] + [t]))
+            elif t not in state:
+                visit(t, path + [t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+def test_subpackages_say_what_they_hold():
+    """Each room's ``__init__`` docstring says what it does and what it may import."""
+    for init in [*(PKG / "engine").glob("*/__init__.py"), PKG / "testing" / "__init__.py"]:
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "May import" in doc, f"{init.relative_to(PKG)}: say what the room does and what it may import"
 
 
 def test_engine_modules_stay_small():

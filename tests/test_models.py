@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cgdp.engine.layers import find_layers
+from cgdp.engine.core.layers import find_layers
 from cgdp.models import MODELS, build_model, count_params
 
 # torchvision's published parameter counts for the same architectures

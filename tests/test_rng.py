@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from cgdp.engine.rng import EmulatedRNG, device_seed
+from cgdp.engine.backend.rng import EmulatedRNG, device_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 

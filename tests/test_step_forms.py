@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgdp
-from cgdp.engine.batch import split_nested
-from cgdp.engine.losses import backward_weight
+from cgdp.engine.trainer.batch import split_nested
+from cgdp.engine.trainer.losses import backward_weight
 from helpers import (TokenLM, assert_params_close, assert_replicas_identical, mlp, reference_step2,
                      token_batches, token_mean, token_sum, train_step2)
 

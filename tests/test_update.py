@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import cgdp
-from cgdp.engine.update import HyperparameterMismatchError
+from cgdp.engine.trainer.update import HyperparameterMismatchError
 from helpers import Gated, assert_params_close, assert_replicas_identical, mlp
 from test_comm_inproc import on_ranks
 
@@ -264,7 +264,7 @@ def test_scheduler_in_typical_mode():
 
 
 def test_split_tree_splits_batch_tensors_and_keeps_the_rest_whole():
-    from cgdp.engine.batch import micro_rounds, split_tree
+    from cgdp.engine.trainer.batch import micro_rounds, split_tree
     mask = torch.ones(3, 3)  # not batch-sized: goes whole
     tree = {"ids": torch.arange(7), "pair": (torch.arange(14).reshape(7, 2), "tag"), "mask": mask}
     pieces = split_tree(tree, 7, 3)

@@ -201,7 +201,7 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
         model = build_model(cfg.model.name, classes, train_set.sample_shape)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    from cgdp.engine.layers import find_layers
+    from cgdp.engine.core.layers import find_layers
     num_layers = len(find_layers(model)[0])
     chunks: int | str | list[list[int]]
     if t.chunks in ("auto", "paper"):

@@ -24,36 +24,11 @@ May import: nothing of cgdp outside this package (the engine imports it).
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any
 
-import numpy as np
+from cgdp.comm.base import Comm
 
-
-class Comm(ABC):
-    rank: int = 0
-    size: int = 1
-
-    def attach(self, fail: Callable[[BaseException], None]) -> None:
-        self._fail = fail
-
-    @abstractmethod
-    def post(self, key: int, buf: np.ndarray, on_done: Callable[[], None]) -> None: ...
-
-    @abstractmethod
-    def fence(self, timeout: float | None = None) -> None: ...
-
-    @abstractmethod
-    def allreduce_small(self, arr: np.ndarray) -> np.ndarray: ...
-
-    @abstractmethod
-    def broadcast_object(self, obj: Any) -> Any: ...
-
-    @abstractmethod
-    def check_same(self, signature: dict[str, str]) -> None: ...
-
-    def close(self) -> None:
-        pass
+__all__ = ["Comm", "make_comm"]
 
 
 def make_comm(spec: object, **options: Any) -> Comm | None:

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from cgdp.comm import Comm
+from cgdp.comm.base import Comm
 from cgdp.comm.ordered import OrderedComm, _InFlight
 
 INSTALL_HINT = ('install the MPI extra: pip install "cgdp[mpi]" (mpi4py and the mpich wheel; no '

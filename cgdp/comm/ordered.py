@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cgdp.comm import Comm
+from cgdp.comm.base import Comm
 
 
 class CommFailed(RuntimeError):

@@ -1,20 +1,31 @@
-"""The data path of one step, in the order a gradient travels.
+"""The engine: one training step's data path, in rooms that follow a gradient.
 
-``hooks`` (per-parameter backward hooks mark layers ready) → ``flatgrad`` (the flat gradient buffer,
-laid out in chunk order; ``param.grad`` are views into it) → ``backend`` (device streams: CUDA or
-CPU-emulated) → ``host`` (pinned slots, the accumulator thread) → ``accumulate`` (the host kernel)
-→ copy back; ``stream`` holds these together for G replicas (what both faces, ``Trainer`` and
-``DataParallel``, share) → ``trainer`` (the step and the update) and ``dataparallel`` (the same
-data path behind the user's own loop: ``scatter`` splits arguments and gathers outputs, ``mirror``
-steps every replica with the user's optimizer). Around the step: ``batch`` (splitting and
-weighting), ``losses`` (each device's loss, its backward weight, autocast), ``typical`` (the
-paper's baseline), ``buffers`` (BatchNorm statistics), ``update`` (clipping, schedulers,
-hyperparameter agreement), ``precision`` (gradient dtypes on the host), ``replicas``,
-``replica_grads`` (DataParallel's gradient bookkeeping), ``threads`` (one host thread per
-device), ``lifetime`` (one caller at a time; release on close or drop), ``state`` (checked
-restores), ``drain`` (bringing the engine to rest), ``timing`` (profiles and traces), ``rng``
-(random streams per device), ``sync`` (waiting without hanging), ``layers`` (what a layer is).
+``backend/`` the devices (CUDA or CPU-emulated): compute, D2H and H2D streams, events, pinned host
+memory, each device's random numbers. Below everything else of the engine.
 
-May import: :mod:`cgdp.planning` (plans, profiles, tuners) and :mod:`cgdp.comm`. Never imports
-:mod:`cgdp.cli`.
+``core/`` the gradient path both faces share, in the order a gradient travels: ``layers`` (what a
+layer is) → ``hooks`` (per-parameter backward hooks send a chunk when it is complete) →
+``flatgrad`` (the flat gradient buffer in chunk order; ``param.grad`` are views into it) → the
+device's D2H stream → ``host`` (pinned slots, the accumulator thread) → ``accumulate`` (the host
+kernel) → the H2D stream back; ``stream`` (:class:`~cgdp.engine.core.stream.GradientStream`) holds
+them together for G replicas. Around it, also shared: ``replicas`` (one copy of the model per
+device, each device's share of the batch), ``threads`` (one host thread per device), ``buffers``
+(BatchNorm statistics made identical), ``clip`` (clipping on the host norm), ``precision``
+(gradient dtypes on the host), ``drain`` (bringing the engine to rest), ``lifetime`` (one caller at
+a time; release on close or drop).
+
+``trainer/`` the face ``cgdp.Trainer``, where cgdp owns the step: ``batch`` (split and weight) →
+``losses`` (each device's loss and backward weight) → the core → ``update`` (hyperparameter
+agreement, schedulers); ``typical`` (the paper's baseline mode), ``state`` (checked restores),
+``timing`` (profiles and traces).
+
+``dataparallel/`` the face ``cgdp.DataParallel``, behind the user's own loop: ``scatter`` (split the
+arguments, gather the outputs) → the core → ``replica_grads`` (what each replica's ``.grad`` holds
+between backwards) → ``mirror`` (the user's optimizer steps every replica).
+
+``sync`` (loose): how threads of one step wait for each other without hanging; every room uses it.
+
+Arrows run one way: a face imports ``core``, ``backend`` and ``sync``; ``core`` imports ``backend``
+and ``sync``; ``backend`` imports ``sync``; the two faces never import each other. The engine may
+import :mod:`cgdp.planning` and :mod:`cgdp.comm`, never :mod:`cgdp.cli` (``tests/test_layout.py``).
 """

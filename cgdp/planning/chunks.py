@@ -1,6 +1,6 @@
 """Chunk plans: which layers travel to the host together.
 
-A *layer* is a module that directly owns trainable parameters (see :mod:`cgdp.engine.layers`); layers are
+A *layer* is a module that directly owns trainable parameters (see :mod:`cgdp.engine.core.layers`); layers are
 numbered 0..L-1 in forward order. A *chunk plan* is a list of chunks in the order they are sent
 (backward order first), each chunk a list of layer indices. Every layer appears in exactly one
 chunk. The engine lays out each device's flat gradient buffer in plan order, so that a chunk is one

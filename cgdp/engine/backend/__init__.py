@@ -1,4 +1,7 @@
-"""Device selection in one place: device strings → :class:`~cgdp.engine.backend.base.Device` objects.
+"""The devices: streams, events, pinned memory; CUDA (``cuda.py``: alone touches ``torch.cuda``) or CPU-emulated.
+
+May import ``engine.sync`` only. This module is device selection in one place: device strings →
+:class:`~cgdp.engine.backend.base.Device` objects.
 
 ``"cpu:N"`` are CPU-emulated devices (any N, each a separate replica in host memory);
 ``"cuda:N"`` are real GPUs (or simulated ones inside ``cgdp.testing.simulated_cuda``). One trainer
@@ -77,7 +80,7 @@ def make_rng(devs: Sequence[Device]) -> Any:
     if devs[0].is_cuda:
         from cgdp.engine.backend.cuda import CudaRNG
         return CudaRNG(devs)
-    from cgdp.engine.rng import EmulatedRNG
+    from cgdp.engine.backend.rng import EmulatedRNG
     return EmulatedRNG(len(devs))
 
 

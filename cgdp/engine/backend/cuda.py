@@ -355,7 +355,7 @@ class CudaRNG:
     draw the same dropout masks. Each replica gets its own generator state instead, swapped into
     its GPU's generator around its forward (a host-side swap, no synchronisation). Replicas that
     share a generator (several on one GPU, or a simulated runtime) take turns under a lock.
-    Same interface as :class:`cgdp.engine.rng.EmulatedRNG`.
+    Same interface as :class:`cgdp.engine.backend.rng.EmulatedRNG`.
     """
 
     def __init__(self, devs: Sequence[CudaDevice]):

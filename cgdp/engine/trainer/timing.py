@@ -12,8 +12,8 @@ import math
 from typing import Any, Sequence
 
 from cgdp.engine.backend.base import Device
-from cgdp.engine.flatgrad import Layout
-from cgdp.engine.hooks import DeviceHooks
+from cgdp.engine.core.flatgrad import Layout
+from cgdp.engine.core.hooks import DeviceHooks
 from cgdp.planning.profile import ChunkTiming, StepProfile
 
 Event = tuple[str, str, str, float, float]

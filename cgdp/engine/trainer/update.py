@@ -11,11 +11,8 @@ averaged gradient. This module holds what the trainer does to all of them alike:
   stepped together after every applied update (never after a rejected one), saved as one.
   ``ReduceLROnPlateau`` needs a metric, so the user steps it, on every replica
   (``for s in trainer.schedulers: s.step(metric)``).
-* :func:`clip_coefficient` and :func:`scale_gradients`: gradient clipping exactly as
-  ``torch.nn.utils.clip_grad_norm_`` does on one device: ``coef = max_norm / (norm + 1e-6)``,
-  clamped to 1, multiplied into every gradient (including when it is 1, as torch does). The norm
-  comes from the host (:meth:`cgdp.engine.stream.GradientStream.grad_norm`) or, without a host
-  accumulator, from :func:`device_norm`.
+
+Gradient clipping, which ``DataParallel`` shares, is :mod:`cgdp.engine.core.clip`.
 """
 from __future__ import annotations
 
@@ -146,33 +143,3 @@ class Schedulers:
             return
         for s in self.schedulers:
             s.load_state_dict(copy.deepcopy(state))  # each its own copy, as for the optimizers
-
-
-def check_max_norm(max_norm: float | None) -> float | None:
-    if max_norm is None:
-        return None
-    # inf is allowed, as in torch: the norm is measured (stats["grad_norm"]), nothing is scaled
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-        raise ValueError(f"clip_grad_norm must be a positive number (the max 2-norm; inf to only "
-                         f"measure the norm) or None, got {max_norm!r}")
-    return float(max_norm)
-
-
-def clip_coefficient(norm: float, max_norm: float | None) -> torch.Tensor | None:
-    """``min(1, max_norm / (norm + 1e-6))``, computed in float32 as torch's clip_grad_norm_ does
-    for float32 gradients; ``None`` without clipping (``max_norm`` None)."""
-    if max_norm is None:
-        return None
-    total = torch.tensor(norm, dtype=torch.float32)
-    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
-
-
-def device_norm(flat: torch.Tensor) -> float:
-    """The 2-norm of one flat gradient buffer, accumulated in float64 (no host accumulator)."""
-    # note: CPU-GPU sync point
-    return float(torch.linalg.vector_norm(flat, dtype=torch.float64))
-
-
-def scale_gradients(flat: torch.Tensor, coef: torch.Tensor) -> None:
-    """``flat *= coef`` on its device (every gradient is a view into ``flat``)."""
-    flat.mul_(coef.to(flat.device, non_blocking=True))

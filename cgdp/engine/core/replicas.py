@@ -13,11 +13,13 @@ import copy
 import hashlib
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
+from cgdp.comm import Comm
 from cgdp.engine.backend.base import Device
-from cgdp.engine.layers import LayerInfo, find_layers
+from cgdp.engine.core.layers import LayerInfo, find_layers
 
 
 class Replicas:
@@ -62,3 +64,11 @@ def state_digest(module: nn.Module) -> str:
         digest.update(name.encode())
         digest.update(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def batch_weights(sizes: list[int], comm: Comm | None) -> tuple[list[float], int]:
+    """Each device's share of the global batch (over all ranks), and the global batch size."""
+    total = sum(sizes)
+    if comm is not None:
+        total = int(comm.allreduce_small(np.array([total], np.float64))[0])
+    return [n / total for n in sizes], total

@@ -28,13 +28,25 @@ import inspect
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-if TYPE_CHECKING:
-    from cgdp.engine.dataparallel import DataParallel
+
+
+class Owner(Protocol):
+    """What a mirror needs of the ``DataParallel`` whose replicas it steps (so this module does not
+    import the one that imports it)."""
+
+    closed: bool
+    mirrors: weakref.WeakSet
+
+    def parameter_maps(self) -> list[dict[int, torch.nn.Parameter]]: ...
+    def run_on(self, j: int, fn: Callable[[], Any]) -> Future: ...
+    def before_step(self) -> None: ...
+    def after_step(self) -> None: ...
+    def mark_broken(self, why: str) -> None: ...
 
 _OWNERS: dict[int, weakref.ref] = {}
 """id(parameter of replica 0) -> the DataParallel that owns it (while it is open)."""
@@ -46,7 +58,7 @@ optimizer step in the process pays their ownership lookup)."""
 _handles: list = []
 
 
-def register(dp: "DataParallel", params: list[torch.nn.Parameter]) -> None:
+def register(dp: Owner, params: list[torch.nn.Parameter]) -> None:
     global _live
     with _lock:
         if _live == 0:
@@ -71,7 +83,7 @@ def unregister(params: list[torch.nn.Parameter]) -> None:
             _handles.clear()
 
 
-def _owner(opt: torch.optim.Optimizer) -> "DataParallel | None":
+def _owner(opt: torch.optim.Optimizer) -> "Owner | None":
     owners = set()
     unowned = 0
     for group in opt.param_groups:
@@ -115,7 +127,7 @@ def _post_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
 class Mirror:
     """The mirror optimizers of one user optimizer (``mirrors[j - 1]`` steps replica j)."""
 
-    def __init__(self, opt: torch.optim.Optimizer, dp: "DataParallel"):
+    def __init__(self, opt: torch.optim.Optimizer, dp: Owner):
         self.opt = opt
         self.dp = weakref.ref(dp)
         self.maps = dp.parameter_maps()

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from cgdp.engine.user_warning import warn_user
+from cgdp.engine.dataparallel.user_warning import warn_user
 
 _LEAF = "leaf"
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cgdp.engine.precision import PARAMETER_DTYPES
+from cgdp.engine.core.precision import PARAMETER_DTYPES
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def find_layers(model: nn.Module) -> tuple[list[LayerInfo], list[list[nn.Paramet
 def trainable_dtype(params: list[list[nn.Parameter]]) -> torch.dtype:
     """The one floating dtype of all trainable parameters (the flat buffers use it): float32,
     float64, bfloat16 or float16 (the host sums 16-bit gradients in float32,
-    :mod:`cgdp.engine.precision`)."""
+    :mod:`cgdp.engine.core.precision`)."""
     dtypes = {p.dtype for layer in params for p in layer}
     if len(dtypes) != 1:
         raise TypeError(f"all trainable parameters must share one dtype for the flat gradient buffer; "
@@ -64,3 +64,11 @@ def trainable_dtype(params: list[list[nn.Parameter]]) -> torch.dtype:
         raise TypeError(f"trainable parameters are {dtype}; cgdp trains float32, float64, bfloat16 or "
                         f"float16 parameters. Cast the model, e.g. model.float()")
     return dtype
+
+
+def nonfinite_layers(params: list[nn.Parameter], layer_pids: list[list[int]], names: list[str]) -> str:
+    """The layers whose gradient on this replica holds NaN/Inf (after
+    :func:`cgdp.engine.trainer.typical.gather_on_first`, replica 0's gradient is the summed one), for the error message."""
+    bad = [names[i] or "<root>" for i, pids in enumerate(layer_pids)
+           if any(params[p].grad is not None and not bool(torch.isfinite(params[p].grad).all()) for p in pids)]
+    return ", ".join(bad) or "unknown"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from cgdp.engine.backend.base import Device
-from cgdp.engine.host import HostAccumulator
+from cgdp.engine.core.host import HostAccumulator
 from cgdp.engine.sync import Guard
 
 

@@ -1,4 +1,4 @@
-"""Testing aids: a simulated asynchronous CUDA runtime, so CI runs the CUDA backend without a GPU.
+"""A simulated asynchronous CUDA runtime, so CI runs the CUDA backend without a GPU.
 
 Inside ``with cgdp.testing.simulated_cuda(2) as sim:``, ``"cuda:0"`` and ``"cuda:1"`` are CUDA
 devices: the engine builds :class:`cgdp.engine.backend.cuda.CudaDevice` objects and runs that

@@ -11,7 +11,7 @@ few units every step. :class:`BufferWatch` keeps each replica's buffers as they 
 sync and compares (torch's version counter does not see BatchNorm's writes): one more copy of the
 floating buffers per device, one pass over them and one host sync per device per step; only the
 buffers that changed are copied again. The same copy (with the other buffers, kept only while it
-can still be needed) lets a forward that must be done again (:mod:`cgdp.engine.rng`) start from the
+can still be needed) lets a forward that must be done again (:mod:`cgdp.engine.backend.rng`) start from the
 buffers as they were (:meth:`BufferWatch.restore`).
 """
 from __future__ import annotations

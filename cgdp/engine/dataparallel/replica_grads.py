@@ -2,7 +2,7 @@
 
 The user's loop only sees replica 0: ``zero_grad`` sets its ``.grad`` to None, clipping or manual
 edits change its values, a backward accumulates into them. :class:`ReplicaGrads` keeps the flat
-buffers of all replicas (:mod:`cgdp.engine.flatgrad`) consistent with that, so that
+buffers of all replicas (:mod:`cgdp.engine.core.flatgrad`) consistent with that, so that
 
     the true gradient is the sum over replicas of their flat buffers, at any time.
 
@@ -30,8 +30,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cgdp.engine.stream import GradientStream
-from cgdp.engine.user_warning import warn_user
+from cgdp.engine.core.stream import GradientStream
+from cgdp.engine.dataparallel.user_warning import warn_user
 
 
 class ReplicaGrads:

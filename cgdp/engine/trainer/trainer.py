@@ -3,23 +3,23 @@
 One iteration (``step``), for G devices (and R ranks when a comm is attached):
 
 1. The global batch is split in device order (``torch.tensor_split``; a nested batch where its
-   tensors have the batch dimension, :mod:`cgdp.engine.batch`).
+   tensors have the batch dimension, :mod:`cgdp.engine.trainer.batch`).
 2. Forward and loss on every device, each on its own host thread (one thread per device for the
    whole run), inside the caller's ``torch.autocast`` if there is one. Every loss is checked
    before any backward starts, so a bad loss rejects the step cleanly. Then each device's weight
-   (:mod:`cgdp.engine.losses`): w_j = n_j / N for a mean over samples (N the global batch over
+   (:mod:`cgdp.engine.trainer.losses`): w_j = n_j / N for a mean over samples (N the global batch over
    all ranks), 1 / Σ count for ``(loss_sum, count)`` losses, so that the sum of the devices'
    weighted gradients is the gradient of the global mean loss, also for uneven splits.
-3. Backward with ``grad_tensors=w_j``. Gradient hooks (:mod:`cgdp.engine.hooks`) count down each chunk
+3. Backward with ``grad_tensors=w_j``. Gradient hooks (:mod:`cgdp.engine.core.hooks`) count down each chunk
    and send it to the host when complete (:mod:`cgdp.engine.backend`); chunks are contiguous slices of the
-   flat gradient buffer (:mod:`cgdp.engine.flatgrad`).
-4.-6. The host accumulator (:mod:`cgdp.engine.host`) sums each chunk in device order, allreduces it
+   flat gradient buffer (:mod:`cgdp.engine.core.flatgrad`).
+4.-6. The host accumulator (:mod:`cgdp.engine.core.host`) sums each chunk in device order, allreduces it
    across ranks if a comm is attached, and copies it back on every device's H2D stream.
 7. After backward each device flushes the chunks it never completed (unused layers), its compute
    stream waits for the last H2D copy, and it steps its own optimizer. Parameters that got no
    gradient anywhere get ``.grad = None`` first, as in single-device training. Floating buffers
    the step wrote (BatchNorm statistics) are set to their batch-weighted mean on every replica.
-   Around the update (:mod:`cgdp.engine.update`): hyperparameter check, clipping, schedulers.
+   Around the update (:mod:`cgdp.engine.trainer.update`): hyperparameter check, clipping, schedulers.
 With ``micro_batches=k``, steps 2-3 run k-1 times first with the hooks holding (nothing is sent).
 
 Ownership: the flat buffers, hooks and host buffers are the trainer's. The user's ``model`` is
@@ -37,25 +37,26 @@ import numpy as np
 import torch
 from torch import nn
 
-from cgdp.engine.backend import host_threads, make_devices, make_rng, parse_devices
-from cgdp.engine.batch import batch_weights, check_micro_batches, micro_rounds
-from cgdp.engine.buffers import BufferWatch, sync_buffers
-from cgdp.engine.drain import drain_after_failure, quiesce
-from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 from cgdp.comm import Comm, make_comm
-from cgdp.engine.layers import LayerInfo, find_layers, trainable_dtype
-from cgdp.engine.losses import DeviceLoss, ambient_autocast, backward_weight, loss_weights, parse_step
-from cgdp.engine.lifetime import Resources, exclusive, finalizer
-from cgdp.engine.replicas import Replicas, signature
-from cgdp.engine.state import check_state
-from cgdp.engine.stream import GradientStream, wire_dtype
-from cgdp.planning.profile import StepProfile
+from cgdp.engine.backend import host_threads, make_devices, make_rng, parse_devices
+from cgdp.engine.core.buffers import BufferWatch, sync_buffers
+from cgdp.engine.core.clip import check_max_norm, clip_coefficient
+from cgdp.engine.core.drain import drain_after_failure, quiesce
+from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
+from cgdp.engine.core.lifetime import Resources, exclusive, finalizer
+from cgdp.engine.core.replicas import Replicas, batch_weights, signature
+from cgdp.engine.core.stream import GradientStream, wire_dtype
+from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.sync import Guard
-from cgdp.engine.threads import DeviceThreads
-from cgdp.engine.timing import build_profile, build_trace, compute_spans, step_stats
-from cgdp.engine.typical import broadcast_parameters, gather_on_first
-from cgdp.engine.update import (HyperparameterMismatchError, Schedulers, check_digests, check_hyperparameters,
-                                check_max_norm, clip_coefficient, hyperparameter_digest)
+from cgdp.engine.trainer.batch import check_micro_batches, micro_rounds
+from cgdp.engine.trainer.losses import DeviceLoss, ambient_autocast, backward_weight, loss_weights, parse_step
+from cgdp.engine.trainer.state import check_state
+from cgdp.engine.trainer.timing import build_profile, build_trace, compute_spans, step_stats
+from cgdp.engine.trainer.typical import broadcast_parameters, gather_on_first
+from cgdp.engine.trainer.update import (HyperparameterMismatchError, Schedulers, check_digests, check_hyperparameters,
+                                        hyperparameter_digest)
+from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
+from cgdp.planning.profile import StepProfile
 
 MODES = ("cgdp", "typical", "single")
 
@@ -86,17 +87,17 @@ class Trainer:
             trainer is then unusable). ``None`` waits forever (Ctrl-C still ends a step).
         profile: profile every step (``.last_profile``); ``profile_next()`` profiles one.
         segment_bytes: chunks larger than this travel in segments of this size, so that copy
-            out, host sum and copy back of one chunk overlap (see :mod:`cgdp.engine.flatgrad`).
+            out, host sum and copy back of one chunk overlap (see :mod:`cgdp.engine.core.flatgrad`).
         scheduler: ``optimizer -> LRScheduler``, one per replica, stepped after each applied update.
         clip_grad_norm: clip the averaged gradient's total 2-norm as ``clip_grad_norm_`` does on one
-            device (:mod:`cgdp.engine.update`); ``stats["grad_norm"]``: the norm before clipping.
+            device (:mod:`cgdp.engine.trainer.update`); ``stats["grad_norm"]``: the norm before clipping.
         micro_batches: micro-batches per device part, accumulated on the device; chunks travel
             during the last one's backward only.
         share_devices: allow a GPU to be listed more than once (one replica per entry, each with
             its own copy streams), e.g. ``["cuda:0", "cuda:0"]``: the G > 1 data path on one GPU.
         grad_transfer: ``"bf16"`` casts float32 gradients to bf16 on the device for the round trip
             through the host (half the bytes each way; the host sums in float32); see
-            :mod:`cgdp.engine.host` for the error bound. ``None``: gradients travel in their dtype.
+            :mod:`cgdp.engine.core.host` for the error bound. ``None``: gradients travel in their dtype.
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
@@ -245,7 +246,7 @@ class Trainer:
 
     @exclusive
     def step(self, *args: Any, loss_fn: Callable[..., Any] | None = None) -> float:
-        """One training iteration on the global batch; returns its loss (see :mod:`cgdp.engine.losses`).
+        """One training iteration on the global batch; returns its loss (see :mod:`cgdp.engine.trainer.losses`).
 
         ``step(batch, loss_fn)``: ``batch`` a tensor or a nesting of tuples, lists and dicts (a
         ``BatchEncoding``); ``loss_fn(model, part)`` returns the mean loss over the part's samples,

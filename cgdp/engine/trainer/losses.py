@@ -6,7 +6,7 @@ function each device's thread runs (:attr:`StepCall.compute`, with that device's
 * ``step(inputs, targets, loss_fn)``: ``loss_fn(model(*inputs_j), targets_j)``, the mean loss
   over device j's n_j samples.
 * ``step(batch, loss_fn)``: ``loss_fn(model, batch_j)``, on the part of a nested batch
-  (:func:`cgdp.engine.batch.split_nested`), moved to the device. It returns either a scalar, the
+  (:func:`cgdp.engine.trainer.batch.split_nested`), moved to the device. It returns either a scalar, the
   mean over the part's samples, or a pair ``(loss_sum, count)``: a sum over the part's items
   (tokens) and how many there are.
 
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from cgdp.comm import Comm
-from cgdp.engine.batch import split_batch, split_nested, to_device
+from cgdp.engine.trainer.batch import split_batch, split_nested, to_device
 
 
 @dataclass

@@ -4,17 +4,17 @@
 drives backward itself, and ``cgdp.DataParallel``, behind the user's ``loss.backward()``). It owns,
 for the whole run:
 
-* one flat gradient buffer per device, laid out in chunk order (:mod:`cgdp.engine.flatgrad`);
+* one flat gradient buffer per device, laid out in chunk order (:mod:`cgdp.engine.core.flatgrad`);
   every replica's ``param.grad`` is a view into it;
-* one :class:`~cgdp.engine.hooks.DeviceHooks` per replica, which send each chunk when backward has
+* one :class:`~cgdp.engine.core.hooks.DeviceHooks` per replica, which send each chunk when backward has
   completed it (``streaming=True``), or only mark parameters touched (``streaming=False``:
   modes ``typical`` and ``single``);
-* the :class:`~cgdp.engine.host.HostAccumulator` (streaming only): pinned slots, the accumulator
+* the :class:`~cgdp.engine.core.host.HostAccumulator` (streaming only): pinned slots, the accumulator
   thread, the MPI stage, the copy back.
 
 With ``transfer=torch.bfloat16`` (``grad_transfer="bf16"``, float32 parameters) every segment is
 cast to bf16 on the device before it leaves, and the host runs its 16-bit path on it
-(:mod:`cgdp.engine.precision`: summed in float32, rounded once to bf16), which goes back and is
+(:mod:`cgdp.engine.core.precision`: summed in float32, rounded once to bf16), which goes back and is
 widened into the float32 flat buffer on the device: half the bytes over the bus each way. Each
 device has a bf16 *stage* buffer (the flat buffer's size, half its bytes) that both directions
 use: a segment's copy back is issued only after every device's copy out of it has completed, so
@@ -42,14 +42,14 @@ from torch import nn
 
 from cgdp.comm import Comm
 from cgdp.engine.backend.base import Device, TraceSink
-from cgdp.engine.flatgrad import Layout, attach_grads, make_layout
-from cgdp.engine.hooks import DeviceHooks
-from cgdp.engine.lifetime import weak_call
-from cgdp.engine.host import HostAccumulator
-from cgdp.engine.precision import kernel_dtype
+from cgdp.engine.core.clip import device_norm, scale_gradients
+from cgdp.engine.core.flatgrad import Layout, attach_grads, make_layout
+from cgdp.engine.core.hooks import DeviceHooks
+from cgdp.engine.core.host import HostAccumulator
+from cgdp.engine.core.layers import nonfinite_layers
+from cgdp.engine.core.lifetime import weak_call
+from cgdp.engine.core.precision import kernel_dtype
 from cgdp.engine.sync import Guard
-from cgdp.engine.typical import nonfinite_layers
-from cgdp.engine.update import device_norm, scale_gradients
 from cgdp.planning.chunks import Plan
 
 
@@ -84,7 +84,7 @@ class GradientStream:
             hooks.streaming = streaming
             self.hooks.append(hooks)
         if streaming:
-            from cgdp.engine.accumulate import warm_up
+            from cgdp.engine.core.accumulate import warm_up
             warm_up(kernel_dtype(transfer or dtype), len(self.devs))
             self.host = HostAccumulator(self.devs, transfer or dtype, guard.fail, comm, host_threads)
 
@@ -255,7 +255,7 @@ class GradientStream:
         return torch.tensor([], dtype=self.transfer or self.dtype).element_size()
 
     def profile_inputs(self) -> dict[str, Any]:
-        """What :func:`cgdp.engine.timing.build_profile` needs of the stream."""
+        """What :func:`cgdp.engine.trainer.timing.build_profile` needs of the stream."""
         return {"hooks": self.hooks, "layer_pids": self.layer_pids, "layout": self.layout,
                 "itemsize": self.wire_itemsize}
 

@@ -2,19 +2,19 @@
 
 Buffers (owned here, alive for the whole run): ``slots[j]`` receives device j's chunks (D2H), and
 ``acc`` holds the averaged gradient that goes back to every device (H2D); pinned on CUDA. That is
-(G + 1) × the gradient bytes of host memory. For bf16/fp16 parameters (:mod:`cgdp.engine.precision`)
+(G + 1) × the gradient bytes of host memory. For bf16/fp16 parameters (:mod:`cgdp.engine.core.precision`)
 ``acc`` is a float32 row of its own, and the copy-back row (16-bit) receives each averaged chunk
 rounded once: (G + 1) × 2 + 4 bytes per element. Without a comm the kernel rounds each block in
 the summing pass itself; with one, the chunk is rounded after its allreduce (one more read).
 
 With ``grad_transfer="bf16"`` the host's dtype is the wire's (bf16) while the parameters are
 float32: the same 16-bit path, and each device widens what comes back into its float32 gradient
-(its *stage* buffers, :mod:`cgdp.engine.stream`). Error bound of the bf16 wire, per element, for
+(its *stage* buffers, :mod:`cgdp.engine.core.stream`). Error bound of the bf16 wire, per element, for
 parts g_j (already weighted) and their exact sum g: |result - g| <= 2^-8 (sum_j |g_j| + |g|) +
 G 2^-24 sum_j |g_j| (one bf16 rounding of every part, float32 additions, one bf16 rounding of the
 sum); deterministic (device order, round to nearest even).
 
-The host works on segments of chunks (:mod:`cgdp.engine.flatgrad`); "chunk" below means either.
+The host works on segments of chunks (:mod:`cgdp.engine.core.flatgrad`); "chunk" below means either.
 
 Threads: the devices' D2H completions call :meth:`arrived` (any thread). When a chunk has arrived
 from all G devices it is queued to the single accumulator thread, which sums it in device order
@@ -40,10 +40,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from cgdp.engine.accumulate import accumulate_unchecked, round_into, set_threads, sum_of_squares
-from cgdp.engine.backend.base import Device, TraceSink
-from cgdp.engine.precision import host_array, sum_dtype
 from cgdp.comm import Comm
+from cgdp.engine.backend.base import Device, TraceSink
+from cgdp.engine.core.accumulate import accumulate_unchecked, round_into, set_threads, sum_of_squares
+from cgdp.engine.core.precision import host_array, sum_dtype
 
 
 class HostAccumulator:

@@ -2,13 +2,13 @@
 
 ``model = cgdp.DataParallel(net, devices)`` replaces ``torch.nn.DataParallel(net)``; the loop
 stays the user's (``opt.zero_grad()``, ``model(x)``, ``loss.backward()``, ``opt.step()``). It
-drives the same :class:`~cgdp.engine.stream.GradientStream` as ``Trainer`` (hooks, flat buffers,
+drives the same :class:`~cgdp.engine.core.stream.GradientStream` as ``Trainer`` (hooks, flat buffers,
 device streams, host sum, copy back): one data path, two faces.
 
 * **Replicas.** ``net`` is replica 0, moved to ``devices[0]`` and trained in place
   (``.module``); replica j > 0 is a deep copy on ``devices[j]`` (``.replicas``). They are never
-  broadcast again: each replica takes the same optimizer step (:mod:`cgdp.engine.mirror`).
-* **Forward** (:mod:`cgdp.engine.scatter`): the arguments are split along dimension 0 in device
+  broadcast again: each replica takes the same optimizer step (:mod:`cgdp.engine.dataparallel.mirror`).
+* **Forward** (:mod:`cgdp.engine.dataparallel.scatter`): the arguments are split along dimension 0 in device
   order, each replica runs on its device's thread (with the caller's grad mode and autocast),
   the outputs are gathered on ``devices[0]``. In training mode the floating buffers (BatchNorm
   statistics) are then set to their batch-weighted mean on every replica.
@@ -21,7 +21,7 @@ device streams, host sum, copy back): one data path, two faces.
   weights each sample) and copies the sum back; the callback flushes the chunks never completed
   and waits until every sum is back. On CPU-emulated devices autograd runs every replica's
   backward on its one CPU thread; each replica's hooks are still only touched by that thread.
-* **The sum invariant** (:mod:`cgdp.engine.replica_grads`): the true gradient is the sum over
+* **The sum invariant** (:mod:`cgdp.engine.dataparallel.replica_grads`): the true gradient is the sum over
   replicas of their flat buffers. After a synced backward every replica holds the total; the next
   backward keeps replica 0's and zeroes the others' (accumulation without ``zero_grad`` counts it
   once); inside ``no_sync()`` nothing is sent and every replica accumulates its own part, which
@@ -57,21 +57,20 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from cgdp.engine import mirror
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import default_devices, host_threads, make_devices, make_rng, parse_devices
-from cgdp.engine.batch import batch_weights
-from cgdp.engine.buffers import sync_buffers
-from cgdp.engine.drain import drain_after_failure, quiesce
-from cgdp.engine.layers import LayerInfo, find_layers, trainable_dtype
-from cgdp.engine.replica_grads import ReplicaGrads
-from cgdp.engine.replicas import state_digest
-from cgdp.engine.scatter import gather, scatter
-from cgdp.engine.stream import GradientStream
+from cgdp.engine.core.buffers import sync_buffers
+from cgdp.engine.core.clip import device_norm
+from cgdp.engine.core.drain import drain_after_failure, quiesce
+from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
+from cgdp.engine.core.replicas import batch_weights, state_digest
+from cgdp.engine.core.stream import GradientStream
+from cgdp.engine.core.threads import DeviceThreads
+from cgdp.engine.dataparallel import mirror
+from cgdp.engine.dataparallel.replica_grads import ReplicaGrads
+from cgdp.engine.dataparallel.scatter import gather, scatter
+from cgdp.engine.dataparallel.user_warning import warn_user
 from cgdp.engine.sync import Guard
-from cgdp.engine.threads import DeviceThreads
-from cgdp.engine.update import device_norm
-from cgdp.engine.user_warning import warn_user
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 
 
@@ -91,7 +90,7 @@ class DataParallel(nn.Module):
             model (checked at start-up). The comm belongs to the model: ``close()`` closes it.
         timeout_s: longest any thread waits for another before backward fails with
             ``TimeoutError``; ``None`` waits forever.
-        segment_bytes: chunks larger than this travel in segments (see :mod:`cgdp.engine.flatgrad`).
+        segment_bytes: chunks larger than this travel in segments (see :mod:`cgdp.engine.core.flatgrad`).
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[str] | None = None, *,
@@ -128,7 +127,7 @@ class DataParallel(nn.Module):
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
         self.mirrors: weakref.WeakSet = res.mirrors
-        """The :class:`~cgdp.engine.mirror.Mirror` of each optimizer that stepped this model."""
+        """The :class:`~cgdp.engine.dataparallel.mirror.Mirror` of each optimizer that stepped this model."""
         self._comm: Comm | None = None
         try:
             self._comm = res.comm = make_comm(comm, timeout_s=timeout_s)

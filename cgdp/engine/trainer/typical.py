@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from cgdp.engine.backend.base import Device
-from cgdp.engine.precision import sum_dtype
+from cgdp.engine.core.precision import sum_dtype
 
 
 def gather_on_first(devs: Sequence[Device], flats: list[torch.Tensor]) -> float:
@@ -44,11 +44,3 @@ def broadcast_parameters(devs: Sequence[Device], params: list[list[nn.Parameter]
     with torch.no_grad():
         for others in params[1:]:
             torch._foreach_copy_(others, params[0])
-
-
-def nonfinite_layers(params: list[nn.Parameter], layer_pids: list[list[int]], names: list[str]) -> str:
-    """The layers whose gradient on this replica holds NaN/Inf (after :func:`gather_on_first`,
-    replica 0's gradient is the summed one), for the error message."""
-    bad = [names[i] or "<root>" for i, pids in enumerate(layer_pids)
-           if any(params[p].grad is not None and not bool(torch.isfinite(params[p].grad).all()) for p in pids)]
-    return ", ".join(bad) or "unknown"

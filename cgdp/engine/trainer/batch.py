@@ -23,10 +23,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Callable
 
-import numpy as np
 import torch
-
-from cgdp.comm import Comm
 
 Part = tuple[Any, torch.Tensor]
 """One device's ``(inputs, targets)``; inputs a tensor or a tuple of tensors."""
@@ -141,14 +138,6 @@ def _map(tree: Any, fn: Callable[[torch.Tensor, str], Any], where: str = "batch"
 def _describe(found: list[tuple[str, torch.Tensor]]) -> str:
     return ", ".join(f"{where}: shape {tuple(t.shape)}" for where, t in found[:6]) + (
         ", ..." if len(found) > 6 else "")
-
-
-def batch_weights(sizes: list[int], comm: Comm | None) -> tuple[list[float], int]:
-    """Each device's share of the global batch (over all ranks), and the global batch size."""
-    total = sum(sizes)
-    if comm is not None:
-        total = int(comm.allreduce_small(np.array([total], np.float64))[0])
-    return [n / total for n in sizes], total
 
 
 def check_micro_batches(k: Any) -> int:
