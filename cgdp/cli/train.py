@@ -418,7 +418,7 @@ def train(job: Job) -> dict:
     metrics = Metrics(job.out if lead else None, append=job.resume is not None)
     wall0 = time.perf_counter()
     with cgdp.Trainer(job.model, make_optimizer(t), job.devices, mode=t.mode, chunks=job.chunks,
-                      timeout_s=t.timeout_s, comm="mpi" if job.ranks > 1 else None) as trainer, metrics, \
+                      timeout_s=t.timeout_s, comm=_comm(job)) as trainer, metrics, \
             GracefulStop(job.ranks == 1) as interrupt:
         start = 0
         if job.resume is not None:
@@ -511,6 +511,17 @@ def train(job: Job) -> dict:
         if lead:
             _summarise(job, metrics.rows, last_profile, trainer.layers, final.get("tuner"))
     return final
+
+
+def _comm(job: Job) -> Any:
+    """The MPI comm of a run with several ranks: each rank also writes its error to OUT/rank<r>.error,
+    on its own machine, since a dead link loses what the launcher forwards; and none waits more than
+    a minute at exit for a launcher out of reach (docs/mpi.md)."""
+    if job.ranks == 1:
+        return None
+    from cgdp.comm.mpi import MPIComm
+    return MPIComm(timeout_s=job.cfg.train.timeout_s, finalize_timeout_s=60.0,
+                   error_file=job.out / f"rank{job.rank}.error" if job.out is not None else None)
 
 
 def _summarise(job: Job, rows: list[dict], profile: dict | None, layers: list, tuner: str | None) -> None:
