@@ -7,13 +7,15 @@ moves data between processes of one machine through shared memory, and network n
 to the machine's own network: no interface, no address, no route outside the namespaces made here.
 :func:`transport_env` forces MPICH's netmod onto TCP over that interface, and :class:`Job` runs an
 ``mpiexec`` across the hosts the way a cluster without ssh does (hydra's ``-launcher manual``: the
-launcher in host 0, one ``hydra_pmi_proxy`` started in each host's namespace), so the launcher, the
-proxies and the ranks talk only through the bridge, and cutting a host's link
-(:meth:`Hosts.set_link`) cuts that host off from all of them.
+launcher in host 0, one ``hydra_pmi_proxy`` started in each host's namespace) or one with ssh
+(hydra's ssh launcher through :meth:`Hosts.ssh`), so the launcher, the proxies and the ranks talk
+only through the bridge, and cutting a host's link (:meth:`Hosts.set_link`) cuts that host off from
+all of them.
 
 Invariants: everything this module creates is named with one prefix unique to the process
 (``cgdp<pid>n<k>``); :meth:`Hosts.close` (also on errors, and from ``with``) kills the processes left
-inside those namespaces, by pid, and deletes the namespaces, which removes their interfaces.
+inside those namespaces, by pid, and deletes the namespaces, which removes their interfaces (and
+the ssh stand-in's temporary directory).
 
 Needs root (``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``) and iproute2's ``ip``; :func:`unavailable` says
 why not where it cannot run. May import: nothing of cgdp (it starts processes that do).
@@ -27,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,6 +78,7 @@ class Hosts:
         self.names = [f"{prefix}h{i}" for i in range(n)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(n)]
         self._made: list[str] = []
+        self._tmp: str | None = None
         try:
             self._make()
         except BaseException:
@@ -117,6 +121,20 @@ class Hosts:
         stats = link["stats64"]
         return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
 
+    def ssh(self) -> str:
+        """A stand-in for ``ssh``: ``SSH [-x] ADDRESS COMMAND...`` runs COMMAND with ``sh`` inside the
+        host that has ADDRESS, as sshd would on that machine: in a fresh environment (``PATH`` and
+        ``HOME`` only), so what a rank sees comes from ``mpiexec`` (for ``mpiexec -launcher-exec``)."""
+        if self._tmp is None:
+            self._tmp = tempfile.mkdtemp(prefix="cgdp-netns-")
+            cases = "".join(f"  {a}) ns={n};;\n" for a, n in zip(self.addresses, self.names))
+            with open(os.path.join(self._tmp, "ssh"), "w") as f:
+                f.write(f'#!/bin/sh\n[ "$1" = -x ] && shift\nhost=$1; shift\ncase $host in\n{cases}'
+                        f'  *) echo "no host $host" >&2; exit 255;;\nesac\n'
+                        f'exec ip netns exec $ns env -i PATH="$PATH" HOME="$HOME" sh -c "$*"\n')
+            os.chmod(os.path.join(self._tmp, "ssh"), 0o755)
+        return os.path.join(self._tmp, "ssh")
+
     def pids(self, i: int) -> list[int]:
         """The processes running inside host ``i``."""
         out = subprocess.run(["ip", "netns", "pids", self.names[i]], capture_output=True, text=True).stdout
@@ -129,6 +147,9 @@ class Hosts:
                     _kill(pid)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._made.clear()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
 
 def _kill(pid: int) -> None:
@@ -168,9 +189,11 @@ def transport_env(netmod: str, iface: str = IFACE) -> dict[str, str]:
 
 @dataclass
 class Job:
-    """``mpiexec -launcher manual`` in host 0, one ``hydra_pmi_proxy`` and one rank per host of ``rank_hosts``.
+    """``mpiexec`` in host 0, one ``hydra_pmi_proxy`` and one rank per host of ``rank_hosts``.
 
-    ``lines`` collects the job's output (every rank's stdout and stderr, as forwarded by hydra) with
+    ``launcher="manual"`` (hydra prints one proxy command per host; this starts each inside its
+    host, as a site without ssh would) or ``"ssh"`` (hydra starts them itself through
+    :meth:`Hosts.ssh`, as over ssh on a cluster). ``lines`` collects the job's output (every rank's stdout and stderr, as forwarded by hydra) with
     the monotonic time each line arrived. Use :meth:`wait`; :meth:`kill` ends what is left.
     """
     hosts: Hosts
@@ -178,38 +201,45 @@ class Job:
     env: dict[str, str]
     rank_hosts: list[int] | None = None
     """The hosts that run a rank (default: all); mpiexec runs in host 0 either way."""
+    launcher: str = "manual"
     lines: list[tuple[float, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         on = list(range(len(self.hosts.names))) if self.rank_hosts is None else list(self.rank_hosts)
-        n = len(on)
-        cmd = ["mpiexec", "-launcher", "manual", "-iface", IFACE, "-n", str(n), "-ppn", "1",
+        if self.launcher not in ("manual", "ssh"):
+            raise ValueError(f"launcher must be 'manual' or 'ssh', got {self.launcher!r}")
+        how = ["-launcher", "manual"] if self.launcher == "manual" else ["-launcher-exec", self.hosts.ssh()]
+        cmd = ["mpiexec", *how, "-iface", IFACE, "-n", str(len(on)), "-ppn", "1",
                "-hosts", ",".join(self.hosts.addresses[i] for i in on), *self.argv]
         self.mpiexec = subprocess.Popen(self.hosts.run(0, cmd), env=self.env, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.proxies: list[subprocess.Popen] = []
-        try:
-            launch = []
-            assert self.mpiexec.stdout is not None
-            for line in self.mpiexec.stdout:  # hydra prints one command per proxy, then an end mark
-                if line.startswith("HYDRA_LAUNCH: "):
-                    launch.append(line.split(": ", 1)[1].split())
-                elif line.startswith("HYDRA_LAUNCH_END"):
-                    break
-                else:
-                    self.lines.append((time.monotonic(), line))
-            if len(launch) != n:
-                raise RuntimeError(f"mpiexec gave {len(launch)} proxy commands for {n} hosts: "
-                                   + "".join(s for _, s in self.lines))
-            for i, argv in zip(on, launch):
-                self.proxies.append(subprocess.Popen(self.hosts.run(i, argv), env=self.env,
-                                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                                     stderr=subprocess.DEVNULL))
-        except BaseException:
-            self.kill()
-            raise
+        if self.launcher == "manual":
+            try:
+                self._start_proxies(on)
+            except BaseException:
+                self.kill()
+                raise
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+
+    def _start_proxies(self, on: list[int]) -> None:
+        """Start the proxy commands hydra prints (one per host, then an end mark) in their hosts."""
+        launch = []
+        assert self.mpiexec.stdout is not None
+        for line in self.mpiexec.stdout:
+            if line.startswith("HYDRA_LAUNCH: "):
+                launch.append(line.split(": ", 1)[1].split())
+            elif line.startswith("HYDRA_LAUNCH_END"):
+                break
+            else:
+                self.lines.append((time.monotonic(), line))
+        if len(launch) != len(on):
+            raise RuntimeError(f"mpiexec gave {len(launch)} proxy commands for {len(on)} hosts: "
+                               + "".join(s for _, s in self.lines))
+        for i, argv in zip(on, launch):
+            self.proxies.append(subprocess.Popen(self.hosts.run(i, argv), env=self.env, stdin=subprocess.DEVNULL,
+                                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
     def _read(self) -> None:
         assert self.mpiexec.stdout is not None
