@@ -63,6 +63,7 @@ from cgdp.engine.core.buffers import sync_buffers
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
+from cgdp.engine.core.lifetime import settle
 from cgdp.engine.core.replicas import batch_weights, state_digest
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
@@ -122,6 +123,8 @@ class DataParallel(nn.Module):
         self._res = res = _Resources()
         self._finalizer = weakref.finalize(self, _release, res)
         self._devs = res.devs = make_devices(devices, self._guard.fail)
+        for d in self._devs:
+            d.check_caller("cgdp.DataParallel(...)")  # its buffers must not live on a user stream
         self.output_device = self._devs[0].torch_device
         """Where the gathered outputs are (``devices[0]``): put the targets there."""
         self._threads: DeviceThreads | None = None
@@ -199,7 +202,7 @@ class DataParallel(nn.Module):
         self._after_failed_backward()
         devs = self._devs
         for d in devs:
-            d.check_caller()  # CUDA: the replicas run on the default streams, as must the gather
+            d.check_caller("model(...)")  # CUDA: the replicas run on the default streams, as must the gather
         self._copy_modes()
         self._copy_requires_grad()
         self._copy_edited_parameters()
@@ -333,6 +336,8 @@ class DataParallel(nn.Module):
     def before_step(self) -> None:
         """Called before the user's optimizer steps: replica 0's gradients are every replica's."""
         self._check_usable()
+        for d in self._devs:  # the copies back are ordered before the default streams only
+            d.check_caller("optimizer.step()")
         self._after_failed_backward()
         if self._incomplete:
             raise RuntimeError("the last backward through cgdp.DataParallel failed partway, so the "
@@ -511,6 +516,12 @@ class _Resources:
 
 def _release(res: _Resources) -> None:
     """``close()``, or the finalizer of a ``DataParallel`` dropped without it (runs once)."""
+    try:
+        settle(res.devs, res.stream)  # the last copies back may still run: nothing is freed before
+    except BaseException as exc:  # a sticky CUDA error: release the rest, then report it
+        failed: BaseException | None = exc
+    else:
+        failed = None
     if res.threads is not None:
         res.threads.close()
     if res.registered is not None:
@@ -528,6 +539,8 @@ def _release(res: _Resources) -> None:
         d.close()
     if res.comm is not None:
         res.comm.close()
+    if failed is not None:
+        raise failed
 
 
 def _signature(module: nn.Module, infos: Sequence[LayerInfo], devices: int, dtype: torch.dtype) -> dict[str, str]:
