@@ -87,22 +87,36 @@ def record(text: str, stderr: bool = True) -> None:
             sys.stderr.flush()
         except (OSError, ValueError):
             pass
-    path = _state.error_file
-    if path is None:
-        return
     with _lock:
+        f = _open()
         try:
-            if _state.file is None:
-                _state.file = open(path, "a")
-                _state.file.write(f"cgdp: {_header()}\n")
-            _state.file.write(text)
-            _state.file.flush()
-            os.fsync(_state.file.fileno())
+            if f is not None:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
         except (OSError, ValueError) as exc:
-            try:
-                sys.stderr.write(f"cgdp: rank {_state.rank}: could not write the error file {path}: {exc}\n")
-            except (OSError, ValueError):
-                pass
+            _cannot_write(exc)
+
+
+def _open() -> IO[str] | None:
+    """The error file, opened (with its header line) on first use; None if there is none. Caller
+    holds ``_lock``."""
+    if _state.file is None and _state.error_file is not None:
+        try:
+            _state.file = open(_state.error_file, "a")
+            _state.file.write(f"cgdp: {_header()}\n")
+            _state.file.flush()
+        except (OSError, ValueError) as exc:
+            _state.error_file = None  # say so once, then report on stderr only
+            _cannot_write(exc)
+    return _state.file
+
+
+def _cannot_write(exc: BaseException) -> None:
+    try:
+        sys.stderr.write(f"cgdp: rank {_state.rank}: could not write the error file: {exc}\n")
+    except (OSError, ValueError):
+        pass
 
 
 def end(text: str, code: int = 1, stderr: bool = True) -> None:
@@ -122,11 +136,7 @@ def end(text: str, code: int = 1, stderr: bool = True) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    try:
-        faulthandler.dump_traceback_later(HARD_EXIT_S, exit=True,
-                                          file=_state.file if _state.file is not None else sys.stderr)
-    except (OSError, ValueError, RuntimeError):
-        pass
+    deadline(HARD_EXIT_S)
     MPI = _state.MPI
     try:
         if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
@@ -137,10 +147,12 @@ def end(text: str, code: int = 1, stderr: bool = True) -> None:
 
 def deadline(seconds: float) -> None:
     """End the process after ``seconds`` even if no Python thread can run (the GIL held, a thread
-    stuck in C): the last resort behind the orderly :func:`end`."""
+    stuck in C), writing every thread's stack to the error file (or stderr): the last resort
+    behind the orderly :func:`end`. Replaces the previous deadline."""
+    with _lock:
+        f = _open()
     try:
-        faulthandler.dump_traceback_later(seconds, exit=True,
-                                          file=_state.file if _state.file is not None else sys.stderr)
+        faulthandler.dump_traceback_later(seconds, exit=True, file=f if f is not None else sys.stderr)
     except (OSError, ValueError, RuntimeError):
         pass
 

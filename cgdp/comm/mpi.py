@@ -245,6 +245,14 @@ class MPIComm(OrderedComm):
             raise RuntimeError(message)  # the same words on every rank: each has every signature
 
     # ------------------------------------------------------------------ failures and shutdown
+    def _set_error(self, exc: BaseException) -> None:
+        if self._error is None and self.abort_on_failure:
+            # before any other thread can see the error: the caller may take the GIL and never give
+            # it back (a C call), so that no Python thread (the abort timer) runs again; this C
+            # watchdog ends the process anyway
+            abort.deadline(self.abort_grace_s + 2 * abort.HARD_EXIT_S)
+        super()._set_error(exc)
+
     def _on_failure(self, exc: BaseException) -> None:
         if not self.abort_on_failure:  # the caller handles the error; keep it in the file anyway
             abort.record(f"cgdp: rank {self.rank}: {type(exc).__name__}: {exc}", stderr=False)
@@ -255,11 +263,9 @@ class MPIComm(OrderedComm):
         abort.record(f"cgdp: rank {self.rank}: {type(exc).__name__}: {exc}\n"
                      f"cgdp: rank {self.rank}: aborting the MPI job when this process exits (in "
                      f"{self.abort_grace_s:g} s at most), so that no rank waits forever")
-        timer = threading.Timer(self.abort_grace_s, self._abort)
+        timer = threading.Timer(self.abort_grace_s, self._abort)  # backed by the deadline (_set_error)
         timer.daemon = True
         timer.start()
-        # the timer is a Python thread; should no Python thread run any more, this ends it all
-        abort.deadline(self.abort_grace_s + 2 * abort.HARD_EXIT_S)
 
     def _abort(self) -> None:
         if self._MPI.Is_finalized():
