@@ -44,8 +44,9 @@ def test_netmod_comes_from_the_setting_or_the_build():
 
 
 def test_alone_or_with_bad_numbers_it_says_what_to_do():
-    p = subprocess.run([sys.executable, "-m", "cgdp.mpi_check", "--mib", "0"], capture_output=True, text=True)
-    assert p.returncode == 2 and "--mib" in p.stderr, p.stderr
+    for mib in ("0", "1e9"):  # nothing, or a petabyte
+        p = subprocess.run([sys.executable, "-m", "cgdp.mpi_check", "--mib", mib], capture_output=True, text=True)
+        assert p.returncode == 2 and "--mib" in p.stderr and "Traceback" not in p.stderr, p.stderr
     if importlib.util.find_spec("mpi4py") is not None:
         p = subprocess.run([sys.executable, "-m", "cgdp.mpi_check"], capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and "mpiexec -n 2" in p.stderr, p.stderr

@@ -177,6 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         print("cgdp.mpi_check: error: --mib must be >= 1/16384 (64 bytes), --reps >= 1, --timeout_s > 0",
               file=sys.stderr)
         return 2
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        have = None
+    if have is not None and args.mib * 2**20 > have / 4:
+        print(f"cgdp.mpi_check: error: --mib {args.mib:g} would take more than a quarter of this machine's "
+              f"{have / 2**30:.1f} GiB; a few hundred MiB measure the bandwidth well", file=sys.stderr)
+        return 2
     from cgdp.comm.mpi import MPIComm, load_mpi
     try:
         MPI = load_mpi()
