@@ -4,7 +4,9 @@
 tuples, lists and dicts) is split along dimension 0 in device order, as ``torch.tensor_split``
 does, and moved to its device; all of them must share that first dimension (the batch). A batch
 of n < G samples runs on the first n devices only. 0-dim tensors and other objects go to every
-replica unchanged (tensors moved to its device).
+replica unchanged (tensors moved to its device). A call with no batch to split (no arguments, or
+no tensor with a dimension) runs on replica 0 alone, as on one device (as ``nn.DataParallel``
+does for a call without inputs).
 
 **Gather.** Every replica returns the same structure (a tensor, tuples, lists, dicts, dataclasses
 such as ``transformers``' ``ModelOutput``). For each tensor in it:
@@ -12,8 +14,11 @@ such as ``transformers``' ``ModelOutput``). For each tensor in it:
 * dimension >= 1: concatenated along dimension 0 on ``devices[0]``, in device order;
 * a floating 0-dim tensor (a loss the model computed): ``sum_j w_j * t_j`` with
   ``w_j = n_j / N``, which is the global value when each replica returns the mean over its own
-  samples (exact for per-sample means; a token mean with padding is not a per-sample mean:
-  compute such a loss on the gathered logits instead);
+  samples (exact for per-sample means; a token mean with padding is not a per-sample mean);
+  or, with ``sum_scalars``, ``w_j = 1``: the global value when each replica returns its share of
+  a global sum, its own sum divided by a count of the whole batch (Hugging Face's
+  ``num_items_in_batch``), which is how a token mean over several devices (and micro-batches) is
+  exact;
 * any other 0-dim tensor: stacked into a vector of G values, as ``nn.DataParallel`` does.
 
 Other leaves (ints, strings, None, cache objects) are kept once if every replica returned an
@@ -86,9 +91,9 @@ def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
     leaves: list[Any] = []
     spec = _flatten((tuple(args), dict(kwargs)), leaves)
     batched = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
-    if not batched:
-        raise ValueError("cgdp.DataParallel found no tensor argument with a batch dimension to split "
-                         "across devices; pass the batch as tensors whose first dimension is the batch")
+    if not batched:  # nothing to split: replica 0 runs the whole call
+        mine = [x.to(devices[0], non_blocking=True) if isinstance(x, torch.Tensor) else x for x in leaves]
+        return [_unflatten(spec, iter(mine))], [1]
     n = batched[0].shape[0]
     if any(x.shape[0] != n for x in batched):
         raise ValueError(f"cgdp.DataParallel splits every tensor argument along its first dimension, so "
@@ -121,6 +126,7 @@ class _Plan:
     lengths: list[list[int]]
     """Per tensor leaf, each replica's size along dimension 0 ("cat")."""
     weights: list[float]
+    """The weight ``w_j`` of each replica's scalars."""
     dst: torch.device
     on_backward: Callable[[], None] | None
     scale: float = 1.0
@@ -175,7 +181,7 @@ _warned: set[str] = set()
 
 
 def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
-           on_backward: Callable[[], None] | None, scale: float = 1.0) -> Any:
+           on_backward: Callable[[], None] | None, scale: float = 1.0, sum_scalars: bool = False) -> Any:
     """The replicas' outputs combined on ``dst`` (see the module docstring)."""
     flat, specs = [], []
     for o in outputs:
@@ -186,7 +192,7 @@ def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
         raise ValueError("the replicas of cgdp.DataParallel returned outputs of different structure "
                          "(keys or lengths); the model's output must not depend on the batch's content")
     total = sum(sizes)
-    weights = [n / total for n in sizes]
+    weights = [1.0] * len(sizes) if sum_scalars else [n / total for n in sizes]
     names = _paths(specs[0])
     kinds, devs, lengths, tensors, result = [], [], [], [], []
     for i, name in enumerate(names):
