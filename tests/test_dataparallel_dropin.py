@@ -220,8 +220,10 @@ class CountNormalised(nn.Module):
         self.emb = nn.Embedding(20, 8)
         self.out = nn.Linear(8, 20)
 
-    def forward(self, ids, labels, num_items_in_batch=None):
-        logits = self.out(torch.tanh(self.emb(ids)))
+    def forward(self, ids, labels=None, num_items_in_batch=None):
+        logits = self.out(torch.tanh(self.emb(ids) + self.emb(ids).mean(1, keepdim=True)))
+        if labels is None:
+            return logits
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
         if num_items_in_batch is None:
             return loss / (labels != -100).sum()
@@ -273,3 +275,67 @@ def test_scalar_outputs_rule_can_be_named(rule):
         assert out.item() == pytest.approx(15.0 if rule == "sum" else 15.0 / 3)
     with pytest.raises(ValueError, match="scalar_outputs"):
         cgdp.DataParallel(Halves(), devs(2), scalar_outputs="avg")
+
+
+# ---------------------------------------------------------------- token means over micro-batches
+def accumulate_token_mean(model, data, micro, how):
+    """One optimizer step per batch, over ``micro`` micro-batches (all but the last inside
+    ``no_sync``). ``how``: each micro-batch's loss is its token sum divided by the token count of
+    the whole batch, counted before the first micro-batch (so the gradient is that of
+    Σ sum_i / Σ n_i): computed by the model from ``num_items_in_batch``, or on the gathered
+    logits; or ``"naive"``: the mean of the micro-batches' token means (Σ (sum_i / n_i) / k)."""
+    dp = isinstance(model, cgdp.DataParallel)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    losses = []
+    for ids, labels in data:
+        opt.zero_grad()
+        n = (labels != -100).sum()  # the whole batch's tokens, as Hugging Face's num_items_in_batch
+        total = 0.0
+        parts = list(zip(torch.tensor_split(ids, micro), torch.tensor_split(labels, micro)))
+        for i, (x, y) in enumerate(parts):
+            with model.no_sync() if dp and i < micro - 1 else contextlib.nullcontext():
+                if how == "num_items_in_batch":
+                    loss = model(x, y, num_items_in_batch=n)
+                elif how == "gathered":
+                    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum") / n
+                else:
+                    loss = model(x, y) / micro
+                loss.backward()
+            total += loss.item()
+        losses.append(total)
+        opt.step()
+        if dp:
+            assert_replicas_identical(model)
+    return losses
+
+
+def uneven_token_batches(steps=3, n=11, t=6, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    return [token_data(torch.randint(0, t + 1, (n,), generator=g).tolist(), t, seed + s) for s in range(steps)]
+
+
+@pytest.mark.parametrize("how", ["num_items_in_batch", "gathered"])
+@pytest.mark.parametrize("g", [1, 2, 3, 4])
+def test_no_sync_accumulation_gives_the_exact_token_mean(g, how):
+    """3 micro-batches of 4, 4 and 3 sequences (the last leaves a device idle on 4 devices), 0 to
+    6 tokens each: equal to one step on the whole batch with its token mean, on one device."""
+    net = CountNormalised()
+    ref, naive = copy.deepcopy(net), copy.deepcopy(net)
+    data = uneven_token_batches()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    ref_losses = []
+    for ids, labels in data:
+        ref_opt.zero_grad()
+        loss = ref(ids, labels)  # the token mean of the whole batch
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    with cgdp.DataParallel(net, devs(g)) as model:
+        losses = accumulate_token_mean(model, data, 3, how)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_params_close(net, ref)
+    if g == 2 and how == "gathered":  # why the count must be the whole batch's
+        with cgdp.DataParallel(naive, devs(g)) as model:
+            accumulate_token_mean(model, data, 3, "naive")
+        with pytest.raises(AssertionError):
+            assert_params_close(naive, ref)
