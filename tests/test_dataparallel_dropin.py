@@ -259,6 +259,32 @@ def test_loss_normalised_by_num_items_in_batch_comes_out_as_one_devices(g, as_te
                                                               torch.tensor_split(labels[:4], g))), rel=1e-6)
 
 
+class IgnoresCount(nn.Module):
+    """Accepts num_items_in_batch and ignores it, as Hugging Face's sequence classifiers do (their
+    forward takes **kwargs): its loss is a per-sample mean whatever the count."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+
+    def forward(self, x, y, **kwargs):
+        return F.mse_loss(self.lin(x), y)
+
+
+@pytest.mark.parametrize("count", [torch.tensor(9), 9])
+def test_a_count_the_model_ignores_leaves_the_per_sample_mean(count):
+    net = IgnoresCount()
+    ref = copy.deepcopy(net)
+    x, y = torch.randn(7, 5), torch.randn(7, 3)
+    with cgdp.DataParallel(net, devs(3)) as model:
+        loss = model(x, y, num_items_in_batch=count)
+        ref_loss = ref(x, y)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        loss.backward()
+        ref_loss.backward()
+        for p, q in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("rule", ["sum", "mean"])
 def test_scalar_outputs_rule_can_be_named(rule):
     class Halves(nn.Module):

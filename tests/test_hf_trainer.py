@@ -110,6 +110,33 @@ def test_equals_transformers_trainer_on_one_device(tmp_path, g, optim, monkeypat
     tr.close()
 
 
+class Labelled(Padded):
+    """The same sequences with a class each (sequence classification: the loss is a per-sample mean)."""
+
+    def __getitem__(self, i):
+        return {**super().__getitem__(i), "labels": self.ids[i, 0] % 3}
+
+
+def test_sequence_classifier_that_ignores_num_items_in_batch(tmp_path):
+    """BERT's classifier takes num_items_in_batch (its forward has **kwargs) and ignores it: its
+    loss is each replica's per-sample mean, and cgdp weights it by samples, not sums it."""
+    def bert():
+        torch.manual_seed(0)
+        return transformers.BertForSequenceClassification(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3))
+
+    ref_model, model = bert(), bert()
+    ref = transformers.Trainer(model=ref_model, args=arguments(tmp_path / "ref", PER_DEVICE * 3), train_dataset=Labelled())
+    ref.train()
+    tr = CgdpTrainer(model=model, args=arguments(tmp_path / "cgdp", PER_DEVICE), devices=["cpu:0", "cpu:1", "cpu:2"],
+                     train_dataset=Labelled())
+    tr.train()
+    assert logged(tr, "loss") == pytest.approx(logged(ref, "loss"), rel=1e-5)
+    assert_params_close(model, ref_model, floor=1e-3)
+    tr.close()
+
+
 def test_resume_in_the_middle_is_bitwise_an_uninterrupted_run(tmp_path):
     model = gpt2()
     args = arguments(tmp_path / "run", PER_DEVICE, "adamw_torch_fused", save_strategy="steps", save_steps=2)

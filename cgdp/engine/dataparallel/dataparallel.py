@@ -75,7 +75,7 @@ from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.input_grads import ParamGuard, trains
 from cgdp.engine.dataparallel.replica_grads import ReplicaGrads
 from cgdp.engine.dataparallel.resources import Resources, release
-from cgdp.engine.dataparallel.scatter import gather, scatter
+from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
 from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
 from cgdp.engine.dataparallel.user_module import GradBuffers, local_load_post_hook
 from cgdp.engine.dataparallel.user_warning import warn_user
@@ -105,7 +105,7 @@ class DataParallel(nn.Module):
             (``sum_j n_j/N * x_j``: exact for per-sample means); ``"sum"`` (``sum_j x_j``: exact
             for a share of a global sum, a loss divided by a count of the whole batch); or
             ``"auto"``: ``"sum"`` in a call that passes ``num_items_in_batch`` (Hugging Face's
-            global normaliser), ``"mean"`` otherwise.
+            global normaliser) which the model's forward then uses, ``"mean"`` otherwise.
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[str] | None = None, *,
@@ -244,6 +244,7 @@ class DataParallel(nn.Module):
         self._copy_edited_parameters()
         parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
         g = len(parts)
+        counts = watch_counts(parts, [d.torch_device for d in devs]) if self._scalar_outputs == "auto" else []
         self._param_guard.disarm()  # left by an autograd.grad that failed
         if self._grad_buffers:
             self._grad_buffers.refresh([d.torch_device for d in devs], g)
@@ -271,15 +272,9 @@ class DataParallel(nn.Module):
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
         trains = self._stream is not None or bool(self._sparse)
         on_backward = (lambda: self._begin_backward(sync)) if trains else None
-        return gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale,
-                      sum_scalars=self._sums_scalars(kwargs))
-
-    def _sums_scalars(self, kwargs: dict[str, Any]) -> bool:
-        """Whether this forward's floating 0-dim outputs are summed (a share of a global sum each)
-        rather than weighted by the replicas' shares of the samples (``scalar_outputs``)."""
-        if self._scalar_outputs == "auto":
-            return kwargs.get("num_items_in_batch") is not None
-        return self._scalar_outputs == "sum"
+        # the scalars are shares of a global sum when the model divided by the count it was given
+        summed = self._scalar_outputs == "sum" or any(c.used for c in counts)
+        return gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

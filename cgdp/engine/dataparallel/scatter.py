@@ -18,7 +18,9 @@ such as ``transformers``' ``ModelOutput``). For each tensor in it:
   or, with ``sum_scalars``, ``w_j = 1``: the global value when each replica returns its share of
   a global sum, its own sum divided by a count of the whole batch (Hugging Face's
   ``num_items_in_batch``), which is how a token mean over several devices (and micro-batches) is
-  exact;
+  exact. Whether a model divided by the count it was given is seen, not assumed: each replica
+  gets it as a :class:`GlobalCount`, which notes any torch operation on it (Hugging Face's
+  sequence classifiers accept ``num_items_in_batch`` and ignore it: their loss is a mean);
 * any other 0-dim tensor: stacked into a vector of G values, as ``nn.DataParallel`` does.
 
 Other leaves (ints, strings, None, cache objects) are kept once if every replica returned an
@@ -114,6 +116,45 @@ def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
         parts.append(_unflatten(spec, iter(mine)))
     sizes = [int(s.shape[0]) for s in torch.tensor_split(torch.empty(n, 0), g)]
     return parts, sizes
+
+
+COUNT = "num_items_in_batch"
+
+
+class GlobalCount(torch.Tensor):
+    """``num_items_in_batch`` as a replica receives it: a 0-dim tensor that records whether the
+    model used it (``used``): any torch operation on it, ``.item()`` and ``.to()`` included.
+    Results are plain tensors; only the operations on the count itself pay for the check."""
+
+    used: bool
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, GlobalCount):
+                    t.used = True
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def watch_counts(parts: list[tuple[tuple, dict]], devices: Sequence[torch.device]) -> list[GlobalCount]:
+    """Each part's keyword ``num_items_in_batch`` (a number or a 0-dim tensor, on its device by
+    now) replaced by a :class:`GlobalCount` of the same value; those counts."""
+    counts = []
+    for (_, kw), dev in zip(parts, devices):
+        n = kw.get(COUNT)
+        if isinstance(n, torch.Tensor) and n.dim() == 0:
+            c = n.as_subclass(GlobalCount)
+        elif isinstance(n, (int, float)) and not isinstance(n, bool):
+            c = torch.tensor(n, device=dev).as_subclass(GlobalCount)  # a number reaches it as a tensor
+        else:
+            continue
+        c.used = False
+        kw[COUNT] = c
+        counts.append(c)
+    return counts
 
 
 @dataclasses.dataclass
