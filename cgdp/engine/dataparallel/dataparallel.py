@@ -72,7 +72,7 @@ from cgdp.engine.core.replicas import batch_weights, state_digest
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.dataparallel import mirror
-from cgdp.engine.dataparallel.input_grads import ParamGuard, trains
+from cgdp.engine.dataparallel.input_grads import BackwardCheck
 from cgdp.engine.dataparallel.replica_grads import ReplicaGrads
 from cgdp.engine.dataparallel.resources import Resources, release
 from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
@@ -190,7 +190,7 @@ class DataParallel(nn.Module):
         self._threads = self._res.threads = DeviceThreads(devs, self._guard)
         self._rng = make_rng(devs)  # one random stream per replica
         self._sparse = SparseGrads(sparse, [d.torch_device for d in devs])
-        self._param_guard = ParamGuard()
+        self._backward_check = BackwardCheck()
         self._stream: GradientStream | None = None
         self._grads: ReplicaGrads | None = None
         if any(info.numel for info in infos):  # dense trainable parameters: the streaming path
@@ -245,7 +245,7 @@ class DataParallel(nn.Module):
         parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
         g = len(parts)
         counts = watch_counts(parts, [d.torch_device for d in devs]) if self._scalar_outputs == "auto" else []
-        self._param_guard.disarm()  # left by an autograd.grad that failed
+        self._backward_check.disarm()  # guard hooks left by an autograd.grad that failed
         if self._grad_buffers:
             self._grad_buffers.refresh([d.torch_device for d in devs], g)
         in_caller = _caller_context()
@@ -442,7 +442,7 @@ class DataParallel(nn.Module):
             self._in_backward = True
         try:
             self._check_usable()
-            if not trains([p for p, r in zip(self._all_params[0], self._trainable) if r], self._param_guard):
+            if not self._backward_check.trains(self._all_params[0], self._trainable):
                 self._in_backward = False  # input gradients only: autograd alone, as on one device
                 return
             self._guard.reset()
