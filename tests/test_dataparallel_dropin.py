@@ -123,6 +123,26 @@ def test_sparse_embedding_gets_a_sparse_gradient_and_sparse_adam_steps(g, no_syn
     assert_params_close(net, ref)
 
 
+def test_clip_grad_norm_counts_sparse_gradients_coalesced():
+    """torch.nn.utils.clip_grad_norm_ cannot take a sparse gradient on one device; the wrapper's
+    norm is that of the whole gradient, duplicate rows summed, and it clips every replica alike."""
+    net = SparseBag()
+    ref = copy.deepcopy(net)
+    idx, y = torch.randint(0, 30, (9, 4)), torch.randint(0, 3, (9,))
+    F.cross_entropy(ref(idx), y).backward()
+    dense = [p.grad for p in ref.head.parameters()] + [ref.emb.weight.grad.coalesce().values()]
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in dense]))
+    with cgdp.DataParallel(net, devs(3)) as model:
+        F.cross_entropy(model(idx), y).backward()
+        norm = model.clip_grad_norm_(0.01)
+        torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0)
+        coef = 0.01 / (expected + 1e-6)
+        torch.testing.assert_close(net.emb.weight.grad.coalesce().values(),
+                                   ref.emb.weight.grad.coalesce().values() * coef, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(net.head.weight.grad, ref.head.weight.grad * coef, rtol=1e-5, atol=1e-9)
+        assert_grads_identical(model)
+
+
 # ---------------------------------------------------------------- pickling the wrapped model
 def test_torch_save_of_the_wrapped_module_while_wrapped():
     net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))

@@ -40,7 +40,12 @@ import contextlib
 from typing import Any, Sequence
 
 import torch
-import transformers
+
+try:
+    import transformers
+except ImportError as exc:  # pragma: no cover - the hf extra is installed where this is tested
+    raise ImportError("cgdp.integrations.transformers needs transformers and accelerate: "
+                      "pip install -e \".[hf]\" (or pip install transformers accelerate)") from exc
 
 from cgdp.engine.backend import default_devices
 from cgdp.engine.dataparallel.dataparallel import DataParallel

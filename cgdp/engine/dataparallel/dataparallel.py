@@ -513,16 +513,14 @@ class DataParallel(nn.Module):
         clip on), when the host's sum is what every replica holds; otherwise, and for other
         norms, from replica 0's flat buffer."""
         st = self._stream
-        value = 0.0
-        if st is None:
-            pass
-        elif norm_type == 2.0:
+        value = 0.0  # no dense parameter to train
+        if st is not None and norm_type == 2.0:
             if self._host_fresh and st.want_norm:
                 value = st.grad_norm()  # no pass over the gradient: summed during backward
             else:
                 value = device_norm(st.flats[0])
             st.want_norm = True  # from the next backward on, the host sums the squares
-        else:
+        elif st is not None:
             value = float(torch.linalg.vector_norm(st.flats[0], norm_type, dtype=torch.float64))
         if self._sparse:  # the norm of the parts' norms is the norm of the whole
             value = float(torch.linalg.vector_norm(
