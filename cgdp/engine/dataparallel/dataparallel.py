@@ -75,7 +75,7 @@ from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
 from cgdp.engine.dataparallel.replica_grads import ReplicaGrads
 from cgdp.engine.dataparallel.resources import Resources, release
-from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
+from cgdp.engine.dataparallel.scatter import caller_context, gather, scatter, watch_counts
 from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
 from cgdp.engine.dataparallel.user_module import GradBuffers, local_load_post_hook
 from cgdp.engine.dataparallel.user_warning import warn_user
@@ -248,7 +248,7 @@ class DataParallel(nn.Module):
         self._backward_check.disarm()  # guard hooks left by an autograd.grad that failed
         if self._grad_buffers:
             self._grad_buffers.refresh([d.torch_device for d in devs], g)
-        in_caller = _caller_context()
+        in_caller = caller_context()
 
         def forward_on(j: int) -> Any:
             if j >= g:
@@ -571,19 +571,3 @@ def _signature(module: nn.Module, infos: Sequence[LayerInfo], devices: int, dtyp
     return {"face": "DataParallel", "devices_per_rank": str(devices),
             "initial_parameters": state_digest(module) + " (seed every rank the same)",
             "layers": ";".join(f"{i.name}:{i.numels}" for i in infos), "dtype": str(dtype)}
-
-
-def _caller_context() -> Callable[[Callable[[], Any]], Any]:
-    """Run a function on a device thread with the caller's grad mode and autocast (both are
-    thread-local in torch)."""
-    grad = torch.is_grad_enabled()
-    inference = torch.is_inference_mode_enabled()
-    casts = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cuda", "cpu") if torch.is_autocast_enabled(dt)]
-
-    def run(fn: Callable[[], Any]) -> Any:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
-            for dt, dtype in casts:
-                stack.enter_context(torch.autocast(dt, dtype=dtype))
-            return fn()
-    return run
