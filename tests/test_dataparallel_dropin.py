@@ -143,6 +143,33 @@ def test_clip_grad_norm_counts_sparse_gradients_coalesced():
         assert_grads_identical(model)
 
 
+# ---------------------------------------------------------------- constant buffers
+class RotaryLike(nn.Module):
+    """A constant floating buffer that forward only reads (a rotary frequency table), beside
+    BatchNorm statistics that every training forward writes."""
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.rand(16) + 0.5, persistent=False)
+        self.lin = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.bn(self.lin(x) * torch.cos(self.inv_freq))
+
+
+def test_constant_buffers_stay_bitwise_and_written_ones_are_averaged():
+    """7 samples on 3 devices: weights 3/7, 2/7, 2/7, whose weighted mean of equal values moves
+    about a third of float32 values by a unit in the last place."""
+    net = RotaryLike()
+    table = net.inv_freq.clone()
+    with cgdp.DataParallel(net, devs(3)) as model:
+        for _ in range(3):
+            model(torch.randn(7, 16)).sum().backward()
+        assert torch.equal(net.inv_freq, table)
+        assert not torch.equal(net.bn.running_mean, torch.zeros(16))  # the statistics did move
+        assert_replicas_identical(model)
+
+
 # ---------------------------------------------------------------- pickling the wrapped model
 def test_torch_save_of_the_wrapped_module_while_wrapped():
     net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))

@@ -64,7 +64,7 @@ from torch.autograd import Variable
 
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import default_devices, host_threads, make_devices, make_rng, parse_devices
-from cgdp.engine.core.buffers import sync_buffers
+from cgdp.engine.core.buffers import BufferWatch, sync_buffers
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
@@ -177,6 +177,7 @@ class DataParallel(nn.Module):
         self._grad_buffers = GradBuffers(reps)  # read from replica 0 by every replica
         self._buffers_f = [[b for b in r.buffers() if b.is_floating_point() and not b.requires_grad]
                            for r in reps]
+        self._buffer_watch = BufferWatch(self._buffers_f)  # which of them a forward wrote
         self._submodules = [list(r.modules()) for r in reps]  # same order on every replica
         self._all_params = [list(r.parameters()) for r in reps]
         self._wrapped_trainable = [p.requires_grad for p in self._all_params[0]]
@@ -264,8 +265,12 @@ class DataParallel(nn.Module):
             weights, _ = batch_weights(sizes, self._comm)  # over all ranks with a comm
             # through .data: the graph just built saved these buffers (BatchNorm), and an in-place
             # write through the tensors would bump their version and fail its backward
+            # only those the forward wrote (BatchNorm's): a weighted mean of equal values is not
+            # always that value, and constant tables (rotary frequencies) must stay bitwise
+            changed = self._buffer_watch.changed(self._comm)
             sync_buffers([[b.data for b in bufs] for bufs in self._buffers_f],
-                         weights + [0.0] * (len(devs) - g), self._comm)
+                         weights + [0.0] * (len(devs) - g), self._comm, changed)
+            self._buffer_watch.synced(changed, others=False)
             if g < len(devs):  # replicas that got no sample: integer buffers (counters) too
                 self._broadcast_state(buffers_only=True)
         sync = not self._no_sync
@@ -556,6 +561,7 @@ class DataParallel(nn.Module):
                         b.data.copy_(b0)
                 else:
                     r.load_state_dict(self.module.state_dict())
+        self._buffer_watch.synced()  # every replica's buffers are the same again
         if not buffers_only:
             self._record_parameters()
 
