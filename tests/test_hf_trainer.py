@@ -25,10 +25,10 @@ VOCAB, T, N = 40, 10, 21  # 21 sequences: the last global batch is uneven on 2 a
 PER_DEVICE = 2
 
 
-def gpt2():
+def gpt2(dropout=0.0):
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0,
                                   eos_token_id=0, pad_token_id=0)
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -138,11 +138,12 @@ def test_sequence_classifier_that_ignores_num_items_in_batch(tmp_path):
 
 
 def test_resume_in_the_middle_is_bitwise_an_uninterrupted_run(tmp_path):
-    model = gpt2()
+    """With dropout: the checkpoint holds the replicas' random streams as well as torch's."""
+    model = gpt2(dropout=0.1)
     args = arguments(tmp_path / "run", PER_DEVICE, "adamw_torch_fused", save_strategy="steps", save_steps=2)
     whole = CgdpTrainer(model=model, args=args, devices=["cpu:0", "cpu:1"], train_dataset=Padded())
     whole.train()  # 6 steps, checkpoints after steps 2, 4, 6 (step 2: in the middle of epoch 1)
-    resumed_model = gpt2()
+    resumed_model = gpt2(dropout=0.1)
     resumed = CgdpTrainer(model=resumed_model, args=arguments(tmp_path / "resumed", PER_DEVICE, "adamw_torch_fused"),
                           devices=["cpu:0", "cpu:1"], train_dataset=Padded())
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))

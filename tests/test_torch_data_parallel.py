@@ -163,7 +163,7 @@ def test_parallel_apply_passes_exception(devices):
         with pytest.raises(KeyError, match="wonderful") as info:
             model(torch.randn(4, 3))
     # whichever replica's failure was recorded first
-    assert any(re.fullmatch(rf"\(raised in replica (\d) of cgdp.DataParallel, on (cpu|cuda):\1\)", n)
+    assert any(re.fullmatch(r"\(raised in replica (\d) of cgdp.DataParallel, on (cpu|cuda):\1\)", n)
                for n in info.value.__notes__)
 
 

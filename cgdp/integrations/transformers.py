@@ -28,7 +28,9 @@ the global batch:
   backward, every replica clipped alike (``torch.nn.utils.clip_grad_norm_`` would change replica 0
   alone, which cgdp then copies to every replica with a warning).
 * **Checkpoints, resume, evaluate(), save_model()** work on ``trainer.model``, which is replica 0
-  (trained in place); loading into it reaches every replica. ``accelerator.unwrap_model`` sees
+  (trained in place); loading into it reaches every replica. A checkpoint also holds the
+  replicas' random streams (``cgdp_rng_state.pth``), so that a resumed run with dropout draws the
+  masks the uninterrupted one would. ``accelerator.unwrap_model`` sees
   through the wrapper, as it does through ``nn.DataParallel``.
 
 ``trainer.close()`` stops cgdp's threads at once (otherwise when the trainer is freed).
@@ -37,6 +39,7 @@ Mixed precision: ``bf16=True`` runs the forward under Accelerate's autocast on e
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Sequence
 
 import torch
@@ -51,6 +54,9 @@ from cgdp.engine.backend import default_devices
 from cgdp.engine.dataparallel.dataparallel import DataParallel
 
 __all__ = ["Trainer"]
+
+RNG_FILE = "cgdp_rng_state.pth"
+"""Beside Hugging Face's rng_state.pth in a checkpoint: the replicas' random streams."""
 
 
 class Trainer(transformers.Trainer):
@@ -132,6 +138,17 @@ class Trainer(transformers.Trainer):
         if grad_norm is None and isinstance(model, DataParallel):
             grad_norm = model.clip_grad_norm_(float("inf"))  # measured, nothing clipped
         return super()._get_grad_norm(model, grad_norm)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        if self._cgdp is not None:  # the replicas' own streams (dropout), beside torch's
+            torch.save(self._cgdp.rng_state(), os.path.join(output_dir, RNG_FILE))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        path = None if checkpoint is None else os.path.join(checkpoint, RNG_FILE)
+        if self._cgdp is not None and path is not None and os.path.isfile(path):
+            self._cgdp.set_rng_state(torch.load(path, weights_only=True))
 
     def _get_dataloader(self, dataset: Any, description: str, batch_size: int, *args: Any, **kwargs: Any):
         if description != "Training":  # evaluation and prediction: per device, as with n_gpu GPUs

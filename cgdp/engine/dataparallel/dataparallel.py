@@ -228,6 +228,19 @@ class DataParallel(nn.Module):
     def replicas(self) -> list[nn.Module]:
         return list(self._replicas)
 
+    def rng_state(self) -> dict[str, Any]:
+        """The replicas' random streams (dropout), for a checkpoint: :meth:`set_rng_state`
+        continues them where they were, so a resumed run draws what an uninterrupted one would."""
+        return {"states": [s.clone() for s in self._rng.states], "turns": getattr(self._rng, "turns", None)}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        if len(state["states"]) != len(self._rng.states):
+            raise ValueError(f"the random state is of {len(state['states'])} replicas, this model has "
+                             f"{len(self._rng.states)}: resume on as many devices")
+        self._rng.states = [s.clone() for s in state["states"]]
+        if state.get("turns") is not None:
+            self._rng.turns = state["turns"]
+
     @property
     def plan(self) -> Plan:
         """The chunk plan in use (send order, forward layer numbering); empty without dense
