@@ -147,6 +147,8 @@ class DataParallel(nn.Module):
         self._res = res = Resources()
         self._finalizer = weakref.finalize(self, release, res)
         self._devs = res.devs = make_devices(devices, self._guard.fail)
+        for d in self._devs:
+            d.check_caller("cgdp.DataParallel(...)")  # its buffers must not live on a user stream
         self.output_device = self._devs[0].torch_device
         """Where the gathered outputs are (``devices[0]``): put the targets there."""
         self._threads: DeviceThreads | None = None
@@ -252,7 +254,7 @@ class DataParallel(nn.Module):
         self._after_failed_backward()
         devs = self._devs
         for d in devs:
-            d.check_caller()  # CUDA: the replicas run on the default streams, as must the gather
+            d.check_caller("model(...)")  # CUDA: the replicas run on the default streams, as must the gather
         self._copy_modes()
         self._copy_requires_grad()
         self._copy_edited_parameters()
@@ -413,6 +415,8 @@ class DataParallel(nn.Module):
     def before_step(self) -> None:
         """Called before the user's optimizer steps: replica 0's gradients are every replica's."""
         self._check_usable()
+        for d in self._devs:  # the copies back are ordered before the default streams only
+            d.check_caller("optimizer.step()")
         self._after_failed_backward()
         if self._incomplete:
             raise RuntimeError("the last backward through cgdp.DataParallel failed partway, so the "

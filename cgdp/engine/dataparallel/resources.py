@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from cgdp.comm import Comm
+from cgdp.engine.core.lifetime import settle
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.dataparallel import mirror
@@ -32,6 +33,12 @@ class Resources:
 
 def release(res: Resources) -> None:
     """``close()``, or the finalizer of a ``DataParallel`` dropped without it (runs once)."""
+    try:
+        settle(res.devs, res.stream)  # the last copies back may still run: nothing is freed before
+    except BaseException as exc:  # a sticky CUDA error: release the rest, then report it
+        failed: BaseException | None = exc
+    else:
+        failed = None
     if res.threads is not None:
         res.threads.close()
     if res.registered is not None:
@@ -49,3 +56,5 @@ def release(res: Resources) -> None:
         d.close()
     if res.comm is not None:
         res.comm.close()
+    if failed is not None:
+        raise failed
