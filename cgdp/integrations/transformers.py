@@ -101,6 +101,10 @@ class Trainer(transformers.Trainer):
         self._one_process_view()  # args._n_gpu may have been set again since
         return super().train(*args, **kwargs)
 
+    def _hp_search_setup(self, trial: Any) -> None:
+        super()._hp_search_setup(trial)  # a trial sets _train_batch_size from args again
+        self._one_process_view()
+
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
         """cgdp.DataParallel where the Trainer would use nn.DataParallel; the same wrapper for
         training and evaluation, made once per model."""
