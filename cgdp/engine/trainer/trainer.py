@@ -45,7 +45,7 @@ from cgdp.engine.core.buffers import BufferWatch, sync_buffers
 from cgdp.engine.core.clip import check_max_norm, clip_coefficient
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
-from cgdp.engine.core.lifetime import Resources, exclusive, finalizer
+from cgdp.engine.core.lifetime import Resources, close_during_call, exclusive, finalizer
 from cgdp.engine.core.replicas import Replicas, batch_weights, signature
 from cgdp.engine.core.stream import GradientStream, wire_dtype
 from cgdp.engine.core.threads import DeviceThreads
@@ -62,6 +62,8 @@ from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 from cgdp.planning.profile import StepProfile
 
 MODES = ("cgdp", "typical", "single")
+CLOSE_WAIT_S = 5.0
+"""How long ``close()`` from another thread waits for a running step to stop."""
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -351,10 +353,19 @@ class Trainer:
             self._stream.set_plan(validate_plan(state["plan"], len(self.layers)))
 
     def close(self) -> None:
-        """Remove every hook, stop every thread, free the flat and pinned buffers."""
+        """Remove every hook, stop every thread, free the flat and pinned buffers.
+
+        From another thread while ``step()`` runs: that step stops with a ``RuntimeError`` (or
+        returns, if it was already past its last wait), and ``close()`` waits up to
+        :data:`CLOSE_WAIT_S` for it; a step still running then releases everything itself when
+        it ends."""
         if self._closed:
             return
         self._closed = True
+        if close_during_call(self, self._guard.fail, CLOSE_WAIT_S):
+            self._finish_close()
+
+    def _finish_close(self) -> None:
         self._res.take(self)
         try:
             self._release()  # the finalizer: runs once, here or when the trainer is dropped
