@@ -69,6 +69,7 @@ from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.replica_grads import ReplicaGrads
 from cgdp.engine.dataparallel.scatter import gather, scatter
+from cgdp.engine.dataparallel.turns import Turns
 from cgdp.engine.dataparallel.user_warning import warn_user
 from cgdp.engine.sync import Guard
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
@@ -112,7 +113,9 @@ class DataParallel(nn.Module):
         self._broken: str | None = None
         self._no_sync = False
         self._lock = threading.Lock()
+        self._turns = Turns()  # one operation at a time (forward, backward, optimizer.step, clip)
         self._in_backward = False
+        self._backward_task = -1  # autograd's graph task of the backward in progress
         self._incomplete = False  # a backward failed partway and dropped the gradients
         self._sending = False
         self._host_fresh = False
@@ -187,6 +190,7 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------ public API
     @property
     def replicas(self) -> list[nn.Module]:
+        self._turns.settle()  # after a step that failed on replica 0: identical again first
         return list(self._replicas)
 
     @property
@@ -195,8 +199,14 @@ class DataParallel(nn.Module):
         return self._stream.plan
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._turns.take("forward()")
+        try:
+            return self._forward(args, kwargs)
+        finally:
+            self._turns.give()
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
         self._check_usable()
-        self._after_failed_backward()
         devs = self._devs
         for d in devs:
             d.check_caller()  # CUDA: the replicas run on the default streams, as must the gather
@@ -212,7 +222,12 @@ class DataParallel(nn.Module):
                 return None
             return self._rng.on_device(j, lambda: in_caller(lambda: self._replicas[j](*parts[j][0], **parts[j][1])))
 
-        outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on))
+        try:
+            outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on))
+        except BaseException:
+            if not self._threads.stuck:  # a forward that failed on some devices only: counters
+                self._broadcast_state(buffers_only=True)  # (BatchNorm's) must not differ for good
+            raise
         if self.module.training and self._buffers_f[0] and (len(devs) > 1 or self._comm is not None):
             weights, _ = batch_weights(sizes, self._comm)  # over all ranks with a comm
             # through .data: the graph just built saved these buffers (BatchNorm), and an in-place
@@ -223,7 +238,8 @@ class DataParallel(nn.Module):
                 self._broadcast_state(buffers_only=True)
         sync = not self._no_sync
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
-        return gather(outs[:g], sizes, devs[0].torch_device, lambda: self._begin_backward(sync), scale)
+        owner = threading.get_ident()  # the backward's turn is this thread's (see turns.py)
+        return gather(outs[:g], sizes, devs[0].torch_device, lambda: self._begin_backward(sync, owner), scale)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -239,19 +255,23 @@ class DataParallel(nn.Module):
         """Clip the gradient of every replica by the norm of the whole (summed) gradient, computed
         on the host during backward (from the second call on); returns that norm (as FSDP's
         method of the same name)."""
-        self._check_usable()
-        if not self._grads.synced_last:
-            raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
-                               "that runs outside model.no_sync()")
-        if self._grads.mirror_if_changed():
+        self._turns.take("clip_grad_norm_()")
+        try:
+            self._check_usable()
+            if not self._grads.synced_last:
+                raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
+                                   "that runs outside model.no_sync()")
+            if self._grads.mirror_if_changed():
+                self._host_fresh = False
+            total = self._grad_norm(float(norm_type))
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            with torch.no_grad():
+                self._stream.scale_grads(coef)
+            self._grads.record()
             self._host_fresh = False
-        total = self._grad_norm(float(norm_type))
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with torch.no_grad():
-            self._stream.scale_grads(coef)
-        self._grads.record()
-        self._host_fresh = False
-        return total
+            return total
+        finally:
+            self._turns.give()
 
     def _copy_modes(self) -> None:
         """Every replica's modules take replica 0's train/eval modes: ``net.eval()`` or a frozen
@@ -330,21 +350,37 @@ class DataParallel(nn.Module):
     def run_on(self, j: int, fn: Callable[[], Any]) -> Future:
         return self._threads.submit(j, fn)
 
-    def before_step(self) -> None:
-        """Called before the user's optimizer steps: replica 0's gradients are every replica's."""
-        self._check_usable()
-        self._after_failed_backward()
-        if self._incomplete:
-            raise RuntimeError("the last backward through cgdp.DataParallel failed partway, so the "
-                               "gradients are incomplete (they were dropped); call optimizer.zero_grad() "
-                               "and redo this step's forward and backward before optimizer.step()")
-        if self._grads.mirror_if_changed():
-            self._host_fresh = False
+    def before_step(self, cleanup: Callable[[], None]) -> None:
+        """Called before the user's optimizer steps: replica 0's gradients are every replica's.
+        Takes the turn until :meth:`after_step`; ``cleanup`` if the step fails on replica 0."""
+        self._turns.take("optimizer.step()", cleanup=cleanup)
+        try:
+            self._check_usable()
+            if self._incomplete:
+                raise RuntimeError("the last backward through cgdp.DataParallel failed partway, so the "
+                                   "gradients are incomplete (they were dropped); call optimizer.zero_grad() "
+                                   "and redo this step's forward and backward before optimizer.step()")
+            if self._grads.mirror_if_changed():
+                self._host_fresh = False
+        except BaseException:
+            self._turns.give()
+            raise
 
     def after_step(self) -> None:
-        """Called after the user's optimizer stepped every replica: while tuning, the time since
-        the last step is one iteration under the current plan; switch to the tuner's next plan."""
+        """Called after the user's optimizer stepped every replica: gives the turn back. While
+        tuning, the time since the last step is one iteration under the current plan; switch to
+        the tuner's next plan."""
+        try:
+            self._record_parameters()
+            self._tune()
+        finally:
+            self._turns.give()
+
+    def replicas_resynced(self) -> None:
+        """Every replica took replica 0's parameters (after a step that failed somewhere)."""
         self._record_parameters()
+
+    def _tune(self) -> None:
         if self._tuner is None:
             return
         now = time.perf_counter()
@@ -373,12 +409,16 @@ class DataParallel(nn.Module):
         self._broken = why
 
     # ------------------------------------------------------------------ backward
-    def _begin_backward(self, sync: bool) -> None:
+    def _begin_backward(self, sync: bool, owner: int) -> None:
         """Autograd thread, in the gather's backward, before any replica's gradient exists."""
+        task = torch._C._current_graph_task_id()
         with self._lock:
-            if self._in_backward:
+            if self._in_backward and task == self._backward_task:
                 return  # a second gathered output in the same backward
-            self._in_backward = True
+        # the turn; a backward that failed before left it stale: its clean-up runs first
+        self._turns.take("backward", owner, cleanup=self._after_failed_backward)
+        with self._lock:
+            self._in_backward, self._backward_task = True, task
         try:
             self._check_usable()
             self._guard.reset()
@@ -389,6 +429,7 @@ class DataParallel(nn.Module):
             Variable._execution_engine.queue_callback(self._end_backward)
         except BaseException:
             self._in_backward = False
+            self._turns.give()
             raise
 
     def _after_failed_backward(self) -> None:
@@ -434,6 +475,7 @@ class DataParallel(nn.Module):
         finally:
             st.disarm()
             self._in_backward = False
+            self._turns.give()
         if not reached:
             # the gather's backward ran but no parameter's .grad received anything: the graph was
             # run by torch.autograd.grad, which never reaches the hooks (buffers stay consistent)

@@ -41,7 +41,7 @@ from torch import nn
 
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import host_threads, make_devices, make_rng, parse_devices
-from cgdp.engine.core.buffers import BufferWatch, sync_buffers
+from cgdp.engine.core.buffers import BufferWatch, copy_from_first, sync_buffers
 from cgdp.engine.core.clip import check_max_norm, clip_coefficient
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
@@ -531,6 +531,10 @@ class Trainer:
         if self._threads.stuck:
             self._broken = (f"the device thread(s) of {', '.join(self._threads.stuck)} never returned from "
                             f"a step that failed ({exc!r}); create a new Trainer (load a checkpoint into it)")
+        if not self._broken:  # the replicas' buffers agree again (a forward may have failed on one)
+            copy_from_first(self._buffers)
+            copy_from_first(self._buffer_watch.others)
+            self._buffer_watch.synced()
         self._guard.reset()
 
     # ------------------------------------------------------------------ profiles and traces
