@@ -306,3 +306,107 @@ def test_no_gpu_message_names_no_impossible_range():
     with pytest.raises(ValueError) as e:
         cgdp.Trainer(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), ["cuda:0"])
     assert "cuda:-1" not in str(e.value) and "cpu:N" in str(e.value)
+
+
+# ------------------------------------------------------------------ careless flags, what is offered after a failure
+@pytest.mark.parametrize("flag, value", [("--lr", "inf"), ("--lr", "-inf"), ("--momentum", "inf"),
+                                         ("--weight_decay", "nan")])
+def test_non_finite_hyperparameters_are_refused(capsys, flag, value):
+    rc, text = run(capsys, flag, value, "--steps", "1")
+    assert rc == 2 and f"train.{flag[2:]} must be a finite number" in text, text
+
+
+def test_a_failed_first_save_does_not_offer_resume(tmp_path, capsys, monkeypatch):
+    real = os.fsync
+
+    def full(fd):
+        if ".checkpoint-" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(28, "No space left on device")
+        return real(fd)
+    monkeypatch.setattr(checkpoint.os, "fsync", full)
+    rc, text = run(capsys, "--out", str(tmp_path / "run"), "--steps", "2")
+    assert rc == 2 and "no checkpoint was written" in text and "--resume" not in text, text
+    assert "start the run again (with --overwrite)" in text, text
+
+
+def test_a_stopped_run_without_out_does_not_offer_resume(capsys, monkeypatch):
+    """Ctrl-C (here: requested before the first step ends) without --out: no checkpoint exists."""
+    import cgdp.cli.train as cli
+
+    real = cli.GracefulStop.__enter__
+
+    def enter(self):
+        real(self)
+        self.requested = True
+        return self
+    monkeypatch.setattr(cli.GracefulStop, "__enter__", enter)
+    rc, text = run(capsys, "--steps", "5")
+    assert rc == 130 and "interrupted after 1 steps" in text and "--resume" not in text, text
+
+
+def test_ctrl_c_after_the_rename_reports_the_checkpoint_on_disk(tmp_path, capsys, monkeypatch):
+    """The second Ctrl-C lands in a save after its rename: the message must name the step the file
+    holds (it named the one before)."""
+    calls = []
+
+    def interrupted(d):
+        calls.append(d)
+        if len(calls) == 2:  # the save of step 2: renamed, then Ctrl-C
+            raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint, "_fsync_dir", interrupted)
+    out = tmp_path / "run"
+    rc, text = run(capsys, "--out", str(out), "--steps", "4", "--checkpoint_every", "1")
+    assert rc == 130, text
+    held = checkpoint.load(out / "checkpoint.pt")["trainer"]["step"]
+    assert held == 2 and "the checkpoint at step 2" in text, text
+
+
+# ------------------------------------------------------------------ a first run that never dies silently
+def test_a_run_that_cannot_fit_in_memory_is_refused_with_the_numbers(capsys):
+    """64 emulated VGG-16 replicas need hundreds of GiB: refused at once, before anything is built."""
+    t0 = time.monotonic()
+    rc, text = run(capsys, "--config", "vgg16", "--devices", "64", "--print-config")
+    assert rc == 2 and "GiB of host memory" in text and "GiB is available" in text, text
+    assert "64 replica(s) x (0.52 GiB parameters" in text and "use fewer devices" in text, text
+    if not torch.cuda.is_available():
+        assert "--devices 64 means 64 CPU-emulated device(s)" in text, text
+    assert time.monotonic() - t0 < 20
+
+
+def test_the_documented_vgg16_command_on_a_small_machine(capsys, monkeypatch):
+    """docs/train.md's `--config vgg16 --devices 4` on a machine with 8 GiB available: refused with
+    a batch that fits; the default job fits."""
+    from cgdp.cli import memory
+    monkeypatch.setattr(memory, "available_host", lambda: 8.0 * 2**30)
+    monkeypatch.setattr(memory, "gpu_free", lambda devices: None)
+    rc, text = run(capsys, "--config", "vgg16", "--devices", "4", "--print-config")
+    assert rc == 2 and "and 8.0 GiB is available" in text and "lower --batch to " in text, text
+    fit = int(text.split("lower --batch to ")[1].split()[0])
+    assert 1 <= fit < 32
+    rc, text = run(capsys, "--config", "vgg16", "--devices", "4", "--batch", str(fit), "--print-config")
+    assert rc == 0, text
+    rc, text = run(capsys, "--print-config")
+    assert rc == 0, text
+
+
+def test_no_gpu_note_for_a_device_count(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("the note is for machines without a GPU")
+    rc, text = run(capsys, "--devices", "3", "--print-config")
+    assert rc == 0 and "--devices 3 runs 3 CPU-emulated device(s)" in text, text
+
+
+# ------------------------------------------------------------------ the run's summary and plots
+def test_a_short_run_has_table_4_and_a_resumed_plot_starts_at_step_1(tmp_path, capsys, monkeypatch):
+    from cgdp.cli import report
+    out = tmp_path / "run"
+    plotted = []
+    monkeypatch.setattr(report, "write_plots", lambda o, rows, profile: plotted.append(rows) or "plotted")
+    rc, _ = run(capsys, "--out", str(out), "--steps", "3", "--profile_every", "50", "--plots", "true",
+                "--stop_after", "2")
+    assert rc == 0
+    assert "Per chunk (send order" in (out / "summary.md").read_text()  # 2 steps, profile_every 50
+    rc, _ = run(capsys, "--out", str(out), "--resume", "--plots", "true", "--profile_every", "50")
+    assert rc == 0
+    assert [r["step"] for r in plotted[-1]] == [1, 2, 3]  # the resumed run's curve from step 1
+    assert "Per chunk (send order" in (out / "summary.md").read_text()
