@@ -127,10 +127,10 @@ class TrainConfig:
         _check(self.batch >= 1, f"train.batch (per device) must be >= 1; got {self.batch}")
         _check(self.steps >= 1 or self.epochs >= 1, "set train.steps or train.epochs to at least 1")
         _check(self.epochs >= 0 and self.warmup_steps >= 0, "train.epochs and train.warmup_steps must be >= 0")
-        _check(self.lr > 0 and math.isfinite(self.lr), f"train.lr must be a finite number > 0; got {self.lr}")
+        _check(self.lr > 0 and math.isfinite(self.lr), f"train.lr must be > 0 and finite; got {self.lr}")
         for k in ("momentum", "weight_decay"):
             v = getattr(self, k)
-            _check(v >= 0 and math.isfinite(v), f"train.{k} must be a finite number >= 0; got {v}")
+            _check(v >= 0 and math.isfinite(v), f"train.{k} must be >= 0 and finite; got {v}")
         _check(self.timeout_s > 0 and math.isfinite(self.timeout_s),
                f"train.timeout_s must be a finite number of seconds > 0 (e.g. 86400 for a day); got {self.timeout_s}")
         if self.chunks != "auto" and self.chunks.lstrip("-").isdigit():

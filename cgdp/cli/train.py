@@ -69,6 +69,8 @@ class Job:
     """The step of the newest checkpoint in ``out`` (None: there is none)."""
     record: dict | None = None
     """What this run resolved to (:func:`cgdp.cli.resume.job_record`), saved in every checkpoint."""
+    notes: list[str] | None = None
+    """Lines to print before training (a tight memory estimate)."""
 
     @property
     def global_batch(self) -> int:
@@ -200,7 +202,7 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
                           f"pass --num_classes {train_set.num_classes} (or 0) if the data really has that many")
     _raise(startup.check_labels(train_set, classes, given=bool(cfg.model.num_classes)), DataError)
     _raise(startup.check_batch_memory(global_batch, train_set.sample_shape, "training inputs"), DataError)
-    _check_memory(cfg, devices, global_batch, classes, train_set, eval_set)
+    memory_note = _check_memory(cfg, devices, global_batch, classes, train_set, eval_set)
     torch.manual_seed(t.seed)  # the initial weights depend on the seed only
     try:
         model = build_model(cfg.model.name, classes, train_set.sample_shape)
@@ -250,12 +252,13 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
             raise ConfigError(f"checkpoint {resume_path} is at step {saved}, and this run has "
                               f"{total} steps: nothing to do. Raise --steps to train further")
     return Job(cfg, devices, model, train_set, eval_set, classes, chunks, total, out, resume, rank, ranks,
-               saved_step=saved, record=record)
+               saved_step=saved, record=record, notes=[memory_note] if memory_note else [])
 
 
 def _check_memory(cfg: Config, devices: list[str], global_batch: int, classes: int, train_set: Any,
-                  eval_set: Any) -> None:
-    """Refuse, with the numbers, a run that would not fit in memory (:mod:`cgdp.cli.memory`)."""
+                  eval_set: Any) -> str | None:
+    """Refuse, with the numbers, a run that would not fit in memory (:mod:`cgdp.cli.memory`);
+    a note if it fits tightly."""
     t, shape = cfg.train, tuple(train_set.sample_shape)
     try:  # on the meta device: what the model takes, without taking it
         measured = memory.measure(lambda: build_model(cfg.model.name, classes, shape), shape, make_optimizer(t))
@@ -266,7 +269,9 @@ def _check_memory(cfg: Config, devices: list[str], global_batch: int, classes: i
                           mode=t.mode, batch=t.batch, input_bytes=memory.input_bytes(shape),
                           global_batch=global_batch, prefetch=cfg.data.prefetch,
                           eval_samples=min(512, len(eval_set)))
-    _raise(memory.check(est, memory.available_host(), memory.gpu_free(devices), t.devices.strip()), DataError)
+    host = memory.available_host()
+    _raise(memory.check(est, host, memory.gpu_free(devices), t.devices.strip()), DataError)
+    return memory.warning(est, host)
 
 
 def _tuner(chunks: Any, model: nn.Module, devices: int) -> Any:
@@ -557,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         if job.devices[0].startswith("cpu") and cfg.train.devices.strip().isdigit():
             print(f"# no GPU found: --devices {cfg.train.devices.strip()} runs {len(job.devices)} CPU-emulated "
                   f"device(s), each holding a full replica in host memory")
+        for note in job.notes or []:
+            print(note, file=sys.stderr)
     if flags["print_config"]:
         return 0
     try:
