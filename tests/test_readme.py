@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(python|py|python3)\b([^\n]*)\n(.*?)^```", re.S | re.M)
-NEEDS = ("transformers", "mpi4py")
+NEEDS = ("transformers", "accelerate", "mpi4py")
 """Optional packages: a block that imports one is skipped when it is not installed."""
 
 
@@ -36,7 +36,10 @@ FRAGMENTS = [(where, code) for where, info, code in BLOCKS if info == "fragment"
 
 
 def _missing(code: str) -> str | None:
-    for module in re.findall(r"^\s*(?:import|from)\s+(\w+)", code, re.M):
+    needs = re.findall(r"^\s*(?:import|from)\s+(\w+)", code, re.M)
+    if "cgdp.integrations.transformers" in code:
+        needs += ["transformers", "accelerate"]  # the hf extra
+    for module in needs:
         if module in NEEDS and importlib.util.find_spec(module) is None:
             return module
     return None

@@ -33,6 +33,9 @@ class DeviceHooks:
         self.streaming = False
         """True in mode 'cgdp': hooks send chunks. Otherwise they only mark parameters touched."""
         self.timing = False
+        self.note: Callable[[int], None] | None = None
+        """Called with the chunk of each gradient that arrives while streaming (CUDA: notes the
+        stream it accumulated on, which the chunk's send must wait for)."""
         self._handles = [p.register_post_accumulate_grad_hook(self._make(pid))
                          for pid, p in enumerate(params)]
 
@@ -62,6 +65,8 @@ class DeviceHooks:
                 self.ready_at[pid] = self._stamp()
             if self.streaming:
                 c = self.param_chunk[pid]
+                if self.note is not None:
+                    self.note(c)
                 left = self.pending[c] - 1
                 self.pending[c] = left
                 if left == 0:

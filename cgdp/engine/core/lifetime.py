@@ -15,6 +15,9 @@ Invariants:
   but never the trainer; a ``weakref.finalize`` runs
   :meth:`Resources.release` when the trainer is freed without ``close()`` (and at interpreter
   exit). ``close()`` runs the same finalizer, so release happens exactly once.
+* **Nothing is freed in flight.** A step returns after device-side waits only: on a GPU its last
+  copies back may still read the host rows and write the flat buffers. Release first lets every
+  copy finish (:func:`settle`), then frees.
 """
 from __future__ import annotations
 
@@ -103,7 +106,9 @@ class Resources:
 
     def release(self) -> None:
         """Stop every thread, remove the hooks, free the flat and pinned buffers, close the comm; once."""
-        steps = [getattr(self.threads, "close", None), getattr(self.stream, "close", None),
+        devs, stream = self.devs, self.stream
+        steps = [lambda: settle(devs, stream),
+                 getattr(self.threads, "close", None), getattr(self.stream, "close", None),
                  *(d.close for d in self.devs), getattr(self.comm, "close", None)]
         self.threads = self.stream = self.comm = None
         self.devs = ()
@@ -117,6 +122,14 @@ class Resources:
                 first = first or exc
         if first is not None:
             raise first
+
+
+def settle(devs: Sequence[Any], stream: Any, timeout_s: float = 30.0) -> None:
+    """Wait until no copy of ``devs`` is in flight, the copies back the host accumulator of
+    ``stream`` (a GradientStream, or None) is still issuing included: before anything is freed."""
+    from cgdp.engine.core.drain import quiesce
+    if devs:
+        quiesce(devs, getattr(stream, "host", None), timeout_s)  # note: host waits on every stream
 
 
 def finalizer(owner: object, res: Resources) -> weakref.finalize:

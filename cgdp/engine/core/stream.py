@@ -82,6 +82,7 @@ class GradientStream:
             # the hooks hold the stream weakly: no cycle stream <-> hooks keeps the buffers alive
             hooks = DeviceHooks(self.params[j], weak_call(self.send, j), dev.stamp)
             hooks.streaming = streaming
+            hooks.note = dev.note_stream
             self.hooks.append(hooks)
         if streaming:
             from cgdp.engine.core.accumulate import warm_up

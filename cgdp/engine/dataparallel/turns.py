@@ -20,10 +20,14 @@ CUDA, autograd runs the gather's backward on one of its own threads).
 """
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Callable
+from typing import Any, Callable, TypeVar
+
+import torch
 
 NAME = "cgdp.DataParallel"
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Turns:
@@ -33,6 +37,7 @@ class Turns:
         """The operation that holds the turn (None: free)."""
         self._owner: int | None = None
         self._cleanup: Callable[[], None] | None = None
+        self._task = -1  # autograd's graph task of the backward that holds the turn
 
     def take(self, what: str, owner: int | None = None, cleanup: Callable[[], None] | None = None) -> None:
         """Hold the turn for ``what`` on behalf of thread ``owner`` (the caller's by default).
@@ -60,6 +65,17 @@ class Turns:
         with self._lock:
             self.what, self._owner, self._cleanup = what, owner, cleanup
 
+    def take_backward(self, owner: int, cleanup: Callable[[], None]) -> bool:
+        """The turn for a backward, called in it (on autograd's thread); False if this backward
+        already holds it (a second gathered output reached in the same graph task)."""
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            if self.what == "backward" and self._task == task and self._cleanup is not None:
+                return False
+        self.take("backward", owner, cleanup)
+        self._task = task
+        return True
+
     def give(self) -> None:
         with self._lock:
             self.what = self._owner = self._cleanup = None
@@ -71,3 +87,34 @@ class Turns:
                 return
         self.take("a look at the replicas")
         self.give()
+
+
+def holding(what: str, until_given: bool = False) -> Callable[[F], F]:
+    """A method that holds the model's turn (``self._turns``) while it runs; with ``until_given``,
+    until a later call gives it back (its first argument: the clean-up if that never comes), and
+    only an exception here gives it back at once."""
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self._turns.take(what, cleanup=args[0] if until_given else None)
+            try:
+                out = method(self, *args, **kwargs)
+            except BaseException:
+                self._turns.give()
+                raise
+            if not until_given:
+                self._turns.give()
+            return out
+        return call  # type: ignore[return-value]
+    return wrap
+
+
+def giving(method: F) -> F:
+    """A method that ends an operation: it gives the model's turn back, whatever happens."""
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._turns.give()
+    return call  # type: ignore[return-value]

@@ -26,7 +26,11 @@ total count (:class:`cgdp.engine.trainer.losses.HeldMicroBatches`).
 
 Ownership: the flat buffers, hooks and host buffers are the trainer's. The user's ``model`` is
 replica 0 (moved to ``devices[0]`` in place, trained in place, its ``.grad`` views of the flat
-buffer until ``close()``); the other replicas are deep copies. Between steps nothing is in flight.
+buffer until ``close()``); the other replicas are deep copies. A step returns after device-side
+waits only: on a GPU the last copies back (H2D) may still be running, reading the host rows and
+writing the flat buffers. Whatever frees or relays buffers synchronises first (``close()``,
+``set_plan``, ``load_state_dict``, a rejected step), and the next step's work is ordered after
+them on the device.
 """
 from __future__ import annotations
 
@@ -164,6 +168,8 @@ class Trainer:
                              for info in infos]
 
         self._devs = make_devices(devices, self._guard.fail, share_devices)
+        for d in self._devs:  # the flat buffers must not be allocated on a user's stream
+            d.check_caller("cgdp.Trainer(...)")
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
         self._comm: Comm | None = None
@@ -237,6 +243,8 @@ class Trainer:
     def set_plan(self, plan: int | Plan) -> None:
         """Switch the chunk plan between steps (every rank must pass the same plan)."""
         self._check_usable()
+        for d in self._devs:
+            d.check_caller("Trainer.set_plan()")
         new = resolve_plan(plan, len(self.layers))
         self._quiesce()
         self._stream.set_plan(new)
@@ -301,8 +309,11 @@ class Trainer:
             up = self._update(coef)                                                  #    update
             t_end = time.perf_counter()
         except (NonFiniteGradientError, HyperparameterMismatchError):
-            # a clean rejection: every collective and copy of the step has completed, and every
-            # rank saw the same flag, so nothing needs recovering and training can go on
+            # a clean rejection: every rank saw the same flag and every collective has completed,
+            # so nothing needs recovering and training can go on. The copies back were only
+            # ordered on the devices: let them finish, so a caller who stops here (close(), or
+            # dropping the trainer) frees nothing a copy still uses
+            self._quiesce()
             raise
         except BaseException as exc:
             self._recover(exc, phase)
@@ -334,6 +345,8 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; checked in full first, so a bad one changes nothing."""
         self._check_usable()
+        for d in self._devs:
+            d.check_caller("Trainer.load_state_dict()")
         check_state(state, self.replicas[0], self.optimizers[0], len(self.layers), self.tuner)
         for r, opt in zip(self.replicas, self.optimizers):
             r.load_state_dict(state["model"])
