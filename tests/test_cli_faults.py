@@ -410,3 +410,18 @@ def test_a_short_run_has_table_4_and_a_resumed_plot_starts_at_step_1(tmp_path, c
     assert rc == 0
     assert [r["step"] for r in plotted[-1]] == [1, 2, 3]  # the resumed run's curve from step 1
     assert "Per chunk (send order" in (out / "summary.md").read_text()
+
+
+def test_the_memory_estimate_on_gpus_counts_each_gpu():
+    """On GPUs the replica, its gradients, optimizer state and activations are each GPU's; the host
+    keeps its buffers and the data. (A pure estimate: no GPU needed.)"""
+    from cgdp.cli import memory
+    p, act, top = 2 * 2**30, 100 * 2**20, 10 * 2**20  # 2 GiB of parameters, 120 MiB per sample
+    est = memory.estimate((p, act, top, 2), devices=4, emulated=False, mode="cgdp", batch=64,
+                          input_bytes=600_000, global_batch=256, prefetch=2, eval_samples=256)
+    assert est.device_bytes() == 4 * p + 64 * (act + 2 * top)
+    assert est.host_bytes() == 5 * p + 4 * 256 * 600_000 + 256 * (600_000 + 2 * top)
+    text = memory.check(est, host=64 * 2**30, gpu_free=[40 * 2**30, 12 * 2**30], device_flag="4")
+    assert "GiB per GPU, and the fullest GPU has 12.0 GiB free" in text and "lower --batch to 34 or less" in text, text  # (12 - 8) GiB / 120 MiB
+    assert "CPU-emulated" not in text
+    assert memory.check(est, host=64 * 2**30, gpu_free=[40 * 2**30] * 4) is None
