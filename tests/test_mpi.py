@@ -54,7 +54,7 @@ def test_two_ranks_two_devices_equal_single_device_and_are_bitwise_identical():
     rc, out, _ = mpirun("equivalence.py", timeout=120)
     assert rc == 0, out
     for case in ("mlp-sgd-k1-uneven", "mlp-adam-k2", "gated-layer-used-on-one-rank", "batchnorm",
-                 "token-sum-count"):
+                 "token-sum-count", "token-sum-count-micro-batches"):
         assert f"OK {case}" in out, out
 
 

@@ -52,11 +52,12 @@ class DeviceHooks:
 
     def _make(self, pid: int):
         def hook(p: torch.Tensor) -> None:
-            view = self.views[pid]
-            if p.grad is not view:
+            view, grad = self.views[pid], p.grad  # read once: another thread may zero_grad
+            if grad is not view:
                 # .grad was replaced (e.g. zero_grad(set_to_none=True) on a replica): autograd
                 # then stores a new tensor instead of adding into the flat buffer. Put it back.
-                view.copy_(p.grad)
+                if grad is not None:
+                    view.copy_(grad)
                 p.grad = view
                 self.replaced[pid] = 1
             self.touched[pid] = 1

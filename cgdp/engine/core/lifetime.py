@@ -5,7 +5,8 @@ Invariants:
 * **One call at a time.** ``step``, ``load_state_dict`` and ``set_plan`` are :func:`exclusive`:
   a second call while one runs (from another thread, or from inside ``loss_fn`` or the model's
   forward, which run on the device threads) is a ``RuntimeError`` at once, never a hang and never
-  two steps interleaved on the same replicas.
+  two steps interleaved on the same replicas. ``close()`` during a call (from another thread)
+  stops that call and releases nothing under it (:func:`close_during_call`).
 * **No reference cycles through the engine.** The engine's threads and callbacks hold the
   trainer only weakly (:func:`weak_call`), so a trainer is freed by reference counting the moment
   its last user reference goes, not whenever the cycle collector runs.
@@ -42,11 +43,39 @@ def exclusive(method: F) -> F:
                 where = ("from another thread while one is running; a Trainer takes one call at a "
                          "time: serialise the calls with a lock, or use one Trainer per thread")
             raise RuntimeError(f"Trainer.{method.__name__}() was called {where}")
+        self.__dict__["_exclusive_owner"] = threading.get_ident()
         try:
             return method(self, *args, **kwargs)
         finally:
+            self.__dict__["_exclusive_owner"] = None
             lock.release()
+            if self.__dict__.get("_closed"):  # close() came from another thread during this call
+                self._finish_close()
     return call  # type: ignore[return-value]
+
+
+def close_during_call(obj: Any, stop: Callable[[BaseException], None], wait_s: float) -> bool:
+    """``close()`` of an object with :func:`exclusive` methods: whether it may release now.
+
+    No call running: yes. A call running on another thread: ``stop`` it (its waits raise at
+    their next wake-up) and wait up to ``wait_s`` for it to return; if it does not, the call
+    releases everything itself when it returns (its :func:`exclusive` wrapper calls
+    ``_finish_close``), so nothing is freed under a running step. From inside the running call
+    (its ``loss_fn``, on a device thread): never wait, the call releases on its way out."""
+    lock = obj.__dict__.setdefault("_exclusive_lock", threading.Lock())
+    if lock.acquire(blocking=False):
+        lock.release()
+        return True
+    stop(RuntimeError(f"{type(obj).__name__}.close() was called from another thread while a call was "
+                      f"running; that call stopped (nothing applied unless its update had begun) and "
+                      f"the {type(obj).__name__} is closed"))
+    threads = getattr(obj, "_threads", None)
+    inside = obj.__dict__.get("_exclusive_owner") == threading.get_ident() or (
+        threads is not None and threads.on_device_thread())
+    if inside or not lock.acquire(timeout=wait_s):
+        return False
+    lock.release()
+    return True
 
 
 def weak_call(bound: Callable[..., Any], *args: Any) -> Callable[..., Any]:

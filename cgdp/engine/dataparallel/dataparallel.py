@@ -77,6 +77,7 @@ from cgdp.engine.dataparallel.replica_grads import ReplicaGrads
 from cgdp.engine.dataparallel.resources import Resources, release
 from cgdp.engine.dataparallel.scatter import caller_context, gather, scatter, watch_counts
 from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
+from cgdp.engine.dataparallel.turns import Turns, giving, holding
 from cgdp.engine.dataparallel.user_module import GradBuffers, local_load_post_hook
 from cgdp.engine.dataparallel.user_warning import warn_user
 from cgdp.engine.sync import Guard
@@ -136,8 +137,7 @@ class DataParallel(nn.Module):
         self._closed = False
         self._broken: str | None = None
         self._no_sync = False
-        self._lock = threading.Lock()
-        self._in_backward = False
+        self._turns = Turns()  # one operation at a time; who holds the turn (a backward too)
         self._incomplete = False  # a backward failed partway and dropped the gradients
         self._sending = False
         self._host_fresh = False
@@ -228,6 +228,7 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------ public API
     @property
     def replicas(self) -> list[nn.Module]:
+        self._turns.settle()  # after a step that failed on replica 0: identical again first
         return list(self._replicas)
 
     def rng_state(self) -> dict[str, Any]:
@@ -249,9 +250,9 @@ class DataParallel(nn.Module):
         trainable parameters."""
         return self._stream.plan if self._stream is not None else []
 
+    @holding("forward()")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_usable()
-        self._after_failed_backward()
         devs = self._devs
         for d in devs:
             d.check_caller("model(...)")  # CUDA: the replicas run on the default streams, as must the gather
@@ -275,7 +276,12 @@ class DataParallel(nn.Module):
                 getattr(exc, "add_note", lambda _: None)(f"(raised in replica {j} of cgdp.DataParallel, on {self.devices[j]})")
                 raise
 
-        outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on))
+        try:
+            outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on))
+        except BaseException:  # failed on some devices only: counters (BatchNorm's) must agree
+            if not self._threads.stuck:
+                self._broadcast_state(buffers_only=True)
+            raise
         if self.module.training and self._buffers_f[0] and (len(devs) > 1 or self._comm is not None):
             weights, _ = batch_weights(sizes, self._comm)  # over all ranks with a comm
             # through .data: the graph just built saved these buffers (BatchNorm), and an in-place
@@ -291,7 +297,7 @@ class DataParallel(nn.Module):
         sync = not self._no_sync
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
         trains = self._stream is not None or bool(self._sparse)
-        on_backward = (lambda: self._begin_backward(sync)) if trains else None
+        on_backward = (lambda me=threading.get_ident(): self._begin_backward(sync, me)) if trains else None
         # the scalars are shares of a global sum when the model divided by the count it was given
         summed = self._scalar_outputs == "sum" or any(c.used for c in counts)
         return gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
@@ -306,6 +312,7 @@ class DataParallel(nn.Module):
         finally:
             self._no_sync = old
 
+    @holding("clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradient of every replica by the norm of the whole (summed) gradient, computed
         on the host during backward (from the second call on); returns that norm (as FSDP's
@@ -412,18 +419,22 @@ class DataParallel(nn.Module):
     def run_on(self, j: int, fn: Callable[[], Any]) -> Future:
         return self._threads.submit(j, fn)
 
-    def before_step(self) -> None:
-        """Called before the user's optimizer steps: replica 0's gradients are every replica's."""
+    @holding("optimizer.step()", until_given=True)
+    def before_step(self, cleanup: Callable[[], None]) -> None:
+        """Before the optimizer steps: the turn, held until after_step (``cleanup`` if that never comes)."""
         self._check_usable()
         for d in self._devs:  # the copies back are ordered before the default streams only
             d.check_caller("optimizer.step()")
-        self._after_failed_backward()
         if self._incomplete:
             raise RuntimeError("the last backward through cgdp.DataParallel failed partway, so the "
                                "gradients are incomplete (they were dropped); call optimizer.zero_grad() "
                                "and redo this step's forward and backward before optimizer.step()")
         self._mirror_if_changed()
 
+    def replicas_resynced(self) -> None:
+        self._record_parameters()  # every replica took replica 0's parameters (a step failed)
+
+    @giving
     def after_step(self) -> None:
         """Called after the user's optimizer stepped every replica: while tuning, the time since
         the last step is one iteration under the current plan; switch to the tuner's next plan."""
@@ -452,20 +463,15 @@ class DataParallel(nn.Module):
         self._grads.record()
         self._host_fresh = False
 
-    def mark_broken(self, why: str) -> None:
-        self._broken = why
-
     # ------------------------------------------------------------------ backward
-    def _begin_backward(self, sync: bool) -> None:
+    def _begin_backward(self, sync: bool, owner: int) -> None:
         """Autograd thread, in the gather's backward, before any replica's gradient exists."""
-        with self._lock:
-            if self._in_backward:
-                return  # a second gathered output in the same backward
-            self._in_backward = True
+        if not self._turns.take_backward(owner, self._after_failed_backward):
+            return  # a second gathered output in the same backward
         try:
             self._check_usable()
             if not self._backward_check.trains(self._all_params[0], self._trainable):
-                self._in_backward = False  # input gradients only: autograd alone, as on one device
+                self._turns.give()  # input gradients only: autograd alone, as on one device
                 return
             self._guard.reset()
             if self._stream is not None:
@@ -476,19 +482,17 @@ class DataParallel(nn.Module):
             self._host_fresh = False
             Variable._execution_engine.queue_callback(self._end_backward)
         except BaseException:
-            self._in_backward = False
+            self._turns.give()
             raise
 
     def _after_failed_backward(self) -> None:
-        """A backward that raised never reached :meth:`_end_backward`: its copies may still be in
-        flight and the gradients are partial. Let everything stop and start again from zero."""
-        if not self._in_backward:
-            return
+        """A backward that raised never reached :meth:`_end_backward` (the clean-up of its stale
+        turn): its copies may still be in flight and the gradients are partial. Let everything
+        stop and start again from zero."""
         st = self._stream
         self._guard.fail(RuntimeError("the previous backward failed"))
         self._broken = drain_after_failure(self._devs, st.host if st is not None else None)
         self._guard.reset()
-        self._in_backward = False
         if st is not None:
             st.disarm()
         if (st is None or self._grads.undo_prepare()) and self._sparse.undo_prepare():
@@ -527,7 +531,7 @@ class DataParallel(nn.Module):
         finally:
             if st is not None:
                 st.disarm()
-            self._in_backward = False
+            self._turns.give()
 
     def _grad_norm(self, norm_type: float) -> torch.Tensor:
         """The norm of the whole gradient. The 2-norm comes from the host, which summed the squares
