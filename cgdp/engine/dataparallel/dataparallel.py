@@ -64,7 +64,7 @@ from torch.autograd import Variable
 
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import default_devices, host_threads, make_devices, make_rng, parse_devices
-from cgdp.engine.core.buffers import BufferWatch, sync_buffers
+from cgdp.engine.core.buffers import sync_buffers
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
@@ -74,6 +74,7 @@ from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
 from cgdp.engine.dataparallel.replica_grads import ReplicaGrads
+from cgdp.engine.dataparallel.replica_state import ReplicaState
 from cgdp.engine.dataparallel.resources import Resources, release
 from cgdp.engine.dataparallel.scatter import caller_context, gather, scatter, watch_counts
 from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
@@ -177,13 +178,7 @@ class DataParallel(nn.Module):
         params = [[p for layer in find_layers(r, {id(q) for q in sp})[1] for p in layer]
                   for r, sp in zip(reps, sparse)]
         self._grad_buffers = GradBuffers(reps)  # read from replica 0 by every replica
-        self._buffers_f = [[b for b in r.buffers() if b.is_floating_point() and not b.requires_grad]
-                           for r in reps]
-        self._buffer_watch = BufferWatch(self._buffers_f)  # which of them a forward wrote
-        self._submodules = [list(r.modules()) for r in reps]  # same order on every replica
-        self._all_params = [list(r.parameters()) for r in reps]
-        self._wrapped_trainable = [p.requires_grad for p in self._all_params[0]]
-        self._trainable = list(self._wrapped_trainable)
+        self._state = ReplicaState(reps)  # what the other replicas copy from replica 0
         layer_pids, n = [], 0
         for layer in layer_params:
             layer_pids.append(list(range(n, n + len(layer))))
@@ -202,8 +197,7 @@ class DataParallel(nn.Module):
         mirror.register(self, self._res.registered)
         me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
         # never pickled with the module (torch.save(model.module) while wrapped)
-        self._res.load_hook = local_load_post_hook(module, lambda *_: me()._broadcast_state())
-        self._record_parameters()
+        self._res.load_hook = local_load_post_hook(module, lambda *_: me()._state.broadcast())
 
     def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before) -> None:
         itemsize = torch.tensor([], dtype=dtype).element_size()
@@ -256,9 +250,7 @@ class DataParallel(nn.Module):
         devs = self._devs
         for d in devs:
             d.check_caller("model(...)")  # CUDA: the replicas run on the default streams, as must the gather
-        self._copy_modes()
-        self._copy_requires_grad()
-        self._copy_edited_parameters()
+        self._state.before_forward()
         parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
         g = len(parts)
         counts = watch_counts(parts, [d.torch_device for d in devs]) if self._scalar_outputs == "auto" else []
@@ -280,20 +272,21 @@ class DataParallel(nn.Module):
             outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on))
         except BaseException:  # failed on some devices only: counters (BatchNorm's) must agree
             if not self._threads.stuck:
-                self._broadcast_state(buffers_only=True)
+                self._state.broadcast(buffers_only=True)
             raise
-        if self.module.training and self._buffers_f[0] and (len(devs) > 1 or self._comm is not None):
+        bufs_f = self._state.buffers_f
+        if self.module.training and bufs_f[0] and (len(devs) > 1 or self._comm is not None):
             weights, _ = batch_weights(sizes, self._comm)  # over all ranks with a comm
             # through .data: the graph just built saved these buffers (BatchNorm), and an in-place
             # write through the tensors would bump their version and fail its backward
             # only those the forward wrote (BatchNorm's): a weighted mean of equal values is not
             # always that value, and constant tables (rotary frequencies) must stay bitwise
-            changed = self._buffer_watch.changed(self._comm)
-            sync_buffers([[b.data for b in bufs] for bufs in self._buffers_f],
+            changed = self._state.buffer_watch.changed(self._comm)
+            sync_buffers([[b.data for b in bufs] for bufs in bufs_f],
                          weights + [0.0] * (len(devs) - g), self._comm, changed)
-            self._buffer_watch.synced(changed, others=False)
+            self._state.buffer_watch.synced(changed, others=False)
             if g < len(devs):  # replicas that got no sample: integer buffers (counters) too
-                self._broadcast_state(buffers_only=True)
+                self._state.broadcast(buffers_only=True)
         sync = not self._no_sync
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
         trains = self._stream is not None or bool(self._sparse)
@@ -337,32 +330,6 @@ class DataParallel(nn.Module):
         if self._grads is not None and self._grads.mirror_if_changed():
             self._host_fresh = False
         self._sparse.mirror_if_changed()
-
-    def _copy_modes(self) -> None:
-        """Every replica's modules take replica 0's train/eval modes: ``net.eval()`` or a frozen
-        BatchNorm set on ``model.module`` alone must not leave the other replicas training."""
-        flags = [m.training for m in self._submodules[0]]
-        for mods in self._submodules[1:]:
-            for m, f in zip(mods, flags):
-                if m.training is not f:
-                    m.training = f
-
-    def _copy_requires_grad(self) -> None:
-        """Parameters frozen on replica 0 after wrapping are frozen on every replica; one that was
-        frozen when wrapped has no place in the flat buffers and cannot start training."""
-        now = [p.requires_grad for p in self._all_params[0]]
-        if now == self._trainable:
-            return
-        names = [n for (n, _), was, r in zip(self.module.named_parameters(), self._wrapped_trainable, now)
-                 if r and not was]
-        if names:
-            raise RuntimeError(f"parameters frozen when cgdp.DataParallel was built now require grad "
-                               f"({', '.join(names[:5])}); unfreeze them before wrapping, or wrap "
-                               f"model.module again after close()")
-        for params in self._all_params[1:]:
-            for q, r in zip(params, now):
-                q.requires_grad_(r)
-        self._trainable = now
 
     def train(self, mode: bool = True) -> "DataParallel":
         super().train(mode)
@@ -432,13 +399,13 @@ class DataParallel(nn.Module):
         self._mirror_if_changed()
 
     def replicas_resynced(self) -> None:
-        self._record_parameters()  # every replica took replica 0's parameters (a step failed)
+        self._state.record_parameters()  # every replica took replica 0's parameters (a step failed)
 
     @giving
     def after_step(self) -> None:
         """Called after the user's optimizer stepped every replica: while tuning, the time since
         the last step is one iteration under the current plan; switch to the tuner's next plan."""
-        self._record_parameters()
+        self._state.record_parameters()
         if self._tuner is None:
             return
         now = time.perf_counter()
@@ -470,7 +437,7 @@ class DataParallel(nn.Module):
             return  # a second gathered output in the same backward
         try:
             self._check_usable()
-            if not self._backward_check.trains(self._all_params[0], self._trainable):
+            if not self._backward_check.trains(self._state.params[0], self._state.trainable):
                 self._turns.give()  # input gradients only: autograd alone, as on one device
                 return
             self._guard.reset()
@@ -552,39 +519,6 @@ class DataParallel(nn.Module):
             value = float(torch.linalg.vector_norm(
                 torch.tensor([value, self._sparse.norm(norm_type)], dtype=torch.float64), norm_type))
         return torch.tensor(value, dtype=torch.float32, device=self._devs[0].torch_device)
-
-    def _record_parameters(self) -> None:
-        """Replica 0's parameters as they are now are every replica's (version counters)."""
-        self._param_versions = [p._version for p in self._all_params[0]]
-
-    def _copy_edited_parameters(self) -> None:
-        """Replica 0's parameters changed in place outside the optimizer (``p.clamp_`` under
-        ``no_grad``, ``torch.nn.init``): copy them to every replica, with a warning, so they never
-        drift apart. Seen through the version counters, which ``p.data`` does not share."""
-        if [p._version for p in self._all_params[0]] == self._param_versions:
-            return
-        warn_user("replica 0's parameters were changed outside optimizer.step() (in place under "
-                  "torch.no_grad(), e.g. p.clamp_ or torch.nn.init); cgdp.DataParallel copies them "
-                  "to every replica before this forward. Changes through p.data are not seen: "
-                  "make them on every replica (model.replicas)")
-        with torch.no_grad():
-            for params in self._all_params[1:]:
-                for q, p in zip(params, self._all_params[0]):
-                    q.copy_(p)
-        self._record_parameters()
-
-    def _broadcast_state(self, buffers_only: bool = False) -> None:
-        """Every replica ← replica 0's parameters and buffers (after ``load_state_dict``)."""
-        with torch.no_grad():
-            for r in self._replicas[1:]:
-                if buffers_only:
-                    for b, b0 in zip(r.buffers(), self.module.buffers()):
-                        b.data.copy_(b0)
-                else:
-                    r.load_state_dict(self.module.state_dict())
-        self._buffer_watch.synced()  # every replica's buffers are the same again
-        if not buffers_only:
-            self._record_parameters()
 
     def _check_usable(self) -> None:
         if self._closed:
