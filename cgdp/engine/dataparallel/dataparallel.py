@@ -68,6 +68,8 @@ from cgdp.engine.core.buffers import sync_buffers
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
+from cgdp.engine.core.module_hooks import ModuleHooks
+from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.replicas import batch_weights, state_digest
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
@@ -179,6 +181,9 @@ class DataParallel(nn.Module):
                   for r, sp in zip(reps, sparse)]
         self._grad_buffers = GradBuffers(reps)  # read from replica 0 by every replica
         self._state = ReplicaState(reps)  # what the other replicas copy from replica 0
+        # replica 0's module hooks are every replica's; its parameters' hooks run on the sum
+        self._module_hooks = ModuleHooks(reps, self._state.params, [d.torch_device for d in devs])
+        self._param_hooks = ParamHooks(params, unsupported=sparse[0])
         layer_pids, n = [], 0
         for layer in layer_params:
             layer_pids.append(list(range(n, n + len(layer))))
@@ -250,6 +255,8 @@ class DataParallel(nn.Module):
         devs = self._devs
         for d in devs:
             d.check_caller("model(...)")  # CUDA: the replicas run on the default streams, as must the gather
+        if self._module_hooks.follow():  # a hook registration changed the buffers (prune)
+            self._state.rebuild_buffers()
         self._state.before_forward()
         parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
         g = len(parts)
@@ -442,7 +449,13 @@ class DataParallel(nn.Module):
                 return
             self._guard.reset()
             if self._stream is not None:
+                if self._param_hooks.take() and not (sync and self._grads.synced_last):
+                    self._param_hooks.put_back()
+                    raise RuntimeError("a parameter of the model has a gradient hook (register_hook), which cgdp "
+                                       "runs on each backward's summed gradient; inside model.no_sync() that sum "
+                                       "is never formed. Accumulate outside no_sync(), or remove the hook")
                 self._grads.prepare()
+                self._grads.hold(list(self._param_hooks.held))
                 self._stream.arm(sending=sync)
             self._sparse.prepare()
             self._sending = sync
@@ -462,6 +475,8 @@ class DataParallel(nn.Module):
         self._guard.reset()
         if st is not None:
             st.disarm()
+            self._param_hooks.put_back()
+            self._grads.unhold()
         if (st is None or self._grads.undo_prepare()) and self._sparse.undo_prepare():
             return  # it failed before any gradient changed: they are kept, as on one device
         if st is not None:
@@ -474,6 +489,7 @@ class DataParallel(nn.Module):
     def _end_backward(self) -> None:
         """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
         st = self._stream
+        hooked = False
         try:
             if st is not None:
                 if self._sending:
@@ -486,10 +502,13 @@ class DataParallel(nn.Module):
                     self._comm.fence(self._guard.timeout_s)
                     # a parameter with a gradient on any rank has one on every rank
                     touched = self._comm.allreduce_small(touched + self._grads.has_grad)
+                hooked = bool(self._param_hooks.held)
+                if hooked:  # the user's gradient hooks, on the sum (the host's norm is of the sum before them)
+                    self._grads.apply_hooks(touched, self._param_hooks)
                 self._grads.finish(touched, self._sending)
             self._sparse.finish(self._sending)  # after the dense chunks: not overlapped
             self._incomplete = False
-            self._host_fresh = self._sending
+            self._host_fresh = self._sending and not hooked
         except BaseException as exc:
             self._guard.fail(exc)
             self._broken = (drain_after_failure(self._devs, st.host if st is not None else None)
@@ -498,6 +517,7 @@ class DataParallel(nn.Module):
         finally:
             if st is not None:
                 st.disarm()
+                self._param_hooks.put_back()
             self._turns.give()
 
     def _grad_norm(self, norm_type: float) -> torch.Tensor:

@@ -30,6 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.dataparallel.user_warning import warn_user
 
@@ -42,6 +43,7 @@ class ReplicaGrads:
         self.synced_last = True
         """Whether the last backward was synced (every replica holds the total)."""
         self._warned = False
+        self._held: dict[int, torch.Tensor] = {}  # gradients set aside while hooks run on a sum
         views = stream.hooks[0].views
         with torch.no_grad():
             for pid, g in enumerate(initial):
@@ -94,6 +96,32 @@ class ReplicaGrads:
                     for flat in st.flats[1:]:
                         flat.zero_()
         self._attach()
+
+    def hold(self, pids: list[int]) -> None:
+        """After :meth:`prepare`, for parameters whose gradient hooks run on this backward's sum
+        (:mod:`cgdp.engine.core.param_hooks`): set aside the gradient they hold (replica 0's: the
+        others are zero after a synced backward), so that the host sums this backward's alone."""
+        views0 = self.stream.hooks[0].views
+        with torch.no_grad():
+            for pid in pids:
+                if self.has_grad[pid]:
+                    self._held[pid] = views0[pid].clone()
+                    views0[pid].zero_()
+
+    def unhold(self) -> None:
+        """A backward failed: the gradients set aside go back to replica 0."""
+        views0 = self.stream.hooks[0].views
+        with torch.no_grad():
+            for pid, g in self._held.items():
+                views0[pid].add_(g)
+        self._held = {}
+
+    def apply_hooks(self, touched: np.ndarray, hooks: ParamHooks) -> None:
+        """After a synced backward (every replica holds this backward's sum): each hooked
+        parameter's gradient becomes what one device accumulates, the gradient set aside plus
+        what its hooks make of the sum (none when it got no gradient), on every replica."""
+        hooks.run(touched, [h.views for h in self.stream.hooks], self._held)
+        self._held = {}
 
     def finish(self, touched: np.ndarray, synced: bool) -> None:
         """After a backward: ``touched[pid] > 0`` where some replica (some rank) got a gradient."""

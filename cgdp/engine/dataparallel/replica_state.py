@@ -28,16 +28,20 @@ from cgdp.engine.dataparallel.user_warning import warn_user
 class ReplicaState:
     def __init__(self, replicas: list[nn.Module]):
         self.replicas = replicas
-        self.buffers_f = [[b for b in r.buffers() if b.is_floating_point() and not b.requires_grad]
-                          for r in replicas]
-        """Per replica, its floating buffers that need no gradient (BatchNorm statistics)."""
-        self.buffer_watch = BufferWatch(self.buffers_f)  # which of them a forward wrote
+        self.rebuild_buffers()
         self.submodules = [list(r.modules()) for r in replicas]  # same order on every replica
         self.params = [list(r.parameters()) for r in replicas]
         """Per replica, all its parameters (trainable or not) in ``parameters()`` order."""
         self.wrapped_trainable = [p.requires_grad for p in self.params[0]]
         self.trainable = list(self.wrapped_trainable)
         self.record_parameters()
+
+    def rebuild_buffers(self) -> None:
+        """List the buffers (again: a hook registration changed them, :mod:`cgdp.engine.core.module_hooks`)."""
+        self.buffers_f = [[b for b in r.buffers() if b.is_floating_point() and not b.requires_grad]
+                          for r in self.replicas]
+        """Per replica, its floating buffers that need no gradient (BatchNorm statistics)."""
+        self.buffer_watch = BufferWatch(self.buffers_f)  # which of them a forward wrote
 
     def before_forward(self) -> None:
         self.copy_modes()

@@ -46,11 +46,13 @@ from torch import nn
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import host_threads, make_devices, make_rng, parse_devices
 from cgdp.engine.core.buffers import BufferWatch, copy_from_first, sync_buffers
-from cgdp.engine.core.clip import check_max_norm, clip_coefficient
+from cgdp.engine.core.clip import check_max_norm, clip_coefficient, device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
 from cgdp.engine.core.lifetime import Resources, close_during_call, exclusive, finalizer
-from cgdp.engine.core.replicas import Replicas, batch_weights, signature
+from cgdp.engine.core.module_hooks import ModuleHooks
+from cgdp.engine.core.param_hooks import ParamHooks
+from cgdp.engine.core.replicas import Replicas, batch_weights, signature, split_buffers
 from cgdp.engine.core.stream import GradientStream, wire_dtype
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.sync import Guard
@@ -190,6 +192,10 @@ class Trainer:
         self.replicas, self.optimizers = reps.modules, reps.optimizers
         self._params, self._buffers = reps.params, reps.buffers
         self._buffer_watch = BufferWatch(reps.buffers, reps.other_buffers)
+        # replica 0's module hooks are every replica's; its parameters' hooks run on the average
+        self._module_hooks = ModuleHooks(reps.modules, [list(r.parameters()) for r in reps.modules],
+                                         [d.torch_device for d in self._devs])
+        self._param_hooks = ParamHooks(reps.params)
 
         self._comm = make_comm(comm, timeout_s=self._timeout_s)
         if self._comm is not None:
@@ -284,7 +290,12 @@ class Trainer:
         tracing = self._trace_once
         self._profile_once = self._trace_once = False
 
+        if self._module_hooks.follow():  # a hook registration changed the buffers (prune)
+            self._buffers, others = split_buffers(self.replicas)
+            self._buffer_watch = BufferWatch(self._buffers, others)
         self._begin_step(profiling or tracing)
+        if self.mode != "single":  # the user's gradient hooks wait for the average (_finish_backward)
+            self._param_hooks.take()
         t_start = time.perf_counter()
         phase = "forward"
         try:
@@ -309,6 +320,7 @@ class Trainer:
             up = self._update(coef)                                                  #    update
             t_end = time.perf_counter()
         except (NonFiniteGradientError, HyperparameterMismatchError):
+            self._param_hooks.put_back()
             # a clean rejection: every rank saw the same flag and every collective has completed,
             # so nothing needs recovering and training can go on. The copies back were only
             # ordered on the devices: let them finish, so a caller who stops here (close(), or
@@ -316,6 +328,7 @@ class Trainer:
             self._quiesce()
             raise
         except BaseException as exc:
+            self._param_hooks.put_back()
             self._recover(exc, phase)
             raise
         self.step_count += 1
@@ -497,6 +510,13 @@ class Trainer:
                 f"the averaged gradient has {int(bad)} NaN/Inf value(s) (layers: "
                 f"{self._stream.bad_layers(self.layer_names)}); the update was not applied. Lower the learning rate, "
                 f"check the inputs, or clip gradients")
+        if self._param_hooks.held:  # the user's gradient hooks, on the average (core/param_hooks.py)
+            views = [h.views for h in self._stream.hooks]  # mode typical broadcasts replica 0's update
+            self._param_hooks.run(touched, views if self.mode == "cgdp" else views[:1])
+            if self._max_norm is not None:  # the norm of their result (rank 0's, as the host's)
+                norm = device_norm(self._stream.flats[0])
+                self._grad_norm = norm if self._comm is None else float(
+                    self._comm.allreduce_small(np.array([norm if self._comm.rank == 0 else 0.0]))[0])
         self._stream.set_untouched(touched)
         return loss
 
