@@ -42,7 +42,7 @@ class ReplicaGrads:
         self.has_grad = np.array([g is not None for g in initial], bool)
         self.synced_last = True
         """Whether the last backward was synced (every replica holds the total)."""
-        self._warned = False
+        self._warned = self._warned_data = False
         self._held: dict[int, torch.Tensor] = {}  # gradients set aside while hooks run on a sum
         views = stream.hooks[0].views
         with torch.no_grad():
@@ -158,16 +158,27 @@ class ReplicaGrads:
 
     def mirror_if_changed(self) -> bool:
         """If replica 0's gradients changed since the last record, copy them to every replica;
-        whether they had."""
+        whether they had. An edit through ``.data`` (``p.grad.data.clamp_(...)``) moves no
+        version counter: after a synced backward, when every replica must hold the same bits,
+        it is found by comparing replica 0's flat buffer with replica 1's (one pass over both)."""
         st = self.stream
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]
         changed = st.flats[0]._version != self.versions[0] or any(
             (g is None) == bool(h) or (g is not None and g is not v)
             for g, h, v in zip(grads, self.has_grad, views0))
-        if not changed:
+        through_data = (not changed and self.synced_last and len(st.flats) > 1
+                        and not same_bits(st.flats[0], st.flats[1]))
+        if not (changed or through_data):
             return False
-        if not self._warned:
+        if through_data and not self._warned_data:
+            self._warned_data = True
+            warn_user("replica 0's gradients were changed through .data after backward (e.g. "
+                      "p.grad.data.clamp_(-1, 1)), which moves no version counter: cgdp.DataParallel "
+                      "found it by comparing them with another replica's and copies them to every "
+                      "replica. Make such edits under torch.no_grad() without .data "
+                      "(p.grad.clamp_(-1, 1)), or use torch.nn.utils.clip_grad_value_")
+        elif changed and not self._warned:
             self._warned = True
             warn_user("replica 0's gradients were changed after backward (for example by "
                       "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)); cgdp.DataParallel "
@@ -206,3 +217,14 @@ class ReplicaGrads:
             for p, view in zip(params, hooks.views):
                 if p.grad is not view:
                     p.grad = view
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two flat buffers hold the same bits: compared directly on one host (emulated
+    devices), by an integer sum of their bits on their own devices otherwise (two GPUs)."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    a, b = a.view(bits), b.view(bits)  # bits, not values: NaN equals NaN, -0.0 is not 0.0
+    if a.device == b.device:
+        return torch.equal(a, b)
+    sums = [t.sum(dtype=torch.int64) for t in (a, b)]
+    return bool(sums[0].cpu() == sums[1].cpu())  # note: a CPU-GPU sync point
