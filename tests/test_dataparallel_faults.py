@@ -3,6 +3,7 @@ replicas, a forward that fails on one device, one model driven from two threads.
 the replicas stay bitwise identical and training matches one device running the same loop (the
 same step failing there), or the call is refused with an error that says why."""
 import copy
+import gc
 import threading
 import time
 
@@ -254,3 +255,81 @@ def test_one_model_driven_from_two_threads_stays_identical():
         assert_replicas_identical(model)
         train(model, opt, batches(2))  # one thread again: clean
         assert_replicas_identical(model)
+
+
+# ------------------------------------------------------------------ one model, one engine
+def engine(face, net):
+    if face == "DataParallel":
+        return cgdp.DataParallel(net, DEVS, chunks=1)
+    return cgdp.Trainer(net, lambda p: torch.optim.SGD(p, lr=0.1), DEVS, chunks=1)
+
+
+@pytest.mark.parametrize("first", ["DataParallel", "Trainer"])
+@pytest.mark.parametrize("second", ["DataParallel", "Trainer"])
+def test_one_model_in_two_open_engines_is_refused(first, second):
+    """A notebook cell run twice, two trainers on one model: the second engine would take the
+    model's gradients over while the first still runs. Refused, saying what to do; after close()
+    the second engine builds and trains the model exactly."""
+    net = mlp()
+    ref = copy.deepcopy(net)
+    one = engine(first, net)
+    with pytest.raises(RuntimeError, match=rf"already being trained by an open cgdp.{first} .* call close\(\) on the other"):
+        engine(second, net)
+    one.close()
+    data = batches(2)
+    with engine(second, net) as two:
+        if second == "DataParallel":
+            train(two, torch.optim.SGD(two.parameters(), lr=0.1), data, two.output_device)
+        else:
+            for x, y in data:
+                two.step(x, y, F.cross_entropy)
+        assert_replicas_identical(two)
+    train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data)
+    assert_params_close(net, ref)
+
+
+def test_an_engine_does_not_wrap_an_engine():
+    net = mlp()
+    with cgdp.DataParallel(net, DEVS, chunks=1) as inner:
+        for make in (lambda m: cgdp.DataParallel(m, DEVS), lambda m: engine("Trainer", m),
+                     lambda m: cgdp.DataParallel(nn.Sequential(m, nn.Linear(5, 2)), DEVS)):
+            with pytest.raises(TypeError, match="a cgdp.DataParallel; an engine does not wrap another"):
+                make(inner)
+
+
+@pytest.mark.filterwarnings("error")  # an optimizer not recognised as the model's would warn at the next forward
+def test_a_notebook_cell_run_twice_and_the_registrations_of_a_freed_wrapper():
+    """``model = cgdp.DataParallel(net)`` run again while the first wrapper is open is refused
+    (freeing the first one used to undo the second one's registrations, so that an optimizer built
+    after was no longer the model's); after close() it works, and so after the first was dropped."""
+    net = mlp()
+    ref = copy.deepcopy(net)
+    data = batches(4)
+    model = cgdp.DataParallel(net, DEVS, chunks=1)
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), data[:1], model.output_device)
+    with pytest.raises(RuntimeError, match="call close"):
+        model = cgdp.DataParallel(net, DEVS, chunks=1)
+    model.close()
+    model = cgdp.DataParallel(net, DEVS, chunks=1)  # the closed one is freed here
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), data[1:2], model.output_device)
+    del model  # dropped without close()
+    model = cgdp.DataParallel(net, DEVS, chunks=1)
+    gc.collect()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built after: recognised as the model's
+    with model:
+        train(model, opt, data[2:], model.output_device)
+        assert_replicas_identical(model)
+    train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data)
+    assert_params_close(net, ref)
+    # the registries themselves: an older owner's removal leaves the newer owner's entries
+    from cgdp.engine.dataparallel import mirror
+
+    class Owner:
+        mirrors = ()
+    a, b, params = Owner(), Owner(), [nn.Parameter(torch.zeros(1))]
+    ref_a = mirror.register(a, params)
+    ref_b = mirror.register(b, params)
+    mirror.unregister(params, ref_a)
+    assert mirror._OWNERS[id(params[0])] is ref_b
+    mirror.unregister(params, ref_b)
+    assert id(params[0]) not in mirror._OWNERS

@@ -65,6 +65,7 @@ from torch.autograd import Variable
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import default_devices, host_threads, make_devices, make_rng, parse_devices
 from cgdp.engine.core.buffers import sync_buffers
+from cgdp.engine.core.claims import claim
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
@@ -112,6 +113,8 @@ class DataParallel(nn.Module):
             global normaliser) which the model's forward then uses, ``"mean"`` otherwise.
     """
 
+    cgdp_engine = True  # not a model to replicate (core/claims.py)
+
     def __init__(self, module: nn.Module, devices: Sequence[str] | None = None, *,
                  chunks: int | Plan | str = "auto", comm: Any = None, timeout_s: float | None = 300.0,
                  segment_bytes: int = 4 << 20, scalar_outputs: str = "auto"):
@@ -149,6 +152,7 @@ class DataParallel(nn.Module):
         # close() stops its threads (nothing in it refers back to this wrapper)
         self._res = res = Resources()
         self._finalizer = weakref.finalize(self, release, res)
+        res.claim = claim(self, module, "cgdp.DataParallel")  # one engine per model
         self._devs = res.devs = make_devices(devices, self._guard.fail)
         for d in self._devs:
             d.check_caller("cgdp.DataParallel(...)")  # its buffers must not live on a user stream
@@ -199,7 +203,7 @@ class DataParallel(nn.Module):
         if any(info.numel for info in infos):  # dense trainable parameters: the streaming path
             self._build_stream(devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before)
         self._res.registered = list(module.parameters()) + self._grad_buffers.current(0)
-        mirror.register(self, self._res.registered)
+        self._res.owner = mirror.register(self, self._res.registered)
         me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
         # never pickled with the module (torch.save(model.module) while wrapped)
         self._res.load_hook = local_load_post_hook(module, lambda *_: me()._state.broadcast())

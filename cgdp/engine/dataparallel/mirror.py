@@ -68,7 +68,8 @@ optimizer step in the process pays their ownership lookup)."""
 _handles: list = []
 
 
-def register(dp: Owner, params: list[torch.nn.Parameter]) -> None:
+def register(dp: Owner, params: list[torch.nn.Parameter]) -> weakref.ref:
+    """``dp`` owns ``params``; the reference to pass to :func:`unregister`."""
     global _live
     with _lock:
         if _live == 0:
@@ -78,14 +79,17 @@ def register(dp: Owner, params: list[torch.nn.Parameter]) -> None:
         ref = weakref.ref(dp)
         for p in params:
             _OWNERS[id(p)] = ref
+        return ref
 
 
-def unregister(params: list[torch.nn.Parameter]) -> None:
-    """Once per :func:`register` (at close, or when the DataParallel is freed)."""
+def unregister(params: list[torch.nn.Parameter], ref: weakref.ref) -> None:
+    """Once per :func:`register` (at close, or when the DataParallel is freed): removes the
+    entries of that DataParallel (``ref``) only, never another's."""
     global _live
     with _lock:
         for p in params:
-            _OWNERS.pop(id(p), None)
+            if _OWNERS.get(id(p)) is ref:
+                del _OWNERS[id(p)]
         _live -= 1
         if _live == 0:
             for h in _handles:

@@ -46,6 +46,7 @@ from torch import nn
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import host_threads, make_devices, make_rng, parse_devices
 from cgdp.engine.core.buffers import BufferWatch, copy_from_first, sync_buffers
+from cgdp.engine.core.claims import claim
 from cgdp.engine.core.clip import check_max_norm, clip_coefficient, device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
@@ -178,6 +179,7 @@ class Trainer:
         self._res = Resources()  # stopped by close(), or when the trainer is dropped unclosed
         self._release = finalizer(self, self._res)
         try:
+            self._res.claim = claim(self, model, "cgdp.Trainer")  # one engine per model
             self._build(model, optimizer, chunks, comm)
             self._schedulers = Schedulers(scheduler, self.optimizers)
             self.schedulers = self._schedulers.schedulers
@@ -390,6 +392,10 @@ class Trainer:
         self._closed = True
         if close_during_call(self, self._guard.fail, CLOSE_WAIT_S):
             self._finish_close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _finish_close(self) -> None:
         self._res.take(self)
