@@ -49,26 +49,40 @@ def on_one_device_and_dp(make_opt, data, net=None):
 
 
 # ------------------------------------------------------------------ optimizer subclasses
-class MySGD(torch.optim.SGD):
+class Counted:
+    """An optimizer subclass whose step() calls super().step(), counting its calls."""
     def step(self, closure=None):  # the common pattern: extra work, then the parent's step
+        self.calls = getattr(self, "calls", 0) + 1
         return super().step(closure)
 
 
-class MyAdamW(torch.optim.AdamW):
-    def step(self, closure=None):
-        return super().step(closure)
+class MySGD(Counted, torch.optim.SGD):
+    pass
+
+
+class MyAdamW(Counted, torch.optim.AdamW):
+    pass
 
 
 @pytest.mark.parametrize("cls", [MySGD, MyAdamW])
-def test_optimizer_subclass_calling_super_step(cls):
+def test_optimizer_subclass_calling_super_step(cls, monkeypatch):
     """torch wraps both step() methods, so its global hooks fire twice, nested; with an instance
-    of the parent class alive (here a plain one) every step used to fail."""
-    parent = cls.__mro__[1]([nn.Parameter(torch.zeros(1))], lr=0.1)  # wraps the parent's step too
+    of the parent class alive (here a plain one) every step used to fail. Only the outermost call
+    counts: each replica's optimizer steps once per step, and no replica is ever resynced (a nested
+    call taken for a new one would find a stale turn and copy every parameter and the whole
+    optimizer state to every replica at every step, with right results)."""
+    from cgdp.engine.dataparallel import mirror
+    resyncs = []
+    monkeypatch.setattr(mirror.Mirror, "resync", lambda self, real=mirror.Mirror.resync: resyncs.append(1) or real(self))
+    parent = cls.__mro__[2]([nn.Parameter(torch.zeros(1))], lr=0.1)  # wraps the parent's step too
     ref_errors, ref, errors, model = on_one_device_and_dp(lambda p: cls(p, lr=0.01), batches(4))
     with model:
         assert errors == ref_errors == [None] * 4
         assert_replicas_identical(model)
         assert_params_close(model.module, ref)
+        (m,) = list(model.mirrors)
+        assert [o.calls for o in [m.opt, *m.mirrors]] == [4, 4]
+        assert not resyncs
     del parent
 
 
