@@ -365,6 +365,16 @@ class _FailsOnce(torch.autograd.Function):
         return g
 
 
+def failing_backward(m, x, y):
+    """A backward of ``m`` on ``(x, y)`` that raises after the later layer's gradient."""
+    _FailsOnce.fail = True
+    try:
+        with pytest.raises(RuntimeError, match="this backward failed"):
+            F.cross_entropy(m(x), y).backward()
+    finally:
+        _FailsOnce.fail = False
+
+
 class LateFailure(nn.Module):
     def __init__(self):
         super().__init__()
@@ -384,16 +394,7 @@ def test_a_backward_that_failed_in_a_thread_that_ended_does_not_block_the_model(
         for m in (model, ref):
             opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
             x, y = data[0]
-
-            def fails():
-                _FailsOnce.fail = True
-                try:
-                    with pytest.raises(RuntimeError, match="this backward failed"):
-                        F.cross_entropy(m(x), y).backward()
-                finally:
-                    _FailsOnce.fail = False
-
-            worker = threading.Thread(target=fails)
+            worker = threading.Thread(target=failing_backward, args=(m, x, y))
             worker.start()
             worker.join(30)
             assert not worker.is_alive()
@@ -401,3 +402,110 @@ def test_a_backward_that_failed_in_a_thread_that_ended_does_not_block_the_model(
                 train(m, opt, data[1:])
         assert_replicas_identical(model)
     assert_params_close(net, ref)
+
+
+# ------------------------------------------------------------------ close() from another thread
+def _cgdp_threads() -> int:
+    return sum(t.name.startswith("cgdp-") for t in threading.enumerate())
+
+
+def assert_threads_back_to(base: int) -> None:
+    """The model's threads stop (within 5 s): as many cgdp threads as ``base`` again."""
+    deadline = time.monotonic() + 5
+    while _cgdp_threads() > base and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _cgdp_threads() == base, [t.name for t in threading.enumerate()]
+
+
+def test_close_from_another_thread_during_backward_stops_it_at_once():
+    """The other thread's close() lands in the middle of backward (from a backward hook, which
+    waits until close() has stopped the backward): backward() raises the RuntimeError that names
+    close() at once (it waited timeout_s, then an IndexError, before), close() returns once
+    backward has ended, and every thread of the model is gone."""
+    gc.collect()
+    base = _cgdp_threads()
+    net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    model = cgdp.DataParallel(net, DEVS, chunks=1, timeout_s=30)
+    closer = threading.Thread(target=model.close)
+
+    def hook(mod, grad_in, grad_out):
+        if closer.ident is None:  # the first replica's hook (module hooks run on every replica)
+            closer.start()
+            deadline = time.monotonic() + 5
+            while model._guard.error is None and time.monotonic() < deadline:  # until close() stopped it
+                time.sleep(0.001)
+    net[2].register_full_backward_hook(hook)
+    loss = model(torch.randn(8, 32)).pow(2).mean()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"close\(\) was called while its backward was running"):
+        loss.backward()
+    assert time.monotonic() - t0 < 5
+    closer.join(10)
+    assert not closer.is_alive() and model.closed
+    del model, loss
+    assert_threads_back_to(base)
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+def test_close_from_another_thread_at_random_moments_has_a_clear_outcome():
+    """close() lands at a random moment of the user's loop (forward, backward, the optimizer's
+    step, between them): the loop finishes, or stops with the RuntimeError that names close() or
+    says the model is closed, never an internal error or a wait of timeout_s; close() returns
+    within CLOSE_WAIT_S and every thread of the model is gone."""
+    import random
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            time.sleep(0.005)  # an update long enough to be hit
+            return super().step(closure)
+
+    class Jittery(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+
+        def forward(self, x):
+            time.sleep(rng.random() * 0.005)
+            return self.net(x)
+
+    rng = random.Random(0)
+    gc.collect()
+    base = _cgdp_threads()
+    landed, net = [], Jittery()
+    for i in range(16):
+        model = cgdp.DataParallel(net, DEVS, chunks=1, timeout_s=20)
+        opt = SlowSGD(model.parameters(), lr=1e-3)
+        closer = threading.Timer(rng.random() * 0.04, lambda m=model: landed.append(m._turns.what) or m.close())
+        t0 = time.monotonic()
+        closer.start()
+        try:
+            for _ in range(10):
+                opt.zero_grad()
+                model(torch.randn(16, 64)).pow(2).mean().backward()
+                opt.step()
+        except RuntimeError as e:
+            assert "close() was called while its" in str(e) or "is closed" in str(e), repr(e)
+        assert time.monotonic() - t0 < 10, "a wait ran into timeout_s"
+        closer.join(10)
+        assert not closer.is_alive(), "close() hung"
+        assert all(torch.isfinite(p).all() for p in net.parameters())
+        del model, opt
+        assert_threads_back_to(base)
+    assert any(w is not None for w in landed), landed  # some closes came while an operation ran
+
+
+def test_close_of_a_model_whose_last_backward_failed_on_this_thread():
+    """A backward that raised leaves its turn stale (autograd skips the final callback): close()
+    from the same thread releases everything at once, and the model refuses further use clearly."""
+    gc.collect()
+    base = _cgdp_threads()
+    model = cgdp.DataParallel(LateFailure(), DEVS, chunks=1)
+    x, y = batches(1)[0]
+    failing_backward(model, x, y)
+    assert model._turns.what == "backward"  # stale
+    t0 = time.monotonic()
+    model.close()
+    assert time.monotonic() - t0 < 2
+    assert_threads_back_to(base)
+    with pytest.raises(RuntimeError, match="is closed"):
+        model(x)

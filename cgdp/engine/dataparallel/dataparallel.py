@@ -84,8 +84,12 @@ from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
 from cgdp.engine.dataparallel.turns import Turns, giving, holding
 from cgdp.engine.dataparallel.user_module import GradBuffers, local_load_post_hook
 from cgdp.engine.dataparallel.user_warning import warn_user
-from cgdp.engine.sync import Guard
+from cgdp.engine.sync import Guard, StepAborted
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
+
+
+CLOSE_WAIT_S = 5.0
+"""How long ``close()`` from another thread waits for a running operation to stop."""
 
 
 class DataParallel(nn.Module):
@@ -363,11 +367,18 @@ class DataParallel(nn.Module):
 
     def close(self) -> None:
         """Remove every hook, stop every thread, free the flat and pinned buffers. Replica 0
-        (``.module``) keeps its gradients."""
+        (``.module``) keeps its gradients.
+
+        From another thread while an operation runs (forward, backward, ``optimizer.step()``,
+        ``clip_grad_norm_``): that operation stops with a ``RuntimeError`` that names ``close()``
+        (or completes, if it was past its last wait), and ``close()`` waits up to
+        :data:`CLOSE_WAIT_S` for it; one still running then releases everything when it ends."""
         if self._closed:
             return
         self._closed = True
-        self._finalizer()
+        inside = self._threads is not None and self._threads.on_device_thread()
+        if self._turns.close(self._guard.fail, CLOSE_WAIT_S, inside, self._finalizer):
+            self._finalizer()
 
     def __enter__(self) -> "DataParallel":
         return self
@@ -517,6 +528,8 @@ class DataParallel(nn.Module):
             self._guard.fail(exc)
             self._broken = (drain_after_failure(self._devs, st.host if st is not None else None)
                             or f"a backward failed, the replicas' gradients may differ ({exc!r})")
+            if isinstance(exc, StepAborted) and self._guard.error is not None:
+                raise self._guard.error from None  # the cause (close() from another thread, a device's error)
             raise
         finally:
             if st is not None:
