@@ -250,6 +250,9 @@ def test_nan_in_the_data_is_not_blamed_on_the_learning_rate(tmp_path, capsys):
     (["--timeout_s", "nan"], "timeout_s must be a finite number"),
     (["--dataset", "synthetic", "--model", "alexnet", "--batch", "100000000"], "lower --batch"),
     (["--dataset", "synthetic", "--batch", "2000000000"], "lower --batch"),
+    # the advice fits what was given: not "use --dataset synthetic" to a synthetic run
+    (["--dataset", "synthetic", "--model", "alexnet", "--input_shape", "3,64,64"], "without --input_shape"),
+    (["--model", "alexnet"], "(--dataset synthetic without --input_shape makes it)"),
 ])
 def test_bad_settings_are_exit_code_2(capsys, args, match):
     t0 = time.monotonic()
