@@ -509,3 +509,36 @@ def test_close_of_a_model_whose_last_backward_failed_on_this_thread():
     assert_threads_back_to(base)
     with pytest.raises(RuntimeError, match="is closed"):
         model(x)
+
+
+class ZeroedMidStep(torch.optim.SGD):
+    """Its gradients are dropped inside ``step()``, before the update, as another thread's
+    ``zero_grad()`` would drop them between the model's check and the update."""
+    victims: set = set()
+
+    def step(self, closure=None):
+        if self in ZeroedMidStep.victims:
+            self.zero_grad()
+        return super().step(closure)
+
+
+def test_gradients_dropped_during_the_step_leave_the_replicas_identical():
+    """Replica 0 steps without gradients while its mirrors step with theirs: every replica then
+    takes replica 0's parameters and state, as one device dropping them there holds them."""
+    net = mlp()
+    ref = copy.deepcopy(net)
+    data = batches(3)
+    with cgdp.DataParallel(net, DEVS, chunks=1) as model:
+        for m in (model, ref):
+            opt = ZeroedMidStep(m.parameters(), lr=0.1, momentum=0.9)
+            for i, (x, y) in enumerate(data):
+                (ZeroedMidStep.victims.add if i == 1 else ZeroedMidStep.victims.discard)(opt)
+                opt.zero_grad()
+                F.cross_entropy(m(x), y).backward()
+                if m is model and i == 1:
+                    with pytest.warns(UserWarning, match="changed during optimizer.step"):
+                        opt.step()
+                else:
+                    opt.step()
+        assert_replicas_identical(model)
+    assert_params_close(net, ref)

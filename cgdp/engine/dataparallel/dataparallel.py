@@ -423,6 +423,16 @@ class DataParallel(nn.Module):
     def replicas_resynced(self) -> None:
         self._state.record_parameters()  # every replica took replica 0's parameters (a step failed)
 
+    def grads_kept(self) -> bool:
+        """After the optimizer stepped every replica: whether replica 0's gradients were left as
+        its mirrors had them (if not, the mirrors resync and this warns)."""
+        if self._grads is None or self._grads.attached():
+            return True
+        warn_user("replica 0's gradients were changed during optimizer.step() (optimizer.zero_grad() "
+                  "from another thread?); every replica took replica 0's parameters and optimizer "
+                  "state, so they stay identical. Drive a cgdp.DataParallel from one thread")
+        return False
+
     @giving
     def after_step(self) -> None:
         """Called after the user's optimizer stepped every replica: while tuning, the time since

@@ -57,6 +57,7 @@ class Owner(Protocol):
     def before_step(self, cleanup: Callable[[], None]) -> None: ...
     def after_step(self) -> None: ...
     def replicas_resynced(self) -> None: ...
+    def grads_kept(self) -> bool: ...
 
 _OWNERS: dict[int, weakref.ref] = {}
 """id(parameter of replica 0) -> the DataParallel that owns it (while it is open)."""
@@ -241,8 +242,8 @@ class Mirror:
     def after(self) -> None:
         errors = self._wait()
         dp = self.dp()
-        if errors:
-            self.resync()
+        if errors or (dp is not None and not dp.grads_kept()):
+            self.resync()  # a step that raised, or replica 0 stepped on other gradients than its mirrors
         if dp is not None:
             dp.after_step()  # gives the model's turn back
         if errors:

@@ -198,6 +198,12 @@ class ReplicaGrads:
         self.record()
         return True
 
+    def attached(self) -> bool:
+        """Whether replica 0's ``.grad`` are still what the last record left: its views where it
+        has a gradient, None elsewhere (``zero_grad()`` from another thread during a step changes that)."""
+        return all((g is None) != bool(h) and (g is None or g is v) for g, h, v in
+                   zip([p.grad for p in self.stream.params[0]], self.has_grad, self.stream.hooks[0].views))
+
     def set_none(self) -> None:
         """Parameters without a gradient since the last zero_grad: ``.grad`` None everywhere."""
         for pid in np.flatnonzero(~self.has_grad):
