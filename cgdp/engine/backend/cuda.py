@@ -7,12 +7,15 @@ provides a simulated runtime with the same methods (asynchronous streams over ho
 CI runs this module's own code without a GPU.
 
 * ``send`` runs inside a gradient hook on the thread that runs backward for this device, whose
-  current stream is the one the gradient was accumulated on. Per chunk it records one event
-  there and makes the D2H stream wait on it (a device-side wait: the host does not synchronise,
-  unlike the paper's per-layer host sync); per segment it enqueues one copy into page-locked host
-  memory and one blocking-sync event. A completion thread per device waits on each copy's event
-  (the thread sleeps, GIL released, instead of spinning a core the host sum needs) and tells the
-  host accumulator the segment has arrived.
+  current stream is the one the gradient was accumulated on. Per unit (a chunk) it records one
+  event there and makes the D2H stream wait on it (a device-side wait: the host does not
+  synchronise, unlike the paper's per-layer host sync); per segment it enqueues one copy into
+  page-locked host memory and records the segment's blocking-sync event. Then it tells the host
+  the unit is on its way. No thread waits per device: the host thread, which must have a segment
+  from every device before it sums it, waits on each device's event of that segment in turn
+  (sleeping, GIL released), so one thread polls the completions of all devices.
+* The events are made once per chunk plan and recorded again every step (a record replaces the
+  previous one; every wait on it was issued before): an untimed step creates no CUDA objects.
 * ``give_back`` enqueues the host-to-device copy on the H2D stream; ``compute_wait`` makes the
   compute stream wait on an H2D event, again without a host synchronisation.
 * The flat gradient buffer and the host slots live for the whole run, so no allocation is
@@ -30,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -38,7 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from cgdp.engine.backend.base import Device
+from cgdp.engine.backend.base import Device, Routes
 from cgdp.engine.sync import Guard
 
 PAGE = 4096
@@ -173,9 +175,11 @@ class CudaDevice(Device):
         """A device event right after backward was issued, in a timed step."""
         self._anchor: tuple[Any, float] | None = None
         self._hosts: list[torch.Tensor] = []
-        self._watch: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._complete, name=f"cgdp-{name}-done", daemon=True)
-        self._thread.start()
+        self._routes: Routes | None = None
+        self._marker = self.rt.Event(blocking=True)
+        """Recorded on the H2D stream after a step's copies back (``h2d_marker``)."""
+        self._computed = self.rt.Event(blocking=True)
+        """Recorded on the compute stream after backward (``wait_compute``)."""
 
     def bind_thread(self) -> None:
         self.rt.set_device(self.index)
@@ -199,14 +203,22 @@ class CudaDevice(Device):
                 self.rt.host_free(self._hosts.pop(k))
                 return
 
-    def send(self, parts, label):
+    def set_routes(self, routes: Routes) -> None:
+        self._routes = routes
         rt = self.rt
+        self._ready = [rt.Event() for _ in routes.units]
+        self._landed = [rt.Event(blocking=True) for _ in routes.d2h]
+        self._back = [rt.Event(blocking=True) for _ in range(routes.ring)]
+
+    def send(self, unit):
+        rt, r = self.rt, self._routes
         timed = self._timed()
-        ready = rt.Event()
+        ready = self._ready[unit]
         ready.record(rt.current_stream(self.index))
         with rt.stream(self.d2h):
             self.d2h.wait_event(ready)  # device-side wait: no host synchronisation here
-            for src, dst, on_arrived, stage in parts:
+            for s in r.units[unit]:
+                src, dst, stage = r.d2h[s]
                 if timed:
                     start = rt.Event(enable_timing=True, blocking=True)
                     start.record(self.d2h)
@@ -214,30 +226,20 @@ class CudaDevice(Device):
                     rt.copy(stage, src)  # cast on the device: fewer bytes over the bus
                     src = stage
                 rt.copy(dst, src)
-                done = rt.Event(enable_timing=timed, blocking=True)
-                done.record(self.d2h)
+                self._landed[s].record(self.d2h)
                 if timed:
-                    self.copies.append(("d2h", label, start, done))
-                self._watch.put((done, on_arrived))
+                    done = rt.Event(enable_timing=True, blocking=True)
+                    done.record(self.d2h)
+                    self.copies.append(("d2h", r.labels[s], start, done))
+        r.sent(unit)
 
-    def _complete(self) -> None:
-        while True:
-            item = self._watch.get()  # waits for the next copy in flight
-            if item is None:
-                return
-            if isinstance(item, threading.Event):  # a drain marker from synchronize()
-                item.set()
-                continue
-            done, on_arrived = item
-            try:
-                done.synchronize()  # note: host waits here, on this thread only, GIL released
-                on_arrived()
-            except BaseException as exc:
-                self._fail(exc)
+    def wait_arrived(self, s: int, guard: Guard) -> None:
+        self._landed[s].synchronize()  # note: the host thread waits for this copy, GIL released
 
-    def give_back(self, src, dst, label, stage=None):
-        rt = self.rt
+    def give_back(self, s):
+        rt, r = self.rt, self._routes
         timed = self._timed()
+        src, dst, stage = r.h2d[s]
         with rt.stream(self.h2d):
             if timed:
                 start = rt.Event(enable_timing=True, blocking=True)
@@ -247,33 +249,35 @@ class CudaDevice(Device):
                 rt.copy(dst, stage)  # widened on the device
             else:
                 rt.copy(dst, src)
+            if r.ring:  # the host row is reused once this copy has read it
+                self._back[s % r.ring].record(self.h2d)
             if timed:
                 done = rt.Event(enable_timing=True, blocking=True)
                 done.record(self.h2d)
-                self.copies.append(("h2d", label, start, done))
+                self.copies.append(("h2d", r.labels[s], start, done))
+
+    def wait_given_back(self, s: int, guard: Guard) -> None:
+        r = self._routes
+        if r.ring:
+            self._back[s % r.ring].synchronize()  # note: host waits until the copy back has read the slot
 
     def h2d_marker(self) -> Any:
-        ev = self.rt.Event(blocking=True)
-        ev.record(self.h2d)
-        return ev
+        self._marker.record(self.h2d)
+        return self._marker
 
     def compute_wait(self, marker: Any, guard: Guard) -> None:
         # device-side wait: the update kernels queue behind the last H2D copy; the host goes on.
         self.rt.current_stream(self.index).wait_event(marker)
 
     def wait_compute(self, guard: Guard) -> None:
-        ev = self.rt.Event(blocking=True)
-        ev.record(self.rt.current_stream(self.index))
-        ev.synchronize()  # note: host waits for backward, sleeping (a blocking-sync event, no spin)
+        self._computed.record(self.rt.current_stream(self.index))
+        self._computed.synchronize()  # note: host waits for backward, sleeping (a blocking-sync event, no spin)
 
     def settle(self, marker: Any, guard: Guard) -> None:
         marker.synchronize()  # note: host sync on the last H2D copy (timed steps only)
 
     def synchronize(self, guard: Guard) -> None:
         self.rt.synchronize(self.index)  # note: host sync point (plan switches, failures)
-        ev = threading.Event()
-        self._watch.put(ev)  # and every completion already noticed has been delivered
-        guard.wait(ev, f"the copy completions of {self.name}")
 
     # ---------------------------------------------------------------- timing
     def begin_timing(self) -> None:
@@ -316,8 +320,6 @@ class CudaDevice(Device):
         self.trace = None  # later stamps are host times; this step's stay resolvable
 
     def close(self) -> None:
-        self._watch.put(None)
-        self._thread.join(timeout=10)
         while self._hosts:
             self.rt.host_free(self._hosts.pop())
 

@@ -91,11 +91,13 @@ class DataParallel(nn.Module):
         timeout_s: longest any thread waits for another before backward fails with
             ``TimeoutError``; ``None`` waits forever.
         segment_bytes: chunks larger than this travel in segments (see :mod:`cgdp.engine.core.flatgrad`).
+        host_memory: bytes of registered host memory for the host slots (a ring that does not grow
+            with the model, as for ``Trainer``); ``None``: full-size slots.
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[str] | None = None, *,
                  chunks: int | Plan | str = "auto", comm: Any = None, timeout_s: float | None = 300.0,
-                 segment_bytes: int = 4 << 20):
+                 segment_bytes: int = 4 << 20, host_memory: int | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -134,12 +136,12 @@ class DataParallel(nn.Module):
             if self._comm is not None:
                 self._comm.attach(self._guard.fail)
                 self._comm.check_same(_signature(module, infos, len(devices), dtype))
-            self._build(module, infos, layer_params, dtype, chunks, segment_bytes)
+            self._build(module, infos, layer_params, dtype, chunks, segment_bytes, host_memory)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, module, infos, layer_params, dtype, chunks, segment_bytes) -> None:
+    def _build(self, module, infos, layer_params, dtype, chunks, segment_bytes, host_memory) -> None:
         devs = self._devs
         before = [p.grad for p in (q for layer in layer_params for q in layer)]
         module.to(devs[0].torch_device)
@@ -174,7 +176,7 @@ class DataParallel(nn.Module):
         self._rng = make_rng(devs)  # one random stream per replica
         self._stream = self._res.stream = GradientStream(devs, params, layer_pids, dtype, segment_bytes=segment_bytes,
                                       streaming=True, guard=self._guard, comm=self._comm,
-                                      host_threads=host_threads(devs))
+                                      host_threads=host_threads(devs), host_memory=host_memory)
         self._stream.set_plan(plan)
         self._stream.disarm()
         self._grads = ReplicaGrads(self._stream, before)
@@ -413,8 +415,7 @@ class DataParallel(nn.Module):
         st = self._stream
         try:
             if self._sending:
-                for j in range(len(self._devs)):
-                    st.flush(j)  # chunks backward never completed (unused layers, idle devices)
+                st.flush_all()  # chunks backward never completed (unused layers, idle devices)
                 for j in range(len(self._devs)):
                     st.wait_returned(j)  # note: host waits until every summed chunk is back
             touched = st.touched()

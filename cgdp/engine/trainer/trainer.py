@@ -98,6 +98,10 @@ class Trainer:
         grad_transfer: ``"bf16"`` casts float32 gradients to bf16 on the device for the round trip
             through the host (half the bytes each way; the host sums in float32); see
             :mod:`cgdp.engine.core.host` for the error bound. ``None``: gradients travel in their dtype.
+        host_memory: bytes of registered (pinned) host memory for the host slots: a ring of
+            ``segment_bytes`` slots that does not grow with the model, with back-pressure when it
+            is full (:mod:`cgdp.engine.core.host`); results are bitwise those of full-size slots.
+            ``None``: (G + 1) x the gradient bytes, one place per segment.
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
@@ -106,7 +110,8 @@ class Trainer:
                  profile: bool = False, segment_bytes: int = 4 << 20,
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  clip_grad_norm: float | None = None, micro_batches: int = 1,
-                 share_devices: bool = False, grad_transfer: str | None = None):
+                 share_devices: bool = False, grad_transfer: str | None = None,
+                 host_memory: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not isinstance(model, nn.Module):
@@ -130,6 +135,7 @@ class Trainer:
         if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1024:
             raise ValueError(f"segment_bytes must be an int >= 1024, got {segment_bytes!r}")
         self._segment = segment_bytes
+        self._host_memory = host_memory
         self._max_norm = check_max_norm(clip_grad_norm)
         self._micro = check_micro_batches(micro_batches)
 
@@ -196,7 +202,7 @@ class Trainer:
         self._stream = GradientStream(
             self._devs, self._params, self._layer_pids, self._dtype, segment_bytes=self._segment,
             streaming=self.mode == "cgdp", guard=self._guard, comm=self._comm,
-            host_threads=host_threads(self._devs), transfer=self._transfer)
+            host_threads=host_threads(self._devs), transfer=self._transfer, host_memory=self._host_memory)
         self._stream.set_plan(plan)
         self._stream.want_norm = self._max_norm is not None
 
