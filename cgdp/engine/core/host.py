@@ -234,10 +234,11 @@ class HostAccumulator:
         self.bad[s], self.sumsq[s] = accumulate_unchecked(
             self._out[s], self._parts[s], 1.0, self.want_sumsq and self.comm is None, self._back[s])
         self.summed.advance()
-        if self.trace is not None:
-            self.trace("host", "accumulate", self.labels[s], t0, time.perf_counter())
         if self.comm is None:
             self._give_back(s)
+        if self.trace is not None:  # the host thread's time on the segment: the sum and issuing its copies back
+            self.trace("host", "accumulate", self.labels[s], t0, time.perf_counter())
+        if self.comm is None:
             return
         self._ready[s] = True
         # post in plan order only: the same collectives in the same order on every rank
