@@ -212,7 +212,7 @@ class CudaDevice(Device):
 
     def send(self, unit):
         rt, r = self.rt, self._routes
-        timed = self._timed()
+        timed = self.trace is not None and self._anchor is not None  # inside a timed step
         ready = self._ready[unit]
         ready.record(rt.current_stream(self.index))
         with rt.stream(self.d2h):
@@ -238,7 +238,7 @@ class CudaDevice(Device):
 
     def give_back(self, s):
         rt, r = self.rt, self._routes
-        timed = self._timed()
+        timed = self.trace is not None and self._anchor is not None
         src, dst, stage = r.h2d[s]
         with rt.stream(self.h2d):
             if timed:

@@ -20,7 +20,8 @@ import torch
 
 class DeviceHooks:
     def __init__(self, params: list[torch.nn.Parameter], send: Callable[[int], None],
-                 stamp: Callable[[], Any]):
+                 stamp: Callable[[], Any], sent: bytearray | None = None):
+        """``send(c)``: chunk c is complete (it marks ``sent``, which it may share with the hooks)."""
         n = len(params)
         self.params = params
         self._send = send
@@ -31,8 +32,8 @@ class DeviceHooks:
         self._template: list[int] = []
         self.pending: list[int] = []
         """Per chunk: parameters still to come this step (updated in place)."""
-        self.sent = bytearray()
-        """Per chunk: sent this step."""
+        self.sent = bytearray() if sent is None else sent
+        """Per chunk: sent this step (updated in place)."""
         self.touched = bytearray(n)
         self.replaced = bytearray(n)
         """Per parameter: the hook found ``.grad`` replaced (None before this backward) and put

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -94,8 +94,8 @@ class GradientStream:
         self._next = [0] * len(self.devs)
         """Ring: per device, the next segment to send (plan order)."""
         for j, dev in enumerate(self.devs):
-            # the hooks hold the stream weakly: no cycle stream <-> hooks keeps the buffers alive
-            hooks = DeviceHooks(self.params[j], weak_call(self.send, j), dev.stamp)
+            sent = bytearray()
+            hooks = DeviceHooks(self.params[j], self._chunk_done(j, dev, sent), dev.stamp, sent)
             hooks.streaming = streaming
             self.hooks.append(hooks)
         if streaming:
@@ -163,12 +163,27 @@ class GradientStream:
         for h in self.hooks:
             h.streaming = False
 
+    def _chunk_done(self, j: int, dev: Device, sent: bytearray) -> Callable[[int], None]:
+        """What device j's hooks call when a chunk is complete. It holds the device and the
+        hooks' flags, and the stream only weakly (a ring's state lives in the stream): no cycle
+        stream <-> hooks keeps the buffers alive, and the common path is two list operations."""
+        if self.ring:
+            ring = weak_call(self._ring_chunk, j)
+
+            def done(c: int) -> None:
+                sent[c] = 1
+                ring(c)
+            return done
+        def done(c: int) -> None:
+            sent[c] = 1
+            dev.send(c)  # one call per chunk: one event wait, one context
+        return done
+
     def send(self, j: int, c: int) -> None:
-        """Chunk ``c`` of device ``j`` is complete: copy it to the host (called from a hook)."""
-        self.hooks[j].sent[c] = 1
-        if not self.ring:
-            self.devs[j].send(c)  # one call per chunk: one event wait, one context
-            return
+        """Chunk ``c`` of device ``j`` is complete: copy it to the host (what a hook calls)."""
+        self.hooks[j]._send(c)
+
+    def _ring_chunk(self, j: int, c: int) -> None:
         self._pending[j][c] = 1
         self._send_ring(j, block=False)  # never waits in a hook: a busy slot is sent later
 

@@ -46,6 +46,10 @@ class _DeviceThread:
         self._q.put((fut, fn, args))
         return fut
 
+    def submit_to(self, slot: "_Slot", fn: Callable[..., Any], *args: Any) -> "_Slot":
+        self._q.put((slot, fn, args))
+        return slot
+
     def stop(self) -> None:
         self._q.put(None)
 
@@ -76,7 +80,8 @@ class DeviceThreads:
 
     def run_all(self, fn: Callable[[int], Any]) -> list[Any]:
         """``[fn(0), fn(1), ...]``, each on its device's thread; the first real failure is raised."""
-        futs = [t.submit(self._guarded, fn, j) for j, t in enumerate(self._threads)]
+        cond = threading.Condition(threading.Lock())  # one per call, shared by its slots
+        futs = [t.submit_to(_Slot(cond), self._guarded, fn, j) for j, t in enumerate(self._threads)]
         try:
             self._wait(futs)
         except BaseException as exc:  # a timeout here, or KeyboardInterrupt
@@ -148,6 +153,48 @@ class DeviceThreads:
             if t.name not in self.stuck and t.thread is not threading.current_thread():
                 t.thread.join(timeout=SETTLE_S)
         self._threads = []
+
+
+class _Slot:
+    """One device's part of a :meth:`DeviceThreads.run_all`: the few methods of a ``Future`` that
+    the device thread and ``run_all`` use, on one condition shared by all the call's slots (a
+    ``Future`` per device per phase cost more than the hand-off it stood for)."""
+
+    __slots__ = ("_cond", "_done", "_result", "_error")
+
+    def __init__(self, cond: threading.Condition):
+        self._cond = cond
+        self._done = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return True
+
+    def set_result(self, result: Any) -> None:
+        with self._cond:
+            self._result, self._done = result, True
+            self._cond.notify_all()
+
+    def set_exception(self, exc: BaseException) -> None:
+        with self._cond:
+            self._error, self._done = exc, True
+            self._cond.notify_all()
+
+    def done(self) -> bool:
+        return self._done
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._done:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._done, timeout):
+                    raise TimeoutError
+        return self._error
+
+    def result(self) -> Any:
+        if self.exception() is not None:
+            raise self._error
+        return self._result
 
 
 def _settle(futs: list[Future]) -> None:
