@@ -38,6 +38,10 @@ class DeviceHooks:
         self.replaced = bytearray(n)
         """Per parameter: the hook found ``.grad`` replaced (None before this backward) and put
         the view back, overwriting the view's old contents."""
+        self.stolen = bytearray(n)
+        """Per parameter: the stream set ``.grad`` to None before this backward (a large one),
+        so autograd hands its gradient over instead of adding it to a zeroed view; the hook
+        writes ``0.0 + grad`` into the view, the bits the zeroed view would have held."""
         self.ready_at: list[Any] = [0.0] * n
         self.mode = [False, False]
         """[streaming, timing]: hooks send chunks (mode 'cgdp'), hooks stamp when each parameter
@@ -78,16 +82,19 @@ class DeviceHooks:
     def _make(self, pid: int):
         views, touched, replaced, pending, chunk_of, mode = (
             self.views, self.touched, self.replaced, self.pending, self.param_chunk, self.mode)
-        send, ready_at, stamp = self._send, self.ready_at, self._stamp
+        send, ready_at, stamp, stolen = self._send, self.ready_at, self._stamp, self.stolen
 
         def hook(p: torch.Tensor) -> None:
             view = views[pid]
             if p.grad is not view:
-                # .grad was replaced (e.g. zero_grad(set_to_none=True) on a replica): autograd
-                # then stores a new tensor instead of adding into the flat buffer. Put it back.
-                view.copy_(p.grad)
+                if stolen[pid]:  # one pass (read, write) where zeroing and adding made three
+                    torch.add(p.grad, 0.0, out=view)
+                else:
+                    # .grad was replaced (e.g. zero_grad(set_to_none=True) on a replica): autograd
+                    # then stores a new tensor instead of adding into the flat buffer. Put it back.
+                    view.copy_(p.grad)
+                    replaced[pid] = 1
                 p.grad = view
-                replaced[pid] = 1
             touched[pid] = 1
             streaming, timing = mode
             if timing:
