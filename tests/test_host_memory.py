@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgdp
-from cgdp.engine.backend import cpu as cpu_backend
 from cgdp.testing import simulated_cuda
 from helpers import assert_replicas_identical
 
@@ -127,16 +126,6 @@ def test_host_memory_too_small_says_what_to_do():
         cgdp.Trainer(net(), SGD, ["cpu:0", "cpu:1"], segment_bytes=SEG, host_memory=ring_bytes(2, 1))
     with pytest.raises(ValueError, match="host_memory must be a positive int"):
         cgdp.Trainer(net(), SGD, ["cpu:0", "cpu:1"], host_memory=-5)
-
-
-def test_copies_inline_or_on_the_stream_workers_give_the_same_bits(monkeypatch):
-    """Emulated copies up to INLINE_BYTES run on the thread that issues them, larger ones on the
-    stream workers: results must not depend on which."""
-    model = net()
-    inline, _, _ = train(["cpu:0", "cpu:1"], copy.deepcopy(model))
-    monkeypatch.setattr(cpu_backend, "INLINE_BYTES", 0)  # every copy through a worker
-    workers, _, _ = train(["cpu:0", "cpu:1"], copy.deepcopy(model))
-    assert same(inline, workers)
 
 
 def test_profile_reports_registered_and_moved_host_bytes():
