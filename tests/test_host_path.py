@@ -82,3 +82,14 @@ def test_copies_inline_or_on_the_stream_workers_give_the_same_bits(monkeypatch):
     inline = train(devices=2, segment_bytes=4096)
     monkeypatch.setattr(cpu_backend, "INLINE_BYTES", 0)  # every copy through a worker
     assert same(inline, train(devices=2, segment_bytes=4096))
+
+
+def test_one_default_for_both_faces():
+    """chunks="auto" for Trainer and DataParallel; modes that send nothing during backward tune nothing."""
+    import inspect
+    assert inspect.signature(cgdp.Trainer).parameters["chunks"].default == "auto"
+    assert inspect.signature(cgdp.DataParallel).parameters["chunks"].default == "auto"
+    with cgdp.Trainer(Net(), lambda p: torch.optim.SGD(p, lr=0.1), ["cpu:0", "cpu:1"]) as tr:
+        assert tr.tuner is not None and tr.tuner.name == "auto"
+    with cgdp.Trainer(Net(), lambda p: torch.optim.SGD(p, lr=0.1), ["cpu:0", "cpu:1"], mode="typical") as tr:
+        assert tr.tuner is None and len(tr.plan) == len(tr.layers)

@@ -77,8 +77,10 @@ class Trainer:
         mode: ``"cgdp"`` (host averaging during backward), ``"typical"`` (device 0 gathers,
             averages, updates and broadcasts the parameters) or ``"single"`` (one device).
         chunks: chunk size k (the paper's uniform plan), an explicit plan (list of lists of layer
-            indices, in send order), or ``"auto"`` (tuned while training; ``"paper"`` runs the
-            paper's Algorithm 1).
+            indices, in send order), or ``"auto"`` (the default, as for ``DataParallel``: tuned
+            over the first ~15 steps, then fixed; ``"paper"`` runs the paper's Algorithm 1). The
+            plan never changes results, only speed. Modes ``"typical"`` and ``"single"`` send no
+            chunks: ``"auto"`` is then one layer per chunk, untuned.
         comm: ``None`` for one machine, ``"mpi"`` (or a :class:`cgdp.comm.Comm`) for several.
             Every rank must build the same model with the same initial parameters (checked at
             start-up). A comm passed in belongs to the trainer from then on: ``close()`` closes it.
@@ -105,7 +107,7 @@ class Trainer:
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
-                 devices: Sequence[str], *, mode: str = "cgdp", chunks: int | Plan | str = 1,
+                 devices: Sequence[str], *, mode: str = "cgdp", chunks: int | Plan | str = "auto",
                  comm: None | str | Comm = None, timeout_s: float | None = 300.0,
                  profile: bool = False, segment_bytes: int = 4 << 20,
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
@@ -213,6 +215,8 @@ class Trainer:
             return resolve_plan(chunks, len(self.layers))
         if chunks not in ("auto", "paper"):
             raise ValueError(f"chunks must be an int, an explicit plan or 'auto'; got {chunks!r}")
+        if self.mode != "cgdp":  # nothing is sent during backward: there is nothing to tune
+            return resolve_plan(1, len(self.layers))
         from cgdp.planning.tuner import make_tuner
         cost, ranks = None, 1
         if self._comm is not None and chunks == "auto":
