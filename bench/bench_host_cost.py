@@ -389,6 +389,46 @@ def per_unit(g: int, rounds: int, steps: int) -> dict:
             "segment_by_role_s": seg_by, "runs": [a, b, c, one, many]}
 
 
+def ring_case(g: int, rounds: int, steps: int, seg: int = 1 << 20, slots: int = 4) -> dict:
+    """Host memory bounded: a model and one 4x larger, full-size slots against a ring of ``slots``
+    segment slots (``host_memory`` fixed); registered bytes, bitwise results, step time."""
+    budget = slots * (g + 1) * seg
+    out = {"G": g, "segment_bytes": seg, "host_memory": budget, "models": []}
+    for width in (512, 1024):
+        build = lambda w=width: mlp(w, 8)  # noqa: E731
+        x, y = _mse(width)(8 * g)
+        trs, params = {}, {}
+        try:
+            for name, kw in (("full", {}), ("ring", {"host_memory": budget})):
+                tr = cgdp.Trainer(build(), lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
+                                  [f"cpu:{j}" for j in range(g)], chunks=1, segment_bytes=seg, **kw)
+                for _ in range(3):
+                    tr.step(x, y, F.mse_loss)
+                params[name] = [p.detach().clone() for p in tr.replicas[-1].parameters()]
+                trs[name] = tr
+            same = all(torch.equal(a, b) for a, b in zip(params["full"], params["ring"]))
+            if not same:
+                raise AssertionError(f"ring and full-size slots differ for width {width}")
+            times: dict[str, list[float]] = {k: [] for k in trs}
+            for _ in range(rounds):
+                for k, tr in trs.items():
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        tr.step(x, y, F.mse_loss)
+                    times[k].append((time.perf_counter() - t0) / steps)
+            out["models"].append({
+                "model": f"MLP 8 x Linear({width})", "grad_bytes": trs["full"]._stream.layout.total * 4,
+                "registered_full": trs["full"]._stream.host.registered_bytes,
+                "registered_ring": trs["ring"]._stream.host.registered_bytes, "bitwise_equal": same,
+                "slots": trs["ring"]._stream.ring, "segments": len(trs["ring"]._stream.layout.segments),
+                "step_full_s": median(times["full"]), "step_ring_s": median(times["ring"]),
+                "moved_bytes": trs["full"]._stream.host.traffic()["total"]})
+        finally:
+            for tr in trs.values():
+                tr.close()
+    return out
+
+
 # ---------------------------------------------------------------------------------- report
 def us(x: float) -> str:
     return fmt(x * 1e6, 1)
@@ -398,9 +438,9 @@ def ms(x: float) -> str:
     return fmt(x * 1e3, 2)
 
 
-def report(res: dict, info: dict, cmd: str) -> str:
-    out = ["## cgdp's own host cost per step", "", f"Command: `{cmd}`", "", "Machine:", machine_md(info), "",
-           f"Engine measured: `{res['engine']}` (cgdp {res['engine_rev']}). torch intra-op threads: 1.", ""]
+def report(res: dict, info: dict, cmd: str, title: str | None = "## cgdp's own host cost per step") -> str:
+    out = [title, "", f"Command: `{cmd}`", "", "Machine:", machine_md(info), ""] if title else []
+    out += [f"Engine measured: `{res['engine']}` ({res['engine_rev']}). torch intra-op threads: 1.", ""]
     if res["null"]:
         out += ["### Added CPU per device per step, null CUDA devices", "",
                 "Added = (process CPU of a cgdp step − the same G replicas' forward, loss, backward and "
@@ -464,32 +504,61 @@ def report(res: dict, info: dict, cmd: str) -> str:
                 table(["model", "chunks=", "G", "chunks", "own step ms", "added / device ms", "added / own",
                        "threads alone: added / device ms", "ctx switches / step", "kernel share",
                        "CPU by role, all devices (ms)", "load"], rows), ""]
+    if res.get("ring"):
+        rg = res["ring"]
+        rows = [[m["model"], fmt(m["grad_bytes"] / 2**20, 1), m["segments"], fmt(m["registered_full"] / 2**20, 2),
+                 fmt(m["registered_ring"] / 2**20, 2), m["slots"], "yes" if m["bitwise_equal"] else "NO",
+                 fmt(m["step_full_s"] * 1e3, 1), fmt(m["step_ring_s"] * 1e3, 1),
+                 fmt(m["step_ring_s"] / m["step_full_s"], 3), fmt(m["moved_bytes"] / 2**20, 1)]
+                for m in rg["models"]]
+        out += [f"### Host memory bounded (`host_memory={rg['host_memory']}`, {rg['G']} emulated devices)", "",
+                f"Full-size slots against a ring of segment slots ({rg['segment_bytes'] >> 20} MiB segments, both), "
+                "3 steps of SGD with momentum then bitwise comparison of the parameters, then step times "
+                "(wall, median of interleaved rounds).", "",
+                table(["model", "gradient MiB", "segments", "registered, full-size (MiB)", "registered, ring (MiB)",
+                       "ring slots", "bitwise equal", "step full ms", "step ring ms", "ring / full",
+                       "host bytes moved per step (MiB)"], rows), ""]
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--engine", default=ROOT, help="the cgdp tree to measure (default: this one)")
-    ap.add_argument("--quick", action="store_true", help="G = 1, 2; 2 rounds of 2 steps (smoke test)")
-    ap.add_argument("--sections", default="null,units,emulated")
-    ap.add_argument("--models", default="gpt2,resnet50,mlp4x2048")
-    ap.add_argument("--devices", default="1,2,4,8")
-    ap.add_argument("--settings", default="1,default", help="chunks= values: an int, 'auto', 'default'")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--md")
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.devices, args.rounds, args.steps, args.models = "1,2", 2, 2, "gpt2"
-    torch.set_num_threads(1)
-    gs = [int(v) for v in args.devices.split(",")]
-    sections = args.sections.split(",")
-    info, cmd = machine(), command_line()
+def compare_table(before: dict, after: dict) -> str:
+    """The headline figures of two engines measured in the same run."""
+    rows = []
+    key = lambda r: (r["case"], r["G"], r["setting"])  # noqa: E731
+    old = {key(r): r for r in before.get("null", []) + before.get("emulated", [])}
+    for r in after.get("null", []) + after.get("emulated", []):
+        b = old.get((r["case"], r["G"], "1")) if r["setting"] in ("1", "default") else None
+        b = old.get(key(r)) or b
+        if b is None:
+            continue
+        rows.append([r["case"].split(" (")[0] + (" (emulated)" if r in after.get("emulated", []) else ""),
+                     r["G"], f"{b['setting']} → {r['setting']}", f"{b['chunks']} → {r['chunks']}",
+                     ms(b["own_s"]) + " / " + ms(r["own_s"]),
+                     ms(b["added_per_device_s"]), ms(r["added_per_device_s"]),
+                     fmt(100 * b["added_per_device_s"] / b["own_s"], 0) + " % → "
+                     + fmt(100 * r["added_per_device_s"] / r["own_s"], 0) + " %",
+                     ms(r["threads_added_per_device_s"]),
+                     f"{b['vcsw']:.0f} → {r['vcsw']:.0f}", f"{b['load']:.1f} / {r['load']:.1f}"])
+    units = []
+    ub = {u["G"]: u for u in before.get("units", [])}
+    for u in after.get("units", []):
+        b = ub.get(u["G"])
+        if b:
+            units.append([u["G"], f"{us(b['hook_s'])} → {us(u['hook_s'])}", f"{us(b['chunk_s'])} → {us(u['chunk_s'])}",
+                          f"{us(b['segment_s'])} → {us(u['segment_s'])}"])
+    out = [table(["model", "G", "chunks= (before → after)", "chunks", "own step ms (before / after)",
+                  "added / device, before (ms)", "added / device, after (ms)", "added / own",
+                  "threads alone, after (ms)", "ctx switches / step", "load (before / after)"], rows), ""]
+    if units:
+        out += [table(["G", "per hook (µs)", "per chunk and device (µs)", "per segment, all devices (µs)"], units), ""]
+    return "\n".join(out)
+
+
+def collect(args: argparse.Namespace, gs: list[int], sections: list[str]) -> dict:
     import subprocess
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ENGINE).stdout.strip()
+    rev = subprocess.run(["git", "log", "-1", "--format=%h %s"], capture_output=True, text=True, cwd=ENGINE).stdout.strip()
     res: dict[str, Any] = {"engine": os.path.relpath(ENGINE, ROOT) if ENGINE == ROOT else ENGINE,
-                           "engine_rev": rev or "?", "null": [], "units": [], "emulated": []}
+                           "engine_rev": rev[:60] or "?", "null": [], "units": [], "emulated": [], "ring": None}
 
     def settings(v: str) -> tuple[str, dict]:
         if v == "default":
@@ -515,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{us(u['segment_s'])} µs", flush=True)
             res["units"].append(u)
     if "emulated" in sections:
-        for g in [g for g in gs if g in (2, 4)] or gs[:1]:
+        for g in [g for g in gs if g in (2, 4)]:
             for s in args.settings.split(","):
                 label, kw = settings(s)
                 r = measure(CASES["mlp48x32"], g, args.rounds, args.steps, emulated=True, **kw)
@@ -525,6 +594,94 @@ def main(argv: list[str] | None = None) -> int:
                       f"threads alone {ms(r['threads_added_per_device_s'])} ms, {r['vcsw']:.0f} ctx switches, "
                       f"load {r['load']:.2f}", flush=True)
                 res["emulated"].append(r)
+    if "ring" in sections and 2 in gs:
+        res["ring"] = ring_case(2, args.rounds, args.steps)
+        for m in res["ring"]["models"]:
+            print(f"ring {m['model']}: registered full {m['registered_full'] >> 20} MiB, ring {m['registered_ring'] >> 20} "
+                  f"MiB, bitwise {m['bitwise_equal']}, ring/full step {m['step_ring_s'] / m['step_full_s']:.3f}", flush=True)
+    return res
+
+
+def compare(args: argparse.Namespace, argv: list[str], gs: list[int], sections: list[str]) -> dict:
+    """Run the measurements on ``--before`` and on this tree, alternating per section and G in
+    separate processes (one cgdp per process), so that both see the same load."""
+    import json
+    import subprocess
+    import tempfile
+    keep = []
+    skip = False
+    for a in argv:  # the options to pass on, without the ones set per run
+        if skip:
+            skip = False
+            continue
+        if a in ("--before", "--md", "--json", "--devices", "--sections", "--engine", "--settings"):
+            skip = True
+            continue
+        if a.split("=")[0] in ("--before", "--md", "--json", "--devices", "--sections", "--engine", "--settings"):
+            continue
+        keep.append(a)
+    merged = {"before": {"null": [], "units": [], "emulated": []}, "after": {"null": [], "units": [], "emulated": []}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for section in sections:
+            for g in gs:
+                for side, engine, setting in (("before", args.before, "1"), ("after", ENGINE, args.settings)):
+                    if section == "ring" and (side == "before" or g != 2):
+                        continue
+                    if section == "emulated" and g not in (2, 4):
+                        continue
+                    out = os.path.join(tmp, f"{side}-{section}-{g}.json")
+                    subprocess.run([sys.executable, os.path.abspath(__file__), *keep, "--engine", engine, "--sections",
+                                    section, "--devices", str(g), "--settings", setting, "--json", out,
+                                    "--md", os.devnull], check=True)
+                    with open(out) as f:
+                        got = json.load(f)["results"]
+                    m = merged[side]
+                    for k in ("null", "units", "emulated"):
+                        m[k] += got[k]
+                    if got.get("ring"):
+                        m["ring"] = got["ring"]
+                    m["engine"], m["engine_rev"] = got["engine"], got["engine_rev"]
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", default=ROOT, help="the cgdp tree to measure (default: this one)")
+    ap.add_argument("--quick", action="store_true", help="G = 1, 2; 2 rounds of 2 steps (smoke test)")
+    ap.add_argument("--before", help="another cgdp tree (an older checkout) to measure in the same run, "
+                                     "alternating with this one; the page then compares them")
+    ap.add_argument("--sections", default="null,units,emulated,ring")
+    ap.add_argument("--models", default="gpt2,resnet50,mlp4x2048")
+    ap.add_argument("--devices", default="1,2,4,8")
+    ap.add_argument("--settings", default="1,default", help="chunks= values: an int, 'auto', 'default'")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--md")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if args.quick:  # small: but a G or models given explicitly stay (the --before runs pass them)
+        given = " ".join(sys.argv[1:] if argv is None else argv)
+        args.rounds, args.steps = 2, 2
+        args.devices = args.devices if "--devices" in given else "1,2"
+        args.models = args.models if "--models" in given else "gpt2"
+    torch.set_num_threads(1)
+    gs = [int(v) for v in args.devices.split(",")]
+    sections = args.sections.split(",")
+    info, cmd = machine(), command_line()
+    if args.before:
+        both = compare(args, list(sys.argv[1:] if argv is None else argv), gs, sections)
+        md = "\n".join([
+            "## cgdp's own host cost per step: before and after, same machine, same run", "",
+            f"Command: `{cmd}`", "", "Machine:", machine_md(info), "",
+            f"Before: `{both['before'].get('engine')}` ({both['before'].get('engine_rev')}); after: "
+            f"`{both['after'].get('engine')}` ({both['after'].get('engine_rev')}). Each section and G ran "
+            "in its own process, before and after one right after the other.", "",
+            compare_table(both["before"], both["after"]), "",
+            "## After, in detail", "", report(both["after"], info, cmd, title=None), "",
+            "## Before, in detail", "", report(both["before"], info, cmd, title=None)])
+        write_results(md, both, info, cmd, args.md, args.json)
+        return 0
+    res = collect(args, gs, sections)
     write_results(report(res, info, cmd), res, info, cmd, args.md, args.json)
     return 0
 
