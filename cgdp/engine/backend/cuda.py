@@ -155,7 +155,7 @@ def cuda_count() -> int:
 
 def host_threads(num_replicas: int) -> int:
     """Threads of the host sum next to GPUs: every core but one per device thread (each issues
-    kernels and is busy during backward); the completion threads sleep on blocking events."""
+    kernels and is busy during backward); the host thread sleeps on blocking events between sums."""
     return max(1, (os.cpu_count() or 2) - num_replicas)
 
 
