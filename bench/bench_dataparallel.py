@@ -169,8 +169,10 @@ def report(results: list[dict], info: dict[str, str], cmd: str) -> str:
         "machine, not of the face. nn.DataParallel's column is one replica doing the whole batch "
         "on both cores, not data parallelism: without GPUs it is the plain module on one device, "
         "which is what a user without GPUs would otherwise run (or DDP over gloo, to rehearse a "
-        "multi-device job); on two cores neither data-parallel face can beat it, since the replicas "
-        "share the same cores and cgdp's emulated copies take CPU a GPU's copy engines would not.", ""])
+        "multi-device job). On a quiet machine it is the fastest of all here, since the replicas of "
+        "the data-parallel runs share the same two cores and cgdp's emulated copies take CPU that a "
+        "GPU's copy engines would not; under load its two intra-op threads wait for each other and "
+        "it falls behind (compare the load average above).", ""])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -255,6 +255,8 @@ def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps:
                 if k >= 2 and (tr.tuner is None or tr.tuner.done):
                     break
                 tr.step(xs if name == "single" else x, ys if name == "single" else y, loss_fn)
+        tr = trainers["cgdp"]
+        cgdp_plan = f"chunks={tr.tuner.name if tr.tuner else 'given'}: {len(tr.plan)} chunks"
         pool.run("time", 2)
         for _ in range(rounds):
             for name in ("single", "cgdp", "typical"):
@@ -308,8 +310,7 @@ def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps:
         "profile_backward_ms": None if prof is None else prof.backward_s * 1e3,
         "copies_cpu_s": copy_cpu,
         "floor_s": med["single"] + copy_cpu / 2,
-        "cgdp_plan": f"chunks={trainers['cgdp'].tuner.name if trainers['cgdp'].tuner else 'given'}: "
-                     f"{len(trainers['cgdp'].plan)} chunks",
+        "cgdp_plan": cgdp_plan,
         "kernel": "cgdp.engine.core.accumulate" + ("" if segment_bytes is None else f", segment_bytes {segment_bytes >> 10} KiB"),
         "threads": f"torch {torch.get_num_threads()} per device thread / per process; Numba "
                    f"{acc_threads} for cgdp's accumulator",
@@ -358,7 +359,8 @@ def report(results: list[dict], info: dict[str, str], cmd: str) -> str:
         f"Command: `{cmd}`", "", "Machine:", machine_md(info), "",
         f"Setup: {r0['devices']} replicas; cgdp and typical in one process on CPU-emulated devices "
         f"{['cpu:0', 'cpu:1']}, DDP as {r0['devices']} processes over gloo (file rendezvous); "
-        f"single = one replica, one thread (the compute floor). Threads: {r0['threads']}. Host kernel: {r0['kernel']}. SGD "
+        f"single = one replica, one thread (the compute floor). Threads: {r0['threads']}. Host kernel: {r0['kernel']}. cgdp at default settings ("
+        + ", ".join(f"{r['case'].split(' (')[0]}: {r['cgdp_plan']}" for r in results) + f", tuned during warm-up). SGD "
         f"lr {LR}. Parameters checked against single-device training on the global batch after "
         f"{r0['check_steps']} steps before timing. Step times: median over {r0['rounds']} "
         f"interleaved rounds x {r0['steps']} steps, wall time of the whole step as the user sees "

@@ -61,17 +61,20 @@ class Hardware:
     """Fixed cost of one copy (launch, DMA set-up)."""
     sync_s: float = 20e-6
     """Host CPU per chunk per device on the thread that issues backward (t_as): the hook's send
-    (cgdp's Python, about 5 us) and its CUDA calls (record an event, a stream wait, a stream
-    context, a copy and its event per segment: about 15 us on a current driver)."""
+    (cgdp's Python: 3-11 us measured on null CUDA devices, bench/results/host_cost.md) and its
+    CUDA calls (record an event, a stream wait, a stream context, a copy and its event per
+    segment: about 15 us on a current driver; an estimate, not measured here)."""
     hook_s: float = 2e-6
-    """Host CPU per parameter tensor per device: its gradient hook on the issuing thread."""
+    """Host CPU per parameter tensor per device: its gradient hook on the issuing thread (1-4 us
+    measured on null CUDA devices)."""
     segment_bytes: int = 4 << 20
     """The engine's ``segment_bytes``: chunks travel (and are summed) in segments of this size."""
     segment_s: float = 10e-6
     """Host-thread CPU per segment beyond the sum: the wake-up and the kernel's launch."""
     segment_device_s: float = 12e-6
     """Host-thread CPU per segment and device: waiting on its copy's event, issuing its copy back
-    (a stream context and a copy: mostly CUDA calls)."""
+    (a stream context and a copy: mostly CUDA calls; cgdp's own Python is about 2-5 us of it on
+    null CUDA devices)."""
     acc_latency_s: float = 20e-6
     """Fixed cost of one host accumulation (wake-up, thread fork/join)."""
     device_mem_gbps: float = 900.0
