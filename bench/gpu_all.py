@@ -1,8 +1,8 @@
 """Every GPU measurement of the paper's §5, in one call, written under $OUT (default ./out).
 
-    OUT=/tmp/gpu python bench/gpu_all.py              # on a machine with a GPU: everything (~15 min)
-    OUT=/tmp/a python bench/gpu_all.py --parts bandwidth,networks   # or in two calls of < 10 min
-    OUT=/tmp/b python bench/gpu_all.py --parts sweep,alg1
+    OUT=/tmp/gpu python bench/gpu_all.py              # on a machine with a GPU: everything (~30 min)
+    OUT=/tmp/a python bench/gpu_all.py --parts bandwidth,networks --models alexnet,googlenet
+    OUT=/tmp/b python bench/gpu_all.py --parts sweep  # ... in calls of < 10 min: bench/results/gpu_README.md
     python bench/gpu_all.py --quick                   # no GPU needed: small models, simulated CUDA
     python bench/gpu_all.py --report A/gpu.json [B/gpu.json ...]   # results page only, merged
 
@@ -24,7 +24,8 @@ CUDA backend's own code over host memory) so that the script is tested; ``--emul
    typical first; the replicas share the GPU's compute, so these are not multi-GPU step times.
 
 Inputs stay on the device (one upload before timing), as a training loop with a prefetching
-loader would have them; phase times come from profiled steps (device events).
+loader would have them; phase times come from profiled steps (device events). The first GPU run
+starts with ``bench/gpu_checks.py`` (the ordering checks); this script measures.
 
 Writes ``$OUT/gpu.json`` (every figure, with machine, versions and command) and ``$OUT/gpu.md`` (the
 results page, the paper's numbers beside ours). ``--report`` rebuilds the page from one or more
@@ -88,26 +89,29 @@ class Dev:
 
     def __init__(self, emulate: bool, simulate: bool = False):
         self.cuda = torch.cuda.is_available() and not emulate and not simulate
+        self.simulate = simulate and not emulate
         self.sim = None
-        if simulate and not emulate:
-            from cgdp.testing import SimulatedCuda
-            self.sim = SimulatedCuda(1, max_delay_s=0.0002)
-        self.name = "cuda:0" if self.cuda or self.sim else "cpu:0"
+        self.name = "cuda:0" if self.cuda or self.simulate else "cpu:0"
         self.torch = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
 
     def runtime(self):
-        """Where the trainers run: the simulated runtime, or nothing to change."""
+        """Where the trainers run: the simulated runtime (``self.sim`` inside), or nothing to change."""
         import contextlib
-        if self.sim is None:
+        if not self.simulate:
             return contextlib.nullcontext()
-        from cgdp.engine.backend.cuda import use_runtime
-        return use_runtime(self.sim)
+        from cgdp.testing import simulated_cuda
+
+        @contextlib.contextmanager
+        def sim():
+            with simulated_cuda(1, max_delay_s=0.0002) as self.sim:
+                yield
+        return sim()
 
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()  # note: host waits for the GPU (end of a timed region)
         elif self.sim is not None:
-            self.sim.synchronize(0)
+            self.sim.cuda.synchronize(0)
 
     def reset_peak(self) -> None:
         if self.cuda:
@@ -600,13 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     if not dev.cuda:
         torch.set_num_threads(max(1, torch.get_num_threads()))
     res: dict = {"command": command_line(), "machine": machine(), "device": dev.name, "cuda": dev.cuda,
-                 "simulated": dev.sim is not None, "networks": [], "replicas": [], "errors": []}
-    try:
-        with dev.runtime():
-            run_parts(args, parts, models, dev, res)
-    finally:
-        if dev.sim is not None:
-            dev.sim.close()
+                 "simulated": dev.simulate, "networks": [], "replicas": [], "errors": []}
+    with dev.runtime():
+        run_parts(args, parts, models, dev, res)
     print(f"[gpu_all] wrote {os.path.join(args.out, 'gpu.json')} and gpu.md"
           + (f"; {len(res['errors'])} part(s) failed" if res["errors"] else ""))
     return 1 if res["errors"] else 0

@@ -4,7 +4,6 @@ documented exit code (2 for what the user can fix), never a raw traceback, and l
 that was saved."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -56,7 +55,7 @@ def test_malicious_checkpoint_never_runs(tmp_path, capsys, wrapped):
     torch.save({"trainer": Payload(marker), "config": {}}, buf)
     data = buf.read_bytes()
     if wrapped:
-        data = checkpoint.MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data
+        data = checkpoint.encode(data, {}) + data
     (out / "checkpoint.pt").write_bytes(data)
     rc, text = run(capsys, "--out", str(out), "--resume", "--steps", "4")
     assert rc == 2, text
@@ -89,10 +88,10 @@ def test_checkpoint_holds_only_plain_data(tmp_path, capsys):
     out = tmp_path / "run"
     assert run(capsys, "--out", str(out), "--steps", "2", "--chunks", "auto")[0] == 0
     raw = (out / "checkpoint.pt").read_bytes()
-    payload = raw[len(checkpoint.MAGIC) + 65:]
+    payload = bytes(checkpoint.split(raw)[2])
     (tmp_path / "p.pt").write_bytes(payload)
     state = torch.load(tmp_path / "p.pt", weights_only=True)  # no allow-list needed
-    assert set(state) == {"trainer", "rng", "loader", "config"}
+    assert set(state) == {"trainer", "rng", "loader", "config", "job"}
 
 
 # ------------------------------------------------------------------ --out, --resume, Ctrl-C
@@ -193,7 +192,11 @@ def test_failed_final_save_keeps_the_previous_checkpoint(tmp_path, capsys, monke
     out = tmp_path / "run"
     assert run(capsys, "--out", str(out), "--steps", "2")[0] == 0
 
-    def broken(fd):
+    real = os.fsync
+
+    def broken(fd):  # the checkpoint's temporary file only (config.toml is written the same way)
+        if ".checkpoint-" not in os.readlink(f"/proc/self/fd/{fd}"):
+            return real(fd)
         if fault == "enospc":
             raise OSError(28, "No space left on device")
         raise KeyboardInterrupt
@@ -303,3 +306,122 @@ def test_no_gpu_message_names_no_impossible_range():
     with pytest.raises(ValueError) as e:
         cgdp.Trainer(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), ["cuda:0"])
     assert "cuda:-1" not in str(e.value) and "cpu:N" in str(e.value)
+
+
+# ------------------------------------------------------------------ careless flags, what is offered after a failure
+@pytest.mark.parametrize("flag, value", [("--lr", "inf"), ("--lr", "-inf"), ("--momentum", "inf"),
+                                         ("--weight_decay", "nan")])
+def test_non_finite_hyperparameters_are_refused(capsys, flag, value):
+    rc, text = run(capsys, flag, value, "--steps", "1")
+    assert rc == 2 and f"train.{flag[2:]} must be " in text and "and finite; got" in text, text
+
+
+def test_a_failed_first_save_does_not_offer_resume(tmp_path, capsys, monkeypatch):
+    real = os.fsync
+
+    def full(fd):
+        if ".checkpoint-" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(28, "No space left on device")
+        return real(fd)
+    monkeypatch.setattr(checkpoint.os, "fsync", full)
+    rc, text = run(capsys, "--out", str(tmp_path / "run"), "--steps", "2")
+    assert rc == 2 and "no checkpoint was written" in text and "--resume" not in text, text
+    assert "start the run again (with --overwrite)" in text, text
+
+
+def test_a_stopped_run_without_out_does_not_offer_resume(capsys, monkeypatch):
+    """Ctrl-C (here: requested before the first step ends) without --out: no checkpoint exists."""
+    import cgdp.cli.train as cli
+
+    real = cli.GracefulStop.__enter__
+
+    def enter(self):
+        real(self)
+        self.requested = True
+        return self
+    monkeypatch.setattr(cli.GracefulStop, "__enter__", enter)
+    rc, text = run(capsys, "--steps", "5")
+    assert rc == 130 and "interrupted after 1 steps" in text and "--resume" not in text, text
+
+
+def test_ctrl_c_after_the_rename_reports_the_checkpoint_on_disk(tmp_path, capsys, monkeypatch):
+    """The second Ctrl-C lands in a save after its rename: the message must name the step the file
+    holds (it named the one before)."""
+    calls = []
+
+    def interrupted(d):
+        calls.append(d)
+        if len(calls) == 2:  # the save of step 2: renamed, then Ctrl-C
+            raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint, "_fsync_dir", interrupted)
+    out = tmp_path / "run"
+    rc, text = run(capsys, "--out", str(out), "--steps", "4", "--checkpoint_every", "1")
+    assert rc == 130, text
+    held = checkpoint.load(out / "checkpoint.pt")["trainer"]["step"]
+    assert held == 2 and "the checkpoint at step 2" in text, text
+
+
+# ------------------------------------------------------------------ a first run that never dies silently
+def test_a_run_that_cannot_fit_in_memory_is_refused_with_the_numbers(capsys):
+    """64 emulated VGG-16 replicas need hundreds of GiB: refused at once, before anything is built."""
+    t0 = time.monotonic()
+    rc, text = run(capsys, "--config", "vgg16", "--devices", "64", "--print-config")
+    assert rc == 2 and "GiB of host memory" in text and "GiB is available" in text, text
+    assert "64 replica(s) x (0.52 GiB parameters" in text and "use fewer devices" in text, text
+    if not torch.cuda.is_available():
+        assert "--devices 64 means 64 CPU-emulated device(s)" in text, text
+    assert time.monotonic() - t0 < 20
+
+
+def test_the_documented_vgg16_command_on_a_small_machine(capsys, monkeypatch):
+    """docs/train.md's `--config vgg16 --devices 4` on a machine with 12 GiB available: refused with
+    a batch that fits; the default job fits."""
+    from cgdp.cli import memory
+    monkeypatch.setattr(memory, "available_host", lambda: 12.0 * 2**30)
+    monkeypatch.setattr(memory, "gpu_free", lambda devices: None)
+    rc, text = run(capsys, "--config", "vgg16", "--devices", "4", "--print-config")
+    assert rc == 2 and "and 12.0 GiB is available" in text and "lower --batch to " in text, text
+    fit = int(text.split("lower --batch to ")[1].split()[0])
+    assert 1 <= fit < 32
+    rc, text = run(capsys, "--config", "vgg16", "--devices", "4", "--batch", str(fit), "--print-config")
+    assert rc == 0, text
+    rc, text = run(capsys, "--print-config")
+    assert rc == 0, text
+
+
+def test_no_gpu_note_for_a_device_count(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("the note is for machines without a GPU")
+    rc, text = run(capsys, "--devices", "3", "--print-config")
+    assert rc == 0 and "--devices 3 runs 3 CPU-emulated device(s)" in text, text
+
+
+# ------------------------------------------------------------------ the run's summary and plots
+def test_a_short_run_has_table_4_and_a_resumed_plot_starts_at_step_1(tmp_path, capsys, monkeypatch):
+    from cgdp.cli import report
+    out = tmp_path / "run"
+    plotted = []
+    monkeypatch.setattr(report, "write_plots", lambda o, rows, profile: plotted.append(rows) or "plotted")
+    rc, _ = run(capsys, "--out", str(out), "--steps", "3", "--profile_every", "50", "--plots", "true",
+                "--stop_after", "2")
+    assert rc == 0
+    assert "Per chunk (send order" in (out / "summary.md").read_text()  # 2 steps, profile_every 50
+    rc, _ = run(capsys, "--out", str(out), "--resume", "--plots", "true", "--profile_every", "50")
+    assert rc == 0
+    assert [r["step"] for r in plotted[-1]] == [1, 2, 3]  # the resumed run's curve from step 1
+    assert "Per chunk (send order" in (out / "summary.md").read_text()
+
+
+def test_the_memory_estimate_on_gpus_counts_each_gpu():
+    """On GPUs the replica, its gradients, optimizer state and activations are each GPU's; the host
+    keeps its buffers and the data. (A pure estimate: no GPU needed.)"""
+    from cgdp.cli import memory
+    p, act, top = 2 * 2**30, 100 * 2**20, 10 * 2**20  # 2 GiB of parameters, 120 MiB per sample
+    est = memory.estimate((p, act, top, 2), devices=4, emulated=False, mode="cgdp", batch=64,
+                          input_bytes=600_000, global_batch=256, prefetch=2, eval_samples=256)
+    assert est.device_bytes() == 4 * p + 64 * (act + 2 * top)
+    assert est.host_bytes() == 5 * p + 4 * 256 * 600_000 + 256 * (600_000 + 2 * top)
+    text = memory.check(est, host=64 * 2**30, gpu_free=[40 * 2**30, 12 * 2**30], device_flag="4")
+    assert "GiB per GPU, and the fullest GPU has 12.0 GiB free" in text and "lower --batch to 34 or less" in text, text  # (12 - 8) GiB / 120 MiB
+    assert "CPU-emulated" not in text
+    assert memory.check(est, host=64 * 2**30, gpu_free=[40 * 2**30] * 4) is None

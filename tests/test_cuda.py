@@ -5,8 +5,9 @@ Every test trains two replicas on ``cuda:0`` (``share_devices=True``; and every 
 there are several) on *different* parts of the batch: each replica's own gradient differs from the
 average, so a copy back that lands late (or not at all) leaves a wrong update, which the
 comparison with the single-device reference catches. With one replica on one GPU, the averaged
-chunk equals the device's own and such a race writes the same bytes. On a GPU, run them under
-PyTorch's stream sanitizer too: ``TORCH_CUDA_SANITIZER=1 python -m pytest tests/test_cuda.py``.
+chunk equals the device's own and such a race writes the same bytes. On a GPU, ``bench/gpu_checks.py``
+then runs the same kind of training under cgdp's stream-access checker (every cgdp thread) and
+with delays injected at each ordering point (``TORCH_CUDA_SANITIZER=1`` sees none of cgdp's threads).
 """
 import contextlib
 

@@ -228,6 +228,53 @@ def test_step_from_inside_loss_fn_is_a_clear_error():
         assert tr.step_count == 1
 
 
+def test_close_from_another_thread_during_a_step_has_a_clear_outcome():
+    """close() lands at a random moment of a step (forward, backward, host sum, update): the step
+    either returns or raises the RuntimeError that names close(), never an internal error; close()
+    returns, the trainer refuses further steps and its threads are gone."""
+    import random
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            time.sleep(0.01)  # an update long enough to be hit
+            return super().step(closure)
+
+    class Jittery(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x):
+            time.sleep(rng.random() * 0.02)
+            return self.net(x)
+
+    rng = random.Random(0)
+    gc.collect()
+    base = _threads()
+    outcomes = []
+    for i in range(24):
+        tr = cgdp.Trainer(Jittery(), lambda p: SlowSGD(p, lr=0.1), ["cpu:0", "cpu:1"], chunks=1, timeout_s=10)
+        tr.step(X, Y, F.cross_entropy)  # warm: the closes below land inside a steady step
+        closer = threading.Timer(rng.random() * 0.04, tr.close)
+        closer.start()
+        try:
+            tr.step(X, Y, F.cross_entropy)
+            outcomes.append("returned")
+        except RuntimeError as e:
+            assert "close() was called from another thread" in str(e), repr(e)
+            outcomes.append("stopped")
+        closer.join(10)
+        assert not closer.is_alive(), "close() hung"
+        with pytest.raises(RuntimeError, match="closed"):
+            tr.step(X, Y, F.cross_entropy)
+        del tr
+        deadline = time.monotonic() + 5
+        while _threads() > base and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _threads() == base, [t.name for t in threading.enumerate()]
+    assert "stopped" in outcomes, outcomes
+
+
 # ------------------------------------------------------------------ load_state_dict: all or nothing
 def _trained(seed: int, chunks="auto"):
     tr = cgdp.Trainer(mlp(seed=seed), lambda p: torch.optim.Adam(p, lr=1e-2), ["cpu:0", "cpu:1"], chunks=chunks)

@@ -9,6 +9,7 @@ PKG = pathlib.Path(cgdp.__file__).parent
 ALLOWED = {  # part -> the parts it may import
     "cli": {"cli", "engine", "planning", "comm", "data", "models"},
     "testing": {"testing", "engine"},
+    "integrations": {"integrations", "engine"},
     "engine": {"engine", "planning", "comm"},
     "planning": {"planning"},
     "comm": {"comm"},

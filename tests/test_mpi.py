@@ -54,7 +54,7 @@ def test_two_ranks_two_devices_equal_single_device_and_are_bitwise_identical():
     rc, out, _ = mpirun("equivalence.py", timeout=120)
     assert rc == 0, out
     for case in ("mlp-sgd-k1-uneven", "mlp-adam-k2", "gated-layer-used-on-one-rank", "batchnorm",
-                 "token-sum-count"):
+                 "token-sum-count", "token-sum-count-micro-batches"):
         assert f"OK {case}" in out, out
 
 
@@ -91,6 +91,30 @@ def test_killed_rank_ends_the_job():
     assert rc != 0, out
     assert "rank 0 step 2 done" not in out and "finished without error" not in out, out
     assert took < 45, out
+
+
+@pytest.mark.parametrize("after", ["linger", "hold-gil"])
+def test_a_rank_that_catches_the_error_and_goes_on_still_ends(after, tmp_path):
+    """Rank 0 catches the TimeoutError and goes on: sleeping (the abort timer ends the job
+    abort_grace_s after the failure), or inside a C call that keeps the GIL, so that no Python
+    thread can run (faulthandler's C watchdog ends the process abort_grace_s + 2 * HARD_EXIT_S after
+    the failure, writing every thread's stack to the error file; the launcher ends the rest)."""
+    from cgdp.comm.abort import HARD_EXIT_S
+    timeout_s, grace = 2.0, 2.0
+    rc, out, _ = mpirun("fault.py", "stop", str(timeout_s), after, str(grace),
+                        str(tmp_path / "rank{rank}.error"), timeout=90)
+    ended = time.time()
+    assert rc != 0, out
+    m = re.search(r"CAUGHT-AT ([\d.]+)", out)
+    assert m and "CAUGHT TimeoutError" in out, out
+    bound = grace + (2 * HARD_EXIT_S if after == "hold-gil" else 0) + 3
+    assert ended - float(m.group(1)) <= bound, (ended - float(m.group(1)), out)
+    kept = (tmp_path / "rank0.error").read_text()
+    assert "rank 0 of 2 on host" in kept and "TimeoutError: rank 0 of 2:" in kept, kept
+    if after == "hold-gil":  # the watchdog's dump of every thread, the main one inside fault.py
+        assert re.search(r"Timeout \(0:00:\d+\)!", kept) and "fault.py" in kept, kept
+    else:
+        assert "ending the MPI job now (after the TimeoutError above)" in kept, kept
 
 
 def test_mismatched_ranks_are_named_at_start_up():

@@ -1,7 +1,8 @@
-"""The CUDA backend's own code, run against the simulated asynchronous runtime (cgdp.testing).
+"""The CUDA backend's own code (``TorchCuda`` included), run on the strict simulated runtime (cgdp.testing).
 
 Streams complete in random orders (seeded delays), so a copy that is not ordered by an event shows
-as a wrong result; the tests that break an ordering on purpose prove that it would.
+as a wrong result; the tests that break an ordering on purpose prove that it would. The fixes of
+the defects the strict simulator found are proven in ``tests/test_cuda_strict.py``.
 """
 import copy
 import os
@@ -14,6 +15,7 @@ from torch import nn
 import cgdp
 from cgdp.engine.backend import cuda as cuda_backend
 from cgdp.testing import simulated_cuda
+from cgdp.testing.stream_check import StreamRaceError
 from helpers import SmallCNN, WithBN, assert_params_close, assert_replicas_identical, mlp, reference
 
 SGD = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3)  # noqa: E731
@@ -76,13 +78,14 @@ def test_cnn_with_batchnorm_and_adam_uneven_split():
 
 
 def slow_stream(monkeypatch, method: str, stream: str, seconds: float = 0.05) -> None:
-    """Every ``method`` call first puts ``seconds`` of work on the device's ``stream``, so that
-    the copies it issues land late for sure (not only by the random delays' chance)."""
+    """Every ``method`` call first puts ``seconds`` of work on the device's ``stream``
+    (``torch.cuda._sleep``, as on a GPU), so that the copies it issues land late for sure (not
+    only by the random delays' chance)."""
     real = getattr(cuda_backend.CudaDevice, method)
 
     def slow(self, *args, **kw):
         with self.rt.stream(getattr(self, stream)):
-            self.rt.busy(seconds)
+            self.rt.cuda._sleep(int(seconds * 1e9))
         return real(self, *args, **kw)
     monkeypatch.setattr(cuda_backend.CudaDevice, method, slow)
 
@@ -99,8 +102,11 @@ def test_a_missing_wait_before_the_update_shows_as_a_wrong_result(monkeypatch):
         tr, _ = train(["cuda:0", "cuda:1"], batches, model, chunks=1)
         assert_params_close(tr.replicas[0], ref)
     monkeypatch.setattr(cuda_backend.CudaDevice, "compute_wait", lambda self, marker, guard: None)
-    with simulated_cuda(2, seed=4, max_delay_s=0.003):
-        tr, got = train(["cuda:0", "cuda:1"], batches, model, check=False, chunks=1)
+    with pytest.raises(StreamRaceError, match="reads bytes that copy_"):  # the checker sees it too
+        with simulated_cuda(2, seed=4, max_delay_s=0.003) as sim:
+            sim.raise_pending = lambda: None  # let the run finish, to see the wrong result first
+            tr, got = train(["cuda:0", "cuda:1"], batches, model, check=False, chunks=1)
+            del sim.raise_pending
     wrong = any((a - b).abs().max() > 1e-5 * b.abs().max() for a, b in zip(got, ref.parameters()))
     assert wrong, "the simulator did not catch a copy back that lands after the update"
 
@@ -114,7 +120,8 @@ def test_a_host_sum_before_the_copy_landed_shows_as_a_wrong_result(monkeypatch):
     ref, _ = reference(model, SGD, batches, F.cross_entropy)
     monkeypatch.setattr(cuda_backend.CudaDevice, "wait_arrived", lambda self, s, guard: None)
     slow_stream(monkeypatch, "send", "d2h")
-    with simulated_cuda(2, seed=5, max_delay_s=0.003):
+    with simulated_cuda(2, seed=5, max_delay_s=0.003) as sim:
+        sim.raise_pending = lambda: None  # the host's reads are numpy's: the checker cannot see them
         try:
             _, got = train(["cuda:0", "cuda:1"], batches, model, check=False, chunks=1)
         except cgdp.NonFiniteGradientError:
@@ -178,7 +185,7 @@ def test_untimed_steps_do_not_wait_on_the_host_beyond_the_loss(monkeypatch):
             before = dict(sim.counts)
             tr.step(*batches[1], F.cross_entropy)
             segments = len(tr._stream.layout.segments)
-    diff = {k: sim.counts[k] - before.get(k, 0) for k in sim.counts}
+            diff = {k: sim.counts[k] - before.get(k, 0) for k in sim.counts}
     assert diff.get("spin_waits", 0) == 0 and diff.get("device_syncs", 0) == 0
     assert diff["host_waits"] == 2 * (1 + segments)  # the loss, and each segment's completion
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
@@ -196,7 +203,7 @@ def test_send_costs_one_event_wait_and_context_per_chunk():
             before = dict(sim.counts)
             tr.step(*batches[1], F.cross_entropy)
             lay = tr._stream.layout
-    diff = {k: sim.counts[k] - before.get(k, 0) for k in sim.counts}
+            diff = {k: sim.counts[k] - before.get(k, 0) for k in sim.counts}
     chunks, segments, g = len(lay.plan), len(lay.segments), 2
     assert segments > chunks
     assert diff.get("events", 0) == 0
@@ -261,9 +268,16 @@ def test_a_failure_on_a_stream_surfaces_and_the_trainer_recovers():
                 tr.step(*batches[1], lambda o, t: (_ for _ in ()).throw(RuntimeError("boom")))
             tr.step(*batches[2], F.cross_entropy)
             assert_replicas_identical(tr)
-            sim.errors.append(RuntimeError("an illegal memory access (simulated)"))
+            sim.inject_error("an illegal memory access was encountered")
             with pytest.raises(RuntimeError, match="illegal memory access"):
                 tr.step(*batches[2], F.cross_entropy)
+            # sticky: every later call fails, the trainer is unusable, close() reports it too
+            with pytest.raises(RuntimeError, match="illegal memory access"):
+                sim.cuda.Event().record()
+            with pytest.raises(RuntimeError, match="cannot continue"):
+                tr.step(*batches[2], F.cross_entropy)
+            with pytest.raises(RuntimeError, match="illegal memory access"):
+                tr.close()
 
 
 def test_several_replicas_on_one_gpu_need_the_opt_in():

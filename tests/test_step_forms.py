@@ -155,28 +155,60 @@ def test_sum_count_loss_is_the_global_token_mean(g, mode):
     assert err > 1e-3
 
 
-def test_nested_batch_with_micro_batches_and_sum_count_limits():
-    """Micro-batches split each device's nested part again; a mean loss is exact, a pair is
-    refused with a clear error (its weight needs every micro-batch's count first)."""
+def test_nested_batch_with_micro_batches_equals_single_device():
+    """Micro-batches split each device's nested part again (the (5,) offset stays whole)."""
     model = KwNet()
-    data = kw_batches(2, 15)  # 5 samples per device: the (5,) offset must stay whole in micro-batches
+    data = kw_batches(2, 15)  # 5 samples per device
     ref, _ = reference_step2(model, ADAM, data, kw_loss)
     train_step2(model, ADAM, 3, data, kw_loss, micro_batches=2)
     assert_params_close(model, ref)
-    with cgdp.Trainer(TokenLM(), ADAM, devs(2), micro_batches=2) as tr:
-        with pytest.raises(NotImplementedError, match="not supported with micro-batches"):
-            tr.step(token_batches(1, 8)[0], token_sum)
-        tr.step(token_batches(1, 8)[0], token_mean)  # still usable
 
 
-def test_sum_count_loss_over_ranks_is_the_global_token_mean():
+@pytest.mark.parametrize("g, n, k, mode", [(1, 9, 3, "single"), (2, 9, 2, "cgdp"), (3, 10, 3, "cgdp"),
+                                           (4, 11, 2, "cgdp"), (3, 10, 2, "typical")])
+def test_sum_count_loss_with_micro_batches_is_one_step_on_the_whole_batch(g, n, k, mode):
+    """(loss_sum, count) with micro_batches=k: the token mean of the whole batch, as one device
+    computes it in one step, for uneven splits (10 samples on 3 devices, micro-batches of 2 and
+    1) and very different token counts per micro-batch."""
+    model = TokenLM()
+    data = token_batches(3, n)
+    ref, ref_losses = reference_step2(model, ADAM, data, token_mean)
+    got = copy.deepcopy(model)
+    losses = train_step2(got, ADAM, g, data, token_sum, chunks=1, mode=mode, micro_batches=k,
+                         clip_grad_norm=float("inf"))
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_params_close(got, ref)
+
+
+def test_micro_batches_must_return_one_form_and_count_something():
+    calls = {"n": 0}
+
+    def mixed(m, b):  # a pair in the first micro-batch, a mean in the next
+        calls["n"] += 1
+        return token_sum(m, b) if calls["n"] % 2 else token_mean(m, b)
+
+    def nothing(m, b):
+        loss, _ = token_sum(m, b)
+        return loss * 0, 0
+    with cgdp.Trainer(TokenLM(), ADAM, devs(1), mode="single", micro_batches=2) as tr:
+        with pytest.raises(TypeError, match="same form on every device"):
+            tr.step(token_batches(1, 8)[0], mixed)
+        with pytest.raises(ValueError, match="counts sum to 0"):
+            tr.step(token_batches(1, 8)[0], nothing)
+        tr.step(token_batches(1, 8)[0], token_sum)  # still usable
+        assert tr.step_count == 1
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_sum_count_loss_over_ranks_is_the_global_token_mean(micro):
     from test_comm_inproc import on_ranks
     model = TokenLM()
     data = token_batches(3, 9)
     ref, ref_losses = reference_step2(model, SGD, data, token_mean)
 
     def rank(comm):
-        with cgdp.Trainer(copy.deepcopy(model), SGD, devs(2), comm=comm, timeout_s=30) as tr:
+        with cgdp.Trainer(copy.deepcopy(model), SGD, devs(2), comm=comm, timeout_s=30,
+                          micro_batches=micro) as tr:
             losses = []
             for b in data:
                 mine = {k: torch.tensor_split(v, comm.size)[comm.rank] for k, v in b.items()}

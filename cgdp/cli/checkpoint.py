@@ -4,11 +4,14 @@ A checkpoint holds the trainer's state (model, optimizer, step, chunk plan, tune
 states (torch CPU and CUDA, NumPy, Python), the data loader's position and the resolved config,
 all as tensors and plain Python data (:func:`rng_state` converts NumPy's state).
 
-File format: a header line ``CGDP-CHECKPOINT 2``, a line with the SHA-256 of the payload, then the
+File format: a header line ``CGDP-CHECKPOINT 3``, a line with the SHA-256 of everything after it,
+a line of JSON (the checkpoint's step, readable without loading the rest: :func:`peek`), then the
 payload, a ``torch.save`` file. :func:`load` reads it back with ``torch.load(weights_only=True)``,
 so a checkpoint can never run code (a crafted pickle is refused, not executed), and checks the
 SHA-256 first, so a flipped bit or a truncated file is a :class:`CheckpointError`, never a
-silently different model.
+silently different model. The checksum protects against damage only (anyone can compute one):
+whether the content fits the run is checked before anything is changed
+(:mod:`cgdp.cli.resume`).
 
 Invariant: the file at ``path`` is always a complete checkpoint, the old one or the new one.
 :func:`save` writes a temporary file in the same directory, flushes and fsyncs it, then
@@ -22,6 +25,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import json
 import os
 import pathlib
 import pickle
@@ -33,7 +37,8 @@ import numpy as np
 import torch
 
 TMP_PREFIX = ".checkpoint-"
-MAGIC = b"CGDP-CHECKPOINT 2\n"
+MAGIC = b"CGDP-CHECKPOINT 3\n"
+OLD_MAGIC = b"CGDP-CHECKPOINT 2\n"
 _DIGEST_LINE = 64 + 1  # hex SHA-256 and a newline
 
 
@@ -54,14 +59,48 @@ def _fsync_dir(d: pathlib.Path) -> None:
         os.close(fd)
 
 
-def save(state: dict[str, Any], path: str | os.PathLike) -> None:
-    """Write ``state`` to ``path`` atomically (see the module docstring); ``CheckpointError`` if the
-    disk is full or not writable (the previous checkpoint is then untouched)."""
+def encode(payload: bytes | memoryview, meta: dict[str, Any]) -> bytes:
+    """The header of a checkpoint file whose payload is ``payload`` (the bytes that follow it)."""
+    line = json.dumps(meta, sort_keys=True).encode() + b"\n"
+    digest = hashlib.sha256(line)
+    digest.update(payload)
+    return MAGIC + digest.hexdigest().encode() + b"\n" + line
+
+
+def split(data: bytes) -> tuple[bytes, bytes, memoryview]:
+    """``(digest, meta line, payload)`` of a file's bytes that start with :data:`MAGIC` (unchecked)."""
+    head = len(MAGIC) + _DIGEST_LINE
+    end = data.find(b"\n", head, head + 4096)
+    end = head if end < 0 else end + 1
+    return data[len(MAGIC):head - 1], data[head:end], memoryview(data)[end:]
+
+
+def peek(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The meta line of the checkpoint at ``path`` (``{"step": N}``) without reading the rest,
+    or None if there is no readable checkpoint there."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(len(MAGIC) + _DIGEST_LINE + 4096)
+    except OSError:
+        return None
+    if not data.startswith(MAGIC):
+        return None
+    try:
+        meta = json.loads(split(data)[1])
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def save(state: dict[str, Any], path: str | os.PathLike, meta: dict[str, Any] | None = None) -> None:
+    """Write ``state`` to ``path`` atomically (see the module docstring); ``meta`` (plain JSON)
+    goes in the header line that :func:`peek` reads. ``CheckpointError`` if the disk is full or
+    not writable (the previous checkpoint is then untouched)."""
     path = pathlib.Path(path)
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getbuffer()
-    digest = hashlib.sha256(payload).hexdigest().encode()
+    header = encode(payload, meta or {})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         for stale in path.parent.glob(f"{TMP_PREFIX}{path.name}.*.tmp"):  # left by a crashed save
@@ -72,7 +111,7 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> None:
     try:
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; a checkpoint is an ordinary result file
         with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + digest + b"\n")
+            f.write(header)
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the rename makes it visible
@@ -87,17 +126,23 @@ def save(state: dict[str, Any], path: str | os.PathLike) -> None:
 
 def _write_error(e: OSError, path: pathlib.Path) -> CheckpointError:
     kept = "the previous checkpoint there is intact" if path.exists() else "no checkpoint was written"
+    again = "run again with --resume" if path.exists() else "start the run again (with --overwrite)"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         what = f"the disk is full (no space left on the device of {path.parent})"
-        fix = "free some space (or use another --out) and run again with --resume"
+        fix = f"free some space (or use another --out) and {again}"
     else:
         what = f"{e.strerror or e}"
-        fix = "check that the directory is writable"
+        fix = f"check that the directory is writable and {again}"
     return CheckpointError(f"cannot save checkpoint {path}: {what}; {kept}. To continue, {fix}")
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save`, verifying its SHA-256; never runs pickled code."""
+    return load_with_meta(path)[0]
+
+
+def load_with_meta(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`load`, and the header's meta line (``{}`` if it is not a JSON object)."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; run once with --out {path.parent} "
@@ -106,14 +151,18 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
         data = path.read_bytes()
     except OSError as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror}") from None
+    if data.startswith(OLD_MAGIC):
+        raise CheckpointError(f"{path} was written by an older cgdp (checkpoint format 2), which this version "
+                              f"cannot resume; start the run again (with --overwrite)")
     if not data.startswith(MAGIC):
         kind = "a torch file, but not one written by cgdp.train" if data[:2] == b"PK" or data[:1] == b"\x80" \
             else "not a cgdp checkpoint"
         raise CheckpointError(f"{path} cannot be read as a checkpoint: it is {kind} (or one from an older "
                               f"cgdp). Pass the checkpoint.pt of a cgdp.train run, or start without --resume")
-    head = len(MAGIC) + _DIGEST_LINE
-    digest, payload = data[len(MAGIC):head - 1], memoryview(data)[head:]
-    if hashlib.sha256(payload).hexdigest().encode() != digest:
+    digest, line, payload = split(data)
+    check = hashlib.sha256(line)
+    check.update(payload)
+    if check.hexdigest().encode() != digest:
         raise CheckpointError(f"checkpoint {path} is damaged: its SHA-256 checksum does not match its "
                               f"contents (a truncated copy, a flipped bit on disk). Use an intact copy, or "
                               f"start again without --resume")
@@ -129,7 +178,11 @@ def load(path: str | os.PathLike) -> dict[str, Any]:
                               f"a cgdp checkpoint or it is damaged") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a cgdp checkpoint")
-    return state
+    try:
+        meta = json.loads(line)
+    except ValueError:
+        meta = None
+    return state, meta if isinstance(meta, dict) else {}
 
 
 def rng_state() -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import json
 import math
@@ -20,6 +21,7 @@ import pathlib
 import tomllib
 import typing
 from dataclasses import dataclass, field
+from typing import Any
 
 PRESET_DIR = pathlib.Path(__file__).parent.parent / "configs"
 
@@ -125,8 +127,10 @@ class TrainConfig:
         _check(self.batch >= 1, f"train.batch (per device) must be >= 1; got {self.batch}")
         _check(self.steps >= 1 or self.epochs >= 1, "set train.steps or train.epochs to at least 1")
         _check(self.epochs >= 0 and self.warmup_steps >= 0, "train.epochs and train.warmup_steps must be >= 0")
-        _check(self.lr > 0, f"train.lr must be > 0; got {self.lr}")
-        _check(self.momentum >= 0 and self.weight_decay >= 0, "train.momentum and train.weight_decay must be >= 0")
+        _check(self.lr > 0 and math.isfinite(self.lr), f"train.lr must be > 0 and finite; got {self.lr}")
+        for k in ("momentum", "weight_decay"):
+            v = getattr(self, k)
+            _check(v >= 0 and math.isfinite(v), f"train.{k} must be >= 0 and finite; got {v}")
         _check(self.timeout_s > 0 and math.isfinite(self.timeout_s),
                f"train.timeout_s must be a finite number of seconds > 0 (e.g. 86400 for a day); got {self.timeout_s}")
         if self.chunks != "auto" and self.chunks.lstrip("-").isdigit():
@@ -202,7 +206,7 @@ class Config:
                 raise ConfigError(f"{origin}: unknown section [{sec}]; sections are {', '.join(SECTIONS)}")
             if not isinstance(values, dict):
                 raise ConfigError(f"{origin}: {sec} must be a table ([{sec}]), got {values!r}")
-            hints = typing.get_type_hints(SECTIONS[sec])
+            hints = _hints(SECTIONS[sec])
             kw = {}
             for k, v in values.items():
                 if k not in hints:
@@ -213,6 +217,12 @@ class Config:
 
 
 # ------------------------------------------------------------------------------ type checks
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The field types of a section (``typing.get_type_hints`` evaluates them anew on every call)."""
+    return typing.get_type_hints(cls)
+
+
 def _tname(tp: object) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
         tp, "a list of integers")  # type: ignore[arg-type]
@@ -220,7 +230,7 @@ def _tname(tp: object) -> str:
 
 def _check_types(obj: object, section: str) -> None:
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
-        tp = typing.get_type_hints(type(obj))[f.name]
+        tp = _hints(type(obj))[f.name]
         v = getattr(obj, f.name)
         ok = (isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
               if tp == list[int] else
@@ -405,7 +415,7 @@ def apply_overrides(cfg: Config, pairs: list[tuple[str, str, str | None]]) -> Co
     d = cfg.to_dict()
     for flag, dotted, raw in pairs:
         sec, name = dotted.split(".")
-        tp = typing.get_type_hints(SECTIONS[sec])[name]
+        tp = _hints(SECTIONS[sec])[name]
         if raw is None:
             if dotted == "run.resume":
                 raw = "auto"

@@ -104,9 +104,12 @@ class Recorder:
 
 
 def write(path: str | os.PathLike, trace: dict) -> None:
-    """Write ``trace`` as JSON (through a temporary file, so a reader never sees half a trace)."""
+    """Write ``trace`` as JSON (through a temporary file, so a reader never sees half a trace);
+    a full disk is an :class:`~cgdp.cli.output.OutputError` and leaves no partial file."""
+    from cgdp.cli.output import disk_error, write_text
     path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(trace))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise disk_error(e, path, "the run's checkpoint and metrics are intact") from None
+    write_text(path, json.dumps(trace), "the run's checkpoint and metrics are intact")

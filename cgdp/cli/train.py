@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import signal
 import sys
@@ -32,9 +31,12 @@ import torch
 from torch import nn
 
 from cgdp.cli import checkpoint
+from cgdp.cli import memory
 from cgdp.cli import report
+from cgdp.cli import resume as resuming
 from cgdp.cli import startup
 from cgdp.cli import trace
+from cgdp.cli.output import Metrics, OutputError, disk_error, earlier_steps, resume_row, write_text
 from cgdp.cli.config import Config, ConfigError, help_text, parse_args, presets, resumed_config, to_toml
 from cgdp.data import DataError, Loader, SyntheticDataset, digits, eval_batches, open_shards
 from cgdp.models import MODELS, build_model, count_params, get_spec
@@ -65,6 +67,10 @@ class Job:
     """MPI ranks; each takes its part of every global batch."""
     saved_step: int | None = None
     """The step of the newest checkpoint in ``out`` (None: there is none)."""
+    record: dict | None = None
+    """What this run resolved to (:func:`cgdp.cli.resume.job_record`), saved in every checkpoint."""
+    notes: list[str] | None = None
+    """Lines to print before training (a tight memory estimate)."""
 
     @property
     def global_batch(self) -> int:
@@ -173,10 +179,10 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
                 f"--out {resume_path.parent} holds a run that stopped before saving a checkpoint (no "
                 f"checkpoint.pt), so there is nothing to resume; start again with --overwrite (or a new "
                 f"--out), and pass --checkpoint_every N to save along the way")
-        resume = checkpoint.load(resume_path)
-        _check_layout(resume, resume_path)
+        resume, meta = checkpoint.load_with_meta(resume_path)
+        saved_cfg = resuming.saved_config(resume, resume_path)
         if flags is not None and not flags.get("config"):
-            cfg = resumed_config(resume["config"], cfg, flags.get("given", []))
+            cfg = resumed_config(saved_cfg.to_dict(), cfg, flags.get("given", []))
     if gpus is None:
         from cgdp.engine.backend.cuda import cuda_count
         gpus = cuda_count()
@@ -196,6 +202,7 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
                           f"pass --num_classes {train_set.num_classes} (or 0) if the data really has that many")
     _raise(startup.check_labels(train_set, classes, given=bool(cfg.model.num_classes)), DataError)
     _raise(startup.check_batch_memory(global_batch, train_set.sample_shape, "training inputs"), DataError)
+    memory_note = _check_memory(cfg, devices, global_batch, classes, train_set, eval_set)
     torch.manual_seed(t.seed)  # the initial weights depend on the seed only
     try:
         model = build_model(cfg.model.name, classes, train_set.sample_shape)
@@ -232,15 +239,50 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
         parent = pathlib.Path(cfg.run.trace).parent
         if not parent.is_dir():
             raise ConfigError(f"--trace {cfg.run.trace}: directory {parent} does not exist; create it first")
+    record = resuming.job_record(devices, t.mode, ranks, global_batch, startup.dataset_digest(train_set), total)
     saved = None
     if resume is not None:
-        _check_resumable(cfg, resume, resume_path)
+        _check_resumable(cfg, saved_cfg, resume_path)
+        st = saved_cfg.train
+        resuming.check(resume, meta, resume_path, cfg, saved_cfg, record, model, make_optimizer(t),
+                       _tuner(chunks, model, len(devices)), num_layers, steps_per_epoch,
+                       st.epochs * steps_per_epoch if st.epochs else st.steps, lr_at)
         saved = resume["trainer"]["step"]
         if saved >= total:
             raise ConfigError(f"checkpoint {resume_path} is at step {saved}, and this run has "
                               f"{total} steps: nothing to do. Raise --steps to train further")
     return Job(cfg, devices, model, train_set, eval_set, classes, chunks, total, out, resume, rank, ranks,
-               saved_step=saved)
+               saved_step=saved, record=record, notes=[memory_note] if memory_note else [])
+
+
+def _check_memory(cfg: Config, devices: list[str], global_batch: int, classes: int, train_set: Any,
+                  eval_set: Any) -> str | None:
+    """Refuse, with the numbers, a run that would not fit in memory (:mod:`cgdp.cli.memory`);
+    a note if it fits tightly."""
+    t, shape = cfg.train, tuple(train_set.sample_shape)
+    try:  # on the meta device: what the model takes, without taking it
+        measured = memory.measure(lambda: build_model(cfg.model.name, classes, shape), shape, make_optimizer(t))
+    except (ValueError, RuntimeError, OverflowError) as e:
+        raise ConfigError(f"model {cfg.model.name} with {classes} classes for inputs of shape {shape} cannot be "
+                          f"built ({str(e).splitlines()[0][:200]}); check --num_classes and the data") from None
+    est = memory.estimate(measured, devices=len(devices), emulated=not devices[0].startswith("cuda"),
+                          mode=t.mode, batch=t.batch, input_bytes=memory.input_bytes(shape),
+                          global_batch=global_batch, prefetch=cfg.data.prefetch,
+                          eval_samples=min(512, len(eval_set)))
+    host = memory.available_host()
+    _raise(memory.check(est, host, memory.gpu_free(devices), t.devices.strip()), DataError)
+    return memory.warning(est, host)
+
+
+def _tuner(chunks: Any, model: nn.Module, devices: int) -> Any:
+    """A fresh chunk tuner like the one the run's trainer will build (None: the plan is fixed)."""
+    if not isinstance(chunks, str):
+        return None
+    from cgdp.engine.core.layers import find_layers
+    from cgdp.planning.tuner import make_tuner
+    infos, params = find_layers(model)
+    itemsize = next(p for layer in params for p in layer).element_size()
+    return make_tuner(chunks, [info.numel * itemsize for info in infos], devices)
 
 
 def _raise(msg: str | None, kind: type[Exception]) -> None:
@@ -248,17 +290,8 @@ def _raise(msg: str | None, kind: type[Exception]) -> None:
         raise kind(msg)
 
 
-def _check_layout(ck: dict, path: pathlib.Path) -> None:
-    """A checkpoint that passed its checksum may still not be one of cgdp.train's."""
-    ok = (all(isinstance(ck.get(k), dict) for k in ("trainer", "rng", "loader", "config"))
-          and isinstance(ck["trainer"].get("step"), int))
-    if not ok:
-        raise checkpoint.CheckpointError(f"{path} is not a cgdp.train checkpoint (it holds {sorted(ck)}); "
-                                         f"pass the checkpoint.pt of a cgdp.train run")
-
-
-def _check_resumable(cfg: Config, ck: dict, path: pathlib.Path) -> None:
-    old, new = ck["config"], cfg.to_dict()
+def _check_resumable(cfg: Config, saved: Config, path: pathlib.Path) -> None:
+    old, new = saved.to_dict(), cfg.to_dict()
     diff = [f"{sec}.{k}: {old[sec].get(k)!r} -> {v!r}" for sec in ("model", "data", "train")
             for k, v in new[sec].items() if f"{sec}.{k}" not in RESUMABLE_CHANGES and old[sec].get(k) != v]
     if diff:
@@ -304,56 +337,6 @@ def evaluate(trainer, dataset, batch: int = 512) -> tuple[float, float]:
     return correct / max(n, 1), loss_sum / max(n, 1)
 
 
-class Metrics:
-    """``metrics.jsonl``: one JSON object per line, flushed as written (NaN becomes null)."""
-
-    def __init__(self, out: pathlib.Path | None, append: bool):
-        self.rows: list[dict] = []
-        self.f = open(out / "metrics.jsonl", "a" if append else "w") if out is not None else None
-        if self.f is not None and append and self.f.tell() and not _ends_with_newline(out / "metrics.jsonl"):
-            self.f.write("\n")  # a crash cut the last line: start on a line of our own
-
-    def write(self, row: dict) -> None:
-        self.rows.append(row)
-        if self.f is not None:
-            self.f.write(json.dumps(_finite(row)) + "\n")
-            self.f.flush()
-
-    def __enter__(self) -> "Metrics":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.f is not None:
-            self.f.close()
-
-
-def _ends_with_newline(path: pathlib.Path) -> bool:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
-
-
-def resume_row(out: pathlib.Path | None, start: int) -> dict:
-    """The metrics line that marks a resume: step lines after ``start`` already in the file were
-    written by the run that crashed after its checkpoint, and are superseded by the lines below."""
-    redone: list[int] = []
-    path = out / "metrics.jsonl" if out is not None else None
-    if path is not None and path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:  # a line cut by the crash
-                continue
-            if isinstance(row, dict) and row.get("kind") == "step" and row.get("step", 0) > start:
-                redone.append(int(row["step"]))
-    note = f"resumed from the checkpoint at step {start}"
-    if redone:
-        note += (f"; the step lines {min(redone)}..{max(redone)} above were written after that checkpoint "
-                 f"and are superseded by the lines below")
-    return {"kind": "resume", "step": start, "superseded": [min(redone), max(redone)] if redone else None,
-            "note": note}
-
-
 class GracefulStop:
     """Ctrl-C in a one-process run: the first finishes the current step, saves a checkpoint and
     stops; a second raises ``KeyboardInterrupt`` at once. (With MPI every rank would have to stop
@@ -390,21 +373,19 @@ def _nonfinite(e: FloatingPointError, x: Any, step: int, lr: float) -> Exception
     return FloatingPointError(f"{e} (the run diverged at step {step}; --lr is {lr})")
 
 
-def _finite(v: Any) -> Any:
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {k: _finite(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_finite(x) for x in v]
-    return v
-
-
 def _save(job: Job, trainer, loader: Loader) -> None:
     checkpoint.save({"trainer": trainer.state_dict(), "rng": checkpoint.rng_state(),
-                     "loader": loader.state_dict(), "config": job.cfg.to_dict()},
-                    job.out / "checkpoint.pt")
+                     "loader": loader.state_dict(), "config": job.cfg.to_dict(), "job": job.record},
+                    job.out / "checkpoint.pt", meta={"step": trainer.step_count})
     job.saved_step = trainer.step_count
+
+
+def _kept(job: Job) -> str:
+    """What a failed write leaves intact, and how to go on from it."""
+    if job.out is not None and job.saved_step is not None:
+        return (f"the checkpoint at step {job.saved_step} and the metrics lines before are intact; "
+                f"continue with --out {job.out} --resume once there is space")
+    return "no checkpoint has been written yet, so start the run again (with --overwrite) once there is space"
 
 
 def train(job: Job) -> dict:
@@ -416,9 +397,10 @@ def train(job: Job) -> dict:
                     pin=job.devices[0].startswith("cuda"))
     lead = job.rank == 0  # every rank trains the same model; rank 0 alone writes and prints
     metrics = Metrics(job.out if lead else None, append=job.resume is not None)
+    metrics.kept = lambda: _kept(job)
     wall0 = time.perf_counter()
     with cgdp.Trainer(job.model, make_optimizer(t), job.devices, mode=t.mode, chunks=job.chunks,
-                      timeout_s=t.timeout_s, comm="mpi" if job.ranks > 1 else None) as trainer, metrics, \
+                      timeout_s=t.timeout_s, comm=_comm(job)) as trainer, metrics, \
             GracefulStop(job.ranks == 1) as interrupt:
         start = 0
         if job.resume is not None:
@@ -450,7 +432,9 @@ def train(job: Job) -> dict:
                     x = torch.tensor_split(x, job.ranks)[job.rank]
                     y = torch.tensor_split(y, job.ranks)[job.rank]
                 t_data = time.perf_counter() - t0
-                profiling = r.profile_every > 0 and (step + 1) % r.profile_every == 0
+                # Table 4 of every run: the run's last step is profiled if no other step was
+                profiling = r.profile_every > 0 and ((step + 1) % r.profile_every == 0 or
+                                                     (last_profile is None and step + 1 == stop))
                 if tracer.wants(step):
                     trainer.trace_next()
                 if profiling:
@@ -495,9 +479,10 @@ def train(job: Job) -> dict:
         run_s = sum(x["wall_s"] for x in steps_rows)
         if done < job.total_steps:
             why = "interrupted" if interrupt.requested else "stopped"
-            saved = f"checkpoint saved in {job.out}; " if job.out is not None else "no --out, so no checkpoint; "
+            saved = (f"checkpoint saved in {job.out}; continue with --out {job.out} --resume" if job.out is not None
+                     else "no --out, so no checkpoint was written (pass --out DIR to be able to resume)")
             final = {"kind": "stopped", "final": False, "step": done, "interrupted": interrupt.requested,
-                     "note": f"{why} after {done} steps; {saved}continue with --resume"}
+                     "note": f"{why} after {done} steps; {saved}"}
         else:
             acc, eloss = evaluate(trainer, job.eval_set)
             final = {"kind": "final", "final": True, "step": done, "eval_accuracy": acc, "eval_loss": eloss,
@@ -509,20 +494,43 @@ def train(job: Job) -> dict:
             final["tuner"] = trainer.tuner.describe()
         metrics.write(final)
         if lead:
-            _summarise(job, metrics.rows, last_profile, trainer.layers, final.get("tuner"))
+            _summarise(job, metrics.rows, last_profile, trainer.layers, final.get("tuner"), start)
     return final
 
 
-def _summarise(job: Job, rows: list[dict], profile: dict | None, layers: list, tuner: str | None) -> None:
+def _comm(job: Job) -> Any:
+    """The MPI comm of a run with several ranks: each rank also writes its error to OUT/rank<r>.error,
+    on its own machine, since a dead link loses what the launcher forwards; and none waits more than
+    a minute at exit for a launcher out of reach (docs/mpi.md)."""
+    if job.ranks == 1:
+        return None
+    from cgdp.comm.mpi import MPIComm
+    return MPIComm(timeout_s=job.cfg.train.timeout_s, finalize_timeout_s=60.0,
+                   error_file=job.out / f"rank{job.rank}.error" if job.out is not None else None)
+
+
+def _summarise(job: Job, rows: list[dict], profile: dict | None, layers: list, tuner: str | None,
+               start: int) -> None:
     text = [report.phase_table(rows)] + ([tuner + "\n"] if tuner else [])
     if profile is not None:
         text.append(report.chunk_table(profile, [layer.name for layer in layers]))
+    else:
+        why = ("profile_every = 0" if job.cfg.run.profile_every <= 0 else
+               f"mode {job.cfg.train.mode!r} has no per-chunk host transfers to profile")
+        text.append(f"Per chunk: no profiled step in this run ({why}).\n")
     summary = "\n".join(text)
     print(summary)
     if job.out is not None:
-        (job.out / "summary.md").write_text(summary)
+        kept = f"the checkpoint and metrics.jsonl in {job.out} are intact (the run itself is complete)"
+        write_text(job.out / "summary.md", summary, kept)
         if job.cfg.run.plots:
-            print(report.write_plots(job.out, rows, profile))
+            # the loss curve of a resumed run starts at step 1: the lines of the runs before it
+            steps = [r for r in rows if r.get("kind") == "step"]
+            earlier = earlier_steps(job.out / "metrics.jsonl", start) if job.resume is not None else []
+            try:
+                print(report.write_plots(job.out, earlier + steps, profile))
+            except OSError as e:
+                raise disk_error(e, job.out / "summary.png", kept) from None
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -562,22 +570,29 @@ def main(argv: list[str] | None = None) -> int:
     if lead:
         ranks = f"; {job.ranks} MPI ranks" if job.ranks > 1 else ""
         print(f"# resolved config (devices: {', '.join(job.devices)}{ranks}; {job.total_steps} steps)\n{resolved}")
+        if job.devices[0].startswith("cpu") and cfg.train.devices.strip().isdigit():
+            print(f"# no GPU found: --devices {cfg.train.devices.strip()} runs {len(job.devices)} CPU-emulated "
+                  f"device(s), each holding a full replica in host memory")
+        for note in job.notes or []:
+            print(note, file=sys.stderr)
     if flags["print_config"]:
         return 0
-    if lead and job.out is not None:
-        (job.out / "config.toml").write_text(resolved)
     try:
+        if lead and job.out is not None:
+            write_text(job.out / "config.toml", resolved, "nothing was changed in " + str(job.out))
         final = train(job)
     except KeyboardInterrupt:
+        # the step of the checkpoint on disk, read back: a second Ctrl-C may land in a save
+        meta = checkpoint.peek(job.out / "checkpoint.pt") if job.out is not None else None
         if job.out is None:
             kept = "no checkpoint (no --out)"
-        elif job.saved_step is None:
+        elif meta is None or not isinstance(meta.get("step"), int):
             kept = "no checkpoint was saved (none had been written yet)"
         else:
-            kept = f"the checkpoint at step {job.saved_step} in {job.out} is intact; continue with --resume"
+            kept = f"the checkpoint at step {meta['step']} in {job.out} is intact; continue with --resume"
         print(f"\ninterrupted; {kept}", file=sys.stderr)
         return 130
-    except (DataError, checkpoint.CheckpointError) as e:
+    except (DataError, checkpoint.CheckpointError, OutputError) as e:
         print(f"cgdp.train: error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # the run diverged (the inputs were finite)

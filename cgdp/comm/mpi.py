@@ -26,12 +26,15 @@ naming this rank, the chunk and the step.
 
 After a failure the job cannot continue (the other ranks are inside collectives this rank will
 never join), and MPI cannot cancel a collective. So with ``abort_on_failure`` (the default) the
-error is printed, raised in ``Trainer.step()``, and the whole MPI job is aborted when this
-process exits, or ``abort_grace_s`` later at most: no rank ever waits forever, whatever the user
-code does. Likewise an uncaught exception on any rank aborts the job (as ``python -m mpi4py``
-does), instead of leaving the failed rank in ``MPI_Finalize`` and the others in a collective.
-(With mpiexec's default cleanup, a rank killed outright ends the job within a second anyway; the
-timeout covers stalled ranks, frozen machines, and launchers that do not clean up.)
+error is written (stderr, and ``error_file`` when given), raised in ``Trainer.step()``, and this
+process ends the job when it exits, or ``abort_grace_s`` later at most, through
+:func:`cgdp.comm.abort.end`: ``MPI_Abort``, then ``os._exit`` without ``MPI_Finalize``, since a
+launcher behind a dead link makes ``MPI_Abort`` return and ``MPI_Finalize`` wait forever. Every
+process of the job thus ends by itself, whether or not the launcher can be reached. Likewise an
+uncaught exception on any rank ends the job (as ``python -m mpi4py`` does), instead of leaving the
+failed rank in ``MPI_Finalize`` and the others in a collective. (With mpiexec's default cleanup, a
+rank killed outright ends the job within a second anyway; the timeout covers stalled ranks, frozen
+machines, cut links, and launchers that do not clean up.)
 
 mpi4py is imported only when an ``MPIComm`` is built; the rest of this module (the mismatch
 report, the α/β probe) works on any :class:`~cgdp.comm.Comm`.
@@ -43,7 +46,6 @@ import os
 import pickle
 import socket
 import statistics
-import sys
 import threading
 import time
 import warnings
@@ -51,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from cgdp.comm import abort
 from cgdp.comm.base import Comm
 from cgdp.comm.ordered import OrderedComm, _InFlight
 
@@ -102,14 +105,25 @@ class MPIComm(OrderedComm):
         poll_s: sleep between two tests after the first ``spin_s`` seconds (also in the
             blocking calls of the step thread). Bounds the latency polling adds per MPI round.
         spin_s: how long to test back to back (with ``sched_yield``) before sleeping.
-        abort_on_failure: after a failure, abort the whole MPI job at process exit (or
-            ``abort_grace_s`` later at most) so that no rank waits forever.
+        abort_on_failure: after a failure, end the whole MPI job at process exit (or
+            ``abort_grace_s`` later at most) so that no rank waits forever; this process ends
+            even where ``MPI_Abort`` cannot reach the launcher (:mod:`cgdp.comm.abort`).
         abort_grace_s: see ``abort_on_failure``.
+        error_file: where this rank also writes its error (appended, synced to disk), since the
+            launcher forwards stderr over the network and a dead link loses it; ``{rank}`` in it
+            becomes the rank. ``python -m cgdp.train`` passes ``OUT/rank<r>.error``.
+        finalize_timeout_s: after a run without failure, a process whose ``MPI_Finalize`` (at
+            interpreter exit) waits longer than this for an unreachable launcher is ended by
+            SIGALRM (:func:`cgdp.comm.abort.bound_finalize`). Counted from when this comm's exit
+            handler runs, so atexit handlers registered before it (an experiment tracker's upload)
+            run inside that time too: ``None`` (the default) waits as long as MPI does.
+            ``python -m cgdp.train`` passes 60.
     """
 
     def __init__(self, comm: Any = None, timeout_s: float | None = 300.0, *, progress: str = "poll",
                  poll_s: float = 2e-4, spin_s: float = 2e-4, abort_on_failure: bool = True,
-                 abort_grace_s: float = 30.0):
+                 abort_grace_s: float = 30.0, error_file: str | os.PathLike | None = None,
+                 finalize_timeout_s: float | None = None):
         MPI = load_mpi()
         check_thread_level(MPI)
         self._MPI = MPI
@@ -124,6 +138,7 @@ class MPIComm(OrderedComm):
         self.spin_s = spin_s
         self.abort_on_failure = abort_on_failure
         self.abort_grace_s = abort_grace_s
+        self.finalize_timeout_s = finalize_timeout_s
         self._abort_armed = False
         self._freed = False
         self._base = base
@@ -134,9 +149,12 @@ class MPIComm(OrderedComm):
             warnings.warn("comm='mpi' but this process is alone in its MPI world (size 1): start "
                           "every rank with mpiexec -n R; training goes on as one machine",
                           RuntimeWarning, stacklevel=3)
+        if error_file is not None:  # one setting for every rank: "run/rank{rank}.error"
+            error_file = os.fspath(error_file).replace("{rank}", str(self.rank))
+        abort.configure(MPI, self.rank, self.size, error_file)
         atexit.register(self._at_exit)
         if abort_on_failure:
-            _abort_on_uncaught_exception(MPI, self.rank)
+            abort.install_excepthook()
         self._start_thread()
 
     # ------------------------------------------------------------------ chunk allreduces (comm thread)
@@ -227,30 +245,40 @@ class MPIComm(OrderedComm):
             raise RuntimeError(message)  # the same words on every rank: each has every signature
 
     # ------------------------------------------------------------------ failures and shutdown
+    def _set_error(self, exc: BaseException) -> None:
+        if self._error is None and self.abort_on_failure:
+            # before any other thread can see the error: the caller may take the GIL and never give
+            # it back (a C call), so that no Python thread (the abort timer) runs again; this C
+            # watchdog ends the process anyway
+            abort.deadline(self.abort_grace_s + 2 * abort.HARD_EXIT_S)
+        super()._set_error(exc)
+
     def _on_failure(self, exc: BaseException) -> None:
-        if not self.abort_on_failure or self._abort_armed:
+        if not self.abort_on_failure:  # the caller handles the error; keep it in the file anyway
+            abort.record(f"cgdp: rank {self.rank}: {type(exc).__name__}: {exc}", stderr=False)
+            return
+        if self._abort_armed:
             return
         self._abort_armed = True
-        sys.stderr.write(f"cgdp: rank {self.rank}: {type(exc).__name__}: {exc}\n"
-                         f"cgdp: rank {self.rank}: aborting the MPI job when this process exits (in "
-                         f"{self.abort_grace_s:g} s at most), so that no rank waits forever\n")
-        sys.stderr.flush()
-        timer = threading.Timer(self.abort_grace_s, self._abort)
+        abort.record(f"cgdp: rank {self.rank}: {type(exc).__name__}: {exc}\n"
+                     f"cgdp: rank {self.rank}: aborting the MPI job when this process exits (in "
+                     f"{self.abort_grace_s:g} s at most), so that no rank waits forever")
+        timer = threading.Timer(self.abort_grace_s, self._abort)  # backed by the deadline (_set_error)
         timer.daemon = True
         timer.start()
 
     def _abort(self) -> None:
-        MPI = self._MPI
-        if MPI.Is_finalized():
+        if self._MPI.Is_finalized():
             return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)  # ends every rank of the job (mpiexec kills them)
+        abort.end(f"cgdp: rank {self.rank}: ending the MPI job now (after the "
+                  f"{type(self._error).__name__} above)")
 
     def _at_exit(self) -> None:
         self.close()  # arms the abort if allreduces are still in flight
         if self._abort_armed:
             self._abort()
+        if self.size > 1:
+            abort.bound_finalize(self.finalize_timeout_s)
 
     def close(self) -> None:
         super().close()
@@ -260,32 +288,6 @@ class MPIComm(OrderedComm):
             self._freed = True
             for c in (self._grad, self._ctl):
                 c.Free()
-
-
-_hook_installed = False
-
-
-def _abort_on_uncaught_exception(MPI: Any, rank: int) -> None:
-    """An uncaught exception on one rank aborts the job (as ``python -m mpi4py`` does).
-
-    Otherwise the failed rank waits in ``MPI_Finalize`` and the others in their next collective,
-    forever. Installed once per process by the first ``MPIComm`` with ``abort_on_failure``.
-    """
-    global _hook_installed
-    if _hook_installed:
-        return
-    _hook_installed = True
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
-        previous(kind, exc, tb)
-        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-            sys.stderr.write(f"cgdp: rank {rank}: uncaught {kind.__name__}; aborting the MPI job so "
-                             f"that the other ranks do not wait for this one forever\n")
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
-
-    sys.excepthook = hook
 
 
 def _versions(MPI: Any) -> str:

@@ -1,309 +1,604 @@
-"""A simulated asynchronous CUDA runtime, so CI runs the CUDA backend without a GPU.
+"""A strict simulated CUDA runtime beneath cgdp's CUDA backend, so CI runs that backend without a GPU.
 
 Inside ``with cgdp.testing.simulated_cuda(2) as sim:``, ``"cuda:0"`` and ``"cuda:1"`` are CUDA
-devices: the engine builds :class:`cgdp.engine.backend.cuda.CudaDevice` objects and runs that
-module's own code (events, stream waits, stream contexts, page-locked host rows, coalesced
-typical collectives, per-replica random streams, device timing). Only the runtime underneath
-(:class:`cgdp.engine.backend.cuda.TorchCuda`) is replaced by :class:`SimulatedCuda`:
+devices: the engine builds :class:`cgdp.engine.backend.cuda.CudaDevice` objects over the real
+:class:`~cgdp.engine.backend.cuda.TorchCuda`, whose ``torch.cuda`` is :mod:`cgdp.testing.fake_cuda`
+(torch 2.13's signatures) over this runtime. It is at least as strict as CUDA wherever a
+difference could hide a defect:
 
-* Tensors of a simulated device live in host memory (its ``torch_device`` is ``cpu``).
-* Every stream is an in-order worker thread that sleeps a random time (seeded) before each item,
-  so completions on different streams and devices come in varying orders. An asynchronous copy
-  runs on its stream's worker, later than it was issued: a copy that is not properly ordered
-  reads or writes at the wrong time, and the result is wrong.
-* The default (compute) stream: PyTorch's own CPU kernels run at once on the issuing thread, as if
-  the GPU were infinitely fast; events recorded there complete on the stream's worker after a
-  random lag (the GPU being behind the host) and after any :meth:`SimulatedCuda.busy` work.
-  Because compute has already run when issued, ``wait_event`` on a default stream waits on the
-  host: the update may not read the gradients before the copy back has landed.
-* Events complete when the work recorded before them on their stream has; ``wait_event`` orders
-  streams; ``Event.synchronize`` blocks; ``elapsed_time`` needs both events timed and complete,
-  as on a GPU. ``cudaHostRegister`` is bookkeeping (``sim.registered``); page-locked memory is
-  ordinary memory.
-* ``sim.counts`` counts what the backend asked of the runtime (events, copies, host waits, spin
-  waits on non-blocking events, device synchronisations, coalesced collectives), so tests can
-  check costs as well as results. An exception on a stream is kept and raised by the next
-  synchronisation, like a sticky CUDA error.
+* **Asynchrony.** Every stream is an in-order worker thread that sleeps a random (seeded) time
+  before each item, so completions on different streams and devices come in varying orders. A
+  ``copy_(..., non_blocking=True)`` issued on a side stream runs on that stream's worker, later:
+  a copy that is not ordered reads or writes at the wrong time and the result is wrong.
+* **The compute stream.** PyTorch's CPU kernels run when issued (an infinitely fast GPU); events
+  recorded on a default stream complete on its worker after a random lag, and :meth:`busy` or
+  ``torch.cuda._sleep`` put device time there. A default stream's ``wait_event`` must hold the
+  issuing thread until the event completes (the kernels after it run on the host at once); that
+  hold gives the host no knowledge: every check below treats the wait as device-side, as CUDA does.
+* **Ordering checks** (:mod:`cgdp.testing.stream_check`): the fakes fire torch's own GPU trace
+  callbacks, and a dispatch mode records every kernel's bytes on the stream it runs on, on every
+  thread that touches CUDA. A race between streams, a block of the caching allocator reused while
+  another stream may still use it, or page-locked memory unregistered while a copy may still use
+  it, is a :class:`~cgdp.testing.stream_check.StreamRaceError`, raised at the next host
+  synchronisation (or when the ``with`` block ends): a wrong order fails even when the random
+  delays happen to hide it.
+* **Page-locked memory.** ``cudaHostRegister`` pins whole pages (``page_size``: the OS's, or 4 KiB
+  / 64 KiB as asked); a range sharing a page with a registered one is refused
+  (``cudaErrorHostMemoryAlreadyRegistered``, 712) and sets the thread's last error, which the
+  next kernel launch on that thread raises unless it was cleared (``cudaGetLastError``), as
+  ``C10_CUDA_KERNEL_LAUNCH_CHECK`` does. ``cudaHostUnregister`` poisons the bytes (0xFF: NaN), and a
+  copy that runs after it fails with an illegal-address error and poisons its destination.
+* **Devices and contexts.** Each thread has its own current device (c10's bookkeeping, lazy
+  ``MaybeSetDevice`` included). A call that needs a context creates the primary context of the
+  thread's current device, which is device 0 for a thread that never chose one; ``sim.contexts``
+  records every context created, by whom.
+* **Sticky errors.** An exception on a stream (or :meth:`inject_error`) is sticky: every later
+  call fails, as after an illegal memory access on a GPU.
 
-What it cannot show: timing of real kernels, races inside PyTorch's own CUDA kernels, memory
-effects of the caching allocators. ``TORCH_CUDA_SANITIZER=1`` on a GPU covers the stream races
-of real kernels.
+``sim.counts`` counts what the backend asked of the runtime (events, contexts, copies, host waits,
+spin waits on non-blocking events, device synchronisations, coalesced collectives), so tests can
+check costs as well as results. What it cannot show: kernel timing, races inside PyTorch's own
+CUDA kernels, real PCIe behaviour (see docs/cuda.md).
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import queue
 import random
 import threading
 import time
+import types
 from collections import Counter
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["simulated_cuda", "SimulatedCuda"]
+from cgdp.testing import fake_cuda
+from cgdp.testing.stream_check import AccessMode, StreamChecker, StreamRaceError, tensor_bytes
 
+__all__ = ["simulated_cuda", "SimulatedCuda", "SideStream"]
 
-class SimStream:
-    """One simulated CUDA stream: an in-order worker thread with random delays."""
-
-    def __init__(self, sim: "SimulatedCuda", index: int, compute: bool, seed: int):
-        self.sim = sim
-        self.index = index
-        self.compute = compute
-        self._rng = random.Random(seed)
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"sim-cuda:{index}-{'compute' if compute else 'stream'}")
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], None]) -> None:
-        self._q.put(fn)
-
-    def _run(self) -> None:
-        while True:
-            fn = self._q.get()
-            if fn is None:
-                return
-            delay = self._rng.uniform(0.0, self.sim.max_delay_s)
-            if delay:
-                time.sleep(delay)
-            try:
-                fn()
-            except BaseException as exc:  # kept, and raised at the next synchronisation
-                self.sim.errors.append(exc)
-
-    def wait_event(self, event: "SimEvent") -> None:
-        gate = event._gate
-        if gate is None:
-            return  # an event never recorded: nothing to wait for (as in CUDA)
-        self.sim.counts["wait_event"] += 1
-        if self.compute:
-            # compute work runs on the host when issued, so later compute must wait here
-            self.sim.counts["compute_waits"] += 1
-            self.sim._wait(gate, "an event the default stream waits on")
-        self.submit(lambda: self.sim._wait(gate, "an event a stream waits on"))
-
-    def drain(self) -> None:
-        done = threading.Event()
-        self.submit(done.set)
-        self.sim._wait(done, f"a stream of cuda:{self.index} to drain")
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=5)
-
-
-class SimEvent:
-    """A simulated ``torch.cuda.Event``."""
-
-    def __init__(self, sim: "SimulatedCuda", enable_timing: bool = False, blocking: bool = False):
-        self.sim = sim
-        self.enable_timing = enable_timing
-        self.blocking = blocking
-        self._gate: threading.Event | None = None
-        self._t: float | None = None
-        sim.counts["events"] += 1
-
-    def record(self, stream: SimStream | None = None) -> None:
-        stream = stream if stream is not None else self.sim._current()
-        gate = threading.Event()
-        self._gate, self._t = gate, None
-
-        def fire() -> None:
-            if self._gate is gate:
-                self._t = self.sim.clock()
-            gate.set()
-        stream.submit(fire)
-
-    def query(self) -> bool:
-        return self._gate is None or self._gate.is_set()
-
-    def synchronize(self) -> None:
-        self.sim.counts["host_waits"] += 1
-        if not self.blocking:
-            self.sim.counts["spin_waits"] += 1  # a real GPU would spin a core here
-        if self._gate is not None:
-            self.sim._wait(self._gate, "Event.synchronize")
-        self.sim.raise_errors()
-
-    def elapsed_time(self, end: "SimEvent") -> float:
-        if not (self.enable_timing and end.enable_timing):
-            raise RuntimeError("Both events must be created with argument 'enable_timing=True'")
-        if self._t is None or end._t is None:
-            raise RuntimeError("CUDA error: device not ready (an event of elapsed_time has not completed)")
-        return (end._t - self._t) * 1e3
+ERRORS = {1: "invalid argument", 2: "out of memory", 700: "an illegal memory access was encountered",
+          712: "part or all of the requested memory range is already mapped",
+          713: "pointer does not correspond to a registered memory region"}
+"""The cudaError_t codes the simulator returns, with CUDA's messages."""
 
 
 class SimulatedCuda:
-    """The simulated runtime: the same methods as :class:`cgdp.engine.backend.cuda.TorchCuda`."""
+    """The simulated runtime's state; :attr:`runtime` is the backend's ``TorchCuda`` over it."""
 
     simulated = True
 
     def __init__(self, num_devices: int, seed: int = 0, max_delay_s: float = 0.002,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, page_size: int | None = None, nccl: bool = True,
+                 lockable_bytes: int | None = None):
+        from cgdp.engine.backend.cuda import TorchCuda, host_page_size
         if num_devices < 1:
             raise ValueError(f"simulated_cuda needs at least one device, got {num_devices}")
         self.num_devices = num_devices
         self.seed = seed
         self.max_delay_s = max_delay_s
         self.timeout_s = timeout_s
+        self.page_size = page_size or host_page_size()
+        self.nccl = nccl
+        self.lockable_bytes = lockable_bytes
+        """Limit of page-locked bytes (``ulimit -l``); None: no limit."""
         self.clock = time.perf_counter
-        """The device clock of events (host seconds)."""
         self.counts: Counter = Counter()
         self.copied_bytes: Counter = Counter()
         """Bytes moved by asynchronous copies, by direction ('d2h', 'h2d', 'd2d')."""
         self.registered: dict[int, int] = {}
-        """Page-locked host ranges: address → bytes (``cudaHostRegister`` bookkeeping)."""
+        """Page-locked host ranges: address → bytes."""
+        self._pages: set[int] = set()
+        self.contexts: dict[int, str] = {}
+        """Device → who created its primary context (thread name and the call)."""
+        self.thread_devices: dict[str, set[int]] = {}
+        """Thread name → the devices it made a call on."""
         self.errors: list[BaseException] = []
+        """Sticky errors: once there is one, every call fails."""
+        self.violations: list[StreamRaceError] = []
+        self._reported = 0
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._streams: list[SimStream] = []
-        self._default = [self._new_stream(i, compute=True) for i in range(num_devices)]
+        self._streams: list[Any] = []
+        self._by_id: dict[int, Any] = {}
+        self._side: dict[int, Any] = {}
+        self._events = 0
+        self.checker = StreamChecker(self._stream_name)
+        self.checker.on_error = self.violations.append
+        self.mode = AccessMode(self.checker, self._stream_of, self._execute)
+        self.cudart = types.SimpleNamespace(
+            cudaHostRegister=self._host_register, cudaHostUnregister=self._host_unregister,
+            cudaGetErrorString=lambda error: ERRORS.get(int(error), f"error {int(error)}"),
+            cudaError=types.SimpleNamespace(success=0))
+        self.native = types.SimpleNamespace(cudaGetLastError=self._get_last_error)
+        """What the backend loads from libcudart with ctypes."""
+        self.torch, self.cuda = fake_cuda.namespaces(self)
+        self._default = [self.new_stream(fake_cuda.Stream, i, compute=True) for i in range(num_devices)]
+        self.runtime = TorchCuda(self.torch, native=lambda: self.native, page_size=self.page_size)
 
-    # -------------------------------------------------------------- helpers
-    def _new_stream(self, index: int, compute: bool) -> SimStream:
-        self._check(index)
+    # ---------------------------------------------------------------- threads, devices, contexts
+    def _tls(self) -> Any:
+        loc = self._local
+        if not hasattr(loc, "device"):
+            loc.device, loc.target, loc.streams, loc.bound, loc.last_error = 0, -1, {}, False, 0
+        return loc
+
+    def check(self) -> None:
+        """Every call: a sticky error fails it; the calling thread's kernels are recorded from now on."""
+        if self.errors:
+            raise RuntimeError(f"CUDA error: {self.errors[0]} (simulated; sticky: every later call "
+                               f"fails)") from self.errors[0]
+        self.checker.watch_thread(self.mode)
+
+    def _valid(self, index: int) -> int:
+        if not 0 <= index < self.num_devices:
+            raise RuntimeError(f"CUDA error: invalid device ordinal (simulated: cuda:{index} does not "
+                               f"exist, {self.num_devices} device(s))")
+        return index
+
+    def need_context(self, index: int | None, what: str, work: bool = True) -> None:
+        """A call that needs a context on ``index`` (None: the thread's current device), which
+        creates that device's primary context if it has none; ``work``: a call that works on the
+        device (not only makes it current), noted in :attr:`thread_devices`."""
+        d = self.current_device() if index is None else index
+        name = threading.current_thread().name
         with self._lock:
-            s = SimStream(self, index, compute, seed=self.seed * 7919 + len(self._streams))
+            if work:
+                self.thread_devices.setdefault(name, set()).add(d)
+            if d not in self.contexts:
+                self.contexts[d] = f"{name}: {what}"
+                self.thread_devices.setdefault(name, set()).add(d)
+
+    def current_device(self) -> int:
+        t = self._tls()
+        return t.target if t.target >= 0 else t.device
+
+    def _set(self, index: int) -> None:
+        """c10::cuda::set_device: ``cudaSetDevice`` (which creates the context) if it changes."""
+        t = self._tls()
+        t.target = -1
+        if t.device != self._valid(index):
+            t.device = index
+            self.need_context(index, "cudaSetDevice", work=False)
+
+    def set_device(self, index: int) -> None:
+        self.check()
+        self._set(index)
+        self._tls().bound = True
+
+    def exchange_device(self, index: int) -> int:
+        self.check()
+        cur = self.current_device()
+        if index != cur:
+            self._set(index)
+        return cur
+
+    def maybe_exchange_device(self, index: int) -> int:
+        cur = self.current_device()
+        if index != cur:
+            if index in self.contexts:
+                self._set(index)
+            else:
+                self._tls().target = index  # no cudaSetDevice on a device without a context
+        return cur
+
+    # ---------------------------------------------------------------- streams
+    def new_stream(self, cls: type, index: int, compute: bool) -> Any:
+        self._valid(index)
+        s = object.__new__(cls)
+        with self._lock:
+            n = len(self._streams)
+            s.sim, s.device_index, s.compute = self, index, compute
+            s.stream_id = s.cuda_stream = 0x1000 + n
+            s.name = f"cuda:{index}/{'default' if compute else f'stream{n}'}"
+            s._rng = random.Random(self.seed * 7919 + n)
+            s._q = queue.SimpleQueue()
+            s._pending = 0
+            s._thread = threading.Thread(target=self._work, args=(s,), daemon=True, name=f"sim-{s.name}")
             self._streams.append(s)
+            self._by_id[s.stream_id] = s
+        s.idle = lambda: s._pending == 0
+        s._thread.start()
+        if not compute:
+            self.counts["streams"] += 1
+            self.need_context(index, "stream creation")
         return s
 
-    def _check(self, index: int) -> None:
-        if not 0 <= index < self.num_devices:
-            raise RuntimeError(f"simulated CUDA: cuda:{index} does not exist ({self.num_devices} devices)")
+    def stream_by_id(self, stream_id: int) -> Any:
+        return self._by_id[stream_id]
 
-    def _wait(self, gate: threading.Event, what: str) -> None:
+    def _stream_name(self, stream_id: int) -> str:
+        s = self._by_id.get(stream_id)
+        return s.name if s is not None else hex(stream_id)
+
+    def _submit(self, s: Any, fn: Callable[[], None]) -> None:
+        with self._lock:
+            s._pending += 1
+        s._q.put(fn)
+
+    def _work(self, s: Any) -> None:
+        while True:
+            fn = s._q.get()
+            if fn is None:
+                return
+            delay = s._rng.uniform(0.0, self.max_delay_s)
+            if delay:
+                time.sleep(delay)
+            try:
+                fn()
+            except BaseException as exc:  # sticky, as a failed kernel is on a GPU
+                self.errors.append(exc)
+            finally:
+                with self._lock:
+                    s._pending -= 1
+
+    def current_stream(self, index: int) -> Any:
+        return self._tls().streams.get(self._valid(index)) or self._default[index]
+
+    def default_stream(self, index: int) -> Any:
+        return self._default[self._valid(index)]
+
+    def set_stream(self, s: Any) -> None:
+        """THCPModule_setStream: makes the stream's device current (``cudaSetDevice``) first."""
+        self.check()
+        if self.current_device() != s.device_index:
+            self._set(s.device_index)
+        self._tls().streams[s.device_index] = s
+
+    def _hold(self, gate: threading.Event, what: str) -> None:
         if not gate.wait(self.timeout_s):
             raise TimeoutError(f"simulated CUDA: {what} did not complete in {self.timeout_s:g} s")
 
-    def _device(self) -> int:
-        return getattr(self._local, "device", 0)
+    def _drain(self, s: Any) -> None:
+        done = threading.Event()
+        self._submit(s, done.set)
+        self._hold(done, f"stream {s.name} to drain")
 
-    def _current(self) -> SimStream:
-        """The calling thread's current stream: its innermost stream context, else the default
-        stream of its current device."""
-        stack = getattr(self._local, "stack", None)
-        return stack[-1] if stack else self.default_stream(self._device())
-
-    def raise_errors(self) -> None:
-        if self.errors:
-            raise RuntimeError(f"simulated CUDA: work on a stream failed: {self.errors[0]!r}") from self.errors[0]
-
-    def close(self) -> None:
-        for s in self._streams:
-            s.close()
-
-    # -------------------------------------------------------------- the runtime's methods
-    def device_count(self) -> int:
-        return self.num_devices
-
-    def torch_device(self, index: int) -> torch.device:
-        self._check(index)
-        return torch.device("cpu")
-
-    def Stream(self, index: int) -> SimStream:  # noqa: N802
-        self.counts["streams"] += 1
-        return self._new_stream(index, compute=False)
-
-    def Event(self, enable_timing: bool = False, blocking: bool = False) -> SimEvent:  # noqa: N802
-        return SimEvent(self, enable_timing, blocking)
-
-    @contextlib.contextmanager
-    def stream(self, s: SimStream) -> Iterator[None]:
-        self.counts["stream_contexts"] += 1
-        stack = self._local.__dict__.setdefault("stack", [])
-        stack.append(s)
-        try:
-            yield
-        finally:
-            stack.pop()
-
-    def current_stream(self, index: int) -> SimStream:
-        stack = getattr(self._local, "stack", None)
-        if stack and stack[-1].index == index:
-            return stack[-1]
-        return self.default_stream(index)
-
-    def default_stream(self, index: int) -> SimStream:
-        self._check(index)
-        return self._default[index]
-
-    def set_device(self, index: int) -> None:
-        self._check(index)
-        self._local.device = index
-
-    def synchronize(self, index: int) -> None:
-        self.counts["device_syncs"] += 1
-        for s in list(self._streams):
-            if s.index == index:
-                s.drain()
-        self.raise_errors()
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        s = self._current()
-        self.counts["copies"] += 1
+    def wait_event(self, s: Any, ev: Any) -> None:
+        self.check()
+        self.need_context(s.device_index, "cudaStreamWaitEvent")
+        gate = ev._gate
+        if gate is None:
+            return  # an event never recorded: nothing to wait for (as in CUDA)
+        self.counts["wait_event"] += 1
+        self._fire("EventWaitCallbacks", ev.event_id, s.cuda_stream)
         if s.compute:
-            dst.copy_(src)  # compute runs when issued
-            return
-        kind = "d2h" if self._is_host(dst) else "h2d" if self._is_host(src) else "d2d"
-        self.copied_bytes[kind] += dst.numel() * dst.element_size()
-        s.submit(lambda: dst.copy_(src))
+            # the kernels after this wait run on the host when issued: they must not run before
+            # the event's work (a physical hold; logically the wait stays device-side)
+            self.counts["compute_waits"] += 1
+            self._hold(gate, "an event the default stream waits on")
+        self._submit(s, lambda: self._hold(gate, "an event a stream waits on"))
 
-    def _is_host(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` lies in page-locked host memory (what the engine copies to and from)."""
-        p = t.data_ptr()
-        return any(a <= p < a + n for a, n in self.registered.items())
+    def synchronize_stream(self, s: Any) -> None:
+        self.check()
+        self.need_context(s.device_index, "cudaStreamSynchronize")
+        self._drain(s)
+        self._fire("StreamSynchronizationCallbacks", s.cuda_stream)
+        self.raise_pending()
 
-    def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(max(numel, 1), dtype=dtype)[:numel]
-        self.registered[t.data_ptr()] = max(numel, 1) * t.element_size()
-        self.counts["host_register"] += 1
-        return t
+    def synchronize_device(self, index: int) -> None:
+        self.check()
+        self.counts["device_syncs"] += 1
+        with fake_cuda.device(index):
+            self.need_context(None, "cudaDeviceSynchronize")
+            for s in list(self._streams):
+                if s.device_index == index:
+                    self._drain(s)
+                    self._fire("StreamSynchronizationCallbacks", s.cuda_stream)
+        self.raise_pending()
 
-    def host_free(self, t: torch.Tensor) -> None:
-        if self.registered.pop(t.data_ptr(), None) is None:
-            raise RuntimeError("simulated CUDA: cudaHostUnregister of memory that is not registered")
-        self.counts["host_unregister"] += 1
-
-    def reduce_into_first(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.counts["reduce"] += 1
-        for t in tensors[1:]:
-            tensors[0].add_(t)
-
-    def broadcast(self, tensors: Sequence[torch.Tensor], indices: Sequence[int]) -> list[list[torch.Tensor]]:
-        self.counts["broadcast_coalesced"] += 1
-        return [list(tensors)] + [[t.detach().clone() for t in tensors] for _ in indices[1:]]
-
-    def rng_key(self, index: int) -> Any:
-        return "cpu"  # simulated devices draw from torch's one CPU generator
-
-    def get_rng_state(self, index: int) -> torch.Tensor:
-        return torch.get_rng_state()
-
-    def set_rng_state(self, state: torch.Tensor, index: int) -> None:
-        torch.set_rng_state(state)
-
-    def new_rng_state(self, index: int, seed: int) -> torch.Tensor:
-        return torch.Generator().manual_seed(seed).get_state()
-
-    # -------------------------------------------------------------- for tests
     def busy(self, seconds: float) -> None:
         """Device work of ``seconds`` on the calling thread's current stream (the host goes on),
         e.g. inside a model's forward: the device's clock then runs behind the host's."""
-        self._current().submit(lambda: time.sleep(seconds))
+        self.check()
+        self._submit(self.current_stream(self.current_device()), lambda: time.sleep(seconds))
+
+    def side_stream(self, index: int) -> Any:
+        """One extra stream per device, for models that run part of their forward on it."""
+        if index not in self._side:
+            self._side[index] = fake_cuda.Stream(index)
+        return self._side[index]
+
+    # ---------------------------------------------------------------- events
+    def new_event(self, cls: type, enable_timing: bool, blocking: bool) -> Any:
+        self.check()
+        ev = object.__new__(cls)
+        with self._lock:
+            self._events += 1
+            ev.event_id = 0x10_0000 + self._events
+        ev.sim, ev.enable_timing, ev.blocking, ev._gate, ev._t = self, enable_timing, blocking, None, None
+        self.counts["events"] += 1
+        return ev
+
+    def record_event(self, ev: Any, s: Any = None) -> None:
+        self.check()
+        s = s if s is not None else self.current_stream(self.current_device())
+        self.need_context(s.device_index, "cudaEventRecord")
+        gate = threading.Event()
+        ev._gate, ev._t = gate, None
+        self._fire("EventRecordCallbacks", ev.event_id, s.cuda_stream)
+
+        def fire() -> None:
+            if ev._gate is gate:
+                ev._t = self.clock()
+            gate.set()
+        self._submit(s, fire)
+
+    def query_event(self, ev: Any) -> bool:
+        self.check()
+        self.need_context(None, "cudaEventQuery")
+        return ev._gate is None or ev._gate.is_set()
+
+    def synchronize_event(self, ev: Any) -> None:
+        self.check()
+        self.need_context(None, "cudaEventSynchronize")
+        self.counts["host_waits"] += 1
+        if not ev.blocking:
+            self.counts["spin_waits"] += 1  # a real GPU would spin a core here
+        if ev._gate is not None:
+            self._hold(ev._gate, "Event.synchronize")
+            self._fire("EventSynchronizationCallbacks", ev.event_id)
+        self.raise_pending()
+
+    def elapsed_time(self, start: Any, end: Any) -> float:
+        self.check()
+        if not (start.enable_timing and end.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'")
+        if start._t is None or end._t is None:
+            raise RuntimeError("CUDA error: device not ready (an event of elapsed_time has not completed)")
+        return (end._t - start._t) * 1e3
+
+    @staticmethod
+    def _fire(registry: str, *args: Any) -> None:
+        """What torch's C++ does on a GPU: call the Python GPU-trace callbacks."""
+        import torch.cuda._gpu_trace as gt
+        getattr(gt, registry).fire_callbacks(*args)
+
+    # ---------------------------------------------------------------- kernels (the dispatch mode)
+    def _explicit(self) -> bool:
+        """Whether the thread chose its device, or runs in a stream context: its kernels' stream is
+        then known (a thread that did neither is host code: its reads of results are copies that
+        synchronise on a GPU, which this simulator cannot see, so they are not recorded)."""
+        t = self._tls()
+        cur = self.current_device()
+        return t.bound or t.streams.get(cur, self._default[cur]) is not self._default[cur]
+
+    def _stream_of(self, tensors: list[torch.Tensor]) -> int | None:
+        if not self._explicit():
+            return None
+        return self.current_stream(self.current_device()).cuda_stream
+
+    def _execute(self, func: Any, args: tuple, kwargs: dict, stream: int | None) -> Any:
+        if stream is not None:
+            self.check()
+            t = self._tls()
+            if t.last_error:  # C10_CUDA_KERNEL_LAUNCH_CHECK: cudaGetLastError after each launch
+                code, t.last_error = t.last_error, 0
+                raise RuntimeError(f"CUDA error: {ERRORS.get(code, code)} (simulated: left set by an "
+                                   f"earlier call on this thread)")
+        if func is not torch.ops.aten.copy_.default:
+            return func(*args, **kwargs)
+        s = self.current_stream(self.current_device())
+        self.counts["copies"] += 1
+        if s.compute:
+            return func(*args, **kwargs)  # compute runs when issued
+        dst, src = args[0], args[1]
+        host = [self._registered_range(x) for x in (dst, src)]
+        kind = "d2h" if host[0] else "h2d" if host[1] else "d2d"
+        self.copied_bytes[kind] += dst.numel() * dst.element_size()
+        self.need_context(s.device_index, "cudaMemcpyAsync")
+
+        def run() -> None:
+            for rng in host:
+                if rng is not None and self.registered.get(rng[0]) != rng[1]:
+                    _poison(dst)
+                    raise RuntimeError(f"{ERRORS[700]} (simulated: a copy on {s.name} used page-locked "
+                                       f"host memory after cudaHostUnregister)")
+            func(*args, **kwargs)
+        self._submit(s, run)
+        return dst
+
+    def _registered_range(self, t: torch.Tensor) -> tuple[int, int] | None:
+        rng = tensor_bytes(t)
+        if rng is None:
+            return None
+        for a, n in list(self.registered.items()):
+            if a <= rng[0] < a + n:
+                return a, n
+        return None
+
+    # ---------------------------------------------------------------- page-locked memory
+    def _error(self, code: int) -> int:
+        self._tls().last_error = code
+        return code
+
+    def _get_last_error(self) -> int:
+        t = self._tls()
+        code, t.last_error = t.last_error, 0
+        return code
+
+    def _host_register(self, ptr: int, size: int, flags: int) -> int:
+        if self.errors:
+            return self._error(700)
+        self.need_context(None, "cudaHostRegister")
+        if size <= 0:
+            return self._error(1)
+        p = self.page_size
+        pages = set(range(ptr // p, (ptr + size - 1) // p + 1))
+        with self._lock:
+            if pages & self._pages:
+                return self._error(712)
+            if self.lockable_bytes is not None and sum(self.registered.values()) + size > self.lockable_bytes:
+                return self._error(2)
+            self._pages |= pages
+            self.registered[ptr] = size
+            self.counts["host_register"] += 1
+        return 0
+
+    def _host_unregister(self, ptr: int) -> int:
+        if self.errors:
+            return self._error(700)
+        self.need_context(None, "cudaHostUnregister")
+        with self._lock:
+            size = self.registered.pop(ptr, None)
+            if size is None:
+                return self._error(713)
+            p = self.page_size
+            self._pages -= set(range(ptr // p, (ptr + size - 1) // p + 1))
+            self.counts["host_unregister"] += 1
+        self.checker.host_release(ptr, ptr + size, "cudaHostUnregister of page-locked host memory")
+        ctypes.memset(ptr, 0xFF, size)  # poisoned: a copy still using it reads NaN
+        return 0
+
+    # ---------------------------------------------------------------- errors and lifetime
+    def inject_error(self, message: str = "an illegal memory access was encountered") -> None:
+        """A sticky error, as a faulting kernel leaves on a GPU."""
+        self.errors.append(RuntimeError(message))
+
+    def raise_pending(self) -> None:
+        """Raise the sticky error, or the ordering violations found since the last call."""
+        if self.errors:
+            self.check()
+        if len(self.violations) > self._reported:
+            new = self.violations[self._reported:]
+            self._reported = len(self.violations)
+            more = f" (and {len(new) - 3} more)" if len(new) > 3 else ""
+            raise StreamRaceError("; ".join(str(v) for v in new[:3]) + more)
+
+    def activate(self) -> None:
+        if fake_cuda._sim is not None:
+            raise RuntimeError("a simulated CUDA runtime is already active; nest no simulated_cuda()")
+        fake_cuda._sim = self
+        self.checker.install_trace()
+        self.checker.watch_thread(self.mode)
+
+    def close(self) -> None:
+        self.checker.unwatch_thread(self.mode)
+        self.mode.enabled = False  # threads that outlive the simulator run their kernels plainly
+        self.checker.uninstall_trace()
+        if fake_cuda._sim is self:
+            fake_cuda._sim = None
+        for s in self._streams:
+            s._q.put(None)
+        for s in self._streams:
+            s._thread.join(timeout=5)
+
+
+def _poison(t: torch.Tensor) -> None:
+    rng = tensor_bytes(t)
+    if rng is not None and t.is_contiguous():
+        ctypes.memset(rng[0], 0xFF, rng[1] - rng[0])
 
 
 @contextlib.contextmanager
 def simulated_cuda(num_devices: int = 2, *, seed: int = 0, max_delay_s: float = 0.002,
-                   timeout_s: float = 60.0) -> Iterator[SimulatedCuda]:
-    """Inside, ``"cuda:0"`` … ``"cuda:{num_devices-1}"`` run cgdp's CUDA backend on a simulated
-    asynchronous runtime over host memory. ``max_delay_s``: the largest random delay before each
-    item on a stream (0 keeps order but still runs every stream asynchronously)."""
+                   timeout_s: float = 60.0, page_size: int | None = None, nccl: bool = True,
+                   lockable_bytes: int | None = None) -> Iterator[SimulatedCuda]:
+    """Inside, ``"cuda:0"`` … ``"cuda:{num_devices-1}"`` run cgdp's CUDA backend (``TorchCuda``
+    included) on the strict simulated runtime. ``max_delay_s``: the largest random delay before
+    each item on a stream (0 keeps order but still runs every stream asynchronously);
+    ``page_size``: the host's page size (default: this machine's); ``nccl``: whether
+    ``torch.cuda.nccl`` reports itself available; ``lockable_bytes``: the page-locked memory limit.
+    Ordering violations not raised earlier are raised when the block ends."""
     from cgdp.engine.backend.cuda import use_runtime
-    sim = SimulatedCuda(num_devices, seed=seed, max_delay_s=max_delay_s, timeout_s=timeout_s)
+    sim = SimulatedCuda(num_devices, seed=seed, max_delay_s=max_delay_s, timeout_s=timeout_s,
+                        page_size=page_size, nccl=nccl, lockable_bytes=lockable_bytes)
+    sim.activate()
     try:
-        with use_runtime(sim):
+        with use_runtime(sim.runtime):
             yield sim
-    finally:
+    except BaseException:
         sim.close()
+        raise
+    sim.close()
+    if len(sim.violations) > sim._reported:  # (a sticky error was raised where it happened)
+        sim.errors.clear()
+        sim.raise_pending()
+
+
+# ------------------------------------------------------------------------- side-stream forwards
+class _Side:
+    """One forward's side-stream state, shared by its two autograd nodes."""
+
+    def __init__(self, sim: SimulatedCuda, main: Any, side: Any):
+        self.sim, self.main, self.side, self.done = sim, main, side, None
+
+
+_backward = threading.local()
+
+
+class _Exit(torch.autograd.Function):
+    """At the side part's input (a node of the main stream): in backward, the main stream waits
+    for the gradient the side stream produced, as autograd's engine makes a consumer wait."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, st):
+        ctx.st = st
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        st = ctx.st
+        done = st.done or st.side.record_event()
+        st.main.wait_event(done)
+        st.sim.set_stream(st.main)
+        _backward.side = None
+        return g, None, None
+
+
+class _Enter(torch.autograd.Function):
+    """At the side part's output: in backward, its nodes run on the side stream."""
+
+    @staticmethod
+    def forward(ctx, h, st):
+        ctx.st = st
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g):
+        st = ctx.st
+        st.done = None
+        st.side.wait_stream(st.main)
+        st.sim.set_stream(st.side)
+        _backward.side = st
+        return g, None
+
+
+class SideStream(torch.nn.Module):
+    """Runs ``inner`` on a stream of its own, as a model with ``torch.cuda.stream(s)`` in its
+    forward does on a GPU: the side stream waits for the main one, the main one for the result;
+    in backward (as autograd's engine runs a node on its forward's stream) the side part's
+    gradients are computed and accumulated into its parameters' ``.grad`` on the side stream, and
+    the main stream waits only for the gradient that leaves the side part, not for those
+    accumulations. Only inside :func:`simulated_cuda`."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sim = fake_cuda.active()
+        dev = sim.current_device()
+        main, side = sim.current_stream(dev), sim.side_stream(dev)
+        for p in self.inner.parameters():
+            if not getattr(p, "_cgdp_side_hook", False):  # once per replica's parameter
+                p.register_hook(_producer_done)
+                p._cgdp_side_hook = True
+        st = _Side(sim, main, side)
+        anchor = torch.zeros((), requires_grad=True)  # so that _Exit's backward always runs
+        x = _Exit.apply(x, anchor, st)
+        side.wait_stream(main)
+        with fake_cuda.stream(side):
+            h = self.inner(x)
+        main.wait_stream(side)
+        return _Enter.apply(h, st)
+
+
+def _producer_done(g: torch.Tensor) -> None:
+    """Before the first accumulation of the side part: the point autograd's engine records for
+    the main stream to wait on (the accumulations come after it)."""
+    st = getattr(_backward, "side", None)
+    if st is not None and st.done is None:
+        st.done = st.side.record_event()

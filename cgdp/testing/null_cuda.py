@@ -1,7 +1,7 @@
 """A null CUDA runtime: every CUDA call is a no-op, so what is left of a step is cgdp's own host cost.
 
 Inside ``with cgdp.testing.null_cuda(8) as rt:``, ``"cuda:0"`` … ``"cuda:7"`` are CUDA devices and
-the engine runs :mod:`cgdp.engine.backend.cuda`'s own code (hooks, sends, completion threads, the
+the engine runs :mod:`cgdp.engine.backend.cuda`'s own code (hooks, sends, completion waits, the
 host sum, copies back, events, stream waits), but the runtime beneath it
 (:class:`cgdp.engine.backend.cuda.TorchCuda`) is replaced by :class:`NullCuda`, whose methods
 return at once: a copy copies nothing, an event is complete when recorded, a stream wait waits for
@@ -34,11 +34,11 @@ __all__ = ["null_cuda", "NullCuda"]
 class NullStream:
     """A stream that runs nothing: every wait is already satisfied."""
 
-    __slots__ = ("rt", "index", "context")
+    __slots__ = ("rt", "index", "device_index", "context")
 
     def __init__(self, rt: "NullCuda", index: int):
         self.rt = rt
-        self.index = index
+        self.index = self.device_index = index
         self.context = _Context(rt)
 
     def wait_event(self, event: "NullEvent") -> None:

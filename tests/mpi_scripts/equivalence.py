@@ -34,7 +34,8 @@ def digest(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def case(name, model, make_opt, data, chunks, loss_fn=F.cross_entropy, n_parts=None, ref_loss_fn=None):
+def case(name, model, make_opt, data, chunks, loss_fn=F.cross_entropy, n_parts=None, ref_loss_fn=None,
+         micro_batches=1):
     """``ref_loss_fn``: the two-argument form, dict batches, ``loss_fn(model, part)`` on every
     device and ``ref_loss_fn(model, batch)`` for the reference on the whole batch."""
     if ref_loss_fn is None:
@@ -42,7 +43,7 @@ def case(name, model, make_opt, data, chunks, loss_fn=F.cross_entropy, n_parts=N
     else:
         ref, ref_losses = reference_step2(model, make_opt, data, ref_loss_fn)
     with cgdp.Trainer(model, make_opt, ["cpu:0", "cpu:1"], chunks=chunks, comm="mpi",
-                      timeout_s=30) as tr:
+                      timeout_s=30, micro_batches=micro_batches) as tr:
         losses = []
         for b in data:
             if ref_loss_fn is None:
@@ -80,3 +81,7 @@ case("batchnorm", WithBN(), SGD, batches(3, 12, dim=6, classes=3), chunks=1, n_p
 # (loss_sum, count): padded sequences; the counts of all devices of all ranks make the token mean
 case("token-sum-count", TokenLM(), SGD, token_batches(3, 9), chunks=1, loss_fn=token_sum,
      ref_loss_fn=token_mean)
+# ... also accumulated over micro-batches: 9 samples -> rank parts 5 and 4 -> device parts 3,2 and
+# 2,2 -> micro-batches of 2,1 and 1,1 samples, every one with its own token count
+case("token-sum-count-micro-batches", TokenLM(), SGD, token_batches(3, 9), chunks=1, loss_fn=token_sum,
+     ref_loss_fn=token_mean, micro_batches=2)

@@ -76,9 +76,13 @@ class Device(ABC):
     def bind_thread(self) -> None:
         """Called once on the device's own host thread (forward, backward and update run there)."""
 
-    def check_caller(self) -> None:
-        """Called at the start of every step, on the caller's thread: raise if its stream
-        context would break the ordering the engine relies on."""
+    def check_caller(self, what: str = "Trainer.step()") -> None:
+        """Called on the caller's thread at the start of every step, and before the engine builds
+        or relays buffers or the user's optimizer steps: raise if its stream context would break
+        the ordering the engine relies on (``what``: the call, for the message)."""
+
+    note_stream: Callable[[int], None] | None = None
+    """Called in each gradient hook with the gradient's chunk (CUDA only: see ``send``)."""
 
     @abstractmethod
     def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

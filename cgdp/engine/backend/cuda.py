@@ -2,27 +2,36 @@
 
 The only module of cgdp that touches ``torch.cuda``, and only through one object, the *runtime*
 (:class:`TorchCuda`): streams, events, stream contexts, asynchronous copies, page-locked host
-memory, coalesced reduce and broadcast, the devices' random generators. ``cgdp.testing``
-provides a simulated runtime with the same methods (asynchronous streams over host memory), so
-CI runs this module's own code without a GPU.
+memory, coalesced reduce and broadcast, the devices' random generators. ``cgdp.testing``'s
+simulated runtime sits *beneath* ``TorchCuda`` (fakes of ``torch.cuda`` with torch's signatures),
+so CI runs every line of this module.
 
-* ``send`` runs inside a gradient hook on the thread that runs backward for this device, whose
-  current stream is the one the gradient was accumulated on. Per unit (a chunk) it records one
-  event there and makes the D2H stream wait on it (a device-side wait: the host does not
-  synchronise, unlike the paper's per-layer host sync); per segment it enqueues one copy into
-  page-locked host memory and records the segment's blocking-sync event. Then it tells the host
-  the unit is on its way. No thread waits per device: the host thread, which must have a segment
-  from every device before it sums it, waits on each device's event of that segment in turn
-  (sleeping, GIL released), so one thread polls the completions of all devices.
+* ``send`` runs inside a gradient hook on the thread that runs backward for this device. Each
+  gradient accumulates on the stream of the forward op that used its parameter (the hook notes
+  that stream, :meth:`CudaDevice.note_stream`); per chunk, ``send`` records one event on the
+  current stream, one more on every other stream a gradient accumulated on (a model that runs
+  part of its forward on a side stream), and makes the D2H stream wait on them (device-side waits:
+  the host does not synchronise, unlike the paper's per-layer host sync); per segment it enqueues
+  one copy into page-locked host memory and records the segment's blocking-sync event. Then it
+  tells the host the unit is on its way. No thread waits per device: the host thread, which must
+  have a segment from every device before it sums it, waits on each device's event of that
+  segment in turn (sleeping, GIL released, instead of spinning a core the host sum needs), so one
+  thread polls the completions of all devices.
 * The events are made once per chunk plan and recorded again every step (a record replaces the
   previous one; every wait on it was issued before): an untimed step creates no CUDA objects.
 * ``give_back`` enqueues the host-to-device copy on the H2D stream; ``compute_wait`` makes the
-  compute stream wait on an H2D event, again without a host synchronisation.
+  compute stream wait on an H2D event, again without a host synchronisation. So a step returns
+  while its last copies back may still run: ``close()`` synchronises before it unregisters the
+  host rows, and everything that frees or relays buffers synchronises first.
+* Threads: every thread that calls CUDA works under a guard of the device it works for (the
+  device threads bind theirs, the host thread binds its first device's; stream contexts and host
+  registration make theirs current), so a process that uses ``cuda:1`` only never creates a
+  context on GPU 0.
 * The flat gradient buffer and the host slots live for the whole run, so no allocation is
   freed while a side stream still uses it (no ``record_stream`` needed). Host slots are an
-  ordinary allocation registered with ``cudaHostRegister`` (exactly the bytes needed, unlike the
-  caching host allocator, which rounds ``pin_memory=True`` up to a power of two and keeps it), and
-  unregistered on ``close()``.
+  ordinary allocation registered with ``cudaHostRegister`` on pages of their own (the host's page
+  size: 64 KiB on some arm64 hosts), exactly the bytes needed, unlike the caching host allocator,
+  which rounds ``pin_memory=True`` up to a power of two and keeps it.
 * Several replicas may share one GPU (``share_devices=True``): each has its own D2H and H2D
   streams and its own random stream; they share the GPU's default (compute) stream.
 * Timing (profiled or traced steps only): every timestamp is a device event, resolved after the
@@ -32,10 +41,12 @@ CI runs this module's own code without a GPU.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import mmap
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -43,68 +54,132 @@ from torch import nn
 from cgdp.engine.backend.base import Device, Routes
 from cgdp.engine.sync import Guard
 
-PAGE = 4096
+def host_page_size() -> int:
+    """The host's page size (4 KiB on most x86 hosts, 64 KiB on some arm64 ones, e.g. GH200)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return mmap.PAGESIZE
+
+
+_CUDA_ERRORS = {2: "out of memory: raise the locked-memory limit (ulimit -l) or free host memory",
+                712: "part of the range is already page-locked (it shares a page with another "
+                     "registration)",
+                713: "the memory is not registered"}
+
+
+def _load_cudart() -> Any:
+    """The libcudart this process already loaded (for ``cudaGetLastError``, which
+    ``torch.cuda.cudart()`` does not expose), or None."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+    except OSError:  # pragma: no cover - not Linux
+        paths = set()
+    for path in sorted(paths) + ["libcudart.so.12", "libcudart.so"]:
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None  # pragma: no cover - cudart linked statically
 
 
 class TorchCuda:
-    """The real CUDA runtime, as cgdp uses it. Every method is one ``torch.cuda`` call (or two)."""
+    """The CUDA runtime, as cgdp uses it. Every method is one ``torch.cuda`` call (or two).
+
+    ``torch_module`` is ``torch`` on a GPU; ``cgdp.testing.simulated_cuda`` passes
+    :mod:`cgdp.testing.fake_cuda`'s namespaces (torch 2.13's signatures over a simulated
+    runtime), so that this class's own code runs in CI. ``native`` loads libcudart for the
+    calls ``torch.cuda.cudart()`` lacks; ``page_size`` is the host's."""
 
     simulated = False
 
+    def __init__(self, torch_module: Any = torch, native: Callable[[], Any] = _load_cudart,
+                 page_size: int | None = None):
+        if torch_module is torch:  # submodules torch.cuda does not import itself
+            importlib.import_module("torch.cuda.comm")
+            importlib.import_module("torch.cuda.nccl")
+        self.torch = torch_module
+        self.cuda = torch_module.cuda
+        self._native = native
+        self.page_size = page_size or host_page_size()
+
     def device_count(self) -> int:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return self.cuda.device_count() if self.cuda.is_available() else 0
 
     def torch_device(self, index: int) -> torch.device:
-        return torch.device("cuda", index)
+        return self.torch.device("cuda", index)
 
     def Stream(self, index: int) -> Any:  # noqa: N802 (mirrors torch.cuda.Stream)
-        with torch.cuda.device(index):
-            return torch.cuda.Stream(index)
+        with self.cuda.device(index):
+            return self.cuda.Stream(index)
 
     def Event(self, enable_timing: bool = False, blocking: bool = False) -> Any:  # noqa: N802
-        return torch.cuda.Event(enable_timing=enable_timing, blocking=blocking)
+        return self.cuda.Event(enable_timing=enable_timing, blocking=blocking)
 
-    def stream(self, s: Any):
-        return torch.cuda.stream(s)
+    @contextlib.contextmanager
+    def stream(self, s: Any) -> Iterator[None]:
+        # the stream's device is made current first (a device guard: restored lazily, without
+        # cudaSetDevice on a device that has no context). A bare torch.cuda.stream(s) on a thread
+        # that never chose a device would leave through set_stream(device 0's stream), i.e.
+        # cudaSetDevice(0): a CUDA context on GPU 0 for a process that uses another GPU.
+        with self.cuda.device(s.device_index), self.cuda.stream(s):
+            yield
 
     def current_stream(self, index: int) -> Any:
-        return torch.cuda.current_stream(index)
+        return self.cuda.current_stream(index)
 
     def default_stream(self, index: int) -> Any:
-        return torch.cuda.default_stream(index)
+        return self.cuda.default_stream(index)
 
     def set_device(self, index: int) -> None:
-        torch.cuda.set_device(index)
+        self.cuda.set_device(index)
 
     def synchronize(self, index: int) -> None:
-        torch.cuda.synchronize(index)
+        self.cuda.synchronize(index)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """An asynchronous copy (or cast) on the current stream."""
         dst.copy_(src, non_blocking=True)
 
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Page-locked host memory of exactly ``numel`` elements (plus up to a page of alignment)."""
+        """Page-locked host memory of exactly ``numel`` elements, on pages of its own (the
+        registration pins whole pages: one shared with another allocation would make that one's
+        registration fail). Register under a guard of the device whose context should own it."""
+        page = self.page_size
         itemsize = torch.tensor([], dtype=dtype).element_size()
         nbytes = max(numel, 1) * itemsize
-        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-        skip = (-raw.data_ptr()) % PAGE
+        span = -(-nbytes // page) * page
+        raw = self.torch.empty(span + page, dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % page
         buf = raw[skip:skip + nbytes]
-        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
-        if int(err) != 0:
+        err = int(self.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+        if err != 0:
+            self._clear_last_error()
             raise RuntimeError(f"cudaHostRegister of {nbytes / 2**20:.1f} MiB of host memory failed "
-                               f"(error {int(err)}): raise the locked-memory limit (ulimit -l) or "
-                               f"free host memory")
+                               f"(CUDA error {err}: {_CUDA_ERRORS.get(err, 'see cudaError_t')})")
         return buf.view(dtype)[:numel]  # a view of ``raw``'s storage, which it keeps alive
 
     def host_free(self, t: torch.Tensor) -> None:
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        err = int(self.cuda.cudart().cudaHostUnregister(t.data_ptr()))
+        if err != 0:
+            self._clear_last_error()
+            raise RuntimeError(f"cudaHostUnregister of cgdp's host rows failed (CUDA error {err}: "
+                               f"{_CUDA_ERRORS.get(err, 'see cudaError_t')})")
+
+    def _clear_last_error(self) -> None:
+        """A failed runtime call leaves the thread's last error set, and the next kernel launch on
+        this thread would raise it as its own (``C10_CUDA_KERNEL_LAUNCH_CHECK``): clear it."""
+        lib = self._native()
+        if lib is not None:
+            lib.cudaGetLastError()
 
     def reduce_into_first(self, tensors: Sequence[torch.Tensor]) -> None:
         """``tensors[0]`` += the others, one tensor per distinct device: one in-place NCCL reduce
         where NCCL is available (what ``torch.cuda.comm.reduce_add`` does, without its new output
         tensor), else copies to the first device and adds in device order."""
-        from torch.cuda import nccl
+        nccl = self.cuda.nccl
         if nccl.is_available(list(tensors)):
             nccl.reduce(list(tensors), output=tensors[0], root=0)
             return
@@ -113,20 +188,20 @@ class TorchCuda:
 
     def broadcast(self, tensors: Sequence[torch.Tensor], indices: Sequence[int]) -> list[list[torch.Tensor]]:
         """Copies of ``tensors`` on every device of ``indices`` (distinct), in buckets."""
-        return torch.cuda.comm.broadcast_coalesced(list(tensors), list(indices))
+        return self.cuda.comm.broadcast_coalesced(list(tensors), list(indices))
 
     def rng_key(self, index: int) -> Any:
-        """Replicas with the same key share one generator."""
-        return index
+        """Replicas with the same key share one generator (the generator of their device)."""
+        return self.torch_device(index)
 
     def get_rng_state(self, index: int) -> torch.Tensor:
-        return torch.cuda.get_rng_state(index)
+        return self.cuda.get_rng_state(index)
 
     def set_rng_state(self, state: torch.Tensor, index: int) -> None:
-        torch.cuda.set_rng_state(state, index)
+        self.cuda.set_rng_state(state, index)
 
     def new_rng_state(self, index: int, seed: int) -> torch.Tensor:
-        return torch.Generator(device=self.torch_device(index)).manual_seed(seed).get_state()
+        return self.torch.Generator(device=self.torch_device(index)).manual_seed(seed).get_state()
 
 
 _REAL = TorchCuda()
@@ -175,6 +250,8 @@ class CudaDevice(Device):
         """A device event right after backward was issued, in a timed step."""
         self._anchor: tuple[Any, float] | None = None
         self._hosts: list[torch.Tensor] = []
+        self._grad_streams: list[Any] = []
+        """Every stream a gradient has accumulated on (usually the default stream alone)."""
         self._routes: Routes | None = None
         self._marker = self.rt.Event(blocking=True)
         """Recorded on the H2D stream after a step's copies back (``h2d_marker``)."""
@@ -184,24 +261,37 @@ class CudaDevice(Device):
     def bind_thread(self) -> None:
         self.rt.set_device(self.index)
 
-    def check_caller(self) -> None:
+    def check_caller(self, what: str = "Trainer.step()") -> None:
         if self.rt.current_stream(self.index) != self.rt.default_stream(self.index):
-            raise RuntimeError("call Trainer.step() outside any torch.cuda.stream(...) context: cgdp "
-                               "orders its own copy streams against the default stream")
+            raise RuntimeError(f"call {what} outside any torch.cuda.stream(...) context: cgdp orders "
+                               f"its copy streams against the default stream of {self.name}, and its "
+                               f"buffers live there")
 
     def host_empty(self, shape, dtype):
         numel = 1
         for n in shape:
             numel *= n
-        t = self.rt.host_alloc(numel, dtype).view(shape)
+        # any stream of this device: what matters is that cuda:N is current, so the registration
+        # uses its context (and creates none on the caller's current device)
+        with self.rt.stream(self.h2d):
+            t = self.rt.host_alloc(numel, dtype).view(shape)
         self._hosts.append(t)
         return t
 
     def host_release(self, t: torch.Tensor) -> None:
         for k, h in enumerate(self._hosts):
             if h is t:
-                self.rt.host_free(self._hosts.pop(k))
+                with self.rt.stream(self.h2d):
+                    self.rt.host_free(self._hosts.pop(k))
                 return
+
+    def note_stream(self, c: int) -> None:
+        """A gradient of chunk ``c`` has just accumulated (in its hook), on the current stream: the
+        stream of the forward op that used its parameter, which for a model that runs part of its
+        forward on a side stream is not the stream of the hook that completes the chunk."""
+        s = self.rt.current_stream(self.index)
+        if s not in self._grad_streams:
+            self._grad_streams.append(s)
 
     def set_routes(self, routes: Routes) -> None:
         self._routes = routes
@@ -213,10 +303,16 @@ class CudaDevice(Device):
     def send(self, unit):
         rt, r = self.rt, self._routes
         timed = self.trace is not None and self._anchor is not None  # inside a timed step
+        current = rt.current_stream(self.index)
         ready = self._ready[unit]
-        ready.record(rt.current_stream(self.index))
+        ready.record(current)
         with rt.stream(self.d2h):
             self.d2h.wait_event(ready)  # device-side wait: no host synchronisation here
+            for s in self._grad_streams:
+                if s != current:  # every other stream a gradient may have accumulated on
+                    ev = rt.Event()
+                    ev.record(s)
+                    self.d2h.wait_event(ev)
             for s in r.units[unit]:
                 src, dst, stage = r.d2h[s]
                 if timed:
@@ -320,8 +416,22 @@ class CudaDevice(Device):
         self.trace = None  # later stamps are host times; this step's stay resolvable
 
     def close(self) -> None:
+        """Unregister the host rows, once every copy is done: a step returns after a device-side
+        wait only, so its last copies back may still read them."""
+        first: BaseException | None = None
+        try:
+            self.rt.synchronize(self.index)  # note: host sync before the rows are unregistered
+        except BaseException as exc:  # a sticky CUDA error: release the rest anyway
+            first = exc
         while self._hosts:
-            self.rt.host_free(self._hosts.pop())
+            t = self._hosts.pop()
+            try:
+                with self.rt.stream(self.h2d):
+                    self.rt.host_free(t)
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 # ------------------------------------------------------------------------- typical mode

@@ -30,6 +30,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from cgdp.engine.core import fork
+
 BLOCK = 4096
 """Elements per block: 16 KiB of float32 output stays in L1 while up to four parts stream through."""
 SERIAL_BELOW = 1 << 16
@@ -470,7 +472,7 @@ def accumulate_unchecked(out: np.ndarray | None, parts: tuple[np.ndarray, ...], 
     dtype, in the same pass, and ``out`` may be None: the float32 sum is then never written to
     memory, only its rounding (2 bytes per element written instead of 6)."""
     s = np.float32(scale) if out is None else out.dtype.type(scale)
-    parallel = parts[0].shape[0] >= SERIAL_BELOW and numba.get_num_threads() > 1
+    parallel = _parallel(parts[0].shape[0])
     half = _WIDEN.get(parts[0].dtype)
     if half is not None:
         bits = tuple(p.view(np.uint16) for p in parts)
@@ -495,14 +497,23 @@ _NO_BACK = np.zeros(0, np.uint16)
 _NO_OUT = np.zeros(0, np.float32)
 
 
+def _parallel(n: int) -> bool:
+    """Whether n elements are worth a parallel launch; never in a child forked after cgdp ran
+    (:mod:`cgdp.engine.core.fork`: GNU OpenMP does not survive a fork)."""
+    if n < SERIAL_BELOW or fork.forked_child or numba.get_num_threads() <= 1:
+        return False
+    fork.engine_started()
+    return True
+
+
 def round_into(src: np.ndarray, dst: np.ndarray) -> None:
     """``dst[:] = src`` rounded from float32 to ``dst``'s 16-bit dtype (uint16 for bf16 bits, or
     float16): for a chunk summed across ranks, rounded after its allreduce."""
-    _round_blocks(src, dst.view(np.uint16), dst.dtype == np.float16)
+    kernel = _round_blocks if _parallel(src.shape[0]) else _round_blocks_serial
+    kernel(src, dst.view(np.uint16), dst.dtype == np.float16)
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def _round_blocks(src, dst, half):
+def _round_blocks_py(src, dst, half):
     n = src.shape[0]
     for blk in prange((n + BLOCK - 1) // BLOCK):
         lo = blk * BLOCK
@@ -510,14 +521,18 @@ def _round_blocks(src, dst, half):
         _narrow(src[lo:hi], dst[lo:hi], half)
 
 
+_round_blocks = njit(parallel=True, nogil=True, cache=True)(_round_blocks_py)
+_round_blocks_serial = njit(nogil=True, cache=True)(_round_blocks_py)
+
+
 def sum_of_squares(x: np.ndarray) -> float:
     """Sum of squares of a float32 (or float64) array, with the blocks and order of the kernels
     above: for a chunk summed across ranks after accumulation (one more read of it)."""
-    return float(_sumsq_blocks(x))
+    kernel = _sumsq_blocks if _parallel(x.shape[0]) else _sumsq_blocks_serial
+    return float(kernel(x))
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def _sumsq_blocks(x):
+def _sumsq_blocks_py(x):
     n = x.shape[0]
     nblocks = (n + BLOCK - 1) // BLOCK
     sq = np.zeros(nblocks)
@@ -525,6 +540,10 @@ def _sumsq_blocks(x):
         lo = blk * BLOCK
         sq[blk] = _sumsq(x[lo:min(lo + BLOCK, n)])
     return _ordered_sum(sq)
+
+
+_sumsq_blocks = njit(parallel=True, nogil=True, cache=True)(_sumsq_blocks_py)
+_sumsq_blocks_serial = njit(nogil=True, cache=True)(_sumsq_blocks_py)
 
 
 def warm_up(dtype: np.dtype = np.float32, nparts: int = 2) -> None:

@@ -107,3 +107,13 @@ def sync_buffers(buffers: list[list[torch.Tensor]], weights: list[float], comm: 
                 pos += a.numel()
         for bufs in buffers:
             torch._foreach_copy_(bufs, [a.to(bufs[0].device) for a in acc])
+
+
+def copy_from_first(buffers: list[list[torch.Tensor]]) -> None:
+    """Every replica's buffers take replica 0's (``buffers[j]``: replica j's, in the same order):
+    after a step whose forward failed on some devices only, a counter that the others advanced
+    (BatchNorm's ``num_batches_tracked``) would otherwise differ between replicas for good."""
+    with torch.no_grad():
+        for bufs in buffers[1:]:
+            if bufs:
+                torch._foreach_copy_(bufs, [b.to(d.device) for b, d in zip(buffers[0], bufs)])

@@ -38,4 +38,11 @@ def device_norm(flat: torch.Tensor) -> float:
 
 def scale_gradients(flat: torch.Tensor, coef: torch.Tensor) -> None:
     """``flat *= coef`` on its device (every gradient is a view into ``flat``)."""
-    flat.mul_(coef.to(flat.device, non_blocking=True))
+    if coef.device.type == "cpu":
+        # made on the device, its value a kernel argument: a copy of a host tensor with
+        # non_blocking=True comes from pageable memory, which blocks the host until the stream
+        # has caught up (a hidden synchronisation in every clipped step)
+        coef = torch.full((), coef.item(), dtype=coef.dtype, device=flat.device)
+    elif coef.device != flat.device:
+        coef = coef.to(flat.device, non_blocking=True)  # device to device: no host synchronisation
+    flat.mul_(coef)

@@ -80,10 +80,29 @@ def make_layout(plan: Plan, layer_pids: list[list[int]], numels: list[int],
 
 
 def attach_grads(flat: torch.Tensor, params: list[torch.nn.Parameter], layout: Layout) -> list[torch.Tensor]:
-    """Point every ``param.grad`` at its slice of ``flat``; return those views (by pid)."""
+    """Point every ``param.grad`` at its slice of ``flat``; return those views (by pid).
+
+    Each view has its parameter's strides when the parameter is dense (``channels_last``
+    convolutions): autograd's layout contract, which one device keeps, gives such a parameter a
+    gradient of the same strides. The slice is still the parameter's ``numel`` elements, in the
+    same order on every replica, so chunks and the host sum do not see the difference."""
     views = []
     for pid, p in enumerate(params):
         off = layout.offsets[pid]
-        p.grad = flat[off:off + layout.numels[pid]].view_as(p)
+        part = flat[off:off + layout.numels[pid]]
+        p.grad = part.as_strided(p.shape, p.stride()) if _dense_not_contiguous(p) else part.view_as(p)
         views.append(p.grad)
     return views
+
+
+def _dense_not_contiguous(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill exactly ``numel`` places in another order than row-major
+    (non-overlapping and dense, as autograd's layout contract says, but not contiguous)."""
+    if t.is_contiguous() or t.numel() == 0:
+        return False
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

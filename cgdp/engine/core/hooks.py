@@ -43,9 +43,11 @@ class DeviceHooks:
         so autograd hands its gradient over instead of adding it to a zeroed view; the hook
         writes ``0.0 + grad`` into the view, the bits the zeroed view would have held."""
         self.ready_at: list[Any] = [0.0] * n
-        self.mode = [False, False]
-        """[streaming, timing]: hooks send chunks (mode 'cgdp'), hooks stamp when each parameter
-        was ready (timed steps). One list, read by every hook."""
+        self.mode: list[Any] = [False, False, None]
+        """[streaming, timing, note]: hooks send chunks (mode 'cgdp'), hooks stamp when each
+        parameter was ready (timed steps), and ``note(c)`` is called with the chunk of each
+        gradient that arrives while streaming (CUDA: notes the stream it accumulated on, which
+        the chunk's send must wait for). One list, read by every hook."""
         self._handles = [p.register_post_accumulate_grad_hook(self._make(pid))
                          for pid, p in enumerate(params)]
 
@@ -66,6 +68,14 @@ class DeviceHooks:
     def timing(self, on: bool) -> None:
         self.mode[1] = bool(on)
 
+    @property
+    def note(self) -> Callable[[int], None] | None:
+        return self.mode[2]
+
+    @note.setter
+    def note(self, fn: Callable[[int], None] | None) -> None:
+        self.mode[2] = fn
+
     def set_layout(self, param_chunk: list[int], chunk_params: list[int],
                    views: list[torch.Tensor]) -> None:
         self.views[:] = views
@@ -85,22 +95,25 @@ class DeviceHooks:
         send, ready_at, stamp, stolen = self._send, self.ready_at, self._stamp, self.stolen
 
         def hook(p: torch.Tensor) -> None:
-            view = views[pid]
-            if p.grad is not view:
-                if stolen[pid]:  # one pass (read, write) where zeroing and adding made three
-                    torch.add(p.grad, 0.0, out=view)
+            view, grad = views[pid], p.grad  # read once: another thread may zero_grad
+            if grad is not view:
+                if grad is not None and stolen[pid]:  # one pass (read, write) where zeroing and adding made three
+                    torch.add(grad, 0.0, out=view)
                 else:
                     # .grad was replaced (e.g. zero_grad(set_to_none=True) on a replica): autograd
                     # then stores a new tensor instead of adding into the flat buffer. Put it back.
-                    view.copy_(p.grad)
+                    if grad is not None:
+                        view.copy_(grad)
                     replaced[pid] = 1
                 p.grad = view
             touched[pid] = 1
-            streaming, timing = mode
+            streaming, timing, note = mode
             if timing:
                 ready_at[pid] = stamp()
             if streaming:
                 c = chunk_of[pid]
+                if note is not None:
+                    note(c)
                 left = pending[c] - 1
                 pending[c] = left
                 if left == 0:

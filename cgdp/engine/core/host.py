@@ -89,7 +89,9 @@ class HostAccumulator:
         self.trace: TraceSink | None = None
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.arrivals = Arrivals(len(devices), self._q)
-        self._thread = threading.Thread(target=self._run, name="cgdp-host-accumulate", daemon=True)
+        # named after its first device: it works under that device (CUDA), and two trainers'
+        # host threads (two in-process ranks) tell apart
+        self._thread = threading.Thread(target=self._run, name=f"cgdp-host-{devices[0].name}", daemon=True)
         self._thread.start()
         self.ring = 0
         self._rows: list[torch.Tensor] = []
@@ -208,6 +210,10 @@ class HostAccumulator:
 
     def _run(self) -> None:
         set_threads(self._threads)  # Numba's thread count is per calling thread: set it here
+        try:  # CUDA: this thread's event waits and copies back use a device of this process
+            self.devices[0].bind_thread()
+        except BaseException as exc:
+            self._guard.fail(exc)
         while True:
             u = self._q.get()  # waits for the next unit that every device sent
             if u is None:

@@ -9,6 +9,7 @@ by an earlier layer keeps its number but owns nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 import torch
 from torch import nn
@@ -32,13 +33,14 @@ class LayerInfo:
         return sum(self.numels)
 
 
-def find_layers(model: nn.Module) -> tuple[list[LayerInfo], list[list[nn.Parameter]]]:
-    """Return the layer table and, per layer, the parameter objects of ``model`` it owns."""
+def find_layers(model: nn.Module, skip: Collection[int] = ()) -> tuple[list[LayerInfo], list[list[nn.Parameter]]]:
+    """Return the layer table and, per layer, the parameter objects of ``model`` it owns.
+    ``skip``: ids of parameters left out as if frozen (``DataParallel``'s sparse-gradient ones)."""
     infos: list[LayerInfo] = []
     params: list[list[nn.Parameter]] = []
     claimed: set[int] = set()
     for mod_name, module in model.named_modules():
-        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad and id(p) not in skip]
         if not own:
             continue
         mine = [(n, p) for n, p in own if id(p) not in claimed]

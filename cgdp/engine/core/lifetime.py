@@ -5,7 +5,8 @@ Invariants:
 * **One call at a time.** ``step``, ``load_state_dict`` and ``set_plan`` are :func:`exclusive`:
   a second call while one runs (from another thread, or from inside ``loss_fn`` or the model's
   forward, which run on the device threads) is a ``RuntimeError`` at once, never a hang and never
-  two steps interleaved on the same replicas.
+  two steps interleaved on the same replicas. ``close()`` during a call (from another thread)
+  stops that call and releases nothing under it (:func:`close_during_call`).
 * **No reference cycles through the engine.** The engine's threads and callbacks hold the
   trainer only weakly (:func:`weak_call`), so a trainer is freed by reference counting the moment
   its last user reference goes, not whenever the cycle collector runs.
@@ -14,6 +15,9 @@ Invariants:
   but never the trainer; a ``weakref.finalize`` runs
   :meth:`Resources.release` when the trainer is freed without ``close()`` (and at interpreter
   exit). ``close()`` runs the same finalizer, so release happens exactly once.
+* **Nothing is freed in flight.** A step returns after device-side waits only: on a GPU its last
+  copies back may still read the host rows and write the flat buffers. Release first lets every
+  copy finish (:func:`settle`), then frees.
 """
 from __future__ import annotations
 
@@ -39,11 +43,39 @@ def exclusive(method: F) -> F:
                 where = ("from another thread while one is running; a Trainer takes one call at a "
                          "time: serialise the calls with a lock, or use one Trainer per thread")
             raise RuntimeError(f"Trainer.{method.__name__}() was called {where}")
+        self.__dict__["_exclusive_owner"] = threading.get_ident()
         try:
             return method(self, *args, **kwargs)
         finally:
+            self.__dict__["_exclusive_owner"] = None
             lock.release()
+            if self.__dict__.get("_closed"):  # close() came from another thread during this call
+                self._finish_close()
     return call  # type: ignore[return-value]
+
+
+def close_during_call(obj: Any, stop: Callable[[BaseException], None], wait_s: float) -> bool:
+    """``close()`` of an object with :func:`exclusive` methods: whether it may release now.
+
+    No call running: yes. A call running on another thread: ``stop`` it (its waits raise at
+    their next wake-up) and wait up to ``wait_s`` for it to return; if it does not, the call
+    releases everything itself when it returns (its :func:`exclusive` wrapper calls
+    ``_finish_close``), so nothing is freed under a running step. From inside the running call
+    (its ``loss_fn``, on a device thread): never wait, the call releases on its way out."""
+    lock = obj.__dict__.setdefault("_exclusive_lock", threading.Lock())
+    if lock.acquire(blocking=False):
+        lock.release()
+        return True
+    stop(RuntimeError(f"{type(obj).__name__}.close() was called from another thread while a call was "
+                      f"running; that call stopped (nothing applied unless its update had begun) and "
+                      f"the {type(obj).__name__} is closed"))
+    threads = getattr(obj, "_threads", None)
+    inside = obj.__dict__.get("_exclusive_owner") == threading.get_ident() or (
+        threads is not None and threads.on_device_thread())
+    if inside or not lock.acquire(timeout=wait_s):
+        return False
+    lock.release()
+    return True
 
 
 def weak_call(bound: Callable[..., Any], *args: Any) -> Callable[..., Any]:
@@ -74,7 +106,9 @@ class Resources:
 
     def release(self) -> None:
         """Stop every thread, remove the hooks, free the flat and pinned buffers, close the comm; once."""
-        steps = [getattr(self.threads, "close", None), getattr(self.stream, "close", None),
+        devs, stream = self.devs, self.stream
+        steps = [lambda: settle(devs, stream),
+                 getattr(self.threads, "close", None), getattr(self.stream, "close", None),
                  *(d.close for d in self.devs), getattr(self.comm, "close", None)]
         self.threads = self.stream = self.comm = None
         self.devs = ()
@@ -88,6 +122,14 @@ class Resources:
                 first = first or exc
         if first is not None:
             raise first
+
+
+def settle(devs: Sequence[Any], stream: Any, timeout_s: float = 30.0) -> None:
+    """Wait until no copy of ``devs`` is in flight, the copies back the host accumulator of
+    ``stream`` (a GradientStream, or None) is still issuing included: before anything is freed."""
+    from cgdp.engine.core.drain import quiesce
+    if devs:
+        quiesce(devs, getattr(stream, "host", None), timeout_s)  # note: host waits on every stream
 
 
 def finalizer(owner: object, res: Resources) -> weakref.finalize:

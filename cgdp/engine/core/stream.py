@@ -97,6 +97,7 @@ class GradientStream:
             sent = bytearray()
             hooks = DeviceHooks(self.params[j], self._chunk_done(j, dev, sent), dev.stamp, sent)
             hooks.streaming = streaming
+            hooks.note = dev.note_stream
             self.hooks.append(hooks)
         if streaming:
             from cgdp.engine.core.accumulate import warm_up

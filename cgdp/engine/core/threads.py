@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 from cgdp.engine.backend.base import Device
+from cgdp.engine.core import fork
 from cgdp.engine.sync import POLL_S, Guard, StepAborted
 
 SETTLE_S = 0.5
@@ -73,6 +74,7 @@ def _serve(q: queue.SimpleQueue, bind: Callable[[], None]) -> None:
 
 class DeviceThreads:
     def __init__(self, devs: Sequence[Device], guard: Guard):
+        fork.engine_started()  # children forked from now on compute on one thread
         self._guard = guard
         self._threads = [_DeviceThread(d) for d in devs]
         self.stuck: list[str] = []

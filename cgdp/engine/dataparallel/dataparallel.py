@@ -37,8 +37,13 @@ device streams, host sum, copy back): one data path, two faces.
   each rank's gradient, as with DDP. Every rank must do the same synced backwards and training
   forwards (BatchNorm statistics are averaged over all ranks, a collective per training forward).
 
-Not supported: ``torch.autograd.grad`` through the output (a clear error: it never reaches the
-hooks), ``optimizer.step(closure)``. A second backward through a retained graph accumulates, as on
+Input gradients (a frozen model, ``backward(inputs=[x])``, ``torch.autograd.grad(loss, x)``) flow
+back by autograd alone, without the engine (:mod:`cgdp.engine.dataparallel.input_grads`); a model
+with nothing to train runs forward and those only. Sparse gradients travel beside the flat buffer
+(:mod:`cgdp.engine.dataparallel.sparse`); buffers that require grad are read from replica 0 by
+every replica (:mod:`cgdp.engine.dataparallel.user_module`). Not supported (clear errors):
+``torch.autograd.grad`` for the parameters, input gradients with ``create_graph=True`` while the
+model trains, ``optimizer.step(closure)``. A second backward through a retained graph accumulates, as on
 one device. A backward that fails before any replica's gradient arrived (a second backward without
 ``retain_graph``) leaves the gradients as they were, as on one device; one that fails partway
 drops them, and ``optimizer.step()`` refuses to run until the step's backward is redone.
@@ -59,7 +64,7 @@ from torch.autograd import Variable
 
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import default_devices, host_threads, make_devices, make_rng, parse_devices
-from cgdp.engine.core.buffers import sync_buffers
+from cgdp.engine.core.buffers import BufferWatch, sync_buffers
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
@@ -67,8 +72,13 @@ from cgdp.engine.core.replicas import batch_weights, state_digest
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.dataparallel import mirror
+from cgdp.engine.dataparallel.input_grads import BackwardCheck
 from cgdp.engine.dataparallel.replica_grads import ReplicaGrads
-from cgdp.engine.dataparallel.scatter import gather, scatter
+from cgdp.engine.dataparallel.resources import Resources, release
+from cgdp.engine.dataparallel.scatter import caller_context, gather, scatter, watch_counts
+from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
+from cgdp.engine.dataparallel.turns import Turns, giving, holding
+from cgdp.engine.dataparallel.user_module import GradBuffers, local_load_post_hook
 from cgdp.engine.dataparallel.user_warning import warn_user
 from cgdp.engine.sync import Guard
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
@@ -79,7 +89,7 @@ class DataParallel(nn.Module):
 
     Args:
         module: the model; it becomes replica 0 (moved to ``devices[0]``, trained in place).
-        devices: ``["cuda:0", "cuda:1", ...]`` or CPU-emulated ``["cpu:0", "cpu:1", ...]``;
+        devices: ``["cuda:0", "cuda:1", ...]`` (or ``torch.device``s) or CPU-emulated ``["cpu:0", ...]``;
             ``None``: every GPU, or two CPU-emulated devices without one.
         chunks: chunk size k (the paper's uniform plan), an explicit plan, or ``"auto"``: the
             auto tuner times the uniform plans over the first iterations of your loop (the time
@@ -91,39 +101,55 @@ class DataParallel(nn.Module):
         timeout_s: longest any thread waits for another before backward fails with
             ``TimeoutError``; ``None`` waits forever.
         segment_bytes: chunks larger than this travel in segments (see :mod:`cgdp.engine.core.flatgrad`).
-        host_memory: bytes of registered host memory for the host slots (a ring that does not grow
-            with the model, as for ``Trainer``); ``None``: full-size slots.
+        host_memory: bytes of registered host memory for the host slots, as for ``Trainer``.
+        scalar_outputs: how a floating 0-dim tensor that every replica returns (a loss the model
+            computed) is combined: ``"mean"``, weighted by each replica's share of the samples
+            (``sum_j n_j/N * x_j``: exact for per-sample means); ``"sum"`` (``sum_j x_j``: exact
+            for a share of a global sum, a loss divided by a count of the whole batch); or
+            ``"auto"``: ``"sum"`` in a call that passes ``num_items_in_batch`` (Hugging Face's
+            global normaliser) which the model's forward then uses, ``"mean"`` otherwise.
     """
 
     def __init__(self, module: nn.Module, devices: Sequence[str] | None = None, *,
                  chunks: int | Plan | str = "auto", comm: Any = None, timeout_s: float | None = 300.0,
-                 segment_bytes: int = 4 << 20, host_memory: int | None = None):
+                 segment_bytes: int = 4 << 20, host_memory: int | None = None, scalar_outputs: str = "auto"):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
-        devices = default_devices() if devices is None else list(devices)
+        if scalar_outputs not in ("auto", "mean", "sum"):
+            raise ValueError(f"scalar_outputs must be 'auto', 'mean' or 'sum', got {scalar_outputs!r}")
+        devices = default_devices() if devices is None else devices
+        if isinstance(devices, (list, tuple)):  # torch.device("cuda", 1) is "cuda:1"
+            devices = [str(d) if isinstance(d, torch.device) else d for d in devices]
         parse_devices(devices)
-        infos, layer_params = find_layers(module)
-        if not any(info.numel for info in infos):
-            raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
-        dtype = trainable_dtype(layer_params)
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
+            raise RuntimeError("Modules with uninitialized parameters (lazy modules such as nn.LazyLinear) "
+                               "cannot be replicated: run one forward on a sample batch before wrapping")
+        sparse = sparse_parameters(module)
+        if sparse and comm is not None:
+            raise NotImplementedError("cgdp.DataParallel with comm (several machines) does not support "
+                                      "sparse gradients (nn.Embedding(sparse=True)): use sparse=False")
+        infos, layer_params = find_layers(module, skip={id(p) for p in sparse})
+        dtype = trainable_dtype(layer_params) if any(layer_params) else None
         self.devices = list(devices)
+        self._scalar_outputs = scalar_outputs
         self._closed = False
         self._broken: str | None = None
         self._no_sync = False
-        self._lock = threading.Lock()
-        self._in_backward = False
+        self._turns = Turns()  # one operation at a time; who holds the turn (a backward too)
         self._incomplete = False  # a backward failed partway and dropped the gradients
         self._sending = False
         self._host_fresh = False
         self._guard = Guard(timeout_s)
         # what close() releases; held by a finalizer too, so that a DataParallel dropped without
         # close() stops its threads (nothing in it refers back to this wrapper)
-        self._res = res = _Resources()
-        self._finalizer = weakref.finalize(self, _release, res)
+        self._res = res = Resources()
+        self._finalizer = weakref.finalize(self, release, res)
         self._devs = res.devs = make_devices(devices, self._guard.fail)
+        for d in self._devs:
+            d.check_caller("cgdp.DataParallel(...)")  # its buffers must not live on a user stream
         self.output_device = self._devs[0].torch_device
         """Where the gathered outputs are (``devices[0]``): put the targets there."""
         self._threads: DeviceThreads | None = None
@@ -148,8 +174,13 @@ class DataParallel(nn.Module):
         self.module = module
         reps = [module] + [copy.deepcopy(module).to(d.torch_device) for d in devs[1:]]
         object.__setattr__(self, "_replicas", reps)  # not submodules: parameters() is replica 0's
-        params = [[p for layer in find_layers(r)[1] for p in layer] for r in reps]
-        self._buffers_f = [[b for b in r.buffers() if b.is_floating_point()] for r in reps]
+        sparse = [sparse_parameters(r) for r in reps]
+        params = [[p for layer in find_layers(r, {id(q) for q in sp})[1] for p in layer]
+                  for r, sp in zip(reps, sparse)]
+        self._grad_buffers = GradBuffers(reps)  # read from replica 0 by every replica
+        self._buffers_f = [[b for b in r.buffers() if b.is_floating_point() and not b.requires_grad]
+                           for r in reps]
+        self._buffer_watch = BufferWatch(self._buffers_f)  # which of them a forward wrote
         self._submodules = [list(r.modules()) for r in reps]  # same order on every replica
         self._all_params = [list(r.parameters()) for r in reps]
         self._wrapped_trainable = [p.requires_grad for p in self._all_params[0]]
@@ -158,9 +189,25 @@ class DataParallel(nn.Module):
         for layer in layer_params:
             layer_pids.append(list(range(n, n + len(layer))))
             n += len(layer)
-        itemsize = torch.tensor([], dtype=dtype).element_size()
         self._tuner = None
         self._t_step: float | None = None
+        self._threads = self._res.threads = DeviceThreads(devs, self._guard)
+        self._rng = make_rng(devs)  # one random stream per replica
+        self._sparse = SparseGrads(sparse, [d.torch_device for d in devs])
+        self._backward_check = BackwardCheck()
+        self._stream: GradientStream | None = None
+        self._grads: ReplicaGrads | None = None
+        if any(info.numel for info in infos):  # dense trainable parameters: the streaming path
+            self._build_stream(devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before, host_memory)
+        self._res.registered = list(module.parameters()) + self._grad_buffers.current(0)
+        mirror.register(self, self._res.registered)
+        me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
+        # never pickled with the module (torch.save(model.module) while wrapped)
+        self._res.load_hook = local_load_post_hook(module, lambda *_: me()._broadcast_state())
+        self._record_parameters()
+
+    def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before, host_memory) -> None:
+        itemsize = torch.tensor([], dtype=dtype).element_size()
         if isinstance(chunks, str):
             if chunks != "auto":
                 raise ValueError(f"chunks must be an int, an explicit plan or 'auto'; got {chunks!r}")
@@ -172,60 +219,89 @@ class DataParallel(nn.Module):
             plan = resolve_plan(chunks, len(infos))
         if self._comm is not None:
             plan = self._comm.broadcast_object(plan)  # rank 0's plan: the same chunks everywhere
-        self._threads = self._res.threads = DeviceThreads(devs, self._guard)
-        self._rng = make_rng(devs)  # one random stream per replica
         self._stream = self._res.stream = GradientStream(devs, params, layer_pids, dtype, segment_bytes=segment_bytes,
                                       streaming=True, guard=self._guard, comm=self._comm,
                                       host_threads=host_threads(devs), host_memory=host_memory)
         self._stream.set_plan(plan)
         self._stream.disarm()
         self._grads = ReplicaGrads(self._stream, before)
-        self._res.registered = list(module.parameters())
-        mirror.register(self, self._res.registered)
-        me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
-        self._res.load_hook = module.register_load_state_dict_post_hook(lambda *_: me()._broadcast_state())
-        self._record_parameters()
 
     # ------------------------------------------------------------------ public API
     @property
     def replicas(self) -> list[nn.Module]:
+        self._turns.settle()  # after a step that failed on replica 0: identical again first
         return list(self._replicas)
+
+    def rng_state(self) -> dict[str, Any]:
+        """The replicas' random streams (dropout), for a checkpoint: :meth:`set_rng_state`
+        continues them where they were, so a resumed run draws what an uninterrupted one would."""
+        return {"states": [s.clone() for s in self._rng.states], "turns": getattr(self._rng, "turns", None)}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        if len(state["states"]) != len(self._rng.states):
+            raise ValueError(f"the random state is of {len(state['states'])} replicas, this model has "
+                             f"{len(self._rng.states)}: resume on as many devices")
+        self._rng.states = [s.clone() for s in state["states"]]
+        if state.get("turns") is not None:
+            self._rng.turns = state["turns"]
 
     @property
     def plan(self) -> Plan:
-        """The chunk plan in use (send order, forward layer numbering)."""
-        return self._stream.plan
+        """The chunk plan in use (send order, forward layer numbering); empty without dense
+        trainable parameters."""
+        return self._stream.plan if self._stream is not None else []
 
+    @holding("forward()")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_usable()
-        self._after_failed_backward()
         devs = self._devs
         for d in devs:
-            d.check_caller()  # CUDA: the replicas run on the default streams, as must the gather
+            d.check_caller("model(...)")  # CUDA: the replicas run on the default streams, as must the gather
         self._copy_modes()
         self._copy_requires_grad()
         self._copy_edited_parameters()
         parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
         g = len(parts)
-        in_caller = _caller_context()
+        counts = watch_counts(parts, [d.torch_device for d in devs]) if self._scalar_outputs == "auto" else []
+        self._backward_check.disarm()  # guard hooks left by an autograd.grad that failed
+        if self._grad_buffers:
+            self._grad_buffers.refresh([d.torch_device for d in devs], g)
+        in_caller = caller_context()
 
         def forward_on(j: int) -> Any:
             if j >= g:
                 return None
-            return self._rng.on_device(j, lambda: in_caller(lambda: self._replicas[j](*parts[j][0], **parts[j][1])))
+            try:
+                return self._rng.on_device(j, lambda: in_caller(lambda: self._replicas[j](*parts[j][0], **parts[j][1])))
+            except Exception as exc:  # the user's own error, said where it happened (Python >= 3.11)
+                getattr(exc, "add_note", lambda _: None)(f"(raised in replica {j} of cgdp.DataParallel, on {self.devices[j]})")
+                raise
 
-        outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on))
+        try:
+            outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on))
+        except BaseException:  # failed on some devices only: counters (BatchNorm's) must agree
+            if not self._threads.stuck:
+                self._broadcast_state(buffers_only=True)
+            raise
         if self.module.training and self._buffers_f[0] and (len(devs) > 1 or self._comm is not None):
             weights, _ = batch_weights(sizes, self._comm)  # over all ranks with a comm
             # through .data: the graph just built saved these buffers (BatchNorm), and an in-place
             # write through the tensors would bump their version and fail its backward
+            # only those the forward wrote (BatchNorm's): a weighted mean of equal values is not
+            # always that value, and constant tables (rotary frequencies) must stay bitwise
+            changed = self._buffer_watch.changed(self._comm)
             sync_buffers([[b.data for b in bufs] for bufs in self._buffers_f],
-                         weights + [0.0] * (len(devs) - g), self._comm)
+                         weights + [0.0] * (len(devs) - g), self._comm, changed)
+            self._buffer_watch.synced(changed, others=False)
             if g < len(devs):  # replicas that got no sample: integer buffers (counters) too
                 self._broadcast_state(buffers_only=True)
         sync = not self._no_sync
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
-        return gather(outs[:g], sizes, devs[0].torch_device, lambda: self._begin_backward(sync), scale)
+        trains = self._stream is not None or bool(self._sparse)
+        on_backward = (lambda me=threading.get_ident(): self._begin_backward(sync, me)) if trains else None
+        # the scalars are shares of a global sum when the model divided by the count it was given
+        summed = self._scalar_outputs == "sum" or any(c.used for c in counts)
+        return gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -237,23 +313,31 @@ class DataParallel(nn.Module):
         finally:
             self._no_sync = old
 
+    @holding("clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradient of every replica by the norm of the whole (summed) gradient, computed
         on the host during backward (from the second call on); returns that norm (as FSDP's
         method of the same name)."""
         self._check_usable()
-        if not self._grads.synced_last:
+        if not ((self._grads is None or self._grads.synced_last) and self._sparse.synced_last):
             raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
                                "that runs outside model.no_sync()")
-        if self._grads.mirror_if_changed():
-            self._host_fresh = False
+        self._mirror_if_changed()
         total = self._grad_norm(float(norm_type))
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
-            self._stream.scale_grads(coef)
-        self._grads.record()
+            if self._stream is not None:
+                self._stream.scale_grads(coef)
+                self._grads.record()
+            self._sparse.scale(coef)
         self._host_fresh = False
         return total
+
+    def _mirror_if_changed(self) -> None:
+        """Replica 0's gradients changed by the user since backward: copy them to every replica."""
+        if self._grads is not None and self._grads.mirror_if_changed():
+            self._host_fresh = False
+        self._sparse.mirror_if_changed()
 
     def _copy_modes(self) -> None:
         """Every replica's modules take replica 0's train/eval modes: ``net.eval()`` or a frozen
@@ -325,24 +409,33 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------ for mirror.py
     def parameter_maps(self) -> list[dict[int, nn.Parameter]]:
-        """Per replica j > 0: id(replica 0's parameter) -> replica j's (all parameters)."""
+        """Per replica j > 0: id(replica 0's parameter) -> replica j's (all parameters, and the
+        stand-ins of buffers that require grad, which the replicas read from replica 0)."""
         first = list(self.module.parameters())
-        return [{id(p): q for p, q in zip(first, r.parameters())} for r in self._replicas[1:]]
+        maps = [{id(p): q for p, q in zip(first, r.parameters())} for r in self._replicas[1:]]
+        for m, stand_ins in zip(maps, self._grad_buffers.parameter_maps()):
+            m.update(stand_ins)
+        return maps
 
     def run_on(self, j: int, fn: Callable[[], Any]) -> Future:
         return self._threads.submit(j, fn)
 
-    def before_step(self) -> None:
-        """Called before the user's optimizer steps: replica 0's gradients are every replica's."""
+    @holding("optimizer.step()", until_given=True)
+    def before_step(self, cleanup: Callable[[], None]) -> None:
+        """Before the optimizer steps: the turn, held until after_step (``cleanup`` if that never comes)."""
         self._check_usable()
-        self._after_failed_backward()
+        for d in self._devs:  # the copies back are ordered before the default streams only
+            d.check_caller("optimizer.step()")
         if self._incomplete:
             raise RuntimeError("the last backward through cgdp.DataParallel failed partway, so the "
                                "gradients are incomplete (they were dropped); call optimizer.zero_grad() "
                                "and redo this step's forward and backward before optimizer.step()")
-        if self._grads.mirror_if_changed():
-            self._host_fresh = False
+        self._mirror_if_changed()
 
+    def replicas_resynced(self) -> None:
+        self._record_parameters()  # every replica took replica 0's parameters (a step failed)
+
+    @giving
     def after_step(self) -> None:
         """Called after the user's optimizer stepped every replica: while tuning, the time since
         the last step is one iteration under the current plan; switch to the tuner's next plan."""
@@ -371,41 +464,43 @@ class DataParallel(nn.Module):
         self._grads.record()
         self._host_fresh = False
 
-    def mark_broken(self, why: str) -> None:
-        self._broken = why
-
     # ------------------------------------------------------------------ backward
-    def _begin_backward(self, sync: bool) -> None:
+    def _begin_backward(self, sync: bool, owner: int) -> None:
         """Autograd thread, in the gather's backward, before any replica's gradient exists."""
-        with self._lock:
-            if self._in_backward:
-                return  # a second gathered output in the same backward
-            self._in_backward = True
+        if not self._turns.take_backward(owner, self._after_failed_backward):
+            return  # a second gathered output in the same backward
         try:
             self._check_usable()
+            if not self._backward_check.trains(self._all_params[0], self._trainable):
+                self._turns.give()  # input gradients only: autograd alone, as on one device
+                return
             self._guard.reset()
-            self._grads.prepare()
-            self._stream.arm(sending=sync)
+            if self._stream is not None:
+                self._grads.prepare()
+                self._stream.arm(sending=sync)
+            self._sparse.prepare()
             self._sending = sync
             self._host_fresh = False
             Variable._execution_engine.queue_callback(self._end_backward)
         except BaseException:
-            self._in_backward = False
+            self._turns.give()
             raise
 
     def _after_failed_backward(self) -> None:
-        """A backward that raised never reached :meth:`_end_backward`: its copies may still be in
-        flight and the gradients are partial. Let everything stop and start again from zero."""
-        if not self._in_backward:
-            return
+        """A backward that raised never reached :meth:`_end_backward` (the clean-up of its stale
+        turn): its copies may still be in flight and the gradients are partial. Let everything
+        stop and start again from zero."""
+        st = self._stream
         self._guard.fail(RuntimeError("the previous backward failed"))
-        self._broken = drain_after_failure(self._devs, self._stream.host)
+        self._broken = drain_after_failure(self._devs, st.host if st is not None else None)
         self._guard.reset()
-        self._stream.disarm()
-        self._in_backward = False
-        if self._grads.undo_prepare():
+        if st is not None:
+            st.disarm()
+        if (st is None or self._grads.undo_prepare()) and self._sparse.undo_prepare():
             return  # it failed before any gradient changed: they are kept, as on one device
-        self._grads.reset()
+        if st is not None:
+            self._grads.reset()
+        self._sparse.reset()
         self._incomplete = True
         warn_user("the previous backward through cgdp.DataParallel failed partway; the gradients "
                   "it left were dropped (every .grad is None)")
@@ -414,33 +509,29 @@ class DataParallel(nn.Module):
         """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
         st = self._stream
         try:
-            if self._sending:
-                st.flush_all()  # chunks backward never completed (unused layers, idle devices)
-                for j in range(len(self._devs)):
-                    st.wait_returned(j)  # note: host waits until every summed chunk is back
-            touched = st.touched()
-            reached = bool(touched.any())
-            if self._sending and self._comm is not None:
-                self._comm.fence(self._guard.timeout_s)
-                # a parameter with a gradient on any rank has one on every rank
-                touched = self._comm.allreduce_small(touched + self._grads.has_grad)
-            self._grads.finish(touched, self._sending)
+            if st is not None:
+                if self._sending:
+                    st.flush_all()  # chunks backward never completed (unused layers, idle devices)
+                    for j in range(len(self._devs)):
+                        st.wait_returned(j)  # note: host waits until every summed chunk is back
+                touched = st.touched()
+                if self._sending and self._comm is not None:
+                    self._comm.fence(self._guard.timeout_s)
+                    # a parameter with a gradient on any rank has one on every rank
+                    touched = self._comm.allreduce_small(touched + self._grads.has_grad)
+                self._grads.finish(touched, self._sending)
+            self._sparse.finish(self._sending)  # after the dense chunks: not overlapped
             self._incomplete = False
             self._host_fresh = self._sending
         except BaseException as exc:
             self._guard.fail(exc)
-            self._broken = (drain_after_failure(self._devs, st.host)
+            self._broken = (drain_after_failure(self._devs, st.host if st is not None else None)
                             or f"a backward failed, the replicas' gradients may differ ({exc!r})")
             raise
         finally:
-            st.disarm()
-            self._in_backward = False
-        if not reached:
-            # the gather's backward ran but no parameter's .grad received anything: the graph was
-            # run by torch.autograd.grad, which never reaches the hooks (buffers stay consistent)
-            raise RuntimeError("torch.autograd.grad through the output of cgdp.DataParallel is not "
-                               "supported: it would give replica 0's share of the gradient only. "
-                               "Use loss.backward() and read .grad")
+            if st is not None:
+                st.disarm()
+            self._turns.give()
 
     def _grad_norm(self, norm_type: float) -> torch.Tensor:
         """The norm of the whole gradient. The 2-norm comes from the host, which summed the squares
@@ -448,14 +539,18 @@ class DataParallel(nn.Module):
         clip on), when the host's sum is what every replica holds; otherwise, and for other
         norms, from replica 0's flat buffer."""
         st = self._stream
-        if norm_type == 2.0:
+        value = 0.0  # no dense parameter to train
+        if st is not None and norm_type == 2.0:
             if self._host_fresh and st.want_norm:
                 value = st.grad_norm()  # no pass over the gradient: summed during backward
             else:
                 value = device_norm(st.flats[0])
             st.want_norm = True  # from the next backward on, the host sums the squares
-        else:
+        elif st is not None:
             value = float(torch.linalg.vector_norm(st.flats[0], norm_type, dtype=torch.float64))
+        if self._sparse:  # the norm of the parts' norms is the norm of the whole
+            value = float(torch.linalg.vector_norm(
+                torch.tensor([value, self._sparse.norm(norm_type)], dtype=torch.float64), norm_type))
         return torch.tensor(value, dtype=torch.float32, device=self._devs[0].torch_device)
 
     def _record_parameters(self) -> None:
@@ -487,6 +582,7 @@ class DataParallel(nn.Module):
                         b.data.copy_(b0)
                 else:
                     r.load_state_dict(self.module.state_dict())
+        self._buffer_watch.synced()  # every replica's buffers are the same again
         if not buffers_only:
             self._record_parameters()
 
@@ -497,58 +593,8 @@ class DataParallel(nn.Module):
             raise RuntimeError(f"this cgdp.DataParallel cannot continue: {self._broken}")
 
 
-class _Resources:
-    """What a ``DataParallel`` must release (threads, buffers, hooks), without the wrapper itself."""
-
-    def __init__(self) -> None:
-        self.devs: list = []
-        self.threads: DeviceThreads | None = None
-        self.stream: GradientStream | None = None
-        self.comm: Comm | None = None
-        self.registered: list[nn.Parameter] | None = None  # replica 0's, given to mirror.register
-        self.load_hook: Any = None
-        self.mirrors: weakref.WeakSet = weakref.WeakSet()
-
-
-def _release(res: _Resources) -> None:
-    """``close()``, or the finalizer of a ``DataParallel`` dropped without it (runs once)."""
-    if res.threads is not None:
-        res.threads.close()
-    if res.registered is not None:
-        mirror.unregister(res.registered)
-    for m in list(res.mirrors):  # they hold the other replicas' parameters and state
-        m.detach()
-    if res.load_hook is not None:
-        res.load_hook.remove()
-    if res.stream is not None:
-        kept = [None if p.grad is None else p.grad.clone() for p in res.stream.params[0]]
-        res.stream.close()
-        for p, g in zip(res.stream.params[0], kept):  # replica 0 keeps its gradients
-            p.grad = g
-    for d in res.devs:
-        d.close()
-    if res.comm is not None:
-        res.comm.close()
-
-
 def _signature(module: nn.Module, infos: Sequence[LayerInfo], devices: int, dtype: torch.dtype) -> dict[str, str]:
     """What every MPI rank must have the same of (checked at start-up by ``Comm.check_same``)."""
     return {"face": "DataParallel", "devices_per_rank": str(devices),
             "initial_parameters": state_digest(module) + " (seed every rank the same)",
             "layers": ";".join(f"{i.name}:{i.numels}" for i in infos), "dtype": str(dtype)}
-
-
-def _caller_context() -> Callable[[Callable[[], Any]], Any]:
-    """Run a function on a device thread with the caller's grad mode and autocast (both are
-    thread-local in torch)."""
-    grad = torch.is_grad_enabled()
-    inference = torch.is_inference_mode_enabled()
-    casts = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cuda", "cpu") if torch.is_autocast_enabled(dt)]
-
-    def run(fn: Callable[[], Any]) -> Any:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
-            for dt, dtype in casts:
-                stack.enter_context(torch.autocast(dt, dtype=dtype))
-            return fn()
-    return run

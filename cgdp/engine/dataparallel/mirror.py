@@ -19,12 +19,22 @@ hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``_post_hook
 
 Invariant: after every ``step()``, each replica's parameters and optimizer state are bitwise
 equal to replica 0's: the same gradients (bitwise: every device receives the same host sum), the
-same state, the same hyperparameters, the same code. Parameters are never broadcast.
+same state, the same hyperparameters, the same code. Parameters are never broadcast, except after
+a step that raised somewhere (:meth:`Mirror.resync`): every replica then takes replica 0's
+parameters and optimizer state, which are what one device would hold after that step raised
+(unchanged if it raised before changing anything). When replica 0's step raises, torch runs no
+post-hook; the model's next operation from that thread does the resync first
+(:mod:`cgdp.engine.dataparallel.turns`), and ``model.replicas`` is always resynced.
+
+An optimizer subclass whose ``step()`` calls ``super().step()`` has both methods wrapped by torch,
+so the global hooks fire twice, nested: only the outermost call of an optimizer counts
+(:func:`_nested`).
 """
 from __future__ import annotations
 
 import copy
 import inspect
+import sys
 import threading
 import weakref
 from concurrent.futures import Future
@@ -44,9 +54,9 @@ class Owner(Protocol):
 
     def parameter_maps(self) -> list[dict[int, torch.nn.Parameter]]: ...
     def run_on(self, j: int, fn: Callable[[], Any]) -> Future: ...
-    def before_step(self) -> None: ...
+    def before_step(self, cleanup: Callable[[], None]) -> None: ...
     def after_step(self) -> None: ...
-    def mark_broken(self, why: str) -> None: ...
+    def replicas_resynced(self) -> None: ...
 
 _OWNERS: dict[int, weakref.ref] = {}
 """id(parameter of replica 0) -> the DataParallel that owns it (while it is open)."""
@@ -104,9 +114,28 @@ def _owner(opt: torch.optim.Optimizer) -> "Owner | None":
     return owners.pop()
 
 
+_STEP_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
+"""The code of the wrapper torch puts around every optimizer class's ``step`` (it calls the hooks)."""
+
+
+def _nested(opt: torch.optim.Optimizer) -> bool:
+    """Whether the calling hook runs in a step of ``opt`` inside another step of ``opt`` (a
+    subclass's ``step()`` calling ``super().step()``): two of torch's wrappers for ``opt`` on the
+    stack. Reads the stack of the calling thread only."""
+    seen = 0
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code is _STEP_WRAPPER and f.f_locals.get("self") is opt:
+            seen += 1
+            if seen > 1:
+                return True
+        f = f.f_back
+    return False
+
+
 def _pre_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     mirror = opt.__dict__.get(_ATTR)
-    if mirror is False:  # a mirror itself
+    if mirror is False or (_live and _nested(opt)):  # a mirror itself, or super().step()
         return
     if mirror is None or mirror.dp() is None or mirror.dp().closed:
         opt.__dict__.pop(_ATTR, None)  # a closed model's optimizer steps replica 0 alone again
@@ -120,7 +149,7 @@ def _pre_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
 
 def _post_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     mirror = opt.__dict__.get(_ATTR)
-    if mirror:
+    if mirror and not _nested(opt):
         mirror.after()
 
 
@@ -193,30 +222,60 @@ class Mirror:
 
     def before(self, args: tuple, kwargs: dict) -> None:
         dp = self.dp()
-        if self.inflight:
-            raise RuntimeError("the previous optimizer.step() failed on replica 0 after the other replicas "
-                               "had stepped; the replicas are no longer identical. Build a new "
-                               "cgdp.DataParallel from model.module")
         if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0]: opt
             raise NotImplementedError("optimizer.step(closure) is not supported with cgdp.DataParallel: "
                                       "the closure would run on replica 0 only")
-        dp.before_step()
-        self._sync_groups()
-        self.inflight = [dp.run_on(j, m.step) for j, m in enumerate(self.mirrors, start=1)]
+        dp.before_step(self.failed_on_replica_0)  # the model's turn, until after() or the clean-up
+        try:
+            self._sync_groups()
+            self.inflight = [dp.run_on(j, m.step) for j, m in enumerate(self.mirrors, start=1)]
+        except BaseException:
+            self.failed_on_replica_0()
+            dp.after_step()
+            raise
 
     def after(self) -> None:
+        errors = self._wait()
+        dp = self.dp()
+        if errors:
+            self.resync()
+        if dp is not None:
+            dp.after_step()  # gives the model's turn back
+        if errors:
+            j, exc = errors[0]
+            raise RuntimeError(f"optimizer.step() raised on replica {j} ({exc!r}) after replica 0's step had "
+                               f"completed; every replica now holds replica 0's parameters and optimizer "
+                               f"state, so the step took effect and the replicas are identical") from exc
+
+    def failed_on_replica_0(self) -> None:
+        """The clean-up of a step that raised on replica 0 (torch ran no post-hook): the other
+        replicas may have stepped; they take replica 0's parameters and state, as one device has
+        them after its step raised."""
+        self._wait()
+        self.resync()
+        dp = self.dp()
+        if dp is not None:
+            dp.replicas_resynced()
+
+    def _wait(self) -> list[tuple[int, BaseException]]:
+        """Wait for the other replicas' steps; (replica, exception) of those that raised."""
         inflight, self.inflight = self.inflight, []
         errors = []
-        for f in inflight:
+        for j, f in enumerate(inflight, start=1):
             try:
                 f.result()  # note: host waits for the other replicas' updates
             except BaseException as exc:
-                errors.append(exc)
-        if errors:
-            dp = self.dp()
-            if dp is not None:
-                dp.mark_broken(f"an optimizer step failed on another replica ({errors[0]!r})")
-            raise errors[0]
-        dp = self.dp()
-        if dp is not None:
-            dp.after_step()
+                errors.append((j, exc))
+        return errors
+
+    def resync(self) -> None:
+        """Every replica takes replica 0's parameters (those of this optimizer) and optimizer state."""
+        with torch.no_grad():
+            for j, m in enumerate(self.mirrors, start=1):
+                mapping = self.maps[j - 1]
+                for group in self.opt.param_groups:
+                    for p in group["params"]:
+                        mapping[id(p)].copy_(p)
+        state = self.opt.state_dict()
+        for m in self.mirrors:
+            m.load_state_dict(copy.deepcopy(state))

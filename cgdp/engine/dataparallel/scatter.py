@@ -4,7 +4,10 @@
 tuples, lists and dicts) is split along dimension 0 in device order, as ``torch.tensor_split``
 does, and moved to its device; all of them must share that first dimension (the batch). A batch
 of n < G samples runs on the first n devices only. 0-dim tensors and other objects go to every
-replica unchanged (tensors moved to its device).
+replica unchanged (tensors moved to its device). Each part runs on its device's thread with the
+caller's grad mode and autocast (:func:`caller_context`). A call with no batch to split (no arguments, or
+no tensor with a dimension) runs on replica 0 alone, as on one device (as ``nn.DataParallel``
+does for a call without inputs).
 
 **Gather.** Every replica returns the same structure (a tensor, tuples, lists, dicts, dataclasses
 such as ``transformers``' ``ModelOutput``). For each tensor in it:
@@ -12,8 +15,13 @@ such as ``transformers``' ``ModelOutput``). For each tensor in it:
 * dimension >= 1: concatenated along dimension 0 on ``devices[0]``, in device order;
 * a floating 0-dim tensor (a loss the model computed): ``sum_j w_j * t_j`` with
   ``w_j = n_j / N``, which is the global value when each replica returns the mean over its own
-  samples (exact for per-sample means; a token mean with padding is not a per-sample mean:
-  compute such a loss on the gathered logits instead);
+  samples (exact for per-sample means; a token mean with padding is not a per-sample mean);
+  or, with ``sum_scalars``, ``w_j = 1``: the global value when each replica returns its share of
+  a global sum, its own sum divided by a count of the whole batch (Hugging Face's
+  ``num_items_in_batch``), which is how a token mean over several devices (and micro-batches) is
+  exact. Whether a model divided by the count it was given is seen, not assumed: each replica
+  gets it as a :class:`GlobalCount`, which notes any torch operation on it (Hugging Face's
+  sequence classifiers accept ``num_items_in_batch`` and ignore it: their loss is a mean);
 * any other 0-dim tensor: stacked into a vector of G values, as ``nn.DataParallel`` does.
 
 Other leaves (ints, strings, None, cache objects) are kept once if every replica returned an
@@ -27,6 +35,7 @@ its share (the slice of the concatenated gradient, or ``w_j`` times a scalar's),
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -80,15 +89,31 @@ def _paths(spec: Any, prefix: str = "output") -> list[str]:
             for p in _paths(s, f"{prefix}.{k}" if sep else f"{prefix}[{k!r}]")]
 
 
+def caller_context() -> Callable[[Callable[[], Any]], Any]:
+    """Run a function on a device thread with the caller's grad mode and autocast (both are
+    thread-local in torch)."""
+    grad = torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
+    casts = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cuda", "cpu") if torch.is_autocast_enabled(dt)]
+
+    def run(fn: Callable[[], Any]) -> Any:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
+            for dt, dtype in casts:
+                stack.enter_context(torch.autocast(dt, dtype=dtype))
+            return fn()
+    return run
+
+
 def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
             ) -> tuple[list[tuple[tuple, dict]], list[int]]:
     """Per device, its ``(args, kwargs)``; and each part's number of samples."""
     leaves: list[Any] = []
     spec = _flatten((tuple(args), dict(kwargs)), leaves)
     batched = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
-    if not batched:
-        raise ValueError("cgdp.DataParallel found no tensor argument with a batch dimension to split "
-                         "across devices; pass the batch as tensors whose first dimension is the batch")
+    if not batched:  # nothing to split: replica 0 runs the whole call
+        mine = [x.to(devices[0], non_blocking=True) if isinstance(x, torch.Tensor) else x for x in leaves]
+        return [_unflatten(spec, iter(mine))], [1]
     n = batched[0].shape[0]
     if any(x.shape[0] != n for x in batched):
         raise ValueError(f"cgdp.DataParallel splits every tensor argument along its first dimension, so "
@@ -111,6 +136,45 @@ def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
     return parts, sizes
 
 
+COUNT = "num_items_in_batch"
+
+
+class GlobalCount(torch.Tensor):
+    """``num_items_in_batch`` as a replica receives it: a 0-dim tensor that records whether the
+    model used it (``used``): any torch operation on it, ``.item()`` and ``.to()`` included.
+    Results are plain tensors; only the operations on the count itself pay for the check."""
+
+    used: bool
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, GlobalCount):
+                    t.used = True
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def watch_counts(parts: list[tuple[tuple, dict]], devices: Sequence[torch.device]) -> list[GlobalCount]:
+    """Each part's keyword ``num_items_in_batch`` (a number or a 0-dim tensor, on its device by
+    now) replaced by a :class:`GlobalCount` of the same value; those counts."""
+    counts = []
+    for (_, kw), dev in zip(parts, devices):
+        n = kw.get(COUNT)
+        if isinstance(n, torch.Tensor) and n.dim() == 0:
+            c = n.as_subclass(GlobalCount)
+        elif isinstance(n, (int, float)) and not isinstance(n, bool):
+            c = torch.tensor(n, device=dev).as_subclass(GlobalCount)  # a number reaches it as a tensor
+        else:
+            continue
+        c.used = False
+        kw[COUNT] = c
+        counts.append(c)
+    return counts
+
+
 @dataclasses.dataclass
 class _Plan:
     """What :class:`_Gather` needs to split gradients back (one entry per tensor leaf)."""
@@ -121,6 +185,7 @@ class _Plan:
     lengths: list[list[int]]
     """Per tensor leaf, each replica's size along dimension 0 ("cat")."""
     weights: list[float]
+    """The weight ``w_j`` of each replica's scalars."""
     dst: torch.device
     on_backward: Callable[[], None] | None
     scale: float = 1.0
@@ -175,7 +240,7 @@ _warned: set[str] = set()
 
 
 def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
-           on_backward: Callable[[], None] | None, scale: float = 1.0) -> Any:
+           on_backward: Callable[[], None] | None, scale: float = 1.0, sum_scalars: bool = False) -> Any:
     """The replicas' outputs combined on ``dst`` (see the module docstring)."""
     flat, specs = [], []
     for o in outputs:
@@ -186,7 +251,7 @@ def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
         raise ValueError("the replicas of cgdp.DataParallel returned outputs of different structure "
                          "(keys or lengths); the model's output must not depend on the batch's content")
     total = sum(sizes)
-    weights = [n / total for n in sizes]
+    weights = [1.0] * len(sizes) if sum_scalars else [n / total for n in sizes]
     names = _paths(specs[0])
     kinds, devs, lengths, tensors, result = [], [], [], [], []
     for i, name in enumerate(names):

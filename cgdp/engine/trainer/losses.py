@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import partial
 from typing import Any, Callable, ContextManager, Sequence
@@ -160,22 +160,84 @@ def _kind(value: Any) -> str:
 
 
 def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], comm: Comm | None,
-                 nested: bool) -> list[float]:
-    """Each device's backward weight, once every forward is done (see the module docstring)."""
+                 nested: bool, held: "HeldMicroBatches | None" = None) -> list[float]:
+    """Each device's backward weight, once every forward is done (see the module docstring);
+    ``held``: the step's earlier micro-batches, whose counts add to the total."""
     pairs = sum(r.count is not None for r in results)
     vec = np.array([sum(r.count or 0.0 for r in results), pairs, len(results)], np.float64)
+    if held is not None:
+        vec += (held.count, held.pairs, held.results)
     if comm is not None and nested:  # every rank passes here: the sum is over all of them
         vec = comm.allreduce_small(vec)
     count, pairs, devices = float(vec[0]), int(vec[1]), int(vec[2])
     if pairs == 0:
         return sample_weights
     if pairs != devices:
-        raise TypeError(f"loss_fn returned (loss_sum, count) on {pairs} of {devices} devices and a scalar "
+        where = "devices and micro-batches" if held is not None and held.results else "devices"
+        raise TypeError(f"loss_fn returned (loss_sum, count) on {pairs} of {devices} {where} and a scalar "
                         f"on the others; return the same form on every device")
     if count <= 0:
         raise ValueError("loss_fn's counts sum to 0 over the global batch: there is nothing to average "
                          "(every item masked out?)")
     return [1.0 / count] * len(results)
+
+
+@dataclass
+class HeldMicroBatches:
+    """Micro-batches 1..k-1 of a step (``micro_batches=k``): their gradients add up in the devices'
+    flat buffers and nothing is sent; the k-th backward sends the total.
+
+    A mean over samples is weighted as without micro-batches (its samples / N). A pair
+    ``(loss_sum, count)`` needs 1 / C, C the count of every micro-batch of every device (and
+    rank), known only after the last forward, when the earlier backwards have run. So device j
+    runs its earlier backwards with weight 1 / guess_j (its first micro-batch's count times k:
+    a scale of the right order, so that 16-bit gradients neither overflow nor underflow) and,
+    once C is known, multiplies what it holds by guess_j / C before the last backward (one pass
+    over its flat buffer, on the device). The result is sum_i grad(loss_sum_i) / C, the token mean
+    of the whole batch, to two roundings; the host sees only the k-th backward, as before.
+    """
+    devices: int
+    k: int
+    values: list[float] = field(default_factory=list)
+    """Each earlier micro-batch's loss value, per device (round by round)."""
+    used: list[float] = field(default_factory=list)
+    """The weight each of those backwards ran with (mean losses: final)."""
+    count: float = 0.0
+    """This rank's summed counts of the earlier micro-batches (pairs)."""
+    pairs: int = 0
+    """How many of the earlier micro-batches' losses were pairs."""
+    results: int = 0
+    """How many earlier losses there were (devices x rounds)."""
+    guess: list[float] | None = None
+    seconds: float = 0.0
+
+    def weights(self, results: Sequence[DeviceLoss], sample_weights: list[float]) -> list[float]:
+        """The weights one earlier round's backwards run with."""
+        pairs = sum(r.count is not None for r in results)
+        self.pairs += pairs
+        self.results += len(results)
+        if self.pairs not in (0, self.results):
+            raise TypeError(f"loss_fn returned (loss_sum, count) on {self.pairs} of {self.results} devices "
+                            f"and micro-batches and a scalar on the others; return the same form on every device")
+        if not pairs:
+            self.used += sample_weights
+            return sample_weights
+        if self.guess is None:
+            self.guess = [max(r.count, 1.0) * self.k for r in results]
+        self.count += sum(r.count for r in results)
+        w = [1.0 / guess for guess in self.guess]
+        self.used += w
+        return w
+
+    def rescale(self, final: float) -> list[torch.Tensor | None]:
+        """Per device, the factor its held gradients take once the final weight 1 / C is known."""
+        if self.guess is None:
+            return [None] * self.devices
+        return [torch.tensor(guess * final, dtype=torch.float64) for guess in self.guess]
+
+    def final_weights(self, final: float) -> list[float]:
+        """The weight of each earlier loss value in the step's loss."""
+        return [final] * len(self.values) if self.guess is not None else self.used
 
 
 def backward_weight(w: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

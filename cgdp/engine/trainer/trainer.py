@@ -20,11 +20,17 @@ One iteration (``step``), for G devices (and R ranks when a comm is attached):
    gradient anywhere get ``.grad = None`` first, as in single-device training. Floating buffers
    the step wrote (BatchNorm statistics) are set to their batch-weighted mean on every replica.
    Around the update (:mod:`cgdp.engine.trainer.update`): hyperparameter check, clipping, schedulers.
-With ``micro_batches=k``, steps 2-3 run k-1 times first with the hooks holding (nothing is sent).
+With ``micro_batches=k``, steps 2-3 run k-1 times first with the hooks holding (nothing is sent);
+``(loss_sum, count)`` losses are rescaled on the device once the last forward has given the
+total count (:class:`cgdp.engine.trainer.losses.HeldMicroBatches`).
 
 Ownership: the flat buffers, hooks and host buffers are the trainer's. The user's ``model`` is
 replica 0 (moved to ``devices[0]`` in place, trained in place, its ``.grad`` views of the flat
-buffer until ``close()``); the other replicas are deep copies. Between steps nothing is in flight.
+buffer until ``close()``); the other replicas are deep copies. A step returns after device-side
+waits only: on a GPU the last copies back (H2D) may still be running, reading the host rows and
+writing the flat buffers. Whatever frees or relays buffers synchronises first (``close()``,
+``set_plan``, ``load_state_dict``, a rejected step), and the next step's work is ordered after
+them on the device.
 """
 from __future__ import annotations
 
@@ -39,17 +45,18 @@ from torch import nn
 
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import host_threads, make_devices, make_rng, parse_devices
-from cgdp.engine.core.buffers import BufferWatch, sync_buffers
+from cgdp.engine.core.buffers import BufferWatch, copy_from_first, sync_buffers
 from cgdp.engine.core.clip import check_max_norm, clip_coefficient
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
-from cgdp.engine.core.lifetime import Resources, exclusive, finalizer
+from cgdp.engine.core.lifetime import Resources, close_during_call, exclusive, finalizer
 from cgdp.engine.core.replicas import Replicas, batch_weights, signature
 from cgdp.engine.core.stream import GradientStream, wire_dtype
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.sync import Guard
 from cgdp.engine.trainer.batch import check_micro_batches, micro_rounds
-from cgdp.engine.trainer.losses import DeviceLoss, ambient_autocast, backward_weight, loss_weights, parse_step
+from cgdp.engine.trainer.losses import (DeviceLoss, HeldMicroBatches, ambient_autocast, backward_weight,
+                                        loss_weights, parse_step)
 from cgdp.engine.trainer.state import check_state
 from cgdp.engine.trainer.timing import build_profile, build_trace, compute_spans, step_stats
 from cgdp.engine.trainer.typical import broadcast_parameters, gather_on_first
@@ -59,6 +66,8 @@ from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 from cgdp.planning.profile import StepProfile
 
 MODES = ("cgdp", "typical", "single")
+CLOSE_WAIT_S = 5.0
+"""How long ``close()`` from another thread waits for a running step to stop."""
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -167,6 +176,8 @@ class Trainer:
                              for info in infos]
 
         self._devs = make_devices(devices, self._guard.fail, share_devices)
+        for d in self._devs:  # the flat buffers must not be allocated on a user's stream
+            d.check_caller("cgdp.Trainer(...)")
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
         self._comm: Comm | None = None
@@ -242,6 +253,8 @@ class Trainer:
     def set_plan(self, plan: int | Plan) -> None:
         """Switch the chunk plan between steps (every rank must pass the same plan)."""
         self._check_usable()
+        for d in self._devs:
+            d.check_caller("Trainer.set_plan()")
         new = resolve_plan(plan, len(self.layers))
         self._quiesce()
         self._stream.set_plan(new)
@@ -290,20 +303,27 @@ class Trainer:
             fw = self._forward_all(parts, call.compute, amp)                         # 2. forward
             losses = [f[0].loss for f in fw]
             phase = "backward"  # with MPI the weights are a collective: ranks agree from here on
-            weights = loss_weights([f[0] for f in fw], weights, self._comm, call.nested)
+            weights = loss_weights([f[0] for f in fw], weights, self._comm, call.nested, held)
+            # (loss_sum, count) micro-batches: the held gradients were summed with weight
+            # 1 / guess_j; now that the total count is known they become 1 / total on the device
+            rescale = held.rescale(weights[0])
             # 3.-6. backward; hooks send each chunk, the host sums it (and allreduces it across
             # ranks) and copies it back, while backward goes on; returns when all are back
-            bw = self._threads.run_all(lambda j: self._backward_on(j, losses[j], weights[j]))
+            bw = self._threads.run_all(lambda j: self._backward_on(j, losses[j], weights[j], rescale[j]))
             t_bw = time.perf_counter()
-            loss = self._finish_backward([b[0] for b in bw] + held[0], weights + held[1])  # 7.
+            loss = self._finish_backward([b[0] for b in bw] + held.values,                    # 7.
+                                         weights + held.final_weights(weights[0]))
             coef = clip_coefficient(self._grad_norm, self._max_norm)                 #    clip,
             phase = "update"
             t_up = time.perf_counter()
             up = self._update(coef)                                                  #    update
             t_end = time.perf_counter()
         except (NonFiniteGradientError, HyperparameterMismatchError):
-            # a clean rejection: every collective and copy of the step has completed, and every
-            # rank saw the same flag, so nothing needs recovering and training can go on
+            # a clean rejection: every rank saw the same flag and every collective has completed,
+            # so nothing needs recovering and training can go on. The copies back were only
+            # ordered on the devices: let them finish, so a caller who stops here (close(), or
+            # dropping the trainer) frees nothing a copy still uses
+            self._quiesce()
             raise
         except BaseException as exc:
             self._recover(exc, phase)
@@ -311,7 +331,7 @@ class Trainer:
         self.step_count += 1
         # phase times from the devices' own clocks in timed steps (CUDA: resolved device events)
         self.stats = step_stats(self._devs, fw, bw, up, t_start, t_bw, t_up, t_end, total)
-        self.stats["forward_s"] += held[2]
+        self.stats["forward_s"] += held.seconds
         if coef is not None:
             self.stats["grad_norm"] = self._grad_norm
         if profiling or tracing:
@@ -335,6 +355,8 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; checked in full first, so a bad one changes nothing."""
         self._check_usable()
+        for d in self._devs:
+            d.check_caller("Trainer.load_state_dict()")
         check_state(state, self.replicas[0], self.optimizers[0], len(self.layers), self.tuner)
         for r, opt in zip(self.replicas, self.optimizers):
             r.load_state_dict(state["model"])
@@ -354,10 +376,19 @@ class Trainer:
             self._stream.set_plan(validate_plan(state["plan"], len(self.layers)))
 
     def close(self) -> None:
-        """Remove every hook, stop every thread, free the flat and pinned buffers."""
+        """Remove every hook, stop every thread, free the flat and pinned buffers.
+
+        From another thread while ``step()`` runs: that step stops with a ``RuntimeError`` (or
+        returns, if it was already past its last wait), and ``close()`` waits up to
+        :data:`CLOSE_WAIT_S` for it; a step still running then releases everything itself when
+        it ends."""
         if self._closed:
             return
         self._closed = True
+        if close_during_call(self, self._guard.fail, CLOSE_WAIT_S):
+            self._finish_close()
+
+    def _finish_close(self) -> None:
         self._res.take(self)
         try:
             self._release()  # the finalizer: runs once, here or when the trainer is dropped
@@ -419,32 +450,31 @@ class Trainer:
         loss = self._rng.on_device(j, forward)
         return loss, f0, dev.stamp()
 
-    def _hold_micro_batches(self, rounds, compute, amp) -> tuple[list[float], list[float], float]:
+    def _hold_micro_batches(self, rounds, compute, amp) -> HeldMicroBatches:
         """Forward and backward of micro-batches 1..k-1 on every device; the gradients add up in
-        the flat buffers and the hooks send nothing. Returns their losses, weights and seconds."""
-        values: list[float] = []
-        weights: list[float] = []
+        the flat buffers and the hooks send nothing (see :class:`HeldMicroBatches`)."""
+        held = HeldMicroBatches(len(self._devs), len(rounds) + 1)
         t0 = time.perf_counter()
         for parts, w in rounds:
             fw = self._forward_all(parts, compute, amp)
-            if any(f[0].count is not None for f in fw):
-                raise NotImplementedError(
-                    "micro_batches > 1 needs loss_fn to return the mean over the part's samples; "
-                    "(loss_sum, count) losses are not supported with micro-batches yet (their weight "
-                    "1 / total count is known only after every micro-batch's forward)")
-            values += self._threads.run_all(lambda j: self._held_backward_on(j, fw[j][0].loss, w[j]))
-            weights += w
-        return values, weights, time.perf_counter() - t0
+            w = held.weights([f[0] for f in fw], w)
+            held.values += self._threads.run_all(lambda j: self._held_backward_on(j, fw[j][0].loss, w[j]))
+        held.seconds = time.perf_counter() - t0
+        return held
 
     def _held_backward_on(self, j: int, loss: torch.Tensor, w: float) -> float:
         with self._stream.holding(j):
             torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
         return float(loss.detach())
 
-    def _backward_on(self, j: int, loss: torch.Tensor, w: float) -> tuple[float, Any, Any, Any]:
-        """(loss value, backward start, backward end, gradients back): stamps as in forward."""
+    def _backward_on(self, j: int, loss: torch.Tensor, w: float,
+                     rescale: torch.Tensor | None = None) -> tuple[float, Any, Any, Any]:
+        """(loss value, backward start, backward end, gradients back): stamps as in forward.
+        ``rescale``: the factor the held micro-batches' gradients take first."""
         dev = self._devs[j]
         b0 = dev.stamp()
+        if rescale is not None:
+            self._stream.scale_grads(rescale, j)
         torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
         if self._events is not None:
             dev.backward_issued()
@@ -524,6 +554,10 @@ class Trainer:
         if self._threads.stuck:
             self._broken = (f"the device thread(s) of {', '.join(self._threads.stuck)} never returned from "
                             f"a step that failed ({exc!r}); create a new Trainer (load a checkpoint into it)")
+        if not self._broken:  # the replicas' buffers agree again (a forward may have failed on one)
+            copy_from_first(self._buffers)
+            copy_from_first(self._buffer_watch.others)
+            self._buffer_watch.synced()
         self._guard.reset()
 
     # ------------------------------------------------------------------ profiles and traces

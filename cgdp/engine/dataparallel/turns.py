@@ -1,0 +1,120 @@
+"""One operation at a time on a ``DataParallel``, and the clean-up of one that failed silently.
+
+A ``DataParallel``'s operations change what every replica shares (flat buffers, hooks, buffers,
+optimizer state): its forward; its backward, from the gather's backward to autograd's final
+callback; the user's ``optimizer.step()``, which steps every replica; ``clip_grad_norm_``. Two
+at once, from two threads, would interleave on that state (misleading errors, replicas that
+differ). So each takes the model's turn (:meth:`Turns.take`) and gives it back when it ends. An
+operation from another thread while one runs is refused at once with ``RuntimeError``, as
+``Trainer`` refuses a second ``step()``, and the running one goes on undisturbed. Operations that
+do not overlap may come from any thread: they act as on one device in the same order.
+
+Two operations can end without giving the turn back, because torch tells nobody that they
+failed: a backward that raised (autograd skips its final callback) and an optimizer step that
+raised on replica 0 (torch skips the step post-hooks). Such a turn is *stale*: its owner thread
+has left the operation. The next operation from the owner thread sees that (the owner is
+itself: it cannot be inside the other operation) and runs the stale operation's clean-up first,
+holding the turn meanwhile. An operation from another thread cannot tell a stale turn from a
+running operation, and is refused. A backward's owner is the thread that ran its forward (on
+CUDA, autograd runs the gather's backward on one of its own threads).
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, TypeVar
+
+import torch
+
+NAME = "cgdp.DataParallel"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Turns:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards the three fields below
+        self.what: str | None = None
+        """The operation that holds the turn (None: free)."""
+        self._owner: int | None = None
+        self._cleanup: Callable[[], None] | None = None
+        self._task = -1  # autograd's graph task of the backward that holds the turn
+
+    def take(self, what: str, owner: int | None = None, cleanup: Callable[[], None] | None = None) -> None:
+        """Hold the turn for ``what`` on behalf of thread ``owner`` (the caller's by default).
+        ``cleanup``: what to run if the operation ends without :meth:`give` (see the module)."""
+        owner = threading.get_ident() if owner is None else owner
+        with self._lock:
+            stale = None
+            if self.what is not None:
+                if self._owner != owner or self._cleanup is None:
+                    where = "another thread" if self._owner != owner else "inside it"
+                    raise RuntimeError(
+                        f"{what} was called on a {NAME} while its {self.what} is running on {where}; a "
+                        f"{NAME} takes one operation at a time (forward, backward, optimizer.step(), "
+                        f"clip_grad_norm_): drive it from one thread, or serialise the calls with a lock")
+                stale, self._cleanup = self._cleanup, None
+                self.what = f"clean-up after the failed {self.what}"
+            else:
+                self.what, self._owner = what, owner
+        if stale is not None:
+            try:
+                stale()
+            except BaseException:
+                self.give()
+                raise
+        with self._lock:
+            self.what, self._owner, self._cleanup = what, owner, cleanup
+
+    def take_backward(self, owner: int, cleanup: Callable[[], None]) -> bool:
+        """The turn for a backward, called in it (on autograd's thread); False if this backward
+        already holds it (a second gathered output reached in the same graph task)."""
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            if self.what == "backward" and self._task == task and self._cleanup is not None:
+                return False
+        self.take("backward", owner, cleanup)
+        self._task = task
+        return True
+
+    def give(self) -> None:
+        with self._lock:
+            self.what = self._owner = self._cleanup = None
+
+    def settle(self) -> None:
+        """Clean up a stale operation of this thread now, if there is one (and hold nothing)."""
+        with self._lock:
+            if self.what is None or self._owner != threading.get_ident() or self._cleanup is None:
+                return
+        self.take("a look at the replicas")
+        self.give()
+
+
+def holding(what: str, until_given: bool = False) -> Callable[[F], F]:
+    """A method that holds the model's turn (``self._turns``) while it runs; with ``until_given``,
+    until a later call gives it back (its first argument: the clean-up if that never comes), and
+    only an exception here gives it back at once."""
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self._turns.take(what, cleanup=args[0] if until_given else None)
+            try:
+                out = method(self, *args, **kwargs)
+            except BaseException:
+                self._turns.give()
+                raise
+            if not until_given:
+                self._turns.give()
+            return out
+        return call  # type: ignore[return-value]
+    return wrap
+
+
+def giving(method: F) -> F:
+    """A method that ends an operation: it gives the model's turn back, whatever happens."""
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._turns.give()
+    return call  # type: ignore[return-value]

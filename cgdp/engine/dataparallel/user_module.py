@@ -1,0 +1,100 @@
+"""What ``DataParallel`` keeps on the user's module (replica 0), and what it must not leave there.
+
+* **A load hook that stays in this process.** ``model.module.load_state_dict(...)`` must reach
+  every replica, so a load post-hook sits on the user's module while it is wrapped. The user
+  still owns that module: ``torch.save(model.module)``, ``copy.deepcopy`` and ``pickle`` must work
+  while it is wrapped and carry nothing of cgdp. The hook is kept in the module's hook dictionary
+  swapped for a :class:`LocalHooks`, an ``OrderedDict`` that pickles and deep-copies as a plain
+  ``OrderedDict`` without cgdp's entries: the saved file names no cgdp object (it loads where cgdp
+  is not installed), and a copy of the module is not tied to this wrapper.
+* **Buffers that require grad** (``register_buffer("scale", t.requires_grad_())``: a learnable
+  tensor kept out of ``parameters()``). One device accumulates their whole gradient into the
+  buffer's ``.grad``. Here every replica reads replica 0's buffer through a differentiable copy
+  made at each forward (:meth:`GradBuffers.refresh`, as ``nn.DataParallel``'s replicate does), so
+  autograd itself adds every replica's part into replica 0's buffer: the full gradient, exactly,
+  without the flat buffer. An optimizer that steps such a buffer steps replica 0's; the replicas
+  read it again at the next forward. Their own copies (from the deep copy when wrapping) stand in
+  for it in the other replicas' mirror optimizers, where they never get a gradient.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+class LocalHooks(OrderedDict):
+    """A module's hook dictionary whose entries in ``local`` are never pickled or copied.
+
+    It replaces the module's own dictionary, whose entries it takes over; the user's handles of
+    hooks registered before wrapping still point at that one (``RemovableHandle`` holds a weak
+    reference), so an entry it took over counts only while it is still there."""
+
+    def __init__(self, previous: OrderedDict):
+        super().__init__(previous.items())
+        self.previous = previous
+        self.inherited = set(previous.keys())
+        self.local: set[int] = set()
+
+    def _live(self) -> list[tuple[int, Any]]:
+        return [(k, v) for k, v in super().items() if k not in self.inherited or k in self.previous]
+
+    def values(self):  # what nn.Module.load_state_dict calls
+        return [v for _, v in self._live()]
+
+    def __reduce__(self):
+        # a plain OrderedDict: the file (or the copy) holds the user's hooks only
+        return OrderedDict, (), None, None, iter([(k, v) for k, v in self._live() if k not in self.local])
+
+
+def local_load_post_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
+    """``module.register_load_state_dict_post_hook(hook)``, kept out of pickles and copies."""
+    hooks = module._load_state_dict_post_hooks
+    if not isinstance(hooks, LocalHooks):
+        hooks = LocalHooks(hooks)
+        module._load_state_dict_post_hooks = hooks
+    handle = module.register_load_state_dict_post_hook(hook)
+    hooks.local.add(handle.id)
+    return handle
+
+
+class GradBuffers:
+    """The buffers that require grad, found by name on replica 0; every replica reads replica 0's."""
+
+    def __init__(self, replicas: list[nn.Module]):
+        first = replicas[0]
+        self.names = [name for name, b in first.named_buffers() if b.requires_grad]
+        owners = [[_owner(r, name) for name in self.names] for r in replicas]
+        self._slots = owners  # per replica: (submodule, attribute) of each such buffer
+        self.stand_ins = [[getattr(m, a) for m, a in slots] for slots in owners]
+        """Per replica, its own copy of each buffer (the deep copy's); replica 0's are the buffers."""
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def ids(self) -> list[int]:
+        return [id(b) for b in self.current(0)]
+
+    def current(self, j: int) -> list[torch.Tensor]:
+        return [getattr(m, a) for m, a in self._slots[j]]
+
+    def refresh(self, devices: list[torch.device], used: int) -> None:
+        """Before a forward: replicas 1..used-1 read replica 0's buffers (a differentiable copy on
+        their device when grad is enabled; the same tensor on emulated devices, which share the host)."""
+        first = self.current(0)
+        for j in range(1, used):
+            for (m, a), b in zip(self._slots[j], first):
+                m._buffers[a] = b.to(devices[j])
+
+    def parameter_maps(self) -> list[dict[int, torch.Tensor]]:
+        """Per replica j > 0: id(replica 0's buffer) -> replica j's stand-in (for the mirrors)."""
+        first = self.current(0)
+        return [{id(b): s for b, s in zip(first, stand)} for stand in self.stand_ins[1:]]
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), attr

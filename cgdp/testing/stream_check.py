@@ -1,0 +1,444 @@
+"""Stream-ordering checks keyed by address ranges: what CUDA guarantees, and nothing more.
+
+CUDA orders work on one stream; across streams only events (``record`` / ``wait_event``) and host
+synchronisations (``Event.synchronize``, ``Stream.synchronize``, ``torch.cuda.synchronize``) do.
+:class:`StreamChecker` keeps that order as vector clocks (as PyTorch's CUDA sanitizer does) and
+every kernel's reads and writes as *byte ranges* of memory, so a slice of a flat buffer is
+compared with the buffer and with every other slice (the sanitizer keys accesses by
+``data_ptr()``, so it never compares a slice with its buffer). It reports:
+
+* a **race**: two accesses to overlapping bytes on different streams, at least one a write, with
+  no event or host synchronisation ordering them (e.g. a D2H copy of a chunk that does not wait
+  for a stream on which a gradient of that chunk accumulated);
+* a **use after unregister**: page-locked host memory unregistered (or freed) while a copy that
+  uses it is not known by the host to have completed;
+* a **reuse hazard** of the caching allocator: memory allocated on a stream whose previous
+  owner's block (allocated on the same stream, so CUDA's allocator hands it out at once) was
+  still used on another stream without ``record_stream`` or an event ordering that use first.
+
+Its inputs are the ones PyTorch gives on a GPU: ``torch.cuda._gpu_trace`` callbacks (event
+record, stream wait, event / stream / device synchronisation), which torch fires from C++ on a
+GPU and :mod:`cgdp.testing.cuda_sim` fires the same way; and :class:`AccessMode`, a dispatch mode
+that records each operator's tensors on the stream it runs on. The mode stack is per thread, so
+the mode must be pushed on *every* thread that issues work (:meth:`StreamChecker.watch_thread`):
+cgdp binds each of its threads to its device through the runtime's ``set_device``, and
+:func:`checked` wraps a runtime so that binding also pushes the mode (autograd's device threads
+inherit it from the thread that calls backward).
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
+
+__all__ = ["StreamChecker", "StreamRaceError", "AccessMode", "checked", "tensor_bytes"]
+
+
+class StreamRaceError(RuntimeError):
+    """Work on two streams (or a stream and the host) touched the same bytes without ordering."""
+
+
+@dataclass
+class Access:
+    write: bool
+    stream: int
+    seq: int
+    what: str
+
+
+@dataclass
+class Span:
+    """Bytes [lo, hi) with one history: the last write and the reads since, per stream."""
+    lo: int
+    hi: int
+    alloc: int | None = None  # stream the block was allocated on (None: not seen)
+    write: Access | None = None
+    reads: dict[int, Access] = field(default_factory=dict)
+    recorded: set[int] = field(default_factory=set)  # streams given to record_stream
+
+
+def tensor_bytes(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes a tensor's elements occupy (the bounding range of a strided view)."""
+    try:
+        if t.numel() == 0 or t.is_sparse or t.device.type == "meta":
+            return None
+        lo = t.data_ptr()
+        ext = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+        return lo, lo + ext * t.element_size()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
+        return None
+
+
+class StreamChecker:
+    """Vector clocks of streams, events and the host, and the access history of every byte range."""
+
+    def __init__(self, stream_name: Callable[[int], str] = str):
+        self._lock = threading.RLock()
+        self._streams: dict[int, dict[int, int]] = {}
+        self._events: dict[int, dict[int, int]] = {}
+        self._host: dict[int, int] = {}
+        self._seq = 0
+        self._starts: list[int] = []
+        self._spans: list[Span] = []
+        self.stream_name = stream_name
+        self.errors: list[StreamRaceError] = []
+        self.on_error: Callable[[StreamRaceError], None] | None = None
+        self.accesses = 0
+
+    # ------------------------------------------------------------------ happens-before
+    def _state(self, s: int) -> dict[int, int]:
+        st = self._streams.get(s)
+        if st is None:
+            st = self._streams[s] = dict(self._host)
+        return st
+
+    @staticmethod
+    def _merge(into: dict[int, int], other: dict[int, int]) -> None:
+        for k, v in other.items():
+            if into.get(k, 0) < v:
+                into[k] = v
+
+    def _tick(self, s: int) -> int:
+        st = self._state(s)
+        self._merge(st, self._host)  # work issued after the host learned X is ordered after X
+        self._seq += 1
+        st[s] = self._seq
+        return self._seq
+
+    def event_record(self, event: int, stream: int) -> None:
+        with self._lock:
+            self._tick(stream)
+            self._events[event] = dict(self._state(stream))
+
+    def event_wait(self, event: int, stream: int) -> None:
+        with self._lock:
+            self._merge(self._state(stream), self._events.get(event, {}))
+
+    def event_synchronize(self, event: int) -> None:
+        with self._lock:
+            self._merge(self._host, self._events.get(event, {}))
+
+    def stream_synchronize(self, stream: int) -> None:
+        with self._lock:
+            self._merge(self._host, self._state(stream))
+
+    def device_synchronize(self, streams: Any = None) -> None:
+        with self._lock:
+            for s in list(self._streams if streams is None else streams):
+                self._merge(self._host, self._state(s))
+
+    def _ordered(self, s: int | None, a: Access) -> bool:
+        """Whether access ``a`` is ordered before new work on stream ``s`` (None: the host)."""
+        known = self._host if s is None else self._state(s)
+        return a.seq <= known.get(a.stream, 0)
+
+    # ------------------------------------------------------------------ byte ranges
+    def _cut(self, x: int) -> None:
+        i = bisect.bisect_right(self._starts, x) - 1
+        if i >= 0:
+            sp = self._spans[i]
+            if sp.lo < x < sp.hi:
+                new = Span(x, sp.hi, sp.alloc, sp.write, dict(sp.reads), set(sp.recorded))
+                sp.hi = x
+                self._spans.insert(i + 1, new)
+                self._starts.insert(i + 1, x)
+
+    def _covering(self, lo: int, hi: int, fill: bool) -> list[Span]:
+        """The spans that cover [lo, hi) (cut at lo and hi); ``fill``: gaps become new spans."""
+        self._cut(lo)
+        self._cut(hi)
+        i = bisect.bisect_left(self._starts, lo)
+        out, at = [], lo
+        while i < len(self._spans) and self._spans[i].lo < hi:
+            sp = self._spans[i]
+            if fill and sp.lo > at:
+                gap = Span(at, sp.lo)
+                self._spans.insert(i, gap)
+                self._starts.insert(i, at)
+                out.append(gap)
+                i += 1
+            out.append(sp)
+            at = sp.hi
+            i += 1
+        if fill and at < hi:
+            self._spans.insert(i, Span(at, hi))
+            self._starts.insert(i, at)
+            out.append(self._spans[i])
+        return out
+
+    def _drop(self, lo: int, hi: int) -> None:
+        for sp in self._covering(lo, hi, fill=False):
+            i = self._spans.index(sp)
+            del self._spans[i], self._starts[i]
+
+    def _report(self, msg: str) -> None:
+        err = StreamRaceError(msg)
+        self.errors.append(err)
+        if self.on_error is not None:
+            self.on_error(err)
+
+    def _race(self, new: Access, old: Access, sp: Span) -> None:
+        kind = "wrote" if old.write else "read"
+        self._report(f"{new.what} on stream {self.stream_name(new.stream)} "
+                     f"{'writes' if new.write else 'reads'} bytes that {old.what} {kind} on stream "
+                     f"{self.stream_name(old.stream)}, and no event or host synchronisation orders "
+                     f"the two ({sp.hi - sp.lo} bytes at {sp.lo:#x})")
+
+    def access(self, stream: int, reads: list[tuple[int, int]], writes: list[tuple[int, int]],
+               what: str, fresh: list[tuple[int, int]] = ()) -> None:
+        """A kernel on ``stream`` read ``reads``, wrote ``writes`` and allocated ``fresh``."""
+        with self._lock:
+            seq = self._tick(stream)
+            self.accesses += 1
+            for lo, hi in fresh:
+                self._allocate(lo, hi, stream, what)
+            for rngs, write in ((reads, False), (writes, True)):
+                a = Access(write, stream, seq, what)
+                for lo, hi in rngs:
+                    for sp in self._covering(lo, hi, fill=True):
+                        self._check_and_set(sp, a)
+
+    def _check_and_set(self, sp: Span, a: Access) -> None:
+        if a.write:
+            for r in (sp.reads.values() if sp.reads else [sp.write] if sp.write else []):
+                if r.stream != a.stream and not self._ordered(a.stream, r):
+                    self._race(a, r, sp)
+                    break
+            sp.write, sp.reads = a, {}
+        else:
+            w = sp.write
+            if w is not None and w.stream != a.stream and not self._ordered(a.stream, w):
+                self._race(a, w, sp)
+            sp.reads[a.stream] = a
+
+    def _allocate(self, lo: int, hi: int, stream: int, what: str) -> None:
+        """A new block at [lo, hi) on ``stream``: what the previous owner's block left behind."""
+        for sp in self._covering(lo, hi, fill=False):
+            if sp.alloc != stream:
+                continue  # CUDA's allocator reuses a block only on the stream it was allocated on
+            uses = [*sp.reads.values(), *([sp.write] if sp.write else [])]
+            for u in uses:
+                if u.stream != stream and u.stream not in sp.recorded and not self._ordered(stream, u):
+                    self._report(f"{what} on stream {self.stream_name(stream)} got memory freed while "
+                                 f"{u.what} on stream {self.stream_name(u.stream)} may still use it: "
+                                 f"call record_stream, or order that stream first with an event")
+                    break
+        self._drop(lo, hi)
+        sp = self._covering(lo, hi, fill=True)
+        for s in sp:
+            s.alloc = stream
+
+    def forget(self, ranges: list[tuple[int, int]]) -> None:
+        """Memory allocated where no stream is known: whatever was there before is gone."""
+        with self._lock:
+            for lo, hi in ranges:
+                self._drop(lo, hi)
+
+    def record_stream(self, lo: int, hi: int, stream: int) -> None:
+        """``Tensor.record_stream``: the allocator will not reuse the block before ``stream`` is done."""
+        with self._lock:
+            for sp in self._covering(lo, hi, fill=False):
+                sp.recorded.add(stream)
+
+    def host_release(self, lo: int, hi: int, what: str) -> bool:
+        """Host memory [lo, hi) is unregistered or freed; whether every use of it had completed
+        as far as the host knows (if not, a copy may still read or write it)."""
+        with self._lock:
+            ok = True
+            for sp in self._covering(lo, hi, fill=False):
+                uses = [*sp.reads.values(), *([sp.write] if sp.write else [])]
+                late = [u for u in uses if not self._ordered(None, u)]
+                if late and ok:
+                    u = late[0]
+                    self._report(f"{what} while {u.what} on stream {self.stream_name(u.stream)} may "
+                                 f"still use it: synchronise the copy streams first")
+                    ok = False
+            self._drop(lo, hi)
+            return ok
+
+    def unsettled(self) -> list[str]:
+        """Accesses the host has not seen complete (the work still in flight, as CUDA knows it)."""
+        with self._lock:
+            out = []
+            for sp in self._spans:
+                for u in [*sp.reads.values(), *([sp.write] if sp.write else [])]:
+                    if not self._ordered(None, u):
+                        out.append(f"{u.what} on {self.stream_name(u.stream)}")
+            return sorted(set(out))
+
+    # ------------------------------------------------------------------ torch's trace callbacks
+    def install_trace(self) -> None:
+        """Receive ``torch.cuda._gpu_trace`` callbacks (GPU: fired by torch; simulator: by the fakes)."""
+        _Trace.target = self
+        _Trace.register()
+
+    def uninstall_trace(self) -> None:
+        if _Trace.target is self:
+            _Trace.target = None
+
+    # ------------------------------------------------------------------ threads
+    def watch_thread(self, mode: "AccessMode") -> None:
+        """Push ``mode`` on the calling thread (once): its kernels are recorded from now on."""
+        if getattr(_tls, "mode", None) is mode:
+            return
+        _push_mode(mode)
+        _tls.mode = mode
+
+    @staticmethod
+    def unwatch_thread(mode: "AccessMode") -> None:
+        if getattr(_tls, "mode", None) is mode:
+            _pop_mode()
+            _tls.mode = None
+
+
+_tls = threading.local()
+
+
+class _Trace:
+    """One registration with torch's trace registries (they cannot be removed), forwarding to the
+    checker in use."""
+    target: StreamChecker | None = None
+    registered = False
+
+    @classmethod
+    def register(cls) -> None:
+        if cls.registered:
+            return
+        import torch.cuda._gpu_trace as gt
+        if hasattr(torch._C, "_activate_gpu_trace") and torch.cuda.is_available():
+            torch._C._activate_gpu_trace()
+        fwd = cls._forward
+        gt.register_callback_for_event_record(lambda e, s: fwd("event_record", e, s))
+        gt.register_callback_for_event_wait(lambda e, s: fwd("event_wait", e, s))
+        gt.register_callback_for_event_synchronization(lambda e: fwd("event_synchronize", e))
+        gt.register_callback_for_stream_synchronization(lambda s: fwd("stream_synchronize", s))
+        gt.register_callback_for_device_synchronization(lambda: fwd("device_synchronize"))
+        cls.registered = True
+
+    @classmethod
+    def _forward(cls, name: str, *args: Any) -> None:
+        if cls.target is not None:
+            getattr(cls.target, name)(*args)
+
+
+class AccessMode(TorchDispatchMode):
+    """Records every operator's reads, writes and fresh outputs on the stream it runs on.
+
+    ``stream_of(tensors)`` gives that stream's id (None: do not record this operator, e.g. a
+    thread whose stream the environment cannot tell); ``execute`` runs the operator (the
+    simulator replaces it to make copies on side streams asynchronous)."""
+
+    def __init__(self, checker: StreamChecker, stream_of: Callable[[list[torch.Tensor]], int | None],
+                 execute: Callable[..., Any] | None = None):
+        super().__init__()
+        self.checker = checker
+        self.stream_of = stream_of
+        self.execute = execute
+        self.enabled = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.enabled:
+            return func(*args, **kwargs)
+        schema = func._schema
+        reads: list[torch.Tensor] = []
+        writes: list[torch.Tensor] = []
+        for i, arg in enumerate(schema.arguments):
+            value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+            if value is None:
+                continue
+            ts = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+            if not ts:
+                continue
+            if arg.alias_info is None:
+                reads += ts
+            elif arg.alias_info.is_write:
+                writes += ts
+            # a view's argument (alias, not written) is metadata only
+        stream = self.stream_of(reads + writes)
+        if func is torch.ops.aten.record_stream.default:
+            rng = tensor_bytes(args[0])
+            target = self.stream_of_object(args[1])
+            if rng is not None and target is not None:
+                self.checker.record_stream(rng[0], rng[1], target)
+            return func(*args, **kwargs)
+        out = (self.execute or _call)(func, args, kwargs, stream)
+        fresh = []
+        if not any(r.alias_info is not None for r in schema.returns):
+            inputs = {t.untyped_storage().data_ptr() for t in reads + writes if tensor_bytes(t)}
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and (rng := tensor_bytes(t)) is not None \
+                        and t.untyped_storage().data_ptr() not in inputs:
+                    fresh.append(rng)
+        if stream is None:  # not recorded; but memory it allocated starts a new history
+            if fresh:
+                self.checker.forget(fresh)
+            return out
+        rr = [r for t in reads if (r := tensor_bytes(t)) is not None]
+        ww = [r for t in writes if (r := tensor_bytes(t)) is not None]
+        if not _UNINITIALISED.match(schema.name):
+            ww += fresh  # an empty() allocates without writing (and may be host memory)
+        self.checker.access(stream, rr, ww, f"{func.__name__} ({threading.current_thread().name})", fresh)
+        return out
+
+    def stream_of_object(self, s: Any) -> int | None:
+        """The id of a stream object passed to ``record_stream``."""
+        return getattr(s, "stream_id", None)
+
+
+def _call(func, args, kwargs, stream):
+    return func(*args, **kwargs)
+
+
+_UNINITIALISED = re.compile(r"aten::(new_)?empty(_like|_strided|_permuted)?$")
+
+
+class checked:
+    """A runtime object (``cgdp.engine.backend.cuda.use_runtime``) that records, on a GPU, what every
+    cgdp thread issues: ``set_device`` (each cgdp thread's first CUDA call) pushes the access mode
+    on that thread; ``host_free`` reports page-locked memory unregistered while still in use.
+    Everything else is the wrapped runtime's."""
+
+    def __init__(self, rt: Any):
+        self._rt = rt
+        cuda = rt.cuda
+        self.checker = StreamChecker()
+        self.checker.install_trace()
+
+        def stream_of(tensors: list[torch.Tensor]) -> int | None:
+            dev = next((t.device for t in tensors if t.is_cuda), None)
+            return None if dev is None else cuda.current_stream(dev).cuda_stream
+        self.mode = AccessMode(self.checker, stream_of)
+        self.mode.stream_of_object = lambda s: getattr(s, "cuda_stream", None)
+        self.checker.watch_thread(self.mode)  # the caller's thread zeroes and relays buffers
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rt, name)
+
+    def set_device(self, index: int) -> None:
+        self._rt.set_device(index)
+        self.checker.watch_thread(self.mode)
+
+    @contextlib.contextmanager
+    def stream(self, s: Any) -> Iterator[None]:
+        self.checker.watch_thread(self.mode)  # the host-sum and comm threads issue copies back here
+        with self._rt.stream(s):
+            yield
+
+    def host_free(self, t: torch.Tensor) -> None:
+        rng = tensor_bytes(t)
+        if rng is not None:
+            self.checker.host_release(rng[0], rng[1], "cudaHostUnregister")
+        self._rt.host_free(t)
+
+    def close(self) -> None:
+        self.checker.unwatch_thread(self.mode)
+        self.checker.uninstall_trace()
+        self.mode.enabled = False
