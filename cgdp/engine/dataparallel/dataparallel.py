@@ -278,7 +278,7 @@ class DataParallel(nn.Module):
                 raise
 
         try:
-            outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on))
+            outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on, computing=True))
         except BaseException:  # failed on some devices only: counters (BatchNorm's) must agree
             if not self._threads.stuck:
                 self._broadcast_state(buffers_only=True)

@@ -436,7 +436,7 @@ class Trainer:
 
     def _forward_all(self, parts: list[Any], compute, amp) -> list[tuple[DeviceLoss, Any, Any]]:
         def run() -> list[tuple[DeviceLoss, Any, Any]]:
-            return self._threads.run_all(lambda j: self._forward_on(j, parts[j], compute, amp))
+            return self._threads.run_all(lambda j: self._forward_on(j, parts[j], compute, amp), computing=True)
         return self._rng.forward_all(run, self._buffer_watch.restore)
 
     def _forward_on(self, j: int, part: Any, compute, amp) -> tuple[DeviceLoss, Any, Any]:
@@ -463,7 +463,7 @@ class Trainer:
         return held
 
     def _held_backward_on(self, j: int, loss: torch.Tensor, w: float) -> float:
-        with self._stream.holding(j):
+        with self._stream.holding(j), self._threads.computing(loss.device.type == "cpu"):  # as in _backward_on
             torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
         return float(loss.detach())
 
@@ -475,7 +475,10 @@ class Trainer:
         b0 = dev.stamp()
         if rescale is not None:
             self._stream.scale_grads(rescale, j)
-        torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
+        # backward of a CPU loss runs on this thread (a GPU's runs on autograd's thread for that
+        # device): a turn, since its hooks only enqueue and never wait for another device
+        with self._threads.computing(loss.device.type == "cpu"):
+            torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
         if self._events is not None:
             dev.backward_issued()
         self._stream.flush(j)
@@ -521,7 +524,7 @@ class Trainer:
             broadcast_parameters(self._devs, self._params)
             up = [(u0, dev.stamp())] + [None] * (len(self._devs) - 1)
         else:
-            up = self._threads.run_all(lambda j: self._update_on(j, coef))
+            up = self._threads.run_all(lambda j: self._update_on(j, coef), computing=True)
         changed = self._buffer_watch.changed(self._comm)
         sync_buffers(self._buffers, self._weights, self._comm, changed)
         # a forward is done again (and the buffers restored) only on emulated devices, until
