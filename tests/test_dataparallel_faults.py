@@ -3,6 +3,7 @@ replicas, a forward that fails on one device, one model driven from two threads.
 the replicas stay bitwise identical and training matches one device running the same loop (the
 same step failing there), or the call is refused with an error that says why."""
 import copy
+from contextlib import nullcontext
 import threading
 import time
 
@@ -254,3 +255,56 @@ def test_one_model_driven_from_two_threads_stays_identical():
         assert_replicas_identical(model)
         train(model, opt, batches(2))  # one thread again: clean
         assert_replicas_identical(model)
+
+
+class _FailsOnce(torch.autograd.Function):
+    """Identity whose backward raises while ``fail`` is set (after the later layer's gradient)."""
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailsOnce.fail:
+            raise RuntimeError("this backward failed")
+        return g
+
+
+class LateFailure(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 8), nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.fc2(_FailsOnce.apply(self.fc1(x)))
+
+
+def test_a_backward_that_failed_in_a_thread_that_ended_does_not_block_the_model():
+    """A backward that raised leaves its turn stale (autograd skips the final callback); once its
+    thread has ended, any thread cleans it up and trains on, exactly as one device would."""
+    net = LateFailure()
+    ref = copy.deepcopy(net)
+    data = batches(3)
+    with cgdp.DataParallel(net, DEVS, chunks=1) as model:
+        for m in (model, ref):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+            x, y = data[0]
+
+            def fails():
+                _FailsOnce.fail = True
+                try:
+                    with pytest.raises(RuntimeError, match="this backward failed"):
+                        F.cross_entropy(m(x), y).backward()
+                finally:
+                    _FailsOnce.fail = False
+
+            worker = threading.Thread(target=fails)
+            worker.start()
+            worker.join(30)
+            assert not worker.is_alive()
+            with pytest.warns(UserWarning, match="partway") if m is model else nullcontext():
+                train(m, opt, data[1:])
+        assert_replicas_identical(model)
+    assert_params_close(net, ref)

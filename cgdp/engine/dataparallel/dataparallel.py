@@ -298,7 +298,7 @@ class DataParallel(nn.Module):
         sync = not self._no_sync
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
         trains = self._stream is not None or bool(self._sparse)
-        on_backward = (lambda me=threading.get_ident(): self._begin_backward(sync, me)) if trains else None
+        on_backward = (lambda me=threading.current_thread(): self._begin_backward(sync, me)) if trains else None
         # the scalars are shares of a global sum when the model divided by the count it was given
         summed = self._scalar_outputs == "sum" or any(c.used for c in counts)
         return gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
@@ -465,7 +465,7 @@ class DataParallel(nn.Module):
         self._host_fresh = False
 
     # ------------------------------------------------------------------ backward
-    def _begin_backward(self, sync: bool, owner: int) -> None:
+    def _begin_backward(self, sync: bool, owner: threading.Thread) -> None:
         """Autograd thread, in the gather's backward, before any replica's gradient exists."""
         if not self._turns.take_backward(owner, self._after_failed_backward):
             return  # a second gathered output in the same backward

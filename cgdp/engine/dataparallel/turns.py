@@ -14,9 +14,10 @@ failed: a backward that raised (autograd skips its final callback) and an optimi
 raised on replica 0 (torch skips the step post-hooks). Such a turn is *stale*: its owner thread
 has left the operation. The next operation from the owner thread sees that (the owner is
 itself: it cannot be inside the other operation) and runs the stale operation's clean-up first,
-holding the turn meanwhile. An operation from another thread cannot tell a stale turn from a
-running operation, and is refused. A backward's owner is the thread that ran its forward (on
-CUDA, autograd runs the gather's backward on one of its own threads).
+holding the turn meanwhile; so does any thread once the owner thread has ended (it cannot be
+inside anything). An operation from another thread while the owner lives cannot tell a stale
+turn from a running operation, and is refused. A backward's owner is the thread that ran its
+forward (on CUDA, autograd runs the gather's backward on one of its own threads).
 """
 from __future__ import annotations
 
@@ -35,19 +36,20 @@ class Turns:
         self._lock = threading.Lock()  # guards the three fields below
         self.what: str | None = None
         """The operation that holds the turn (None: free)."""
-        self._owner: int | None = None
+        self._owner: threading.Thread | None = None
         self._cleanup: Callable[[], None] | None = None
         self._task = -1  # autograd's graph task of the backward that holds the turn
 
-    def take(self, what: str, owner: int | None = None, cleanup: Callable[[], None] | None = None) -> None:
+    def take(self, what: str, owner: threading.Thread | None = None,
+             cleanup: Callable[[], None] | None = None) -> None:
         """Hold the turn for ``what`` on behalf of thread ``owner`` (the caller's by default).
         ``cleanup``: what to run if the operation ends without :meth:`give` (see the module)."""
-        owner = threading.get_ident() if owner is None else owner
+        owner = threading.current_thread() if owner is None else owner
         with self._lock:
             stale = None
             if self.what is not None:
-                if self._owner != owner or self._cleanup is None:
-                    where = "another thread" if self._owner != owner else "inside it"
+                if not self._stale_for(owner):
+                    where = "another thread" if self._owner is not owner else "inside it"
                     raise RuntimeError(
                         f"{what} was called on a {NAME} while its {self.what} is running on {where}; a "
                         f"{NAME} takes one operation at a time (forward, backward, optimizer.step(), "
@@ -65,7 +67,11 @@ class Turns:
         with self._lock:
             self.what, self._owner, self._cleanup = what, owner, cleanup
 
-    def take_backward(self, owner: int, cleanup: Callable[[], None]) -> bool:
+    def _stale_for(self, thread: threading.Thread) -> bool:
+        """Whether the held turn is stale as seen from ``thread`` (see the module); lock held."""
+        return self._cleanup is not None and (self._owner is thread or not self._owner.is_alive())
+
+    def take_backward(self, owner: threading.Thread, cleanup: Callable[[], None]) -> bool:
         """The turn for a backward, called in it (on autograd's thread); False if this backward
         already holds it (a second gathered output reached in the same graph task)."""
         task = torch._C._current_graph_task_id()
@@ -83,7 +89,7 @@ class Turns:
     def settle(self) -> None:
         """Clean up a stale operation of this thread now, if there is one (and hold nothing)."""
         with self._lock:
-            if self.what is None or self._owner != threading.get_ident() or self._cleanup is None:
+            if self.what is None or not self._stale_for(threading.current_thread()):
                 return
         self.take("a look at the replicas")
         self.give()
