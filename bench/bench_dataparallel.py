@@ -68,8 +68,8 @@ def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps:
     pool = DDPPool(case, per_replica, world)
     dp = tr = None
     try:
-        dp = cgdp.DataParallel(case.build(), devices, chunks=1)
-        tr = cgdp.Trainer(case.build(), sgd, devices, chunks=1)
+        dp = cgdp.DataParallel(case.build(), devices)  # default settings (chunks="auto")
+        tr = cgdp.Trainer(case.build(), sgd, devices)
         torch_dp = nn.DataParallel(case.build())
         single = case.build()
         opts = {"cgdp.DataParallel": sgd(dp.parameters()), "nn.DataParallel": sgd(torch_dp.parameters()),
@@ -94,9 +94,13 @@ def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps:
                                      f"from single-device training by {e:.2e} (relative); not timing")
         # 2. the figures: every contender once per round, S steps each
         times: dict[str, list[float]] = {k: [] for k in NAMES}
-        for name, fn in steps_of.items():  # warm-up (the first steps allocate)
+        for name, fn in steps_of.items():  # warm-up (the first steps allocate; chunks="auto" tunes)
             with threads(THREADS.get(name, 1)):
                 fn(), fn()
+                for _ in range(80):
+                    if not (dp.tuning or (tr.tuner is not None and not tr.tuner.done)):
+                        break
+                    fn()
         pool.run("time", 2)
         for _ in range(rounds):
             for name, fn in steps_of.items():
@@ -148,7 +152,8 @@ def report(results: list[dict], info: dict[str, str], cmd: str) -> str:
         "## DataParallel: the user's loop under cgdp.DataParallel, nn.DataParallel and DDP", "",
         f"Command: `{cmd}`", "", "Machine:", machine_md(info), "",
         f"Setup: {r0['devices']} replicas, the same loop for every contender (zero_grad, forward, "
-        f"loss, backward, SGD step, lr {LR}); cgdp.DataParallel and cgdp.Trainer (chunks=1) in one "
+        f"loss, backward, SGD step, lr {LR}); cgdp.DataParallel and cgdp.Trainer (default settings: "
+        f"chunks=\"auto\", tuned during warm-up) in one "
         f"process on CPU-emulated devices ['cpu:0', 'cpu:1'], one torch thread per device thread; "
         f"DDP as {r0['devices']} processes over gloo, one thread each; nn.DataParallel without a GPU "
         f"runs the module once on the global batch (it has no device to replicate to), with 2 "
@@ -162,7 +167,12 @@ def report(results: list[dict], info: dict[str, str], cmd: str) -> str:
         "per device), so its backward is serial on one core here while cgdp.Trainer runs its two "
         "device threads' backwards at once: cgdp.DP / Trainer is the price of that on this "
         "machine, not of the face. nn.DataParallel's column is one replica doing the whole batch "
-        "on both cores, not data parallelism.", ""])
+        "on both cores, not data parallelism: without GPUs it is the plain module on one device, "
+        "which is what a user without GPUs would otherwise run (or DDP over gloo, to rehearse a "
+        "multi-device job). On a quiet machine it is the fastest of all here, since the replicas of "
+        "the data-parallel runs share the same two cores and cgdp's emulated copies take CPU that a "
+        "GPU's copy engines would not; under load its two intra-op threads wait for each other and "
+        "it falls behind (compare the load average above).", ""])
 
 
 def main(argv: list[str] | None = None) -> int:

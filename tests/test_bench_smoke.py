@@ -74,3 +74,15 @@ def test_tuner_benchmark_runs_quick(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     page = (tmp_path / "tuners.md").read_text()
     assert "Algorithm 1's choice" in page and "auto tuner's choice" in page
+
+
+def test_host_cost_bench_runs_quick(tmp_path):
+    """bench/bench_host_cost.py on null CUDA devices (2 of them) and its page."""
+    out = tmp_path / "host_cost.json"
+    p = _run(["bench/bench_host_cost.py", "--quick", "--sections", "null,ring", "--devices", "2",
+              "--settings", "1", "--md", str(tmp_path / "host_cost.md"), "--json", str(out)])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())["results"]
+    (r,) = res["null"]
+    assert r["G"] == 2 and r["chunks"] == 76 and r["calls_per_step"]["copy"] >= 2 * 2 * r["segments"]
+    assert all(m["bitwise_equal"] and m["registered_ring"] == res["ring"]["host_memory"] for m in res["ring"]["models"])

@@ -52,6 +52,6 @@ def test_simulator_without_queueing_is_definition_3_3():
         n = int(rng.integers(1, 8))
         bp = rng.uniform(1, 2, n)
         d2h, acc, h2d = (rng.uniform(0, 0.3, n) for _ in range(3))
-        p = np.stack([bp + 0.1, d2h, acc, np.zeros(n), h2d], axis=1)
+        p = np.stack([bp + 0.1, d2h, acc, np.zeros(n), np.zeros(n), h2d], axis=1)  # no comm, no DRAM limit
         # the paper's t_aa is the send plus the accumulation (step B-4-2)
         assert chain_makespan(p) == pytest.approx(cgdp_backward_time(bp, [0.1] * n, d2h + acc, h2d))

@@ -179,7 +179,8 @@ def test_defect_4_the_comm_thread_works_on_its_rank_s_device():
         for r in range(2):
             assert sim.thread_devices[f"cgdp-comm-r{r}"] == {r}
             assert sim.thread_devices[f"cgdp-cuda:{r}"] == {r}
-            assert sim.thread_devices[f"cgdp-cuda:{r}-done"] == {r}
+            # the host thread waits on the copies' events and issues the copies back: its device too
+            assert sim.thread_devices[f"cgdp-host-cuda:{r}"] == {r}
     for m in out:
         assert_params_close(m, ref)
 
@@ -436,7 +437,8 @@ def test_dataparallel_under_the_strict_simulator():
 
 def test_backend_corners_without_nccl_and_with_failures():
     """The rest of TorchCuda and CudaDevice: the reduce without NCCL, host rows given back one by
-    one, a completion whose callback fails, a timestamp that outlived its step, libcudart lookup."""
+    one, one segment sent and given back by hand, a timestamp that outlived its step, libcudart
+    lookup."""
     lib = cuda_backend._load_cudart()
     assert lib is None or hasattr(lib, "cudaGetLastError")
     batches = data(2)
@@ -454,15 +456,20 @@ def test_backend_corners_without_nccl_and_with_failures():
         assert sim.registered
         dev.host_release(rows)
         assert not sim.registered
+        from cgdp.engine.backend.base import Routes
+        guard = cgdp.engine.sync.Guard(10.0)
         src = torch.ones(8)
-        slot = dev.host_empty((8,), torch.float32)
-        boom = RuntimeError("on_arrived failed")
-
-        def arrived():
-            raise boom
-        dev.send([(src, slot, arrived, None)], "chunk 0")
-        dev.synchronize(cgdp.engine.sync.Guard(10.0))
-        assert failures == [boom]
+        rows = dev.host_empty((2, 8), torch.float32)
+        sent: list[int] = []
+        dev.set_routes(Routes([(src, rows[0], None)], [(rows[1], src, None)], [range(1)], [32], [32],
+                              ["chunk 0"], sent.append))
+        dev.send(0)  # only issues: the host waits on the copy's event before reading the row
+        dev.wait_arrived(0, guard)
+        assert sent == [0] and torch.equal(rows[0], src)
+        rows[1].fill_(3.0)
+        dev.give_back(0)
+        dev.synchronize(guard)
+        assert torch.equal(src, torch.full((8,), 3.0)) and not failures
         stamp = sim.runtime.Event(enable_timing=True)
         with pytest.raises(RuntimeError, match="outlived its timed step"):
             dev.resolve(stamp)

@@ -169,8 +169,9 @@ def test_failure_inside_backward_does_not_hang():
         assert_replicas_identical(tr)
 
 
-def test_lost_chunk_times_out_with_a_clear_error():
+def test_lost_chunk_times_out_with_a_clear_error(monkeypatch):
+    from cgdp.engine.core.host import Arrivals
+    monkeypatch.setattr(Arrivals, "arrived", lambda self, u: None)  # the host never hears of any chunk
     with cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1"], chunks=1, timeout_s=0.5) as tr:
-        tr._stream.host.arrived = lambda j, c: None  # the host never hears of any chunk
         with pytest.raises(TimeoutError, match="waited 0.5 s for the averaged gradients"):
             tr.step(X, Y, F.cross_entropy)

@@ -49,7 +49,10 @@ def test_live_tuner_never_changes_the_result(spec, steps):
         for x, y in data:
             plans.add(repr(tr.plan))
             tr.step(x, y, F.cross_entropy)
-        assert tr.tuner.done and len(plans) >= 3  # it really switched plans
+        # it really switched plans: the auto tuner calibrates on two (every layer alone, one chunk),
+        # then measures its candidates: on some runs' measured times every alternative the planner
+        # ranks is the same plan as one of those two (and the naive plan), so two plans in all
+        assert tr.tuner.done and len(plans) >= (3 if spec == "paper" else 2)
         if spec == "paper":
             assert tr.tuner.search.best_chunk == 3 and tr.tuner.search.stop_iteration == 150
             assert repr(tr.plan) == repr(cgdp.paper_plan(len(tr.layers), 3))

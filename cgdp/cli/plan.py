@@ -23,17 +23,19 @@ import sys
 from pathlib import Path
 
 from cgdp.planning.chunks import paper_plan
-from cgdp.planning.hardware import PRESETS, Hardware, preset, stage_costs
+from cgdp.planning.hardware import PRESETS, Hardware, host_traffic, preset, stage_costs
 from cgdp.planning.paper_profiles import PAPER_MODELS, paper_model
 from cgdp.planning.planner import choose_plan
-from cgdp.planning.simulator import ModelCosts, SimResult, simulate
+from cgdp.planning.simulator import ModelCosts, SimResult, StageCosts, simulate
 
 LIMITS = {"compute": "backward compute (communication is hidden)", "d2h": "device-to-host link bandwidth",
           "h2d": "host-to-device link bandwidth", "acc": "host accumulation (memory bandwidth / threads)",
           "comm": "network between machines", "sync": "per-chunk synchronisation",
           "gather": "gathering gradients on device 0", "bcast": "broadcasting parameters",
           "reduce": "adding gradients on device 0", "update": "the update on device 0",
-          "ring": "ring allreduce over the links"}
+          "ring": "ring allreduce over the links",
+          "dram": "host DRAM bandwidth ((3G+1) x the gradient bytes per step)",
+          "hostcpu": "host CPU (the host thread's work per segment)"}
 
 
 MAX_GPUS = 64
@@ -91,7 +93,7 @@ def load_hardware(args: argparse.Namespace) -> Hardware:
         raise PlanError(f"--hardware {args.hardware!r}: not a preset ({', '.join(PRESETS)}) and no such file")
     d = hw.to_dict()
     for key in ("gpus", "pcie_gen", "devices_per_switch", "host_mem_gbps", "host_threads", "nodes",
-                "network_gbps", "p2p_gbps", "sync_s"):
+                "network_gbps", "p2p_gbps", "sync_s", "hook_s", "segment_s"):
         value = getattr(args, key)
         if value is not None:
             d[key] = value
@@ -120,6 +122,23 @@ def _positive(kind: type, what: str):
         return v
     parse.__name__ = what
     return parse
+
+
+def host_budget(model: ModelCosts, hw: Hardware, costs: StageCosts, plan: list[list[int]]) -> dict:
+    """What one step asks of the host: DRAM traffic against the links, and the host CPU's own
+    work (one process: it is serialised across the devices)."""
+    G = hw.gpus
+    total = sum(model.layer_bytes)
+    chunk_bytes = [sum(model.layer_bytes[i] for i in ch) for ch in plan]
+    segments = sum(costs.segments(b) for b in chunk_bytes)
+    tensors = sum(model.layer_tensors) if model.layer_tensors else model.num_layers
+    link = costs.share() * max(total * costs.d2h.per_byte_s, total * costs.h2d.per_byte_s)
+    out = {"traffic_bytes": host_traffic(G) * total, "dram_s": host_traffic(G) * total / (hw.host_mem_gbps * 1e9),
+           "link_s": link, "hooks_s": G * tensors * costs.hook_s, "sends_s": G * len(plan) * costs.sync_s,
+           "host_thread_s": segments * (costs.segment_s + G * costs.segment_device_s), "segments": segments}
+    out["host_cpu_s"] = out["hooks_s"] + out["sends_s"] + out["host_thread_s"]
+    out["binds"] = "host DRAM" if out["dram_s"] > link else "PCIe"
+    return out
 
 
 def describe(r: SimResult) -> str:
@@ -163,12 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=pos_int)
     ap.add_argument("--network-gbps", dest="network_gbps", type=pos_float, help="Gbit/s per machine")
     ap.add_argument("--p2p-gbps", dest="p2p_gbps", type=pos_float)
-    ap.add_argument("--sync-us", dest="sync_us", type=pos_float, help="per-chunk sync cost, microseconds")
+    ap.add_argument("--sync-us", dest="sync_us", type=pos_float, help="per-chunk host cost per device (the send), microseconds")
+    ap.add_argument("--hook-us", dest="hook_us", type=pos_float, help="per-parameter hook cost per device, microseconds")
+    ap.add_argument("--segment-us", dest="segment_us", type=pos_float, help="host-thread cost per segment, microseconds")
     ap.add_argument("--chunks", default="auto", help="'auto' (planner) or a uniform chunk size k")
     ap.add_argument("--timeline", help="write the CGDP timeline to this PNG (needs matplotlib)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)  # exits with 2 and a usage line on a malformed option
-    args.sync_s = args.sync_us * 1e-6 if args.sync_us is not None else None
+    for name in ("sync", "hook", "segment"):
+        us = getattr(args, f"{name}_us")
+        setattr(args, f"{name}_s", us * 1e-6 if us is not None else None)
     try:
         return _run(args)
     except PlanError as exc:
@@ -193,10 +216,12 @@ def _run(args: argparse.Namespace) -> int:
         plan, how = paper_plan(model.num_layers, k), f"uniform k={k}"
     res = {m: simulate(model, costs, plan, m) for m in ("cgdp", "typical", "ring")}
     floor = model.forward_s + sum(model.backward_s) + model.update_s
+    host = host_budget(model, hw, costs, plan)
     if args.json:
         print(json.dumps({"hardware": hw.to_dict(), "plan": plan, "method": how,
                           "step_s": {m: r.step_s for m, r in res.items()},
-                          "binding": {m: r.binding for m, r in res.items()}, "compute_floor_s": floor}, indent=1))
+                          "binding": {m: r.binding for m, r in res.items()}, "compute_floor_s": floor,
+                          "host": host}, indent=1))
     else:
         total = sum(model.layer_bytes)
         note = f" ({LAYER_NOTE})" if args.model.lower() in PAPER_MODELS else ""
@@ -213,6 +238,15 @@ def _run(args: argparse.Namespace) -> int:
         base = res["typical"].step_s
         print(f"  cgdp vs typical: {base / res['cgdp'].step_s:.3f}x; vs ring: "
               f"{res['ring'].step_s / res['cgdp'].step_s:.3f}x; single-device floor {floor * 1e3:.2f} ms")
+        G = hw.gpus
+        print(f"host DRAM: (3G+1) x S = {host_traffic(G)} x {total / 1e6:.1f} MB = {host['traffic_bytes'] / 1e9:.2f} GB "
+              f"per step, {host['dram_s'] * 1e3:.2f} ms at {hw.host_mem_gbps:g} GB/s; PCIe: {total / 1e6:.1f} MB each "
+              f"way per link, {host['link_s'] * 1e3:.2f} ms: {host['binds']} binds first")
+        print(f"host CPU per step (one process, serialised over the devices): hooks {host['hooks_s'] * 1e3:.2f} ms, "
+              f"sends {host['sends_s'] * 1e3:.2f} ms, host thread {host['host_thread_s'] * 1e3:.2f} ms "
+              f"({host['segments']:.0f} segments) = {host['host_cpu_s'] * 1e3:.2f} ms"
+              + (f"; more than the backward compute ({sum(model.backward_s) * 1e3:.2f} ms): the host CPU binds"
+                 if host["host_cpu_s"] > sum(model.backward_s) else ""))
         if args.timeline:
             print(save_timeline(res["cgdp"], args.timeline))
     return 0

@@ -48,3 +48,55 @@ class Guard:
                 raise TimeoutError(f"waited {self.timeout_s:g} s for {what}; raise timeout_s if a "
                                    f"step can really take that long")
         self.check()
+
+
+class Progress:
+    """A count that only grows between resets, and a wait for it to reach a value.
+
+    What a stream worker or the host thread has finished, counted instead of signalled with one
+    object per item: the producer calls :meth:`advance`, a consumer :meth:`wait` until the count
+    reaches its target. A waiter wakes every :data:`POLL_S` to look at the guard, so a failure
+    elsewhere never leaves it hanging.
+
+    Only one thread advances a given count (a stream's worker, the host thread), so the count
+    itself needs no lock; the condition is taken only when somebody waits. (A waiter announces
+    itself before it reads the count, and the producer reads the waiters after it wrote the
+    count, so one of the two always sees the other: no wake-up is lost.)
+    """
+
+    __slots__ = ("done", "_waiters", "_cond")
+
+    def __init__(self) -> None:
+        self.done = 0
+        self._waiters = 0
+        self._cond = threading.Condition(threading.Lock())
+
+    def advance(self, n: int = 1) -> None:
+        """Count ``n`` more done (from the one thread that produces them)."""
+        self.done += n
+        if self._waiters:
+            with self._cond:
+                self._cond.notify_all()
+
+    def reset(self) -> None:
+        """Back to zero (only with nothing in flight)."""
+        self.done = 0
+
+    def wait(self, target: int, guard: Guard | None, what: str) -> None:
+        """Block until the count is at least ``target``, another thread fails, or timeout."""
+        if self.done >= target:  # an int read: no lock needed to see that it is done
+            return
+        timeout = guard.timeout_s if guard is not None else None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._waiters += 1
+            try:
+                while self.done < target:
+                    self._cond.wait(POLL_S)
+                    if guard is not None and self.done < target:
+                        guard.check()
+                    if deadline is not None and self.done < target and time.monotonic() > deadline:
+                        raise TimeoutError(f"waited {timeout:g} s for {what}; raise timeout_s if a step "
+                                           f"can really take that long")
+            finally:
+                self._waiters -= 1

@@ -59,8 +59,22 @@ class Hardware:
     """Bytes one accumulation thread streams per second (reads + writes)."""
     copy_latency_s: float = 10e-6
     """Fixed cost of one copy (launch, DMA set-up)."""
-    sync_s: float = 5e-6
-    """Compute-stream cost per chunk: record an event, enqueue the copy (t_as)."""
+    sync_s: float = 20e-6
+    """Host CPU per chunk per device on the thread that issues backward (t_as): the hook's send
+    (cgdp's Python: 3-11 us measured on null CUDA devices, bench/results/host_cost.md) and its
+    CUDA calls (record an event, a stream wait, a stream context, a copy and its event per
+    segment: about 15 us on a current driver; an estimate, not measured here)."""
+    hook_s: float = 2e-6
+    """Host CPU per parameter tensor per device: its gradient hook on the issuing thread (1-4 us
+    measured on null CUDA devices)."""
+    segment_bytes: int = 4 << 20
+    """The engine's ``segment_bytes``: chunks travel (and are summed) in segments of this size."""
+    segment_s: float = 10e-6
+    """Host-thread CPU per segment beyond the sum: the wake-up and the kernel's launch."""
+    segment_device_s: float = 12e-6
+    """Host-thread CPU per segment and device: waiting on its copy's event, issuing its copy back
+    (a stream context and a copy: mostly CUDA calls; cgdp's own Python is about 2-5 us of it on
+    null CUDA devices)."""
     acc_latency_s: float = 20e-6
     """Fixed cost of one host accumulation (wake-up, thread fork/join)."""
     device_mem_gbps: float = 900.0
@@ -101,18 +115,24 @@ class Hardware:
         return cls(**d)
 
 
+def host_traffic(devices: int) -> int:
+    """Host DRAM bytes per gradient byte and step: G copies in, G reads and one write by the sum,
+    G reads by the copies back."""
+    return 3 * devices + 1
+
+
 def stage_costs(hw: Hardware) -> StageCosts:
     """Simulator costs for ``hw``.
 
-    Host memory caps the links: with every device copying in both directions at once, the host
-    memory sees 2G streams, so a link gets at most host_mem/(2G) (the simulator has no other
-    coupling between DMA and accumulation traffic; this keeps the sum honest).
+    Host memory is a stage of its own (``dram``): each chunk's (3G + 1) x bytes of traffic pass
+    through it while the chunk's copies and sum run, so on a machine whose DRAM is slower than
+    its links the DRAM, not PCIe, sets the pace. The host CPU's per-hook, per-chunk and
+    per-segment costs come from the fields of the same names.
     """
     G = hw.gpus
     groups = [list(range(i, min(i + hw.devices_per_switch, G))) for i in range(0, G, hw.devices_per_switch)]
-    cap = hw.host_mem_gbps / (2 * G)
-    d2h = min(hw.d2h_gbps(), cap)
-    h2d = min(hw.h2d_gbps or hw.d2h_gbps(), cap)
+    d2h = hw.d2h_gbps()
+    h2d = hw.h2d_gbps or hw.d2h_gbps()
     acc = hw.acc_gbps() / (G + 1)  # G parts read, one result written, per byte of chunk
     R = hw.nodes
     net = hw.network_gbps / 8  # Gbit/s -> GB/s
@@ -124,7 +144,10 @@ def stage_costs(hw: Hardware) -> StageCosts:
         link_groups=groups if hw.devices_per_switch > 1 else None,
         p2p=Linear.from_bandwidth(hw.p2p_gbps, hw.copy_latency_s) if hw.p2p_gbps else None,
         device_acc=Linear.from_bandwidth(hw.device_mem_gbps / 3),  # read two, write one
-        typical_pattern=hw.typical_pattern)
+        typical_pattern=hw.typical_pattern,
+        dram=Linear.from_bandwidth(hw.host_mem_gbps / host_traffic(G)),
+        hook_s=hw.hook_s, segment_bytes=hw.segment_bytes, segment_s=hw.segment_s,
+        segment_device_s=hw.segment_device_s)
 
 
 def emulated_costs(probe: ProbeResult, devices: int, sync_s: float = 30e-6, acc_threads: int | None = None) -> StageCosts:

@@ -91,7 +91,8 @@ def _costs(layers: list[tuple[str, int, int]], forward_s: float, backward_s: flo
     macs = sum(m for _, _, m in layers)
     return ModelCosts(layer_bytes=[4 * p for _, p, _ in layers],
                       backward_s=[backward_s * m / macs for _, _, m in layers],
-                      forward_s=forward_s, update_s=update_s)
+                      forward_s=forward_s, update_s=update_s,
+                      layer_tensors=[2] * len(layers))  # weight and bias (or the folded BatchNorm's pair)
 
 
 def _split(iteration_s: float, params: int) -> tuple[float, float, float]:

@@ -23,7 +23,8 @@ from typing import Iterator
 import numpy as np
 
 from cgdp.planning.chunks import paper_plan
-from cgdp.planning.simulator import ModelCosts, StageCosts, advance, plan_of, predict_step, stage_times_from_sums
+from cgdp.planning.simulator import (STAGES, ModelCosts, StageCosts, advance, ordered_compute, plan_of, predict_step,
+                                     stage_times_from_sums)
 
 Plan = list[list[int]]
 
@@ -51,12 +52,11 @@ def dp_plan(model: ModelCosts, costs: StageCosts, max_front: int = 64) -> tuple[
     L = model.num_layers
     if L == 0:
         return [], model.forward_s + model.update_s + model.other_s, True
-    scale = max(costs.device_speed or [1.0])
-    bwd = np.array([model.backward_s[i] for i in model.order]) * scale
+    bwd = ordered_compute(model, costs)
     nb = np.array([model.layer_bytes[i] for i in model.order], dtype=float)
     cb = np.concatenate([[0.0], np.cumsum(bwd)])
     cn = np.concatenate([[0.0], np.cumsum(nb)])
-    S = 5
+    S = len(STAGES)
     # fronts[j]: states (rows) after a plan of the first j layers; back[j]: (i, row in fronts[i])
     fronts: list[np.ndarray] = [np.zeros((1, S))]
     back: list[np.ndarray] = [np.array([[-1, -1]])]

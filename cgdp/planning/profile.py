@@ -52,6 +52,11 @@ class StepProfile:
     step_s: float = 0.0
     plan: list[list[int]] = field(default_factory=list)
     chunks: list[ChunkTiming] = field(default_factory=list)
+    host_registered_bytes: int = 0
+    """Host memory registered (pinned) for the slots and the sum."""
+    host_bytes_moved: int = 0
+    """Host memory traffic of one step's gradient path: the devices' writes into the slots, the
+    sum's reads and writes, the copies back's reads ((3G + 1) x the gradient bytes in float32)."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -18,6 +18,15 @@ The model, and why:
   bind. With several machines, one MPI allreduce per chunk follows (``comm``: α + β·bytes), in order.
 * Each device's copy back uses its H2D link; the backward phase ends when the last chunk is back on
   every device (or, if later, when compute ends).
+* Host DRAM carries (3G + 1) x the chunk's bytes (G copies in, G reads and one write by the sum,
+  G reads by the copies back): a FIFO resource ``dram`` that every chunk holds for that traffic
+  once it is ready, in parallel with its copies and its sum; a chunk goes back only when both are
+  done. Where DRAM is slower than the links and the sum, it binds (a desktop's DRAM from G = 2).
+* Host CPU, the one process's own work: ``hook_s`` per parameter tensor on the thread that issues
+  a device's backward (added to the layer's compute), ``sync_s`` per chunk there (the send), and
+  ``segment_s + G * segment_device_s`` per segment on the host thread (waiting on the copies,
+  launching the sum, issuing the copies back), added to the chunk's accumulation. Where the host
+  thread's per-segment work sets the pace, the limit is reported as ``hostcpu``.
 * Every resource serves its ready tasks first-come first-served, ties broken by chunk then device:
   the engine's streams and host queues are FIFO too.
 
@@ -73,6 +82,8 @@ class ModelCosts:
     tail_s: float = 0.0
     """Backward compute after the last gradient is complete (input gradients, autograd's exit):
     it delays the update but no chunk waits for it."""
+    layer_tensors: list[int] | None = None
+    """Parameter tensors per layer (one gradient hook each per device); ``None``: no hook cost."""
 
     def __post_init__(self) -> None:
         if len(self.layer_bytes) != len(self.backward_s):
@@ -121,6 +132,27 @@ class StageCosts:
     ``None``: devices compute on their own hardware and host work never slows them."""
     acc_threads: float = 1.0
     """Threads one accumulation keeps busy (with ``shared_cores``)."""
+    dram: Linear = field(default_factory=Linear)
+    """Host DRAM time for the traffic of one chunk, all devices together ((3G + 1) x its bytes);
+    zero: DRAM never binds."""
+    hook_s: float = 0.0
+    """Host CPU per parameter tensor per device: its gradient hook, on the issuing thread."""
+    segment_bytes: float = 0.0
+    """Chunks travel in segments of at most this many bytes (0: one segment per chunk)."""
+    segment_s: float = 0.0
+    """Host-thread CPU per segment, beyond the sum itself."""
+    segment_device_s: float = 0.0
+    """Host-thread CPU per segment and device (its copy's wait, its copy back's issue)."""
+
+    def segments(self, nbytes: float) -> float:
+        """Segments of a chunk of ``nbytes``."""
+        if nbytes <= 0:
+            return 0.0
+        return max(1.0, math.ceil(nbytes / self.segment_bytes)) if self.segment_bytes > 0 else 1.0
+
+    def host_cpu(self, nbytes: float) -> float:
+        """The host thread's own CPU for one chunk of ``nbytes`` (all devices), beyond the sum."""
+        return self.segments(nbytes) * (self.segment_s + self.devices * self.segment_device_s)
 
     def threads(self, kind: str) -> float:
         """Host threads a task of this kind occupies while it runs (with ``shared_cores``)."""
@@ -145,7 +177,7 @@ class Task:
     """One piece of work on one resource in the timeline."""
 
     kind: str
-    """Stage: compute, sync, d2h, acc, comm, h2d, gather, reduce, update, bcast, ring."""
+    """Stage: compute, sync, d2h, acc, comm, dram, h2d, gather, reduce, update, bcast, ring."""
     resource: str | None
     """Who serves it one at a time (``None``: unlimited)."""
     duration: float
@@ -154,6 +186,8 @@ class Task:
     device: int = -1
     layer: int = -1
     """For compute tasks: the layer whose backward this is."""
+    host_s: float = 0.0
+    """Of ``duration``, the host CPU's own work (per-segment costs of an ``acc`` task)."""
     start: float = math.nan
     end: float = math.nan
 
@@ -275,11 +309,13 @@ def _backward_tasks(model: ModelCosts, costs: StageCosts, plan: Plan | None,
     left = [len(ch) for ch in plan] if plan else []
     last = [-1] * costs.devices
     ready: list[list[int]] = [[-1] * costs.devices for _ in (plan or [])]
+    hooks = model.layer_tensors if (model.layer_tensors and costs.hook_s) else None
     for d in range(costs.devices):
         left_d = list(left)
         prev = -1
         for layer in model.order:
-            tasks.append(Task("compute", f"compute{d}", model.backward_s[layer] * speed[d],
+            hook = hooks[layer] * costs.hook_s if hooks and plan else 0.0
+            tasks.append(Task("compute", f"compute{d}", model.backward_s[layer] * speed[d] + hook,
                               [prev] if prev >= 0 else [], device=d, layer=layer))
             prev = len(tasks) - 1
             if plan:
@@ -339,7 +375,9 @@ def _critical_path(tasks: list[Task]) -> dict[str, float]:
     i = max(range(len(tasks)), key=lambda k: (tasks[k].end, k))
     while i >= 0:
         t = tasks[i]
-        out[t.kind] = out.get(t.kind, 0.0) + t.duration
+        out[t.kind] = out.get(t.kind, 0.0) + t.duration - t.host_s
+        if t.host_s:
+            out["hostcpu"] = out.get("hostcpu", 0.0) + t.host_s
         cands = [d for d in t.deps] + ([prev_on_res[i]] if i in prev_on_res else [])
         cands = [c for c in cands if abs(tasks[c].end - t.start) <= 1e-12 + 1e-9 * abs(t.start)]
         i = max(cands, key=lambda c: tasks[c].end) if cands else -1
@@ -372,13 +410,17 @@ def _simulate_cgdp(model: ModelCosts, costs: StageCosts, plan: Plan) -> SimResul
         for d in range(costs.devices):
             tasks.append(Task("d2h", f"d2h-link{link[d]}", costs.d2h(nbytes), [ready[c][d]], c, d))
             d2h.append(len(tasks) - 1)
-        tasks.append(Task("acc", "host", costs.acc(nbytes), d2h, c))
+        host = costs.host_cpu(nbytes)
+        tasks.append(Task("acc", "host", costs.acc(nbytes) + host, d2h, c, host_s=host))
         src = len(tasks) - 1
         if costs.ranks > 1:
             tasks.append(Task("comm", "network", costs.comm(nbytes), [src], c))
             src = len(tasks) - 1
+        # host DRAM moves the chunk's (3G + 1) x bytes while its copies and sum run
+        tasks.append(Task("dram", "dram", costs.dram(nbytes), list(ready[c]), c))
+        dram = len(tasks) - 1
         for d in range(costs.devices):
-            tasks.append(Task("h2d", f"h2d-link{link[d]}", costs.h2d(nbytes), [src], c, d))
+            tasks.append(Task("h2d", f"h2d-link{link[d]}", costs.h2d(nbytes), [src, dram], c, d))
     return _finish("cgdp", model, costs, tasks, last, model.update_s)
 
 
@@ -403,6 +445,10 @@ def _simulate_typical(model: ModelCosts, costs: StageCosts) -> SimResult:
     last, _ = _backward_tasks(model, costs, None, tasks)
     total = sum(model.layer_bytes)
     G = costs.devices
+    if costs.p2p is None and G > 1:
+        # staged through host memory: gathered ((G - 1) x written and read) and broadcast (written
+        # once, read G - 1 times): the phase cannot end before DRAM has moved that
+        tasks.append(Task("dram", "dram", (3 * G - 1) / (3 * G + 1) * costs.dram(total), [i for i in last if i >= 0]))
     have = {d: last[d] for d in range(G)}  # task after which device d holds its (partial) sum
     if costs.typical_pattern == "tree":
         stride = 1
@@ -457,6 +503,10 @@ def ring_allreduce_s(costs: StageCosts, nbytes: float) -> float:
         else:  # staged copies are pipelined in slices: the slower direction sets the pace
             step = costs.share() * max(costs.d2h(piece), costs.h2d(piece))
         t = 2 * (G - 1) * step
+        if costs.p2p is None and costs.dram.per_byte_s:
+            # staged through host memory: every piece is written and read once per ring step,
+            # 4(G - 1) x the bytes in all, against cgdp's (3G + 1) that ``dram`` prices
+            t = max(t, 4 * (G - 1) / (3 * G + 1) * costs.dram(nbytes))
     if costs.ranks > 1:
         t += costs.comm(nbytes)
     return t
@@ -472,12 +522,22 @@ def _simulate_ring(model: ModelCosts, costs: StageCosts, plan: Plan) -> SimResul
 
 # ---- closed form for identical devices (what the planner optimises) -------------------------
 
-STAGES = ("compute", "d2h", "acc", "comm", "h2d")
+STAGES = ("compute", "d2h", "acc", "comm", "dram", "h2d")
+"""The flow shop's stages; ``dram`` runs beside d2h..comm (from the chunk's ready time) and the
+copy back waits for both."""
+
+
+def ordered_compute(model: ModelCosts, costs: StageCosts) -> np.ndarray:
+    """Per layer in ``model.order``: its backward on the slowest device plus its hooks' host CPU."""
+    bwd = np.array([model.backward_s[i] for i in model.order]) * max(costs.device_speed or [1.0])
+    if model.layer_tensors and costs.hook_s:
+        bwd = bwd + np.array([model.layer_tensors[i] for i in model.order]) * costs.hook_s
+    return bwd
 
 
 def stage_times(model: ModelCosts, costs: StageCosts, sizes: Sequence[int]) -> np.ndarray:
     """Per chunk (``sizes``: chunk lengths along ``model.order``) the time it holds each stage."""
-    bwd = np.array([model.backward_s[i] for i in model.order]) * max(costs.device_speed or [1.0])
+    bwd = ordered_compute(model, costs)
     nb = np.array([model.layer_bytes[i] for i in model.order], dtype=float)
     edges = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     cb = np.concatenate([[0.0], np.cumsum(bwd)])
@@ -493,17 +553,27 @@ def stage_times_from_sums(costs: StageCosts, bwd: np.ndarray, nbytes: np.ndarray
     p[:, 0] = bwd + costs.sync_s
     p[:, 1] = costs.share() * lin(costs.d2h, nbytes)
     p[:, 2] = lin(costs.acc, nbytes)
+    if costs.segment_s or costs.segment_device_s:
+        per = costs.segment_s + costs.devices * costs.segment_device_s
+        segs = np.where(nbytes > 0, np.maximum(1.0, np.ceil(nbytes / costs.segment_bytes))
+                        if costs.segment_bytes > 0 else 1.0, 0.0)
+        p[:, 2] += segs * per
     p[:, 3] = lin(costs.comm, nbytes) if costs.ranks > 1 else 0.0
-    p[:, 4] = costs.share() * lin(costs.h2d, nbytes)
+    p[:, 4] = lin(costs.dram, nbytes)
+    p[:, 5] = costs.share() * lin(costs.h2d, nbytes)
     return p
 
 
 def advance(state: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """Flow-shop step: finish times of one more chunk given the previous chunk's (rows broadcast)."""
+    """Flow-shop step: finish times of one more chunk given the previous chunk's (rows broadcast).
+    Stages run in series, except ``dram`` (column 4), which starts with the chunk's d2h and which
+    the copy back (column 5) also waits for."""
     out = np.empty(np.broadcast_shapes(state.shape, p.shape))
     out[..., 0] = state[..., 0] + p[..., 0]
-    for s in range(1, p.shape[-1]):
+    for s in range(1, 4):
         out[..., s] = np.maximum(state[..., s], out[..., s - 1]) + p[..., s]
+    out[..., 4] = np.maximum(state[..., 4], out[..., 0]) + p[..., 4]
+    out[..., 5] = np.maximum(state[..., 5], np.maximum(out[..., 3], out[..., 4])) + p[..., 5]
     return out
 
 
@@ -543,5 +613,5 @@ def predict_step(model: ModelCosts, costs: StageCosts, plan: Plan) -> float:
     if sizes is None or costs.shared_cores or (costs.device_speed and len(set(costs.device_speed)) > 1):
         return simulate(model, costs, plan).step_s
     phase = max(chain_makespan(stage_times(model, costs, sizes)),
-                sum(model.backward_s) * max(costs.device_speed or [1.0]) + len(sizes) * costs.sync_s + model.tail_s)
+                float(ordered_compute(model, costs).sum()) + len(sizes) * costs.sync_s + model.tail_s)
     return model.forward_s + phase + model.update_s + model.other_s

@@ -3,9 +3,11 @@
 May import ``cgdp.engine`` (the CUDA backend's runtime hook). ``cuda_sim``: :func:`simulated_cuda`,
 the strict simulated CUDA runtime beneath ``TorchCuda`` (``fake_cuda``: its ``torch.cuda``), and
 :class:`SideStream`, a model part on a stream of its own; ``stream_check``: the stream-ordering
-checker the simulator and the first GPU run share. ``netns`` (imported only when used): hosts
-emulated by network namespaces, and MPI jobs across them.
+checker the simulator and the first GPU run share. ``null_cuda``: :func:`null_cuda`, a runtime
+object whose every CUDA call is a no-op, to count and time cgdp's own host work. ``netns``
+(imported only when used): hosts emulated by network namespaces, and MPI jobs across them.
 """
 from cgdp.testing.cuda_sim import SideStream, SimulatedCuda, simulated_cuda
+from cgdp.testing.null_cuda import NullCuda, null_cuda
 
-__all__ = ["simulated_cuda", "SimulatedCuda", "SideStream"]
+__all__ = ["simulated_cuda", "SimulatedCuda", "SideStream", "null_cuda", "NullCuda"]

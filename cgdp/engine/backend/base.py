@@ -6,24 +6,59 @@ and an H2D stream. The engine talks to a device only through these methods, so t
 chunk plan, the host accumulator, the MPI tier and the tuner run unchanged on CUDA and on
 CPU-emulated devices.
 
-Threads: ``send`` is called from the thread that runs backward for this device (inside a gradient
-hook) and must only enqueue. ``give_back`` and ``h2d_marker`` are called from the host side (the
-accumulator or comm thread). ``compute_wait`` is called from the device's own thread.
+The gradient path is set up once per chunk plan (:meth:`Device.set_routes`): a :class:`Routes`
+holds, per segment, the device and host views each copy reads and writes, built once, so that a
+step creates no Python object per segment. Then per step, with ``u`` a *unit* (a chunk, or one
+segment of a chunk when the host slots are a ring) and ``s`` a segment:
+
+* ``send(u)``: the thread that runs backward for this device (inside a gradient hook) issues the
+  unit's copies to the host and calls ``routes.sent(u)``; it must not wait for them.
+* ``wait_arrived(s)``: the host thread, before it sums segment ``s``, waits until this device's
+  copy of it has landed (CUDA: on the copy's event; emulated: on the D2H stream's progress).
+* ``give_back(s)`` (host or comm thread) issues the copy of the summed segment back;
+  ``wait_given_back(s)`` waits until it has completed (ring slots, before a slot is reused);
+  ``h2d_marker`` marks every copy back issued so far, and ``compute_wait`` (the device's own
+  thread) makes later compute wait for a marker.
 """
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from cgdp.engine.sync import Guard
 
-SendPart = tuple[torch.Tensor, torch.Tensor, Callable[[], None], "torch.Tensor | None"]
-"""(src on the device, dst on the host, on_arrived, stage on the device or None)."""
+Copy = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+"""(source, destination, stage on the device or None): one segment's copy in one direction."""
 TraceSink = Callable[[str, str, str, float, float], None]
 """(device, stream, name, start, end) with times in ``time.perf_counter`` seconds."""
+
+
+@dataclass
+class Routes:
+    """Where one device's segments travel, for one chunk plan (built by the host between steps)."""
+
+    d2h: list[Copy]
+    """Per segment: (the flat buffer's slice, the host slot it lands in, the stage of the wire
+    dtype it is cast through on the device, or None)."""
+    h2d: list[Copy]
+    """Per segment: (the host row the sum is read from, the flat buffer's slice, the stage it is
+    widened through, or None)."""
+    units: list[range]
+    """The segments of each unit, in unit order: a unit is what ``send`` issues at once."""
+    unit_bytes: list[int]
+    """Bytes each unit moves (the largest of its segments' copies, on the wire)."""
+    segment_bytes: list[int]
+    """Bytes each segment moves on the wire."""
+    labels: list[str]
+    """Per segment, its name in traces ("chunk c")."""
+    sent: Callable[[int], None]
+    """Called with the unit after ``send`` issued its copies (the host counts units per device)."""
+    ring: int = 0
+    """Host slots in the ring (0: one full-size row per device, every segment in its own place)."""
 
 
 class Device(ABC):
@@ -57,17 +92,28 @@ class Device(ABC):
         """Give back host memory from :meth:`host_empty` (before ``close()``, which frees all)."""
 
     @abstractmethod
-    def send(self, parts: Sequence[SendPart], label: str) -> None:
-        """After all compute work issued so far, for each ``(src, dst, on_arrived, stage)`` in
-        order: copy ``src`` (device) into ``dst`` (host) on the D2H stream, through ``stage`` (a
-        device buffer of ``dst``'s dtype: the cast happens on the device) if it is given; then run
-        ``on_arrived()`` on a host thread. Only enqueues."""
+    def set_routes(self, routes: Routes) -> None:
+        """The copies of a new chunk plan (between steps, nothing in flight)."""
 
     @abstractmethod
-    def give_back(self, src: torch.Tensor, dst: torch.Tensor, label: str,
-                  stage: torch.Tensor | None = None) -> None:
-        """Copy ``src`` (host) into ``dst`` (device) on the H2D stream, through ``stage`` (a device
-        buffer of ``src``'s dtype, widened into ``dst`` on the device) if it is given. Only enqueues."""
+    def send(self, unit: int) -> None:
+        """After all compute work issued so far, copy each segment of ``unit`` to the host on the
+        D2H stream (cast through its stage on the device, if it has one), then call
+        ``routes.sent(unit)``. Never waits for the copies."""
+
+    @abstractmethod
+    def wait_arrived(self, s: int, guard: Guard) -> None:
+        """Host thread: block until segment ``s``'s copy to the host (sent this step) has landed."""
+
+    @abstractmethod
+    def give_back(self, s: int) -> None:
+        """Copy segment ``s`` of the host sum back into the flat buffer on the H2D stream (widened
+        through its stage on the device, if it has one). Never waits for the copy."""
+
+    @abstractmethod
+    def wait_given_back(self, s: int, guard: Guard) -> None:
+        """Host thread: block until the copy back of segment ``s`` (given back this step) has
+        completed, i.e. the host row it reads may be overwritten."""
 
     @abstractmethod
     def h2d_marker(self) -> Any:

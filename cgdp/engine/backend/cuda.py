@@ -12,16 +12,21 @@ so CI runs every line of this module.
   current stream, one more on every other stream a gradient accumulated on (a model that runs
   part of its forward on a side stream), and makes the D2H stream wait on them (device-side waits:
   the host does not synchronise, unlike the paper's per-layer host sync); per segment it enqueues
-  one copy into page-locked host memory and one blocking-sync event. A completion thread per
-  device waits on each copy's event (the thread sleeps, GIL released, instead of spinning a core
-  the host sum needs) and tells the host accumulator the segment has arrived.
+  one copy into page-locked host memory and records the segment's blocking-sync event. Then it
+  tells the host the unit is on its way. No thread waits per device: the host thread, which must
+  have a segment from every device before it sums it, waits on each device's event of that
+  segment in turn (sleeping, GIL released, instead of spinning a core the host sum needs), so one
+  thread polls the completions of all devices.
+* The events are made once per chunk plan and recorded again every step (a record replaces the
+  previous one; every wait on it was issued before): an untimed step creates no CUDA objects.
 * ``give_back`` enqueues the host-to-device copy on the H2D stream; ``compute_wait`` makes the
   compute stream wait on an H2D event, again without a host synchronisation. So a step returns
   while its last copies back may still run: ``close()`` synchronises before it unregisters the
   host rows, and everything that frees or relays buffers synchronises first.
 * Threads: every thread that calls CUDA works under a guard of the device it works for (the
-  device threads and completion threads bind theirs; stream contexts and host registration make
-  theirs current), so a process that uses ``cuda:1`` only never creates a context on GPU 0.
+  device threads bind theirs, the host thread binds its first device's; stream contexts and host
+  registration make theirs current), so a process that uses ``cuda:1`` only never creates a
+  context on GPU 0.
 * The flat gradient buffer and the host slots live for the whole run, so no allocation is
   freed while a side stream still uses it (no ``record_stream`` needed). Host slots are an
   ordinary allocation registered with ``cudaHostRegister`` on pages of their own (the host's page
@@ -39,7 +44,6 @@ import contextlib
 import importlib
 import mmap
 import os
-import queue
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -47,7 +51,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from cgdp.engine.backend.base import Device
+from cgdp.engine.backend.base import Device, Routes
 from cgdp.engine.sync import Guard
 
 def host_page_size() -> int:
@@ -226,7 +230,7 @@ def cuda_count() -> int:
 
 def host_threads(num_replicas: int) -> int:
     """Threads of the host sum next to GPUs: every core but one per device thread (each issues
-    kernels and is busy during backward); the completion threads sleep on blocking events."""
+    kernels and is busy during backward); the host thread sleeps on blocking events between sums."""
     return max(1, (os.cpu_count() or 2) - num_replicas)
 
 
@@ -248,9 +252,11 @@ class CudaDevice(Device):
         self._hosts: list[torch.Tensor] = []
         self._grad_streams: list[Any] = []
         """Every stream a gradient has accumulated on (usually the default stream alone)."""
-        self._watch: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._complete, name=f"cgdp-{name}-done", daemon=True)
-        self._thread.start()
+        self._routes: Routes | None = None
+        self._marker = self.rt.Event(blocking=True)
+        """Recorded on the H2D stream after a step's copies back (``h2d_marker``)."""
+        self._computed = self.rt.Event(blocking=True)
+        """Recorded on the compute stream after backward (``wait_compute``)."""
 
     def bind_thread(self) -> None:
         self.rt.set_device(self.index)
@@ -287,11 +293,18 @@ class CudaDevice(Device):
         if s not in self._grad_streams:
             self._grad_streams.append(s)
 
-    def send(self, parts, label):
+    def set_routes(self, routes: Routes) -> None:
+        self._routes = routes
         rt = self.rt
-        timed = self._timed()
+        self._ready = [rt.Event() for _ in routes.units]
+        self._landed = [rt.Event(blocking=True) for _ in routes.d2h]
+        self._back = [rt.Event(blocking=True) for _ in range(routes.ring)]
+
+    def send(self, unit):
+        rt, r = self.rt, self._routes
+        timed = self.trace is not None and self._anchor is not None  # inside a timed step
         current = rt.current_stream(self.index)
-        ready = rt.Event()
+        ready = self._ready[unit]
         ready.record(current)
         with rt.stream(self.d2h):
             self.d2h.wait_event(ready)  # device-side wait: no host synchronisation here
@@ -300,7 +313,8 @@ class CudaDevice(Device):
                     ev = rt.Event()
                     ev.record(s)
                     self.d2h.wait_event(ev)
-            for src, dst, on_arrived, stage in parts:
+            for s in r.units[unit]:
+                src, dst, stage = r.d2h[s]
                 if timed:
                     start = rt.Event(enable_timing=True, blocking=True)
                     start.record(self.d2h)
@@ -308,31 +322,20 @@ class CudaDevice(Device):
                     rt.copy(stage, src)  # cast on the device: fewer bytes over the bus
                     src = stage
                 rt.copy(dst, src)
-                done = rt.Event(enable_timing=timed, blocking=True)
-                done.record(self.d2h)
+                self._landed[s].record(self.d2h)
                 if timed:
-                    self.copies.append(("d2h", label, start, done))
-                self._watch.put((done, on_arrived))
+                    done = rt.Event(enable_timing=True, blocking=True)
+                    done.record(self.d2h)
+                    self.copies.append(("d2h", r.labels[s], start, done))
+        r.sent(unit)
 
-    def _complete(self) -> None:
-        self.rt.set_device(self.index)  # its event waits use this device's context, never GPU 0's
-        while True:
-            item = self._watch.get()  # waits for the next copy in flight
-            if item is None:
-                return
-            if isinstance(item, threading.Event):  # a drain marker from synchronize()
-                item.set()
-                continue
-            done, on_arrived = item
-            try:
-                done.synchronize()  # note: host waits here, on this thread only, GIL released
-                on_arrived()
-            except BaseException as exc:
-                self._fail(exc)
+    def wait_arrived(self, s: int, guard: Guard) -> None:
+        self._landed[s].synchronize()  # note: the host thread waits for this copy, GIL released
 
-    def give_back(self, src, dst, label, stage=None):
-        rt = self.rt
-        timed = self._timed()
+    def give_back(self, s):
+        rt, r = self.rt, self._routes
+        timed = self.trace is not None and self._anchor is not None
+        src, dst, stage = r.h2d[s]
         with rt.stream(self.h2d):
             if timed:
                 start = rt.Event(enable_timing=True, blocking=True)
@@ -342,33 +345,35 @@ class CudaDevice(Device):
                 rt.copy(dst, stage)  # widened on the device
             else:
                 rt.copy(dst, src)
+            if r.ring:  # the host row is reused once this copy has read it
+                self._back[s % r.ring].record(self.h2d)
             if timed:
                 done = rt.Event(enable_timing=True, blocking=True)
                 done.record(self.h2d)
-                self.copies.append(("h2d", label, start, done))
+                self.copies.append(("h2d", r.labels[s], start, done))
+
+    def wait_given_back(self, s: int, guard: Guard) -> None:
+        r = self._routes
+        if r.ring:
+            self._back[s % r.ring].synchronize()  # note: host waits until the copy back has read the slot
 
     def h2d_marker(self) -> Any:
-        ev = self.rt.Event(blocking=True)
-        ev.record(self.h2d)
-        return ev
+        self._marker.record(self.h2d)
+        return self._marker
 
     def compute_wait(self, marker: Any, guard: Guard) -> None:
         # device-side wait: the update kernels queue behind the last H2D copy; the host goes on.
         self.rt.current_stream(self.index).wait_event(marker)
 
     def wait_compute(self, guard: Guard) -> None:
-        ev = self.rt.Event(blocking=True)
-        ev.record(self.rt.current_stream(self.index))
-        ev.synchronize()  # note: host waits for backward, sleeping (a blocking-sync event, no spin)
+        self._computed.record(self.rt.current_stream(self.index))
+        self._computed.synchronize()  # note: host waits for backward, sleeping (a blocking-sync event, no spin)
 
     def settle(self, marker: Any, guard: Guard) -> None:
         marker.synchronize()  # note: host sync on the last H2D copy (timed steps only)
 
     def synchronize(self, guard: Guard) -> None:
         self.rt.synchronize(self.index)  # note: host sync point (plan switches, failures)
-        ev = threading.Event()
-        self._watch.put(ev)  # and every completion already noticed has been delivered
-        guard.wait(ev, f"the copy completions of {self.name}")
 
     # ---------------------------------------------------------------- timing
     def begin_timing(self) -> None:
@@ -411,15 +416,13 @@ class CudaDevice(Device):
         self.trace = None  # later stamps are host times; this step's stay resolvable
 
     def close(self) -> None:
-        """Stop the completion thread and unregister the host rows, once every copy is done: a
-        step returns after a device-side wait only, so its last copies back may still read them."""
+        """Unregister the host rows, once every copy is done: a step returns after a device-side
+        wait only, so its last copies back may still read them."""
         first: BaseException | None = None
         try:
             self.rt.synchronize(self.index)  # note: host sync before the rows are unregistered
         except BaseException as exc:  # a sticky CUDA error: release the rest anyway
             first = exc
-        self._watch.put(None)
-        self._thread.join(timeout=10)
         while self._hosts:
             t = self._hosts.pop()
             try:

@@ -331,18 +331,20 @@ def _k4(out, a, b, c, d, s, want_sq):
 
 
 def _wk2(out, a, b, s, want_sq, half, back):
-    n = out.shape[0]
+    n = a.shape[0]
     nblocks = (n + BLOCK - 1) // BLOCK
     sq = np.zeros(nblocks if want_sq else 0)
     bad = 0
     for blk in prange(nblocks):
         lo = blk * BLOCK
         hi = min(lo + BLOCK, n)
-        bad += _wset2s(out[lo:hi], a[lo:hi], b[lo:hi], s, half)
+        # an empty out: the float32 block lives in a scratch that stays in cache (only back is written)
+        o = out[lo:hi] if out.shape[0] else np.empty(hi - lo, np.float32)
+        bad += _wset2s(o, a[lo:hi], b[lo:hi], s, half)
         if want_sq:
-            sq[blk] = _sumsq(out[lo:hi])
+            sq[blk] = _sumsq(o)
         if back.shape[0]:
-            _narrow(out[lo:hi], back[lo:hi], half)
+            _narrow(o, back[lo:hi], half)
     return bad, _ordered_sum(sq)
 
 
@@ -379,8 +381,9 @@ def _body(out, parts, scale, want_sq):
 
 def _body_wide(out, parts, scale, want_sq, half, back):
     """16-bit parts (bf16 or fp16 bits), widened to float32 on the fly; with a non-empty ``back``,
-    each block's float32 result is also rounded into it, while the block is in L1."""
-    n = out.shape[0]
+    each block's float32 result is also rounded into it, while the block is in L1. An empty
+    ``out`` keeps each float32 block in a scratch of its own: only ``back`` is written."""
+    n = parts[0].shape[0]
     nparts = len(parts)
     nblocks = (n + BLOCK - 1) // BLOCK
     sq = np.zeros(nblocks if want_sq else 0)
@@ -388,7 +391,7 @@ def _body_wide(out, parts, scale, want_sq, half, back):
     for b in prange(nblocks):
         lo = b * BLOCK
         hi = min(lo + BLOCK, n)
-        o = out[lo:hi]
+        o = out[lo:hi] if out.shape[0] else np.empty(hi - lo, np.float32)
         z = nparts - nparts
         if nparts == 1:
             _wset1(o, parts[z][lo:hi], half)
@@ -461,18 +464,21 @@ def accumulate(out: np.ndarray, parts: Sequence[np.ndarray], scale: float = 1.0,
     return (bad, sq) if sumsq else bad
 
 
-def accumulate_unchecked(out: np.ndarray, parts: tuple[np.ndarray, ...], scale: float = 1.0,
+def accumulate_unchecked(out: np.ndarray | None, parts: tuple[np.ndarray, ...], scale: float = 1.0,
                          sumsq: bool = False, rounded: np.ndarray | None = None) -> tuple[int, float]:
     """The engine's entry, without argument checks (the engine's buffers are right by
     construction): ``(non-finite count, sum of squares of out or 0.0)``. With 16-bit parts,
     ``rounded`` (an array of the parts' dtype, like ``out``) also receives ``out`` rounded to that
-    dtype, in the same pass."""
-    s = out.dtype.type(scale)
-    parallel = _parallel(out.shape[0])
+    dtype, in the same pass, and ``out`` may be None: the float32 sum is then never written to
+    memory, only its rounding (2 bytes per element written instead of 6)."""
+    s = np.float32(scale) if out is None else out.dtype.type(scale)
+    parallel = _parallel(parts[0].shape[0])
     half = _WIDEN.get(parts[0].dtype)
     if half is not None:
         bits = tuple(p.view(np.uint16) for p in parts)
         back = _NO_BACK if rounded is None else rounded.view(np.uint16)
+        if out is None:
+            out = _NO_OUT
         kernels = _par_wide if parallel else _ser_wide
         if len(parts) == 2:
             bad, sq = kernels[1](out, *bits, s, sumsq, half, back)
@@ -488,6 +494,7 @@ def accumulate_unchecked(out: np.ndarray, parts: tuple[np.ndarray, ...], scale: 
 
 
 _NO_BACK = np.zeros(0, np.uint16)
+_NO_OUT = np.zeros(0, np.float32)
 
 
 def _parallel(n: int) -> bool:
@@ -551,6 +558,7 @@ def warm_up(dtype: np.dtype = np.float32, nparts: int = 2) -> None:
             accumulate_unchecked(out, parts, 1.0, sumsq)
             if dtype in _WIDEN:
                 accumulate_unchecked(out, parts, 1.0, sumsq, np.zeros(n, dtype))
+                accumulate_unchecked(None, parts, 1.0, sumsq, np.zeros(n, dtype))
         if dtype in _WIDEN:
             round_into(out, np.zeros(n, dtype))
         sum_of_squares(out)

@@ -5,6 +5,11 @@ the thread that executes backward for that device (the device's own thread on em
 autograd's device thread on CUDA), so a device's counters are only ever touched by one thread and
 need no lock. A hook does three things and returns: marks its parameter touched, counts down its
 chunk, and, when the count reaches zero, asks the device to send the chunk (which only enqueues).
+
+The hook runs once per parameter per step on the thread that issues the device's kernels, so it is
+kept to a few list operations: the per-step state it reads (the views, each parameter's chunk, the
+countdowns, the touched flags) lives in lists and bytearrays that are updated in place, so the
+closure holds them directly instead of looking them up on every call.
 """
 from __future__ import annotations
 
@@ -15,62 +20,104 @@ import torch
 
 class DeviceHooks:
     def __init__(self, params: list[torch.nn.Parameter], send: Callable[[int], None],
-                 stamp: Callable[[], Any]):
+                 stamp: Callable[[], Any], sent: bytearray | None = None):
+        """``send(c)``: chunk c is complete (it marks ``sent``, which it may share with the hooks)."""
+        n = len(params)
         self.params = params
         self._send = send
         self._stamp = stamp
-        self.views: list[torch.Tensor] = []
+        self.views: list[torch.Tensor | None] = [None] * n
         """Each parameter's gradient view into the flat buffer (what ``.grad`` must be)."""
-        self.param_chunk: list[int] = []
+        self.param_chunk: list[int] = [0] * n
         self._template: list[int] = []
         self.pending: list[int] = []
-        self.sent: list[bool] = []
-        self.touched = bytearray(len(params))
-        self.replaced = bytearray(len(params))
+        """Per chunk: parameters still to come this step (updated in place)."""
+        self.sent = bytearray() if sent is None else sent
+        """Per chunk: sent this step (updated in place)."""
+        self.touched = bytearray(n)
+        self.replaced = bytearray(n)
         """Per parameter: the hook found ``.grad`` replaced (None before this backward) and put
         the view back, overwriting the view's old contents."""
-        self.ready_at: list[Any] = [0.0] * len(params)
-        self.streaming = False
-        """True in mode 'cgdp': hooks send chunks. Otherwise they only mark parameters touched."""
-        self.timing = False
-        self.note: Callable[[int], None] | None = None
-        """Called with the chunk of each gradient that arrives while streaming (CUDA: notes the
-        stream it accumulated on, which the chunk's send must wait for)."""
+        self.stolen = bytearray(n)
+        """Per parameter: the stream set ``.grad`` to None before this backward (a large one),
+        so autograd hands its gradient over instead of adding it to a zeroed view; the hook
+        writes ``0.0 + grad`` into the view, the bits the zeroed view would have held."""
+        self.ready_at: list[Any] = [0.0] * n
+        self.mode: list[Any] = [False, False, None]
+        """[streaming, timing, note]: hooks send chunks (mode 'cgdp'), hooks stamp when each
+        parameter was ready (timed steps), and ``note(c)`` is called with the chunk of each
+        gradient that arrives while streaming (CUDA: notes the stream it accumulated on, which
+        the chunk's send must wait for). One list, read by every hook."""
         self._handles = [p.register_post_accumulate_grad_hook(self._make(pid))
                          for pid, p in enumerate(params)]
 
+    @property
+    def streaming(self) -> bool:
+        """True in mode 'cgdp': hooks send chunks. Otherwise they only mark parameters touched."""
+        return self.mode[0]
+
+    @streaming.setter
+    def streaming(self, on: bool) -> None:
+        self.mode[0] = bool(on)
+
+    @property
+    def timing(self) -> bool:
+        return self.mode[1]
+
+    @timing.setter
+    def timing(self, on: bool) -> None:
+        self.mode[1] = bool(on)
+
+    @property
+    def note(self) -> Callable[[int], None] | None:
+        return self.mode[2]
+
+    @note.setter
+    def note(self, fn: Callable[[int], None] | None) -> None:
+        self.mode[2] = fn
+
     def set_layout(self, param_chunk: list[int], chunk_params: list[int],
                    views: list[torch.Tensor]) -> None:
-        self.views = views
-        self.param_chunk = list(param_chunk)
+        self.views[:] = views
+        self.param_chunk[:] = param_chunk
         self._template = list(chunk_params)
+        self.pending[:] = self._template
+        self.sent[:] = bytes(len(chunk_params))
 
     def begin_step(self) -> None:
-        self.pending = list(self._template)
-        self.sent = [False] * len(self._template)
+        self.pending[:] = self._template
+        self.sent[:] = bytes(len(self._template))
         self.touched[:] = bytes(len(self.touched))
 
     def _make(self, pid: int):
+        views, touched, replaced, pending, chunk_of, mode = (
+            self.views, self.touched, self.replaced, self.pending, self.param_chunk, self.mode)
+        send, ready_at, stamp, stolen = self._send, self.ready_at, self._stamp, self.stolen
+
         def hook(p: torch.Tensor) -> None:
-            view, grad = self.views[pid], p.grad  # read once: another thread may zero_grad
+            view, grad = views[pid], p.grad  # read once: another thread may zero_grad
             if grad is not view:
-                # .grad was replaced (e.g. zero_grad(set_to_none=True) on a replica): autograd
-                # then stores a new tensor instead of adding into the flat buffer. Put it back.
-                if grad is not None:
-                    view.copy_(grad)
+                if grad is not None and stolen[pid]:  # one pass (read, write) where zeroing and adding made three
+                    torch.add(grad, 0.0, out=view)
+                else:
+                    # .grad was replaced (e.g. zero_grad(set_to_none=True) on a replica): autograd
+                    # then stores a new tensor instead of adding into the flat buffer. Put it back.
+                    if grad is not None:
+                        view.copy_(grad)
+                    replaced[pid] = 1
                 p.grad = view
-                self.replaced[pid] = 1
-            self.touched[pid] = 1
-            if self.timing:
-                self.ready_at[pid] = self._stamp()
-            if self.streaming:
-                c = self.param_chunk[pid]
-                if self.note is not None:
-                    self.note(c)
-                left = self.pending[c] - 1
-                self.pending[c] = left
+            touched[pid] = 1
+            streaming, timing, note = mode
+            if timing:
+                ready_at[pid] = stamp()
+            if streaming:
+                c = chunk_of[pid]
+                if note is not None:
+                    note(c)
+                left = pending[c] - 1
+                pending[c] = left
                 if left == 0:
-                    self._send(c)
+                    send(c)
         return hook
 
     def flush(self) -> None:

@@ -1,33 +1,42 @@
 """The host side of one machine: pinned slots, the accumulator, and the copy back.
 
-Buffers (owned here, alive for the whole run): ``slots[j]`` receives device j's chunks (D2H), and
-``acc`` holds the averaged gradient that goes back to every device (H2D); pinned on CUDA. That is
-(G + 1) × the gradient bytes of host memory. For bf16/fp16 parameters (:mod:`cgdp.engine.core.precision`)
-``acc`` is a float32 row of its own, and the copy-back row (16-bit) receives each averaged chunk
-rounded once: (G + 1) × 2 + 4 bytes per element. Without a comm the kernel rounds each block in
-the summing pass itself; with one, the chunk is rounded after its allreduce (one more read).
+Buffers (owned here): each device's segments land in its *slot* row (D2H), and the sum goes back
+to every device from one more row (H2D); pinned on CUDA. Two ways to lay them out:
 
-With ``grad_transfer="bf16"`` the host's dtype is the wire's (bf16) while the parameters are
-float32: the same 16-bit path, and each device widens what comes back into its float32 gradient
-(its *stage* buffers, :mod:`cgdp.engine.core.stream`). Error bound of the bf16 wire, per element, for
+* **Full-size rows** (the default): every segment has its own place, so the rows are (G + 1) ×
+  the gradient bytes S of registered host memory.
+* **A ring** (``host_memory=`` bytes): ``ring`` slots of one segment each, segment s in slot
+  ``s mod ring``, so registered memory is ``ring × (G + 1) × segment bytes`` whatever the model's
+  size. Segments then travel in plan order on every device, one unit per segment; a device sends
+  segment s only once the host has summed segment s − ring (it read the slot's rows), and the host
+  sums segment s only once every copy back of segment s − ring has read the sum row. Back-pressure
+  never deadlocks: the earliest segment not yet summed has a free slot on every device that has
+  not sent it (:mod:`cgdp.engine.core.stream` sends it, at the latest when backward ends).
+
+Either way each segment is summed with the same kernel over the same elements, so the results are
+bitwise the same as with full-size rows (with the same ``segment_bytes``).
+
+For bf16/fp16 parameters, and for ``grad_transfer="bf16"`` (:mod:`cgdp.engine.core.precision`),
+the rows hold 16-bit values and the host sums in float32: without a comm, the kernel rounds each
+block of the float32 sum back to 16 bits while it is in cache and writes only that (6G + 2 bytes
+of host traffic per element, no float32 row at all); with a comm, the float32 sum is kept in a row
+of its own for the allreduce and rounded after it. Error bound of the bf16 wire, per element, for
 parts g_j (already weighted) and their exact sum g: |result - g| <= 2^-8 (sum_j |g_j| + |g|) +
 G 2^-24 sum_j |g_j| (one bf16 rounding of every part, float32 additions, one bf16 rounding of the
 sum); deterministic (device order, round to nearest even).
 
-The host works on segments of chunks (:mod:`cgdp.engine.core.flatgrad`); "chunk" below means either.
+Threads: a device's ``send`` reports each unit (a chunk; a segment in a ring) to :class:`Arrivals`
+(its copies are issued, or done); the unit that every device has reported is queued, in that
+order, to the single accumulator thread. That thread waits for each segment's copy from every
+device in turn (on CUDA, on the copy's event: one thread polls the completions of all devices),
+sums it in device order with the Numba kernel (nogil, itself multi-threaded), so the result never
+depends on arrival order, and issues the copies back. With a comm, segments are posted to it in
+plan order (one that is ready early waits for its predecessors, so every rank runs the same
+collectives in the same order), and each goes back when its allreduce completes.
 
-Threads: the devices' D2H completions call :meth:`arrived` (any thread). When a chunk has arrived
-from all G devices it is queued to the single accumulator thread, which sums it in device order
-with the Numba kernel (nogil, itself multi-threaded), so the result never depends on arrival order.
-Without a comm, the chunk goes straight back to the devices; with one, chunks are posted to the
-comm in plan order (a chunk that is ready early waits for its predecessors, so every rank runs the
-same collectives in the same order), and each comes back when its allreduce completes.
-
-Gradient norm (``want_sumsq``, for clipping): ``sumsq[c]`` is the sum of squares of segment c of
-the averaged gradient. Without a comm the kernel returns it from the summing pass itself; with one,
-the norm must be that of the values summed across ranks, so it is taken after the allreduce, on
-the comm-completion path (one more read of the reduced segment, while it is still in cache).
-:meth:`grad_norm` adds the segments in segment order: the same bits whatever the thread count.
+Gradient norm (``want_sumsq``, for clipping): ``sumsq[s]`` is the sum of squares of segment s of
+the averaged gradient, taken by the summing pass itself (with a comm: after the allreduce, one
+more read of the reduced segment). :meth:`sum_of_squares` adds the segments in segment order.
 """
 from __future__ import annotations
 
@@ -35,152 +44,230 @@ import queue
 import threading
 import time
 from functools import partial
-from typing import Callable
 
 import numpy as np
 import torch
 
 from cgdp.comm import Comm
-from cgdp.engine.backend.base import Device, TraceSink
+from cgdp.engine.backend.base import Device, Routes, TraceSink
 from cgdp.engine.core.accumulate import accumulate_unchecked, round_into, set_threads, sum_of_squares
+from cgdp.engine.core.flatgrad import Layout
 from cgdp.engine.core.precision import host_array, sum_dtype
+from cgdp.engine.sync import Guard, Progress
+
+
+class Arrivals:
+    """Counts, per unit, the devices that sent it; queues a unit once all of them have.
+
+    Held by every device's routes (it refers to no device, so routes and host form no cycle)."""
+
+    __slots__ = ("counts", "devices", "_lock", "_q")
+
+    def __init__(self, devices: int, q: queue.SimpleQueue):
+        self.counts: list[int] = []
+        self.devices = devices
+        self._lock = threading.Lock()
+        self._q = q
+
+    def arrived(self, u: int) -> None:
+        """A device has sent unit ``u`` (called from its ``send``; any thread)."""
+        with self._lock:
+            self.counts[u] += 1
+            if self.counts[u] == self.devices:
+                self._q.put(u)  # under the lock: units are queued in the order they completed
 
 
 class HostAccumulator:
-    def __init__(self, devices: list[Device], dtype: torch.dtype, fail: Callable[[BaseException], None],
-                 comm: Comm | None, threads: int):
+    def __init__(self, devices: list[Device], dtype: torch.dtype, guard: Guard, comm: Comm | None,
+                 threads: int):
         self.devices = devices
         self.dtype = dtype
+        """The dtype on the wire and in the slots."""
         self.comm = comm
-        self._fail = fail
+        self._guard = guard
         self._threads = threads
         self.trace: TraceSink | None = None
-        self._lock = threading.Lock()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="cgdp-host-accumulate", daemon=True)
+        self.arrivals = Arrivals(len(devices), self._q)
+        # named after its first device: it works under that device (CUDA), and two trainers'
+        # host threads (two in-process ranks) tell apart
+        self._thread = threading.Thread(target=self._run, name=f"cgdp-host-{devices[0].name}", daemon=True)
         self._thread.start()
-        self.total = -1
-        self.bounds: list[tuple[int, int]] = []
-        self.flats: list[torch.Tensor] = []
-        self.returned = threading.Event()
-        self.bad: list[int] = []
+        self.ring = 0
+        self._rows: list[torch.Tensor] = []
         self._host: torch.Tensor | None = None
-        self._sum: torch.Tensor | None = None
-        self.stages: list[torch.Tensor] | None = None
-        """Per device, the wire-dtype buffer a copy back goes through (None: straight)."""
+        self.registered_bytes = 0
+        """Host memory registered (pinned) for the slots and the sum, in bytes."""
+        self.returned = threading.Event()
+        self.summed = Progress()
+        """Segments summed this step (in plan order with a ring: what frees a slot's rows)."""
+        self._given = Progress()
+        """Segments whose copies back were issued this step."""
+        self.bad: list[int] = []
         self.want_sumsq = False
         """Whether this step's segments' sums of squares are computed (``sumsq``)."""
         self.sumsq: list[float] = []
+        self.units: list[range] = []
+        self._nseg = self._elems = 0
 
-    def set_layout(self, total: int, bounds: list[tuple[int, int]], flats: list[torch.Tensor],
-                   labels: list[str], stages: list[torch.Tensor] | None = None) -> None:
-        """Called between steps only, when no copy is in flight."""
-        if total != self.total:
-            g = len(self.devices)
-            for old in (self._host, self._sum):  # (the sum as a row of _host is no allocation)
-                if old is not None:
-                    self.devices[0].host_release(old)
-            # one allocation: rows 0..G-1 are the devices' slots, row G what goes back (the
-            # accumulator itself, unless the sum is wider than the gradients)
-            self._host = self.devices[0].host_empty((g + 1, max(total, 1)), self.dtype)
-            self._host_np = host_array(self._host)
-            wide = sum_dtype(self.dtype)
-            self._back_np: np.ndarray | None = None  # the copy-back row, if it is not the sum
-            if wide == self.dtype:
-                self._sum = self._host[g]
-            else:
-                self._sum = self.devices[0].host_empty((max(total, 1),), wide)
-                self._back_np = self._host_np[g]
-            self._sum_np = self._sum.numpy()
-            self.total = total
-        self.bounds = list(bounds)
-        self.labels = list(labels)
-        self.flats = flats
-        self.stages = stages
+    # ------------------------------------------------------------------ layout
+    def set_layout(self, layout: Layout, flats: list[torch.Tensor], stages: list[torch.Tensor] | None,
+                   ring: int = 0) -> list[Routes]:
+        """Lay out the rows for ``layout`` (``ring`` slots of one segment each, or 0 for full-size
+        rows) and return every device's routes. Between steps only, nothing in flight."""
+        g = len(self.devices)
+        segs = layout.segments
+        width = max((b - a for a, b in segs), default=1) if ring else layout.total
+        ring = min(ring, len(segs)) if ring else 0
+        cols = max(ring * width if ring else layout.total, 1)
+        wide = sum_dtype(self.dtype)
+        keep_wide = wide != self.dtype and self.comm is not None  # the float32 sum for the allreduce
+        if self._host is None or self._host.shape[1] != cols or keep_wide != (len(self._rows) == 2):
+            self._release()
+            dev0 = self.devices[0]
+            # one allocation: rows 0..G-1 are the devices' slots, row G what goes back (the sum
+            # itself, unless the sum is wider than the gradients)
+            self._rows = [dev0.host_empty((g + 1, cols), self.dtype)]
+            if keep_wide:
+                self._rows.append(dev0.host_empty((cols,), wide))
+            self.registered_bytes = sum(r.numel() * r.element_size() for r in self._rows)
+            self._host = self._rows[0]
+        self.ring = ring
+        host = self._host
+        rows = host_array(host)
+        wide_row = self._rows[1].numpy() if keep_wide else None
+        itemsize = host.element_size()
 
-    @property
-    def acc(self) -> np.ndarray:
-        """The averaged gradient (in the summing dtype)."""
-        return self._sum_np[:self.total]
+        def place(s: int) -> tuple[int, int]:
+            lo, hi = segs[s]
+            if not ring:
+                return lo, hi
+            a = (s % ring) * width
+            return a, a + hi - lo
 
-    def slot(self, j: int) -> torch.Tensor:
-        return self._host[j]
+        self._parts, self._out, self._back, self._post = [], [], [], []
+        for s in range(len(segs)):
+            a, b = place(s)
+            self._parts.append(tuple(rows[j, a:b] for j in range(g)))
+            if wide == self.dtype:  # summed in place in the row that goes back
+                self._out.append(rows[g, a:b])
+                self._back.append(None)
+                self._post.append(rows[g, a:b])
+            elif keep_wide:  # float32 sum, allreduced, then rounded into the row that goes back
+                self._out.append(wide_row[a:b])
+                self._back.append(rows[g, a:b])
+                self._post.append(wide_row[a:b])
+            else:  # rounded in the summing pass: the float32 sum never reaches memory
+                self._out.append(None)
+                self._back.append(rows[g, a:b])
+                self._post.append(None)
+        self.units = [range(s, s + 1) for s in range(len(segs))] if ring else list(layout.chunk_segments)
+        self.labels = [f"chunk {c}" for c in layout.segment_chunk]
+        self._nseg = len(segs)
+        self._elems = sum(b - a for a, b in segs)
+        seg_bytes = [(b - a) * itemsize for a, b in segs]
+        unit_bytes = [max((seg_bytes[s] for s in u), default=0) * len(u) for u in self.units]
+        routes = []
+        for j, flat in enumerate(flats):
+            stage = stages[j] if stages else None
+            d2h, h2d = [], []
+            for s, (lo, hi) in enumerate(segs):
+                a, b = place(s)
+                st = None if stage is None else stage[lo:hi]
+                d2h.append((flat[lo:hi], host[j, a:b], st))
+                h2d.append((host[g, a:b], flat[lo:hi], st))
+            routes.append(Routes(d2h, h2d, self.units, unit_bytes, seg_bytes, self.labels,
+                                 self.arrivals.arrived, ring))
+        return routes
 
+    def traffic(self) -> dict[str, int]:
+        """Bytes the host side moves per step, by what moves them (all devices together)."""
+        g = len(self.devices)
+        n = self._elems
+        wire = n * self._host.element_size()
+        out = {"d2h_write": g * wire, "sum_read": g * wire, "h2d_read": g * wire}
+        if len(self._rows) == 2:  # float32 written, allreduced, read again and rounded
+            four = n * 4
+            out["sum_write"] = four + four + wire
+        else:
+            out["sum_write"] = wire
+        out["total"] = sum(out.values())
+        return out
+
+    # ------------------------------------------------------------------ one step
     def begin_step(self) -> None:
-        n = len(self.bounds)
-        self._counts = [0] * n
+        n = self._nseg
+        self.arrivals.counts = [0] * len(self.units)
         self._ready = [False] * n
         self._next_post = 0
-        self._returned = 0
         self.bad = [0] * n
         self.sumsq = [0.0] * n
+        self.summed.reset()
+        self._given.reset()
         self.returned = threading.Event()
         if n == 0:
             self.returned.set()
 
-    def arrived(self, j: int, c: int) -> None:
-        with self._lock:
-            self._counts[c] += 1
-            full = self._counts[c] == len(self.devices)
-        if full:
-            self._q.put(c)
-
     def _run(self) -> None:
         set_threads(self._threads)  # Numba's thread count is per calling thread: set it here
+        try:  # CUDA: this thread's event waits and copies back use a device of this process
+            self.devices[0].bind_thread()
+        except BaseException as exc:
+            self._guard.fail(exc)
         while True:
-            c = self._q.get()  # waits for the next chunk that every device delivered
-            if c is None:
+            u = self._q.get()  # waits for the next unit that every device sent
+            if u is None:
                 return
             try:
-                if callable(c):
-                    c()
+                if callable(u):
+                    u()
                 else:
-                    self._accumulate(c)
+                    for s in self.units[u]:
+                        self._segment(s)
             except BaseException as exc:
-                self._fail(exc)
+                self._guard.fail(exc)
 
-    def _accumulate(self, c: int) -> None:
-        lo, hi = self.bounds[c]
-        g = len(self.devices)
-        h = self._host_np
-        t0 = time.perf_counter()
-        back = self._back_np[lo:hi] if self._back_np is not None and self.comm is None else None
-        self.bad[c], sq = accumulate_unchecked(self._sum_np[lo:hi], tuple(h[j, lo:hi] for j in range(g)),
-                                               1.0, self.want_sumsq and self.comm is None, back)
-        self.sumsq[c] = sq
-        if self.trace is not None:
-            self.trace("host", "accumulate", self.labels[c], t0, time.perf_counter())
+    def _segment(self, s: int) -> None:
+        guard = self._guard
+        for dev in self.devices:
+            dev.wait_arrived(s, guard)  # note: host waits for this segment's copy from each device
+        if self.ring and s >= self.ring:
+            # the sum row of this slot is read by the copies back of segment s - ring
+            self._given.wait(s - self.ring + 1, guard, "the copy back of an earlier segment to be issued")
+            for dev in self.devices:
+                dev.wait_given_back(s - self.ring, guard)
+        t0 = time.perf_counter() if self.trace is not None else 0.0
+        self.bad[s], self.sumsq[s] = accumulate_unchecked(
+            self._out[s], self._parts[s], 1.0, self.want_sumsq and self.comm is None, self._back[s])
+        self.summed.advance()
         if self.comm is None:
-            self._give_back(c)
+            self._give_back(s)
+        if self.trace is not None:  # the host thread's time on the segment: the sum and issuing its copies back
+            self.trace("host", "accumulate", self.labels[s], t0, time.perf_counter())
+        if self.comm is None:
             return
-        self._ready[c] = True
+        self._ready[s] = True
         # post in plan order only: the same collectives in the same order on every rank
-        while self._next_post < len(self.bounds) and self._ready[self._next_post]:
+        while self._next_post < self._nseg and self._ready[self._next_post]:
             k = self._next_post
-            klo, khi = self.bounds[k]
-            self.comm.post(k, self._sum_np[klo:khi], partial(self._reduced, k, time.perf_counter()))
+            self.comm.post(k, self._post[k], partial(self._reduced, k, time.perf_counter()))
             self._next_post += 1
 
-    def _reduced(self, c: int, t_post: float) -> None:
-        """Comm thread: chunk ``c`` has been summed across all ranks."""
+    def _reduced(self, s: int, t_post: float) -> None:
+        """Comm thread: segment ``s`` has been summed across all ranks."""
         if self.trace is not None:
-            self.trace("host", "comm", self.labels[c], t_post, time.perf_counter())
-        lo, hi = self.bounds[c]
+            self.trace("host", "comm", self.labels[s], t_post, time.perf_counter())
         if self.want_sumsq:  # the global norm: of the values summed across ranks (one more read)
-            self.sumsq[c] = sum_of_squares(self._sum_np[lo:hi])
-        if self._back_np is not None:  # the float32 sum over all ranks, rounded once
-            round_into(self._sum_np[lo:hi], self._back_np[lo:hi])
-        self._give_back(c)
+            self.sumsq[s] = sum_of_squares(self._post[s])
+        if self._back[s] is not None:  # the float32 sum over all ranks, rounded once
+            round_into(self._post[s], self._back[s])
+        self._give_back(s)
 
-    def _give_back(self, c: int) -> None:
-        lo, hi = self.bounds[c]
-        src = self._host[-1, lo:hi]
-        for j, (dev, flat) in enumerate(zip(self.devices, self.flats)):
-            dev.give_back(src, flat[lo:hi], self.labels[c], None if self.stages is None else self.stages[j][lo:hi])
-        with self._lock:
-            self._returned += 1
-            last = self._returned == len(self.bounds)
-        if last:
+    def _give_back(self, s: int) -> None:
+        for dev in self.devices:
+            dev.give_back(s)
+        self._given.advance()
+        if self._given.done == self._nseg:
             self.returned.set()
 
     def sum_of_squares(self) -> float:
@@ -196,9 +283,16 @@ class HostAccumulator:
         self._q.put(ev.set)
         return ev.wait(timeout)  # note: host waits for the accumulator thread
 
+    def _release(self) -> None:
+        for row in self._rows:
+            self.devices[0].host_release(row)
+        self._rows = []
+        self._host = None
+        self.registered_bytes = 0
+
     def close(self) -> None:
         self._q.put(None)
         self._thread.join(timeout=10)
-        self._host = self._sum = None
-        self._host_np = self._sum_np = None
-
+        self._rows = []
+        self._host = None
+        self._parts = self._out = self._back = self._post = []

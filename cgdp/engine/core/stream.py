@@ -20,6 +20,13 @@ device has a bf16 *stage* buffer (the flat buffer's size, half its bytes) that b
 use: a segment's copy back is issued only after every device's copy out of it has completed, so
 the two never overlap on the same elements.
 
+With ``host_memory`` (bytes), the host slots are a ring of segment-sized slots
+(:mod:`cgdp.engine.core.host`) whose registered memory does not grow with the model: each device
+then sends its segments in plan order (a chunk that completes before an earlier one waits for it),
+and a segment whose slot is still in use waits, without blocking the hook, until a later hook or
+the flush after backward sends it; only the flush waits for a slot (:meth:`flush` per device on
+its own thread, :meth:`flush_all` when one thread runs every replica's backward).
+
 Order of calls, per step: :meth:`begin_step` (nothing in flight) → backward on every device
 (hooks call :meth:`send`) → per device :meth:`flush` then :meth:`wait_returned` → :meth:`touched`
 and :meth:`bad_count` → :meth:`set_untouched`. :meth:`set_plan` only between steps. Micro-batches
@@ -33,8 +40,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from functools import partial
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -43,12 +49,12 @@ from torch import nn
 from cgdp.comm import Comm
 from cgdp.engine.backend.base import Device, TraceSink
 from cgdp.engine.core.clip import device_norm, scale_gradients
-from cgdp.engine.core.flatgrad import Layout, attach_grads, make_layout
+from cgdp.engine.core.flatgrad import ALIGN, Layout, attach_grads, make_layout
 from cgdp.engine.core.hooks import DeviceHooks
 from cgdp.engine.core.host import HostAccumulator
 from cgdp.engine.core.layers import nonfinite_layers
 from cgdp.engine.core.lifetime import weak_call
-from cgdp.engine.core.precision import kernel_dtype
+from cgdp.engine.core.precision import LOW_PRECISION, kernel_dtype
 from cgdp.engine.sync import Guard
 from cgdp.planning.chunks import Plan
 
@@ -57,9 +63,10 @@ class GradientStream:
     def __init__(self, devs: Sequence[Device], params: Sequence[Sequence[nn.Parameter]],
                  layer_pids: Sequence[Sequence[int]], dtype: torch.dtype, *, segment_bytes: int,
                  streaming: bool, guard: Guard, comm: Comm | None, host_threads: int,
-                 transfer: torch.dtype | None = None):
+                 transfer: torch.dtype | None = None, host_memory: int | None = None):
         """``params[j]``: replica j's trainable parameters in engine order; ``layer_pids[l]``:
-        the parameter ids of layer l (forward order)."""
+        the parameter ids of layer l (forward order); ``host_memory``: bytes of registered host
+        memory for the slots (a ring), or None for full-size rows."""
         self.devs = list(devs)
         self.params = [list(p) for p in params]
         self.layer_pids = [list(p) for p in layer_pids]
@@ -78,16 +85,24 @@ class GradientStream:
         """Parameters that got no gradient anywhere last step (their ``.grad`` is None)."""
         self.hooks: list[DeviceHooks] = []
         self.host: HostAccumulator | None = None
+        self.ring = 0 if host_memory is None or not streaming else ring_slots(
+            host_memory, len(self.devs), segment_bytes, self.wire_itemsize,
+            widened=(transfer or dtype) in LOW_PRECISION and comm is not None)
+        """Host slots in the ring (0: full-size rows)."""
+        self._pending: list[bytearray] = [bytearray() for _ in self.devs]
+        """Ring: per device, the chunks complete (or flushed) this step."""
+        self._next = [0] * len(self.devs)
+        """Ring: per device, the next segment to send (plan order)."""
         for j, dev in enumerate(self.devs):
-            # the hooks hold the stream weakly: no cycle stream <-> hooks keeps the buffers alive
-            hooks = DeviceHooks(self.params[j], weak_call(self.send, j), dev.stamp)
+            sent = bytearray()
+            hooks = DeviceHooks(self.params[j], self._chunk_done(j, dev, sent), dev.stamp, sent)
             hooks.streaming = streaming
             hooks.note = dev.note_stream
             self.hooks.append(hooks)
         if streaming:
             from cgdp.engine.core.accumulate import warm_up
             warm_up(kernel_dtype(transfer or dtype), len(self.devs))
-            self.host = HostAccumulator(self.devs, transfer or dtype, guard.fail, comm, host_threads)
+            self.host = HostAccumulator(self.devs, transfer or dtype, guard, comm, host_threads)
 
     @property
     def plan(self) -> Plan:
@@ -111,9 +126,19 @@ class GradientStream:
                 params[pid].grad = None
             self.hooks[j].set_layout(layout.param_chunk, layout.chunk_params, views)
         self.layout = layout
+        self._split_large()
         if self.host is not None:
-            self.host.set_layout(layout.total, layout.segments, self.flats,
-                                 [f"chunk {c}" for c in layout.segment_chunk], self.stages)
+            for dev, routes in zip(self.devs, self.host.set_layout(layout, self.flats, self.stages, self.ring)):
+                dev.set_routes(routes)
+
+    def _split_large(self) -> None:
+        """Which parameters arrive whole in :meth:`begin_step` (see :data:`LARGE_ELEMS`)."""
+        self._large = [pid for pid, n in enumerate(self.numels) if n >= LARGE_ELEMS]
+        mask = bytearray(len(self.numels))
+        for pid in self._large:
+            mask[pid] = 1
+        self._large_mask = bytes(mask)
+        self._small_views = [[v for pid, v in enumerate(h.views) if not mask[pid]] for h in self.hooks]
 
     def begin_step(self, timing: bool, sink: TraceSink | None) -> None:
         """Zero the flat buffers, give back the views of last step's untouched parameters, arm
@@ -124,8 +149,18 @@ class GradientStream:
                 for pid in self.none_pids:
                     params[pid].grad = views[pid]
             self.none_pids = []
-        for flat in self.flats:
-            flat.zero_()
+        if self.streaming and self._large:
+            for j, params in enumerate(self.params):
+                # the large gradients arrive whole (autograd hands them over into .grad = None);
+                # only the small ones are added into zeroed views
+                if self._small_views[j]:
+                    torch._foreach_zero_(self._small_views[j])
+                for pid in self._large:
+                    params[pid].grad = None
+                self.hooks[j].stolen[:] = self._large_mask
+        else:
+            for flat in self.flats:
+                flat.zero_()
         self.arm(timing, sink)
 
     def arm(self, timing: bool = False, sink: TraceSink | None = None, sending: bool = True) -> None:
@@ -139,22 +174,55 @@ class GradientStream:
         if self.host is not None and sending:
             self.host.trace = sink
             self.host.begin_step()
+            if self.ring:
+                n = len(self.layout.plan)
+                self._pending = [bytearray(n) for _ in self.devs]
+                self._next = [0] * len(self.devs)
 
     def disarm(self) -> None:
         """Between backwards: hooks only mark parameters touched, never send."""
         for h in self.hooks:
             h.streaming = False
 
+    def _chunk_done(self, j: int, dev: Device, sent: bytearray) -> Callable[[int], None]:
+        """What device j's hooks call when a chunk is complete. It holds the device and the
+        hooks' flags, and the stream only weakly (a ring's state lives in the stream): no cycle
+        stream <-> hooks keeps the buffers alive, and the common path is two list operations."""
+        if self.ring:
+            ring = weak_call(self._ring_chunk, j)
+
+            def done(c: int) -> None:
+                sent[c] = 1
+                ring(c)
+            return done
+        def done(c: int) -> None:
+            sent[c] = 1
+            dev.send(c)  # one call per chunk: one event wait, one context
+        return done
+
     def send(self, j: int, c: int) -> None:
-        """Chunk ``c`` of device ``j`` is complete: copy it to the host (called from a hook)."""
-        self.hooks[j].sent[c] = True
-        flat, slot, stage = self.flats[j], self.host.slot(j), self.stages[j] if self.stages else None
-        parts = []
-        for s in self.layout.chunk_segments[c]:
-            lo, hi = self.layout.segments[s]
-            parts.append((flat[lo:hi], slot[lo:hi], partial(self.host.arrived, j, s),
-                          None if stage is None else stage[lo:hi]))
-        self.devs[j].send(parts, f"chunk {c}")  # one call per chunk: one event wait, one context
+        """Chunk ``c`` of device ``j`` is complete: copy it to the host (what a hook calls)."""
+        self.hooks[j]._send(c)
+
+    def _ring_chunk(self, j: int, c: int) -> None:
+        self._pending[j][c] = 1
+        self._send_ring(j, block=False)  # never waits in a hook: a busy slot is sent later
+
+    def _send_ring(self, j: int, block: bool) -> bool:
+        """Ring: send device j's segments in plan order, as far as its chunks are complete and
+        their slots free (``block``: wait for the slots). Whether every segment has been sent."""
+        lay, ring, host, dev = self.layout, self.ring, self.host, self.devs[j]
+        pending, s, n = self._pending[j], self._next[j], len(lay.segments)
+        while s < n and pending[lay.segment_chunk[s]]:
+            if s >= ring and host.summed.done < s - ring + 1:  # its slot still holds segment s - ring
+                if not block:
+                    break
+                # note: back-pressure: the host waits until it has summed the slot's last segment
+                host.summed.wait(s - ring + 1, self._guard, "a free host slot (host_memory)")
+            dev.send(s)
+            s += 1
+        self._next[j] = s
+        return s == n
 
     @contextmanager
     def holding(self, j: int) -> Iterator[None]:
@@ -169,9 +237,39 @@ class GradientStream:
             hooks.streaming = self.streaming
 
     def flush(self, j: int) -> None:
-        """After device j's backward: send the chunks it never completed (unused layers)."""
-        if self.streaming:
+        """After device j's backward, on its own thread: send the chunks it never completed
+        (unused layers), and with a ring everything still waiting for a slot."""
+        if not self.streaming:
+            return
+        hooks = self.hooks[j]
+        for pid in self._large:
+            if hooks.stolen[pid] and not hooks.touched[pid]:
+                # unused here this step: its view still holds last step's average, and it is sent
+                hooks.views[pid].zero_()
+                self.params[j][pid].grad = hooks.views[pid]
+        if self.ring:
+            self._pending[j][:] = b"\x01" * len(self._pending[j])
+            self._send_ring(j, block=True)
+        else:
             self.hooks[j].flush()
+
+    def flush_all(self) -> None:
+        """:meth:`flush` for every device from one thread (autograd ran every replica's backward
+        on it): with a ring, the devices take turns, waiting only when none of them can send."""
+        if not self.streaming or not self.ring:
+            for j in range(len(self.devs)):
+                self.flush(j)
+            return
+        for p in self._pending:
+            p[:] = b"\x01" * len(p)
+        while True:
+            seen = self.host.summed.done  # before the round: a slot freed during it is not missed
+            done = [self._send_ring(j, block=False) for j in range(len(self.devs))]
+            if all(done):
+                return
+            # note: host waits for the host to free a slot (every device that has not sent the
+            # earliest segment still missing can send it, so the sum advances)
+            self.host.summed.wait(seen + 1, self._guard, "a free host slot (host_memory)")
 
     def wait_returned(self, j: int) -> None:
         """Device j's compute stream waits until every averaged chunk is back on the device."""
@@ -258,7 +356,40 @@ class GradientStream:
     def profile_inputs(self) -> dict[str, Any]:
         """What :func:`cgdp.engine.trainer.timing.build_profile` needs of the stream."""
         return {"hooks": self.hooks, "layer_pids": self.layer_pids, "layout": self.layout,
-                "itemsize": self.wire_itemsize}
+                "itemsize": self.wire_itemsize, "host": self.host_figures()}
+
+    def host_figures(self) -> dict[str, int]:
+        """Registered host bytes, and the host bytes moved per step (0 without a host)."""
+        if self.host is None:
+            return {"registered_bytes": 0, "bytes_moved": 0}
+        return {"registered_bytes": self.host.registered_bytes, "bytes_moved": self.host.traffic()["total"]}
+
+
+LARGE_ELEMS = 1 << 14
+"""Parameters of at least this many elements get ``.grad = None`` before a Trainer's backward:
+autograd then hands their gradient over and the hook writes it into the flat buffer in one pass,
+where zeroing the buffer and adding into it took three (for smaller ones, the extra operations
+cost more than the passes they save)."""
+
+MIN_SLOTS = 2
+"""The fewest ring slots ``host_memory`` may buy: one being summed while the next arrives."""
+
+
+def ring_slots(host_memory: int, devices: int, segment_bytes: int, wire_itemsize: int,
+               widened: bool = False) -> int:
+    """How many segment-sized slots of ``devices + 1`` rows fit in ``host_memory`` bytes (plus a
+    float32 row when a 16-bit wire is allreduced in float32)."""
+    if isinstance(host_memory, bool) or not isinstance(host_memory, int) or host_memory < 1:
+        raise ValueError(f"host_memory must be a positive int (bytes of registered host memory), "
+                         f"got {host_memory!r}")
+    elems = -(-(segment_bytes // wire_itemsize) // ALIGN) * ALIGN
+    slot = (devices + 1) * elems * wire_itemsize + (4 * elems if widened else 0)
+    slots = host_memory // slot
+    if slots < MIN_SLOTS:
+        raise ValueError(f"host_memory={host_memory} bytes holds {slots} slot(s) of {slot} bytes "
+                         f"({devices + 1} rows of one {segment_bytes}-byte segment); it needs at least "
+                         f"{MIN_SLOTS * slot} bytes, or a smaller segment_bytes")
+    return slots
 
 
 def wire_dtype(grad_transfer: str | None, dtype: torch.dtype, mode: str) -> torch.dtype | None:

@@ -14,14 +14,25 @@ Either way the other threads are told to stop, and :attr:`DeviceThreads.stuck` n
 still busy, which the trainer then refuses to use again. Device threads are daemon threads, so a
 thread that never returns cannot keep the interpreter from exiting, and :meth:`close` never joins
 a stuck thread.
+
+Turns (:meth:`DeviceThreads.computing`): while every device thread can have a core of its own,
+they all compute at once. With more devices than cores, threads that all dispatch operators hand
+the GIL to each other at nearly every operator (each releases it around the operator's C++ part),
+and on a few cores that hand-off costs more CPU than the operators carry; so then at most
+``cores - 1`` device threads compute at once (one at a time on 2 cores) and the others wait for a
+turn. A thread holds its turn only around work that runs on it and never waits for another device
+(a forward, a backward run on this thread whose hooks only enqueue, an optimizer step), so turns
+cannot deadlock, and they change only when work runs, never what it computes.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 from cgdp.engine.backend.base import Device
 from cgdp.engine.core import fork
@@ -47,6 +58,10 @@ class _DeviceThread:
         self._q.put((fut, fn, args))
         return fut
 
+    def submit_to(self, slot: "_Slot", fn: Callable[..., Any], *args: Any) -> "_Slot":
+        self._q.put((slot, fn, args))
+        return slot
+
     def stop(self) -> None:
         self._q.put(None)
 
@@ -68,17 +83,47 @@ def _serve(q: queue.SimpleQueue, bind: Callable[[], None]) -> None:
         del item, fut, fn, args  # drop the step's objects while idle
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_at_once(num_devices: int) -> int:
+    """Every device thread computes at once while each can have a core; with more devices than
+    cores, ``cores - 1`` at a time (one core is left to the host thread, the copies and the caller).
+    Measured only on 2 cores, where that is one at a time (``bench/bench_host_cost.py``, default
+    settings, median of 3 processes): GPT-2 small's structure on null CUDA devices, cgdp's added CPU
+    per device per step 4.9 -> 1.3 ms at G = 4 and 7.9 -> 1.9 ms at G = 8 with every thread at once
+    -> one at a time; 48 x Linear(32) on 4 emulated devices 0.93 -> 0.46 ms."""
+    cores = usable_cores()
+    return num_devices if num_devices <= cores else max(1, cores - 1)
+
+
 class DeviceThreads:
-    def __init__(self, devs: Sequence[Device], guard: Guard):
+    def __init__(self, devs: Sequence[Device], guard: Guard, at_once: int | None = None):
+        """``at_once``: how many device threads may compute at once (default: :func:`default_at_once`)."""
         fork.engine_started()  # children forked from now on compute on one thread
         self._guard = guard
         self._threads = [_DeviceThread(d) for d in devs]
+        n = default_at_once(len(devs)) if at_once is None else max(1, min(at_once, len(devs)))
+        self.at_once = n
+        """Device threads computing at once (fewer than the devices: they take turns)."""
+        self._turns = threading.Semaphore(n) if n < len(devs) else None
+        self._queued: set[str] = set()
+        """Device threads waiting for a turn (not stuck themselves: a timeout does not name them)."""
         self.stuck: list[str] = []
         """Devices whose thread did not come back from an abandoned call (the trainer is unusable)."""
 
-    def run_all(self, fn: Callable[[int], Any]) -> list[Any]:
-        """``[fn(0), fn(1), ...]``, each on its device's thread; the first real failure is raised."""
-        futs = [t.submit(self._guarded, fn, j) for j, t in enumerate(self._threads)]
+    def run_all(self, fn: Callable[[int], Any], computing: bool = False) -> list[Any]:
+        """``[fn(0), fn(1), ...]``, each on its device's thread; the first real failure is raised.
+        ``computing``: each ``fn(j)`` runs in a turn (:meth:`computing`); it must not wait for
+        another device."""
+        cond = threading.Condition(threading.Lock())  # one per call, shared by its slots
+        call = self._in_turn if computing and self._turns is not None else self._guarded
+        futs = [t.submit_to(_Slot(cond), call, fn, j) for j, t in enumerate(self._threads)]
         try:
             self._wait(futs)
         except BaseException as exc:  # a timeout here, or KeyboardInterrupt
@@ -120,7 +165,9 @@ class DeviceThreads:
                     if deadline is not None and time.monotonic() > deadline:
                         if self._guard.error is not None:  # the cause, not the thread it left stuck
                             raise self._guard.error
-                        busy = [t.name for t, g in zip(self._threads, futs) if not g.done()]
+                        left = [t for t, g in zip(self._threads, futs) if not g.done()]
+                        # a thread waiting for a turn is not stuck: name the ones in their turn
+                        busy = [t.name for t in left if t.thread.name not in self._queued] or [t.name for t in left]
                         raise TimeoutError(f"the device thread(s) of {', '.join(busy)} did not finish within "
                                            f"timeout_s = {timeout:g} s (a forward or loss_fn that never "
                                            f"returns?); raise timeout_s if a step can really take that long")
@@ -137,6 +184,32 @@ class DeviceThreads:
             self._guard.fail(exc)
             raise
 
+    def _in_turn(self, fn: Callable[[int], Any], j: int) -> Any:
+        with self.computing():
+            return self._guarded(fn, j)
+
+    @contextmanager
+    def computing(self, on: bool = True) -> Iterator[None]:
+        """On a device thread, around work that runs on it and never waits for another device:
+        one of at most :attr:`at_once` threads at a time (a no-op with as many cores as devices,
+        or with ``on`` false)."""
+        turns = self._turns
+        if turns is None or not on:
+            yield
+            return
+        if not turns.acquire(blocking=False):
+            me = threading.current_thread().name
+            self._queued.add(me)
+            try:
+                while not turns.acquire(timeout=POLL_S):  # note: waits for another device's turn to end
+                    self._guard.check()
+            finally:
+                self._queued.discard(me)
+        try:
+            yield
+        finally:
+            turns.release()
+
     def on_device_thread(self) -> bool:
         """Whether the calling thread is one of the device threads (e.g. inside ``loss_fn``)."""
         me = threading.current_thread()
@@ -150,6 +223,48 @@ class DeviceThreads:
             if t.name not in self.stuck and t.thread is not threading.current_thread():
                 t.thread.join(timeout=SETTLE_S)
         self._threads = []
+
+
+class _Slot:
+    """One device's part of a :meth:`DeviceThreads.run_all`: the few methods of a ``Future`` that
+    the device thread and ``run_all`` use, on one condition shared by all the call's slots (a
+    ``Future`` per device per phase cost more than the hand-off it stood for)."""
+
+    __slots__ = ("_cond", "_done", "_result", "_error")
+
+    def __init__(self, cond: threading.Condition):
+        self._cond = cond
+        self._done = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return True
+
+    def set_result(self, result: Any) -> None:
+        with self._cond:
+            self._result, self._done = result, True
+            self._cond.notify_all()
+
+    def set_exception(self, exc: BaseException) -> None:
+        with self._cond:
+            self._error, self._done = exc, True
+            self._cond.notify_all()
+
+    def done(self) -> bool:
+        return self._done
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._done:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._done, timeout):
+                    raise TimeoutError
+        return self._error
+
+    def result(self) -> Any:
+        if self.exception() is not None:
+            raise self._error
+        return self._result
 
 
 def _settle(futs: list[Future]) -> None:

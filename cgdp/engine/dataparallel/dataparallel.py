@@ -109,6 +109,7 @@ class DataParallel(nn.Module):
         timeout_s: longest any thread waits for another before backward fails with
             ``TimeoutError``; ``None`` waits forever.
         segment_bytes: chunks larger than this travel in segments (see :mod:`cgdp.engine.core.flatgrad`).
+        host_memory: bytes of registered host memory for the host slots, as for ``Trainer``.
         scalar_outputs: how a floating 0-dim tensor that every replica returns (a loss the model
             computed) is combined: ``"mean"``, weighted by each replica's share of the samples
             (``sum_j n_j/N * x_j``: exact for per-sample means); ``"sum"`` (``sum_j x_j``: exact
@@ -121,7 +122,7 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, devices: Sequence[str] | None = None, *,
                  chunks: int | Plan | str = "auto", comm: Any = None, timeout_s: float | None = 300.0,
-                 segment_bytes: int = 4 << 20, scalar_outputs: str = "auto"):
+                 segment_bytes: int = 4 << 20, host_memory: int | None = None, scalar_outputs: str = "auto"):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -172,12 +173,12 @@ class DataParallel(nn.Module):
             if self._comm is not None:
                 self._comm.attach(self._guard.fail)
                 self._comm.check_same(_signature(module, infos, len(devices), dtype))
-            self._build(module, infos, layer_params, dtype, chunks, segment_bytes)
+            self._build(module, infos, layer_params, dtype, chunks, segment_bytes, host_memory)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, module, infos, layer_params, dtype, chunks, segment_bytes) -> None:
+    def _build(self, module, infos, layer_params, dtype, chunks, segment_bytes, host_memory) -> None:
         devs = self._devs
         before = [p.grad for p in (q for layer in layer_params for q in layer)]
         module.to(devs[0].torch_device)
@@ -205,14 +206,14 @@ class DataParallel(nn.Module):
         self._stream: GradientStream | None = None
         self._grads: ReplicaGrads | None = None
         if any(info.numel for info in infos):  # dense trainable parameters: the streaming path
-            self._build_stream(devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before)
+            self._build_stream(devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before, host_memory)
         self._res.registered = list(module.parameters()) + self._grad_buffers.current(0)
         self._res.owner = mirror.register(self, self._res.registered)
         me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
         # never pickled with the module (torch.save(model.module) while wrapped)
         self._res.load_hook = local_load_post_hook(module, lambda *_: me()._state.broadcast())
 
-    def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before) -> None:
+    def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before, host_memory) -> None:
         itemsize = torch.tensor([], dtype=dtype).element_size()
         if isinstance(chunks, str):
             if chunks != "auto":
@@ -227,7 +228,7 @@ class DataParallel(nn.Module):
             plan = self._comm.broadcast_object(plan)  # rank 0's plan: the same chunks everywhere
         self._stream = self._res.stream = GradientStream(devs, params, layer_pids, dtype, segment_bytes=segment_bytes,
                                       streaming=True, guard=self._guard, comm=self._comm,
-                                      host_threads=host_threads(devs))
+                                      host_threads=host_threads(devs), host_memory=host_memory)
         self._stream.set_plan(plan)
         self._stream.disarm()
         self._grads = ReplicaGrads(self._stream, before)
@@ -284,7 +285,7 @@ class DataParallel(nn.Module):
                 raise
 
         try:
-            outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on))
+            outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on, computing=True))
         except BaseException:  # failed on some devices only: counters (BatchNorm's) must agree
             if not self._threads.stuck:
                 self._state.broadcast(buffers_only=True)
@@ -518,8 +519,7 @@ class DataParallel(nn.Module):
         try:
             if st is not None:
                 if self._sending:
-                    for j in range(len(self._devs)):
-                        st.flush(j)  # chunks backward never completed (unused layers, idle devices)
+                    st.flush_all()  # chunks backward never completed (unused layers, idle devices)
                     for j in range(len(self._devs)):
                         st.wait_returned(j)  # note: host waits until every summed chunk is back
                 touched = st.touched()

@@ -28,7 +28,7 @@ def build_trace(events: Sequence[Event], t_start: float) -> list[dict[str, Any]]
 def build_profile(*, devs: Sequence[Device], hooks: Sequence[DeviceHooks], bw_start: Sequence[float],
                   layer_pids: Sequence[Sequence[int]], layout: Layout, events: Sequence[Event],
                   itemsize: int, stats: dict[str, float], layer_bytes: Sequence[int], mode: str,
-                  ranks: int) -> StepProfile:
+                  ranks: int, host: dict[str, int] | None = None) -> StepProfile:
     """The step's profile. ``bw_start[j]``: when device j's backward started (resolved)."""
     ready = [math.nan] * len(layer_pids)
     for li, pids in enumerate(layer_pids):
@@ -60,7 +60,23 @@ def build_profile(*, devs: Sequence[Device], hooks: Sequence[DeviceHooks], bw_st
     return StepProfile(
         devices=g, ranks=ranks, mode=mode, layer_bytes=list(layer_bytes), layer_ready_s=ready,
         forward_s=s["forward_s"], backward_s=s["backward_s"], exposed_comm_s=s["exposed_comm_s"],
-        update_s=s["update_s"], step_s=s["step_s"], plan=[list(c) for c in layout.plan], chunks=chunks)
+        update_s=s["update_s"], step_s=s["step_s"], plan=[list(c) for c in layout.plan], chunks=chunks,
+        host_registered_bytes=(host or {}).get("registered_bytes", 0),
+        host_bytes_moved=(host or {}).get("bytes_moved", 0))
+
+
+def finish_timing(devs: Sequence[Device], bw_stamps: Sequence[Any], events: Sequence[Event], t_start: float,
+                  tracing: bool, profile_inputs: dict[str, Any] | None) -> tuple[Any, StepProfile | None]:
+    """After a timed step: its trace (if ``tracing``) and profile (if ``profile_inputs``, the
+    rest of :func:`build_profile`'s arguments). Every stamp is resolved before each device's
+    ``end_timing()`` closes the step's timing."""
+    bw_start = [d.resolve(s) for d, s in zip(devs, bw_stamps)]
+    for d in devs:
+        d.end_timing()  # emits the device-timed copies into the events
+    trace = build_trace(events, t_start) if tracing else None
+    if profile_inputs is None:
+        return trace, None
+    return trace, build_profile(devs=devs, bw_start=bw_start, events=events, **profile_inputs)
 
 
 def step_stats(devs: Sequence[Device], fw: Sequence[tuple[Any, Any, Any]],

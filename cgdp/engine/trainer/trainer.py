@@ -61,7 +61,7 @@ from cgdp.engine.trainer.batch import check_micro_batches, micro_rounds
 from cgdp.engine.trainer.losses import (DeviceLoss, HeldMicroBatches, ambient_autocast, backward_weight,
                                         loss_weights, parse_step)
 from cgdp.engine.trainer.state import check_state
-from cgdp.engine.trainer.timing import build_profile, build_trace, compute_spans, step_stats
+from cgdp.engine.trainer.timing import compute_spans, finish_timing, step_stats
 from cgdp.engine.trainer.typical import broadcast_parameters, gather_on_first
 from cgdp.engine.trainer.update import (HyperparameterMismatchError, Schedulers, check_digests, check_hyperparameters,
                                         hyperparameter_digest)
@@ -89,8 +89,10 @@ class Trainer:
         mode: ``"cgdp"`` (host averaging during backward), ``"typical"`` (device 0 gathers,
             averages, updates and broadcasts the parameters) or ``"single"`` (one device).
         chunks: chunk size k (the paper's uniform plan), an explicit plan (list of lists of layer
-            indices, in send order), or ``"auto"`` (tuned while training; ``"paper"`` runs the
-            paper's Algorithm 1).
+            indices, in send order), or ``"auto"`` (the default, as for ``DataParallel``: tuned
+            over the first ~15 steps, then fixed; ``"paper"`` runs the paper's Algorithm 1). The
+            plan never changes results, only speed. Modes ``"typical"`` and ``"single"`` send no
+            chunks: ``"auto"`` is then one layer per chunk, untuned.
         comm: ``None`` for one machine, ``"mpi"`` (or a :class:`cgdp.comm.Comm`) for several.
             Every rank must build the same model with the same initial parameters (checked at
             start-up). A comm passed in belongs to the trainer from then on: ``close()`` closes it.
@@ -110,15 +112,20 @@ class Trainer:
         grad_transfer: ``"bf16"`` casts float32 gradients to bf16 on the device for the round trip
             through the host (half the bytes each way; the host sums in float32); see
             :mod:`cgdp.engine.core.host` for the error bound. ``None``: gradients travel in their dtype.
+        host_memory: bytes of registered (pinned) host memory for the host slots: a ring of
+            ``segment_bytes`` slots that does not grow with the model, with back-pressure when it
+            is full (:mod:`cgdp.engine.core.host`); results are bitwise those of full-size slots.
+            ``None``: (G + 1) x the gradient bytes, one place per segment.
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
-                 devices: Sequence[str], *, mode: str = "cgdp", chunks: int | Plan | str = 1,
+                 devices: Sequence[str], *, mode: str = "cgdp", chunks: int | Plan | str = "auto",
                  comm: None | str | Comm = None, timeout_s: float | None = 300.0,
                  profile: bool = False, segment_bytes: int = 4 << 20,
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  clip_grad_norm: float | None = None, micro_batches: int = 1,
-                 share_devices: bool = False, grad_transfer: str | None = None):
+                 share_devices: bool = False, grad_transfer: str | None = None,
+                 host_memory: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not isinstance(model, nn.Module):
@@ -142,6 +149,7 @@ class Trainer:
         if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1024:
             raise ValueError(f"segment_bytes must be an int >= 1024, got {segment_bytes!r}")
         self._segment = segment_bytes
+        self._host_memory = host_memory
         self._max_norm = check_max_norm(clip_grad_norm)
         self._micro = check_micro_batches(micro_batches)
 
@@ -215,7 +223,7 @@ class Trainer:
         self._stream = GradientStream(
             self._devs, self._params, self._layer_pids, self._dtype, segment_bytes=self._segment,
             streaming=self.mode == "cgdp", guard=self._guard, comm=self._comm,
-            host_threads=host_threads(self._devs), transfer=self._transfer)
+            host_threads=host_threads(self._devs), transfer=self._transfer, host_memory=self._host_memory)
         self._stream.set_plan(plan)
         self._stream.want_norm = self._max_norm is not None
 
@@ -226,6 +234,8 @@ class Trainer:
             return resolve_plan(chunks, len(self.layers))
         if chunks not in ("auto", "paper"):
             raise ValueError(f"chunks must be an int, an explicit plan or 'auto'; got {chunks!r}")
+        if self.mode != "cgdp":  # nothing is sent during backward: there is nothing to tune
+            return resolve_plan(1, len(self.layers))
         from cgdp.planning.tuner import make_tuner
         cost, ranks = None, 1
         if self._comm is not None and chunks == "auto":
@@ -445,7 +455,7 @@ class Trainer:
 
     def _forward_all(self, parts: list[Any], compute, amp) -> list[tuple[DeviceLoss, Any, Any]]:
         def run() -> list[tuple[DeviceLoss, Any, Any]]:
-            return self._threads.run_all(lambda j: self._forward_on(j, parts[j], compute, amp))
+            return self._threads.run_all(lambda j: self._forward_on(j, parts[j], compute, amp), computing=True)
         return self._rng.forward_all(run, self._buffer_watch.restore)
 
     def _forward_on(self, j: int, part: Any, compute, amp) -> tuple[DeviceLoss, Any, Any]:
@@ -472,7 +482,7 @@ class Trainer:
         return held
 
     def _held_backward_on(self, j: int, loss: torch.Tensor, w: float) -> float:
-        with self._stream.holding(j):
+        with self._stream.holding(j), self._threads.computing(loss.device.type == "cpu"):  # as in _backward_on
             torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
         return float(loss.detach())
 
@@ -484,7 +494,10 @@ class Trainer:
         b0 = dev.stamp()
         if rescale is not None:
             self._stream.scale_grads(rescale, j)
-        torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
+        # backward of a CPU loss runs on this thread (a GPU's runs on autograd's thread for that
+        # device): a turn, since its hooks only enqueue and never wait for another device
+        with self._threads.computing(loss.device.type == "cpu"):
+            torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
         if self._events is not None:
             dev.backward_issued()
         self._stream.flush(j)
@@ -537,7 +550,7 @@ class Trainer:
             broadcast_parameters(self._devs, self._params)
             up = [(u0, dev.stamp())] + [None] * (len(self._devs) - 1)
         else:
-            up = self._threads.run_all(lambda j: self._update_on(j, coef))
+            up = self._threads.run_all(lambda j: self._update_on(j, coef), computing=True)
         changed = self._buffer_watch.changed(self._comm)
         sync_buffers(self._buffers, self._weights, self._comm, changed)
         # a forward is done again (and the buffers restored) only on emulated devices, until
@@ -578,15 +591,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ profiles and traces
     def _collect(self, t_start: float, bw_stamps: list[Any], profiling: bool, tracing: bool) -> None:
-        # every stamp is resolved before end_timing() closes the step's timing
-        bw_start = [d.resolve(s) for d, s in zip(self._devs, bw_stamps)]
-        for d in self._devs:
-            d.end_timing()  # emits the device-timed copies into the events
-        events = self._events or []
-        if tracing:
-            self.last_trace = build_trace(events, t_start)
-        if profiling:
-            self.last_profile = build_profile(
-                devs=self._devs, bw_start=bw_start, events=events, **self._stream.profile_inputs(),
-                stats=self.stats, layer_bytes=self._layer_bytes, mode=self.mode,
-                ranks=self._comm.size if self._comm is not None else 1)
+        inputs = (dict(self._stream.profile_inputs(), stats=self.stats, layer_bytes=self._layer_bytes, mode=self.mode,
+                       ranks=self._comm.size if self._comm is not None else 1) if profiling else None)
+        trace, profile = finish_timing(self._devs, bw_stamps, self._events or [], t_start, tracing, inputs)
+        self.last_trace = trace if tracing else self.last_trace
+        self.last_profile = profile if profiling else self.last_profile

@@ -40,9 +40,29 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain_values(opt: torch.optim.Optimizer) -> list[tuple] | None:
+    """The param groups' values as tuples, or None if one of them is not a plain Python value."""
+    out = []
+    for g in opt.param_groups:
+        row = tuple(sorted((k, type(v).__name__, v) for k, v in g.items() if k != "params"))
+        for _, _, v in row:
+            if not isinstance(v, _PLAIN) and not (isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v)):
+                return None
+            if v != v:  # NaN: equal only to itself in the detailed check
+                return None
+        out.append(row)
+    return out
+
+
 def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Raise :class:`HyperparameterMismatchError` if any optimizer's param-group values (every key
     but ``params``) differ from optimizer 0's."""
+    fast = _plain_values(optimizers[0])
+    if fast is not None and all(_plain_values(o) == fast for o in optimizers[1:]):
+        return  # every value a plain number, string or tuple, and all equal (the per-step case)
     first = optimizers[0].param_groups
     for j, opt in enumerate(optimizers[1:], start=1):
         groups = opt.param_groups
