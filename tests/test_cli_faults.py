@@ -250,6 +250,9 @@ def test_nan_in_the_data_is_not_blamed_on_the_learning_rate(tmp_path, capsys):
     (["--timeout_s", "nan"], "timeout_s must be a finite number"),
     (["--dataset", "synthetic", "--model", "alexnet", "--batch", "100000000"], "lower --batch"),
     (["--dataset", "synthetic", "--batch", "2000000000"], "lower --batch"),
+    # the advice fits what was given: not "use --dataset synthetic" to a synthetic run
+    (["--dataset", "synthetic", "--model", "alexnet", "--input_shape", "3,64,64"], "without --input_shape"),
+    (["--model", "alexnet"], "(--dataset synthetic without --input_shape makes it)"),
 ])
 def test_bad_settings_are_exit_code_2(capsys, args, match):
     t0 = time.monotonic()
@@ -425,3 +428,14 @@ def test_the_memory_estimate_on_gpus_counts_each_gpu():
     assert "GiB per GPU, and the fullest GPU has 12.0 GiB free" in text and "lower --batch to 34 or less" in text, text  # (12 - 8) GiB / 120 MiB
     assert "CPU-emulated" not in text
     assert memory.check(est, host=64 * 2**30, gpu_free=[40 * 2**30] * 4) is None
+
+
+def test_a_run_in_typical_mode_has_no_table_of_zeros(tmp_path, capsys):
+    """Mode typical sends no chunk through the host: no per-chunk table (its cells were all 0.000),
+    a line that says why instead."""
+    out = tmp_path / "typical"
+    rc, _ = run(capsys, "--out", str(out), "--steps", "3", "--mode", "typical", "--profile_every", "1")
+    assert rc == 0
+    summary = (out / "summary.md").read_text()
+    assert "Per chunk (send order" not in summary, summary
+    assert "mode 'typical' has no per-chunk host transfers" in summary, summary

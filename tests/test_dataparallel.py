@@ -129,6 +129,28 @@ def test_torch_clip_on_replica_0_is_mirrored():
     assert_params_close(net, ref)
 
 
+@pytest.mark.parametrize("g", [2, 3])
+def test_gradients_edited_through_data_are_found_and_mirrored(g):
+    """``p.grad.data.clamp_(-1, 1)`` (PyTorch's DQN tutorial) moves no version counter: the edit
+    is found by comparing replica 0's gradients with another replica's before the step, and copied
+    to every replica, with a warning that says what to do instead."""
+    net, data = mlp(), batches(4, 10)
+    ref = copy.deepcopy(net)
+    make_opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    with cgdp.DataParallel(net, devs(g), chunks=1) as model:
+        for m in (model, ref):
+            opt = make_opt(m.parameters())
+            with pytest.warns(UserWarning, match="through .data") if m is model else contextlib.nullcontext():
+                for x, y in data:
+                    opt.zero_grad()
+                    F.cross_entropy(m(x) * 20, y.to(x.device)).backward()
+                    for p in m.parameters():
+                        p.grad.data.clamp_(-0.01, 0.01)
+                    opt.step()
+        assert_replicas_identical(model)
+    assert_params_close(net, ref)
+
+
 @pytest.mark.parametrize("use_no_sync", [True, False])
 @pytest.mark.parametrize("zero", [True, False])
 def test_gradient_accumulation(use_no_sync, zero):

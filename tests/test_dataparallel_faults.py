@@ -3,6 +3,7 @@ replicas, a forward that fails on one device, one model driven from two threads.
 the replicas stay bitwise identical and training matches one device running the same loop (the
 same step failing there), or the call is refused with an error that says why."""
 import copy
+import gc
 from contextlib import nullcontext
 import threading
 import time
@@ -49,26 +50,40 @@ def on_one_device_and_dp(make_opt, data, net=None):
 
 
 # ------------------------------------------------------------------ optimizer subclasses
-class MySGD(torch.optim.SGD):
+class Counted:
+    """An optimizer subclass whose step() calls super().step(), counting its calls."""
     def step(self, closure=None):  # the common pattern: extra work, then the parent's step
+        self.calls = getattr(self, "calls", 0) + 1
         return super().step(closure)
 
 
-class MyAdamW(torch.optim.AdamW):
-    def step(self, closure=None):
-        return super().step(closure)
+class MySGD(Counted, torch.optim.SGD):
+    pass
+
+
+class MyAdamW(Counted, torch.optim.AdamW):
+    pass
 
 
 @pytest.mark.parametrize("cls", [MySGD, MyAdamW])
-def test_optimizer_subclass_calling_super_step(cls):
+def test_optimizer_subclass_calling_super_step(cls, monkeypatch):
     """torch wraps both step() methods, so its global hooks fire twice, nested; with an instance
-    of the parent class alive (here a plain one) every step used to fail."""
-    parent = cls.__mro__[1]([nn.Parameter(torch.zeros(1))], lr=0.1)  # wraps the parent's step too
+    of the parent class alive (here a plain one) every step used to fail. Only the outermost call
+    counts: each replica's optimizer steps once per step, and no replica is ever resynced (a nested
+    call taken for a new one would find a stale turn and copy every parameter and the whole
+    optimizer state to every replica at every step, with right results)."""
+    from cgdp.engine.dataparallel import mirror
+    resyncs = []
+    monkeypatch.setattr(mirror.Mirror, "resync", lambda self, real=mirror.Mirror.resync: resyncs.append(1) or real(self))
+    parent = cls.__mro__[2]([nn.Parameter(torch.zeros(1))], lr=0.1)  # wraps the parent's step too
     ref_errors, ref, errors, model = on_one_device_and_dp(lambda p: cls(p, lr=0.01), batches(4))
     with model:
         assert errors == ref_errors == [None] * 4
         assert_replicas_identical(model)
         assert_params_close(model.module, ref)
+        (m,) = list(model.mirrors)
+        assert [o.calls for o in [m.opt, *m.mirrors]] == [4, 4]
+        assert not resyncs
     del parent
 
 
@@ -257,6 +272,84 @@ def test_one_model_driven_from_two_threads_stays_identical():
         assert_replicas_identical(model)
 
 
+# ------------------------------------------------------------------ one model, one engine
+def engine(face, net):
+    if face == "DataParallel":
+        return cgdp.DataParallel(net, DEVS, chunks=1)
+    return cgdp.Trainer(net, lambda p: torch.optim.SGD(p, lr=0.1), DEVS, chunks=1)
+
+
+@pytest.mark.parametrize("first", ["DataParallel", "Trainer"])
+@pytest.mark.parametrize("second", ["DataParallel", "Trainer"])
+def test_one_model_in_two_open_engines_is_refused(first, second):
+    """A notebook cell run twice, two trainers on one model: the second engine would take the
+    model's gradients over while the first still runs. Refused, saying what to do; after close()
+    the second engine builds and trains the model exactly."""
+    net = mlp()
+    ref = copy.deepcopy(net)
+    one = engine(first, net)
+    with pytest.raises(RuntimeError, match=rf"already being trained by an open cgdp.{first} .* call close\(\) on the other"):
+        engine(second, net)
+    one.close()
+    data = batches(2)
+    with engine(second, net) as two:
+        if second == "DataParallel":
+            train(two, torch.optim.SGD(two.parameters(), lr=0.1), data, two.output_device)
+        else:
+            for x, y in data:
+                two.step(x, y, F.cross_entropy)
+        assert_replicas_identical(two)
+    train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data)
+    assert_params_close(net, ref)
+
+
+def test_an_engine_does_not_wrap_an_engine():
+    net = mlp()
+    with cgdp.DataParallel(net, DEVS, chunks=1) as inner:
+        for make in (lambda m: cgdp.DataParallel(m, DEVS), lambda m: engine("Trainer", m),
+                     lambda m: cgdp.DataParallel(nn.Sequential(m, nn.Linear(5, 2)), DEVS)):
+            with pytest.raises(TypeError, match="a cgdp.DataParallel; an engine does not wrap another"):
+                make(inner)
+
+
+@pytest.mark.filterwarnings("error")  # an optimizer not recognised as the model's would warn at the next forward
+def test_a_notebook_cell_run_twice_and_the_registrations_of_a_freed_wrapper():
+    """``model = cgdp.DataParallel(net)`` run again while the first wrapper is open is refused
+    (freeing the first one used to undo the second one's registrations, so that an optimizer built
+    after was no longer the model's); after close() it works, and so after the first was dropped."""
+    net = mlp()
+    ref = copy.deepcopy(net)
+    data = batches(4)
+    model = cgdp.DataParallel(net, DEVS, chunks=1)
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), data[:1], model.output_device)
+    with pytest.raises(RuntimeError, match="call close"):
+        model = cgdp.DataParallel(net, DEVS, chunks=1)
+    model.close()
+    model = cgdp.DataParallel(net, DEVS, chunks=1)  # the closed one is freed here
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), data[1:2], model.output_device)
+    del model  # dropped without close()
+    model = cgdp.DataParallel(net, DEVS, chunks=1)
+    gc.collect()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built after: recognised as the model's
+    with model:
+        train(model, opt, data[2:], model.output_device)
+        assert_replicas_identical(model)
+    train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data)
+    assert_params_close(net, ref)
+    # the registries themselves: an older owner's removal leaves the newer owner's entries
+    from cgdp.engine.dataparallel import mirror
+
+    class Owner:
+        mirrors = ()
+    a, b, params = Owner(), Owner(), [nn.Parameter(torch.zeros(1))]
+    ref_a = mirror.register(a, params)
+    ref_b = mirror.register(b, params)
+    mirror.unregister(params, ref_a)
+    assert mirror._OWNERS[id(params[0])] is ref_b
+    mirror.unregister(params, ref_b)
+    assert id(params[0]) not in mirror._OWNERS
+
+
 class _FailsOnce(torch.autograd.Function):
     """Identity whose backward raises while ``fail`` is set (after the later layer's gradient)."""
     fail = False
@@ -270,6 +363,16 @@ class _FailsOnce(torch.autograd.Function):
         if _FailsOnce.fail:
             raise RuntimeError("this backward failed")
         return g
+
+
+def failing_backward(m, x, y):
+    """A backward of ``m`` on ``(x, y)`` that raises after the later layer's gradient."""
+    _FailsOnce.fail = True
+    try:
+        with pytest.raises(RuntimeError, match="this backward failed"):
+            F.cross_entropy(m(x), y).backward()
+    finally:
+        _FailsOnce.fail = False
 
 
 class LateFailure(nn.Module):
@@ -291,20 +394,151 @@ def test_a_backward_that_failed_in_a_thread_that_ended_does_not_block_the_model(
         for m in (model, ref):
             opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
             x, y = data[0]
-
-            def fails():
-                _FailsOnce.fail = True
-                try:
-                    with pytest.raises(RuntimeError, match="this backward failed"):
-                        F.cross_entropy(m(x), y).backward()
-                finally:
-                    _FailsOnce.fail = False
-
-            worker = threading.Thread(target=fails)
+            worker = threading.Thread(target=failing_backward, args=(m, x, y))
             worker.start()
             worker.join(30)
             assert not worker.is_alive()
             with pytest.warns(UserWarning, match="partway") if m is model else nullcontext():
                 train(m, opt, data[1:])
+        assert_replicas_identical(model)
+    assert_params_close(net, ref)
+
+
+# ------------------------------------------------------------------ close() from another thread
+def _cgdp_threads() -> int:
+    return sum(t.name.startswith("cgdp-") for t in threading.enumerate())
+
+
+def assert_threads_back_to(base: int) -> None:
+    """The model's threads stop (within 5 s): as many cgdp threads as ``base`` again."""
+    deadline = time.monotonic() + 5
+    while _cgdp_threads() > base and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _cgdp_threads() == base, [t.name for t in threading.enumerate()]
+
+
+def test_close_from_another_thread_during_backward_stops_it_at_once():
+    """The other thread's close() lands in the middle of backward (from a backward hook, which
+    waits until close() has stopped the backward): backward() raises the RuntimeError that names
+    close() at once (it waited timeout_s, then an IndexError, before), close() returns once
+    backward has ended, and every thread of the model is gone."""
+    gc.collect()
+    base = _cgdp_threads()
+    net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    model = cgdp.DataParallel(net, DEVS, chunks=1, timeout_s=30)
+    closer = threading.Thread(target=model.close)
+
+    def hook(mod, grad_in, grad_out):
+        if closer.ident is None:  # the first replica's hook (module hooks run on every replica)
+            closer.start()
+            deadline = time.monotonic() + 5
+            while model._guard.error is None and time.monotonic() < deadline:  # until close() stopped it
+                time.sleep(0.001)
+    net[2].register_full_backward_hook(hook)
+    loss = model(torch.randn(8, 32)).pow(2).mean()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"close\(\) was called while its backward was running"):
+        loss.backward()
+    assert time.monotonic() - t0 < 5
+    closer.join(10)
+    assert not closer.is_alive() and model.closed
+    del model, loss
+    assert_threads_back_to(base)
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+def test_close_from_another_thread_at_random_moments_has_a_clear_outcome():
+    """close() lands at a random moment of the user's loop (forward, backward, the optimizer's
+    step, between them): the loop finishes, or stops with the RuntimeError that names close() or
+    says the model is closed, never an internal error or a wait of timeout_s; close() returns
+    within CLOSE_WAIT_S and every thread of the model is gone."""
+    import random
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            time.sleep(0.005)  # an update long enough to be hit
+            return super().step(closure)
+
+    class Jittery(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+
+        def forward(self, x):
+            time.sleep(rng.random() * 0.005)
+            return self.net(x)
+
+    rng = random.Random(0)
+    gc.collect()
+    base = _cgdp_threads()
+    landed, net = [], Jittery()
+    for i in range(16):
+        model = cgdp.DataParallel(net, DEVS, chunks=1, timeout_s=20)
+        opt = SlowSGD(model.parameters(), lr=1e-3)
+        closer = threading.Timer(rng.random() * 0.04, lambda m=model: landed.append(m._turns.what) or m.close())
+        t0 = time.monotonic()
+        closer.start()
+        try:
+            for _ in range(10):
+                opt.zero_grad()
+                model(torch.randn(16, 64)).pow(2).mean().backward()
+                opt.step()
+        except RuntimeError as e:
+            assert "close() was called while its" in str(e) or "is closed" in str(e), repr(e)
+        assert time.monotonic() - t0 < 10, "a wait ran into timeout_s"
+        closer.join(10)
+        assert not closer.is_alive(), "close() hung"
+        assert all(torch.isfinite(p).all() for p in net.parameters())
+        del model, opt
+        assert_threads_back_to(base)
+    assert any(w is not None for w in landed), landed  # some closes came while an operation ran
+
+
+def test_close_of_a_model_whose_last_backward_failed_on_this_thread():
+    """A backward that raised leaves its turn stale (autograd skips the final callback): close()
+    from the same thread releases everything at once, and the model refuses further use clearly."""
+    gc.collect()
+    base = _cgdp_threads()
+    model = cgdp.DataParallel(LateFailure(), DEVS, chunks=1)
+    x, y = batches(1)[0]
+    failing_backward(model, x, y)
+    assert model._turns.what == "backward"  # stale
+    t0 = time.monotonic()
+    model.close()
+    assert time.monotonic() - t0 < 2
+    assert_threads_back_to(base)
+    with pytest.raises(RuntimeError, match="is closed"):
+        model(x)
+
+
+class ZeroedMidStep(torch.optim.SGD):
+    """Its gradients are dropped inside ``step()``, before the update, as another thread's
+    ``zero_grad()`` would drop them between the model's check and the update."""
+    victims: set = set()
+
+    def step(self, closure=None):
+        if self in ZeroedMidStep.victims:
+            self.zero_grad()
+        return super().step(closure)
+
+
+def test_gradients_dropped_during_the_step_leave_the_replicas_identical():
+    """Replica 0 steps without gradients while its mirrors step with theirs: every replica then
+    takes replica 0's parameters and state, as one device dropping them there holds them."""
+    net = mlp()
+    ref = copy.deepcopy(net)
+    data = batches(3)
+    with cgdp.DataParallel(net, DEVS, chunks=1) as model:
+        for m in (model, ref):
+            opt = ZeroedMidStep(m.parameters(), lr=0.1, momentum=0.9)
+            for i, (x, y) in enumerate(data):
+                (ZeroedMidStep.victims.add if i == 1 else ZeroedMidStep.victims.discard)(opt)
+                opt.zero_grad()
+                F.cross_entropy(m(x), y).backward()
+                if m is model and i == 1:
+                    with pytest.warns(UserWarning, match="changed during optimizer.step"):
+                        opt.step()
+                else:
+                    opt.step()
         assert_replicas_identical(model)
     assert_params_close(net, ref)

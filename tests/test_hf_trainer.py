@@ -14,7 +14,7 @@ import torch
 
 from helpers import assert_params_close
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5.0")  # what the hf extra supports
 pytest.importorskip("accelerate")
 
 from cgdp import DataParallel  # noqa: E402
@@ -135,6 +135,29 @@ def test_sequence_classifier_that_ignores_num_items_in_batch(tmp_path):
     assert logged(tr, "loss") == pytest.approx(logged(ref, "loss"), rel=1e-5)
     assert_params_close(model, ref_model, floor=1e-3)
     tr.close()
+
+
+def test_a_second_trainer_on_the_same_model_takes_it_over(tmp_path):
+    """A model is in one cgdp engine at a time: a second Trainer given the model (here to evaluate
+    it) closes the first one's wrapper, and the first takes the model back when it trains again."""
+    model = gpt2()
+    args = arguments(tmp_path / "a", PER_DEVICE, num_train_epochs=1, gradient_accumulation_steps=1)
+    first = CgdpTrainer(model=model, args=args, devices=["cpu:0", "cpu:1"], train_dataset=Padded(8))
+    first.train()
+    wrapper = first.replicas and first._cgdp
+    second = CgdpTrainer(model=model, args=arguments(tmp_path / "b", PER_DEVICE), devices=["cpu:0", "cpu:1"],
+                         eval_dataset=Padded(5, seed=2))
+    loss = second.evaluate()["eval_loss"]
+    assert wrapper.closed and not second._cgdp.closed
+    ref = transformers.Trainer(model=gpt2(), args=arguments(tmp_path / "r", PER_DEVICE * 2, num_train_epochs=1,
+                                                            gradient_accumulation_steps=1), train_dataset=Padded(8))
+    ref.train()
+    assert_params_close(model, ref.model, floor=1e-3)
+    first.train()  # takes the model back
+    assert second._cgdp.closed and not first._cgdp.closed
+    first.close()
+    second.close()
+    assert math.isfinite(loss)
 
 
 def test_resume_in_the_middle_is_bitwise_an_uninterrupted_run(tmp_path):

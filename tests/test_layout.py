@@ -119,3 +119,28 @@ def test_engine_modules_stay_small():
     big = {f.name: n for f in (PKG / "engine").rglob("*.py")
            if (n := len(f.read_text().splitlines())) > 600}
     assert not big, f"split these engine modules (STYLE.md: a few hundred lines): {big}"
+
+
+# standard-library modules newer than Python 3.8, with the version that added them
+NEW_STDLIB = {"zoneinfo": (3, 9), "graphlib": (3, 9), "tomllib": (3, 11)}
+
+
+def test_python_requires_allows_no_python_without_a_module_cgdp_imports():
+    """setup.cfg's python_requires floor has every standard-library module cgdp imports (it said
+    >=3.10 while the command line imports tomllib: pip installed cgdp on 3.10, and
+    ``python -m cgdp.train`` failed there at import)."""
+    import configparser
+    import re
+
+    cfg = configparser.ConfigParser()
+    cfg.read(PKG.parent / "setup.cfg")
+    floor = tuple(int(v) for v in re.fullmatch(r">=\s*(\d+)\.(\d+)", cfg["options"]["python_requires"]).groups())
+    imported = set()
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    too_new = {m: v for m, v in NEW_STDLIB.items() if m in imported and v > floor}
+    assert not too_new, f"python_requires >={floor} but cgdp imports {too_new}"

@@ -1,7 +1,7 @@
 """Summaries of a run: the paper's Table 3 (phases) and Table 4 (per chunk) as text, and PNG plots.
 
 :func:`phase_table` and :func:`chunk_table` read what the training loop wrote to ``metrics.jsonl``
-and always work. :func:`write_plots` draws the loss curve and the per-chunk D2H / accumulate / H2D
+and always work; :func:`summarise` prints them at the end of a run and writes ``OUT/summary.md``. :func:`write_plots` draws the loss curve and the per-chunk D2H / accumulate / H2D
 bars with matplotlib, an optional dependency: without it, it returns a note and draws nothing.
 Medians, not means, since the first steps (allocation, Numba compilation, tuning) are outliers.
 """
@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import pathlib
 import statistics
+
+from cgdp.cli.config import Config
+from cgdp.cli.output import disk_error, earlier_steps, write_text
 
 PHASES = ("forward_s", "backward_s", "exposed_comm_s", "update_s", "step_s")
 
@@ -38,6 +41,34 @@ def chunk_table(profile: dict, layer_names: list[str] | None = None) -> str:
         lines.append(f"| {c['index']} | {label} | {params:.3f} | {c['d2h_s'] * 1e3:.3f} | "
                      f"{c['acc_s'] * 1e3:.3f} | {c['h2d_s'] * 1e3:.3f} |")
     return "Per chunk (send order = backward order):\n\n" + "\n".join(lines) + "\n"
+
+
+def summarise(out: pathlib.Path | None, cfg: Config, rows: list[dict], profile: dict | None,
+              layer_names: list[str], tuner: str | None, resumed_at: int | None) -> None:
+    """Print the run's tables, write them to ``out/summary.md`` and the plots (``resumed_at``: the
+    step a resumed run started from; its loss curve still starts at step 1)."""
+    mode = cfg.train.mode
+    profile = profile if mode == "cgdp" else None  # no chunk goes through the host: all its times are 0
+    text = [phase_table(rows)] + ([tuner + "\n"] if tuner else [])
+    if profile is not None:
+        text.append(chunk_table(profile, layer_names))
+    else:
+        why = (f"mode {mode!r} has no per-chunk host transfers to profile" if mode != "cgdp" else
+               "profile_every = 0" if cfg.run.profile_every <= 0 else "no step was profiled")
+        text.append(f"Per chunk: no profiled step in this run ({why}).\n")
+    summary = "\n".join(text)
+    print(summary)
+    if out is None:
+        return
+    kept = f"the checkpoint and metrics.jsonl in {out} are intact (the run itself is complete)"
+    write_text(out / "summary.md", summary, kept)
+    if cfg.run.plots:
+        steps = [r for r in rows if r.get("kind") == "step"]
+        earlier = earlier_steps(out / "metrics.jsonl", resumed_at) if resumed_at is not None else []
+        try:
+            print(write_plots(out, earlier + steps, profile))
+        except OSError as e:
+            raise disk_error(e, out / "summary.png", kept) from None
 
 
 def write_plots(out: pathlib.Path, rows: list[dict], profile: dict | None) -> str:

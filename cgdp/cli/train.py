@@ -36,7 +36,7 @@ from cgdp.cli import report
 from cgdp.cli import resume as resuming
 from cgdp.cli import startup
 from cgdp.cli import trace
-from cgdp.cli.output import Metrics, OutputError, disk_error, earlier_steps, resume_row, write_text
+from cgdp.cli.output import Metrics, OutputError, resume_row, write_text
 from cgdp.cli.config import Config, ConfigError, help_text, parse_args, presets, resumed_config, to_toml
 from cgdp.data import DataError, Loader, SyntheticDataset, digits, eval_batches, open_shards
 from cgdp.models import MODELS, build_model, count_params, get_spec
@@ -494,7 +494,8 @@ def train(job: Job) -> dict:
             final["tuner"] = trainer.tuner.describe()
         metrics.write(final)
         if lead:
-            _summarise(job, metrics.rows, last_profile, trainer.layers, final.get("tuner"), start)
+            report.summarise(job.out, job.cfg, metrics.rows, last_profile, [layer.name for layer in trainer.layers],
+                             final.get("tuner"), start if job.resume is not None else None)
     return final
 
 
@@ -507,30 +508,6 @@ def _comm(job: Job) -> Any:
     from cgdp.comm.mpi import MPIComm
     return MPIComm(timeout_s=job.cfg.train.timeout_s, finalize_timeout_s=60.0,
                    error_file=job.out / f"rank{job.rank}.error" if job.out is not None else None)
-
-
-def _summarise(job: Job, rows: list[dict], profile: dict | None, layers: list, tuner: str | None,
-               start: int) -> None:
-    text = [report.phase_table(rows)] + ([tuner + "\n"] if tuner else [])
-    if profile is not None:
-        text.append(report.chunk_table(profile, [layer.name for layer in layers]))
-    else:
-        why = ("profile_every = 0" if job.cfg.run.profile_every <= 0 else
-               f"mode {job.cfg.train.mode!r} has no per-chunk host transfers to profile")
-        text.append(f"Per chunk: no profiled step in this run ({why}).\n")
-    summary = "\n".join(text)
-    print(summary)
-    if job.out is not None:
-        kept = f"the checkpoint and metrics.jsonl in {job.out} are intact (the run itself is complete)"
-        write_text(job.out / "summary.md", summary, kept)
-        if job.cfg.run.plots:
-            # the loss curve of a resumed run starts at step 1: the lines of the runs before it
-            steps = [r for r in rows if r.get("kind") == "step"]
-            earlier = earlier_steps(job.out / "metrics.jsonl", start) if job.resume is not None else []
-            try:
-                print(report.write_plots(job.out, earlier + steps, profile))
-            except OSError as e:
-                raise disk_error(e, job.out / "summary.png", kept) from None
 
 
 # ------------------------------------------------------------------------------- CLI

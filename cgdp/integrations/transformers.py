@@ -33,7 +33,10 @@ the global batch:
   masks the uninterrupted one would. ``accelerator.unwrap_model`` sees
   through the wrapper, as it does through ``nn.DataParallel``.
 
-``trainer.close()`` stops cgdp's threads at once (otherwise when the trainer is freed).
+``trainer.close()`` stops cgdp's threads at once (otherwise when the trainer is freed). A model is
+in one cgdp engine at a time (:mod:`cgdp.engine.core.claims`): a second Trainer of this kind
+given the same model (one made for ``evaluate()`` after another trained) closes the first one's
+wrapper when it wraps the model, and the first wraps it again if it is used again.
 Mixed precision: ``bf16=True`` runs the forward under Accelerate's autocast on every replica.
 """
 from __future__ import annotations
@@ -51,6 +54,7 @@ except ImportError as exc:  # pragma: no cover - the hf extra is installed where
                       "pip install -e \".[hf]\" (or pip install transformers accelerate)") from exc
 
 from cgdp.engine.backend import default_devices
+from cgdp.engine.core.claims import holder
 from cgdp.engine.dataparallel.dataparallel import DataParallel
 
 __all__ = ["Trainer"]
@@ -109,12 +113,18 @@ class Trainer(transformers.Trainer):
         """cgdp.DataParallel where the Trainer would use nn.DataParallel; the same wrapper for
         training and evaluation, made once per model."""
         if isinstance(model, DataParallel):
-            return model
+            if not model.closed:
+                return model
+            model = model.module  # closed (by close(), or by another Trainer that took the model)
         if self._cgdp is not None and not self._cgdp.closed and self._cgdp.module is model:
             return self._cgdp
         if self._cgdp is not None:  # model_init made a new model: the old wrapper goes
             self._cgdp.close()
+        other = holder(model)
+        if getattr(other, "hugging_face", False):  # another of these Trainers wrapped it: this one trains it now
+            other.close()
         self._cgdp = DataParallel(model, self.devices)
+        self._cgdp.hugging_face = True
         return self._cgdp
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],

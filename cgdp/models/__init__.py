@@ -43,7 +43,8 @@ def _fixed(fn: Callable[[int], nn.Module], shape: tuple[int, ...]) -> Callable[.
     def build(num_classes: int, sample_shape: tuple[int, ...] | None = None) -> nn.Module:
         if sample_shape is not None and tuple(sample_shape) != shape:
             raise ValueError(f"{fn.__name__} takes samples of shape {shape}; the data has "
-                             f"{tuple(sample_shape)}. Use --dataset synthetic, or a model for your shape")
+                             f"{tuple(sample_shape)}. Give it data of that shape (--dataset synthetic "
+                             f"without --input_shape makes it), or a model for your shape (--list-models)")
         return fn(num_classes)
     return build
 

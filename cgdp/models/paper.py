@@ -31,9 +31,9 @@ ResNet-152 is torchvision's (v1.5: stride in the 3x3 convolution), 60.2 M parame
 count He et al.'s published model has too. Table 1's 49 M matches neither; we keep the
 standard network and report the difference rather than alter it.
 
-Dropout (AlexNet, VGG-16, GoogLeNet) draws random numbers on every replica; on CPU-emulated
-devices the replicas share one generator, so runs with dropout are not bitwise reproducible
-there. The small models in :mod:`cgdp.models.small` have none.
+Dropout (AlexNet, VGG-16, GoogLeNet) draws random numbers on every replica, each from its own
+device's stream (on CPU-emulated devices too: :mod:`cgdp.engine.backend.rng`), so runs with
+dropout are bitwise reproducible and resume bitwise from a checkpoint.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Small models that train in seconds on CPU: the default job's CNN and an MLP.
 
-No dropout and no BatchNorm, so that runs on CPU-emulated devices (which share one random
-generator) stay bitwise reproducible, and a resumed run equals an uninterrupted one.
+No dropout and no BatchNorm: nothing random in the forward, so forward passes on CPU-emulated
+devices never take turns for their random streams (:mod:`cgdp.engine.backend.rng`).
 """
 from __future__ import annotations
 

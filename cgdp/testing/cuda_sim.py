@@ -49,6 +49,7 @@ import random
 import threading
 import time
 import types
+import weakref
 from collections import Counter
 from typing import Any, Callable, Iterator
 
@@ -583,9 +584,13 @@ class SideStream(torch.nn.Module):
         dev = sim.current_device()
         main, side = sim.current_stream(dev), sim.side_stream(dev)
         for p in self.inner.parameters():
-            if not getattr(p, "_cgdp_side_hook", False):  # once per replica's parameter
-                p.register_hook(_producer_done)
-                p._cgdp_side_hook = True
+            if id(p) not in _SIDE_NODES:  # once per replica's parameter
+                # a pre-hook on the parameter's AccumulateGrad node, where autograd's engine records
+                # the event: a hook of the engine's, not a user's gradient hook on the parameter
+                node = p.view_as(p).grad_fn.next_functions[0][0]
+                node.register_prehook(_producer_done)
+                _SIDE_NODES[id(p)] = node  # a leaf's accumulator lives while something holds it
+                weakref.finalize(p, _SIDE_NODES.pop, id(p), None)
         st = _Side(sim, main, side)
         anchor = torch.zeros((), requires_grad=True)  # so that _Exit's backward always runs
         x = _Exit.apply(x, anchor, st)
@@ -596,7 +601,11 @@ class SideStream(torch.nn.Module):
         return _Enter.apply(h, st)
 
 
-def _producer_done(g: torch.Tensor) -> None:
+_SIDE_NODES: dict[int, Any] = {}
+"""id(parameter) -> its AccumulateGrad node, for the parameters of :class:`SideStream` parts."""
+
+
+def _producer_done(grads: tuple) -> None:
     """Before the first accumulation of the side part: the point autograd's engine records for
     the main stream to wait on (the accumulations come after it)."""
     st = getattr(_backward, "side", None)

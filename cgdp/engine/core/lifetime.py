@@ -98,6 +98,7 @@ class Resources:
         self.stream: Any = None
         self.devs: Sequence[Any] = ()
         self.comm: Any = None
+        self.claim: Any = None  # the model's parameters (core/claims.py), given back last
 
     def take(self, trainer: Any) -> None:
         """Note what ``trainer`` has built so far (called after construction and by close())."""
@@ -109,7 +110,8 @@ class Resources:
         devs, stream = self.devs, self.stream
         steps = [lambda: settle(devs, stream),
                  getattr(self.threads, "close", None), getattr(self.stream, "close", None),
-                 *(d.close for d in self.devs), getattr(self.comm, "close", None)]
+                 *(d.close for d in self.devs), getattr(self.comm, "close", None),
+                 getattr(self.claim, "release", None)]
         self.threads = self.stream = self.comm = None
         self.devs = ()
         first: BaseException | None = None

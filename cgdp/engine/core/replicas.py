@@ -43,8 +43,13 @@ class Replicas:
                 raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer, got "
                                 f"{type(opt).__name__}")
             self.optimizers.append(opt)
-        self.buffers = [[b for b in r.buffers() if b.is_floating_point()] for r in self.modules]
-        self.other_buffers = [[b for b in r.buffers() if not b.is_floating_point()] for r in self.modules]
+        self.buffers, self.other_buffers = split_buffers(self.modules)
+
+
+def split_buffers(modules: Sequence[nn.Module]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Per replica: its floating buffers, and the others."""
+    return ([[b for b in r.buffers() if b.is_floating_point()] for r in modules],
+            [[b for b in r.buffers() if not b.is_floating_point()] for r in modules])
 
 
 def signature(replicas: Replicas, layers: Sequence[LayerInfo], mode: str, dtype: torch.dtype) -> dict[str, str]:

@@ -64,24 +64,32 @@ from torch.autograd import Variable
 
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import default_devices, host_threads, make_devices, make_rng, parse_devices
-from cgdp.engine.core.buffers import BufferWatch, sync_buffers
+from cgdp.engine.core.buffers import sync_buffers
+from cgdp.engine.core.claims import claim
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
+from cgdp.engine.core.module_hooks import ModuleHooks
+from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.replicas import batch_weights, state_digest
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
 from cgdp.engine.dataparallel.replica_grads import ReplicaGrads
+from cgdp.engine.dataparallel.replica_state import ReplicaState
 from cgdp.engine.dataparallel.resources import Resources, release
 from cgdp.engine.dataparallel.scatter import caller_context, gather, scatter, watch_counts
 from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
 from cgdp.engine.dataparallel.turns import Turns, giving, holding
 from cgdp.engine.dataparallel.user_module import GradBuffers, local_load_post_hook
 from cgdp.engine.dataparallel.user_warning import warn_user
-from cgdp.engine.sync import Guard
+from cgdp.engine.sync import Guard, StepAborted
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
+
+
+CLOSE_WAIT_S = 5.0
+"""How long ``close()`` from another thread waits for a running operation to stop."""
 
 
 class DataParallel(nn.Module):
@@ -109,6 +117,8 @@ class DataParallel(nn.Module):
             ``"auto"``: ``"sum"`` in a call that passes ``num_items_in_batch`` (Hugging Face's
             global normaliser) which the model's forward then uses, ``"mean"`` otherwise.
     """
+
+    cgdp_engine = True  # not a model to replicate (core/claims.py)
 
     def __init__(self, module: nn.Module, devices: Sequence[str] | None = None, *,
                  chunks: int | Plan | str = "auto", comm: Any = None, timeout_s: float | None = 300.0,
@@ -147,6 +157,7 @@ class DataParallel(nn.Module):
         # close() stops its threads (nothing in it refers back to this wrapper)
         self._res = res = Resources()
         self._finalizer = weakref.finalize(self, release, res)
+        res.claim = claim(self, module, "cgdp.DataParallel")  # one engine per model
         self._devs = res.devs = make_devices(devices, self._guard.fail)
         for d in self._devs:
             d.check_caller("cgdp.DataParallel(...)")  # its buffers must not live on a user stream
@@ -178,13 +189,10 @@ class DataParallel(nn.Module):
         params = [[p for layer in find_layers(r, {id(q) for q in sp})[1] for p in layer]
                   for r, sp in zip(reps, sparse)]
         self._grad_buffers = GradBuffers(reps)  # read from replica 0 by every replica
-        self._buffers_f = [[b for b in r.buffers() if b.is_floating_point() and not b.requires_grad]
-                           for r in reps]
-        self._buffer_watch = BufferWatch(self._buffers_f)  # which of them a forward wrote
-        self._submodules = [list(r.modules()) for r in reps]  # same order on every replica
-        self._all_params = [list(r.parameters()) for r in reps]
-        self._wrapped_trainable = [p.requires_grad for p in self._all_params[0]]
-        self._trainable = list(self._wrapped_trainable)
+        self._state = ReplicaState(reps)  # what the other replicas copy from replica 0
+        # replica 0's module hooks are every replica's; its parameters' hooks run on the sum
+        self._module_hooks = ModuleHooks(reps, self._state.params, [d.torch_device for d in devs])
+        self._param_hooks = ParamHooks(params, unsupported=sparse[0])
         layer_pids, n = [], 0
         for layer in layer_params:
             layer_pids.append(list(range(n, n + len(layer))))
@@ -200,11 +208,10 @@ class DataParallel(nn.Module):
         if any(info.numel for info in infos):  # dense trainable parameters: the streaming path
             self._build_stream(devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before, host_memory)
         self._res.registered = list(module.parameters()) + self._grad_buffers.current(0)
-        mirror.register(self, self._res.registered)
+        self._res.owner = mirror.register(self, self._res.registered)
         me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
         # never pickled with the module (torch.save(model.module) while wrapped)
-        self._res.load_hook = local_load_post_hook(module, lambda *_: me()._broadcast_state())
-        self._record_parameters()
+        self._res.load_hook = local_load_post_hook(module, lambda *_: me()._state.broadcast())
 
     def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before, host_memory) -> None:
         itemsize = torch.tensor([], dtype=dtype).element_size()
@@ -257,9 +264,9 @@ class DataParallel(nn.Module):
         devs = self._devs
         for d in devs:
             d.check_caller("model(...)")  # CUDA: the replicas run on the default streams, as must the gather
-        self._copy_modes()
-        self._copy_requires_grad()
-        self._copy_edited_parameters()
+        if self._module_hooks.follow():  # a hook registration changed the buffers (prune)
+            self._state.rebuild_buffers()
+        self._state.before_forward()
         parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
         g = len(parts)
         counts = watch_counts(parts, [d.torch_device for d in devs]) if self._scalar_outputs == "auto" else []
@@ -281,20 +288,21 @@ class DataParallel(nn.Module):
             outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on, computing=True))
         except BaseException:  # failed on some devices only: counters (BatchNorm's) must agree
             if not self._threads.stuck:
-                self._broadcast_state(buffers_only=True)
+                self._state.broadcast(buffers_only=True)
             raise
-        if self.module.training and self._buffers_f[0] and (len(devs) > 1 or self._comm is not None):
+        bufs_f = self._state.buffers_f
+        if self.module.training and bufs_f[0] and (len(devs) > 1 or self._comm is not None):
             weights, _ = batch_weights(sizes, self._comm)  # over all ranks with a comm
             # through .data: the graph just built saved these buffers (BatchNorm), and an in-place
             # write through the tensors would bump their version and fail its backward
             # only those the forward wrote (BatchNorm's): a weighted mean of equal values is not
             # always that value, and constant tables (rotary frequencies) must stay bitwise
-            changed = self._buffer_watch.changed(self._comm)
-            sync_buffers([[b.data for b in bufs] for bufs in self._buffers_f],
+            changed = self._state.buffer_watch.changed(self._comm)
+            sync_buffers([[b.data for b in bufs] for bufs in bufs_f],
                          weights + [0.0] * (len(devs) - g), self._comm, changed)
-            self._buffer_watch.synced(changed, others=False)
+            self._state.buffer_watch.synced(changed, others=False)
             if g < len(devs):  # replicas that got no sample: integer buffers (counters) too
-                self._broadcast_state(buffers_only=True)
+                self._state.broadcast(buffers_only=True)
         sync = not self._no_sync
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
         trains = self._stream is not None or bool(self._sparse)
@@ -339,32 +347,6 @@ class DataParallel(nn.Module):
             self._host_fresh = False
         self._sparse.mirror_if_changed()
 
-    def _copy_modes(self) -> None:
-        """Every replica's modules take replica 0's train/eval modes: ``net.eval()`` or a frozen
-        BatchNorm set on ``model.module`` alone must not leave the other replicas training."""
-        flags = [m.training for m in self._submodules[0]]
-        for mods in self._submodules[1:]:
-            for m, f in zip(mods, flags):
-                if m.training is not f:
-                    m.training = f
-
-    def _copy_requires_grad(self) -> None:
-        """Parameters frozen on replica 0 after wrapping are frozen on every replica; one that was
-        frozen when wrapped has no place in the flat buffers and cannot start training."""
-        now = [p.requires_grad for p in self._all_params[0]]
-        if now == self._trainable:
-            return
-        names = [n for (n, _), was, r in zip(self.module.named_parameters(), self._wrapped_trainable, now)
-                 if r and not was]
-        if names:
-            raise RuntimeError(f"parameters frozen when cgdp.DataParallel was built now require grad "
-                               f"({', '.join(names[:5])}); unfreeze them before wrapping, or wrap "
-                               f"model.module again after close()")
-        for params in self._all_params[1:]:
-            for q, r in zip(params, now):
-                q.requires_grad_(r)
-        self._trainable = now
-
     def train(self, mode: bool = True) -> "DataParallel":
         super().train(mode)
         for r in self._replicas[1:]:
@@ -386,11 +368,18 @@ class DataParallel(nn.Module):
 
     def close(self) -> None:
         """Remove every hook, stop every thread, free the flat and pinned buffers. Replica 0
-        (``.module``) keeps its gradients."""
+        (``.module``) keeps its gradients.
+
+        From another thread while an operation runs (forward, backward, ``optimizer.step()``,
+        ``clip_grad_norm_``): that operation stops with a ``RuntimeError`` that names ``close()``
+        (or completes, if it was past its last wait), and ``close()`` waits up to
+        :data:`CLOSE_WAIT_S` for it; one still running then releases everything when it ends."""
         if self._closed:
             return
         self._closed = True
-        self._finalizer()
+        inside = self._threads is not None and self._threads.on_device_thread()
+        if self._turns.close(self._guard.fail, CLOSE_WAIT_S, inside, self._finalizer):
+            self._finalizer()
 
     def __enter__(self) -> "DataParallel":
         return self
@@ -433,13 +422,23 @@ class DataParallel(nn.Module):
         self._mirror_if_changed()
 
     def replicas_resynced(self) -> None:
-        self._record_parameters()  # every replica took replica 0's parameters (a step failed)
+        self._state.record_parameters()  # every replica took replica 0's parameters (a step failed)
+
+    def grads_kept(self) -> bool:
+        """After the optimizer stepped every replica: whether replica 0's gradients were left as
+        its mirrors had them (if not, the mirrors resync and this warns)."""
+        if self._grads is None or self._grads.attached():
+            return True
+        warn_user("replica 0's gradients were changed during optimizer.step() (optimizer.zero_grad() "
+                  "from another thread?); every replica took replica 0's parameters and optimizer "
+                  "state, so they stay identical. Drive a cgdp.DataParallel from one thread")
+        return False
 
     @giving
     def after_step(self) -> None:
         """Called after the user's optimizer stepped every replica: while tuning, the time since
         the last step is one iteration under the current plan; switch to the tuner's next plan."""
-        self._record_parameters()
+        self._state.record_parameters()
         if self._tuner is None:
             return
         now = time.perf_counter()
@@ -471,12 +470,18 @@ class DataParallel(nn.Module):
             return  # a second gathered output in the same backward
         try:
             self._check_usable()
-            if not self._backward_check.trains(self._all_params[0], self._trainable):
+            if not self._backward_check.trains(self._state.params[0], self._state.trainable):
                 self._turns.give()  # input gradients only: autograd alone, as on one device
                 return
             self._guard.reset()
             if self._stream is not None:
+                if self._param_hooks.take() and not (sync and self._grads.synced_last):
+                    self._param_hooks.put_back()
+                    raise RuntimeError("a parameter of the model has a gradient hook (register_hook), which cgdp "
+                                       "runs on each backward's summed gradient; inside model.no_sync() that sum "
+                                       "is never formed. Accumulate outside no_sync(), or remove the hook")
                 self._grads.prepare()
+                self._grads.hold(list(self._param_hooks.held))
                 self._stream.arm(sending=sync)
             self._sparse.prepare()
             self._sending = sync
@@ -496,6 +501,8 @@ class DataParallel(nn.Module):
         self._guard.reset()
         if st is not None:
             st.disarm()
+            self._param_hooks.put_back()
+            self._grads.unhold()
         if (st is None or self._grads.undo_prepare()) and self._sparse.undo_prepare():
             return  # it failed before any gradient changed: they are kept, as on one device
         if st is not None:
@@ -508,6 +515,7 @@ class DataParallel(nn.Module):
     def _end_backward(self) -> None:
         """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
         st = self._stream
+        hooked = False
         try:
             if st is not None:
                 if self._sending:
@@ -519,18 +527,24 @@ class DataParallel(nn.Module):
                     self._comm.fence(self._guard.timeout_s)
                     # a parameter with a gradient on any rank has one on every rank
                     touched = self._comm.allreduce_small(touched + self._grads.has_grad)
+                hooked = bool(self._param_hooks.held)
+                if hooked:  # the user's gradient hooks, on the sum (the host's norm is of the sum before them)
+                    self._grads.apply_hooks(touched, self._param_hooks)
                 self._grads.finish(touched, self._sending)
             self._sparse.finish(self._sending)  # after the dense chunks: not overlapped
             self._incomplete = False
-            self._host_fresh = self._sending
+            self._host_fresh = self._sending and not hooked
         except BaseException as exc:
             self._guard.fail(exc)
             self._broken = (drain_after_failure(self._devs, st.host if st is not None else None)
                             or f"a backward failed, the replicas' gradients may differ ({exc!r})")
+            if isinstance(exc, StepAborted) and self._guard.error is not None:
+                raise self._guard.error from None  # the cause (close() from another thread, a device's error)
             raise
         finally:
             if st is not None:
                 st.disarm()
+                self._param_hooks.put_back()
             self._turns.give()
 
     def _grad_norm(self, norm_type: float) -> torch.Tensor:
@@ -552,39 +566,6 @@ class DataParallel(nn.Module):
             value = float(torch.linalg.vector_norm(
                 torch.tensor([value, self._sparse.norm(norm_type)], dtype=torch.float64), norm_type))
         return torch.tensor(value, dtype=torch.float32, device=self._devs[0].torch_device)
-
-    def _record_parameters(self) -> None:
-        """Replica 0's parameters as they are now are every replica's (version counters)."""
-        self._param_versions = [p._version for p in self._all_params[0]]
-
-    def _copy_edited_parameters(self) -> None:
-        """Replica 0's parameters changed in place outside the optimizer (``p.clamp_`` under
-        ``no_grad``, ``torch.nn.init``): copy them to every replica, with a warning, so they never
-        drift apart. Seen through the version counters, which ``p.data`` does not share."""
-        if [p._version for p in self._all_params[0]] == self._param_versions:
-            return
-        warn_user("replica 0's parameters were changed outside optimizer.step() (in place under "
-                  "torch.no_grad(), e.g. p.clamp_ or torch.nn.init); cgdp.DataParallel copies them "
-                  "to every replica before this forward. Changes through p.data are not seen: "
-                  "make them on every replica (model.replicas)")
-        with torch.no_grad():
-            for params in self._all_params[1:]:
-                for q, p in zip(params, self._all_params[0]):
-                    q.copy_(p)
-        self._record_parameters()
-
-    def _broadcast_state(self, buffers_only: bool = False) -> None:
-        """Every replica ← replica 0's parameters and buffers (after ``load_state_dict``)."""
-        with torch.no_grad():
-            for r in self._replicas[1:]:
-                if buffers_only:
-                    for b, b0 in zip(r.buffers(), self.module.buffers()):
-                        b.data.copy_(b0)
-                else:
-                    r.load_state_dict(self.module.state_dict())
-        self._buffer_watch.synced()  # every replica's buffers are the same again
-        if not buffers_only:
-            self._record_parameters()
 
     def _check_usable(self) -> None:
         if self._closed:

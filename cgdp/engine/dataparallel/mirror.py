@@ -57,6 +57,7 @@ class Owner(Protocol):
     def before_step(self, cleanup: Callable[[], None]) -> None: ...
     def after_step(self) -> None: ...
     def replicas_resynced(self) -> None: ...
+    def grads_kept(self) -> bool: ...
 
 _OWNERS: dict[int, weakref.ref] = {}
 """id(parameter of replica 0) -> the DataParallel that owns it (while it is open)."""
@@ -68,7 +69,8 @@ optimizer step in the process pays their ownership lookup)."""
 _handles: list = []
 
 
-def register(dp: Owner, params: list[torch.nn.Parameter]) -> None:
+def register(dp: Owner, params: list[torch.nn.Parameter]) -> weakref.ref:
+    """``dp`` owns ``params``; the reference to pass to :func:`unregister`."""
     global _live
     with _lock:
         if _live == 0:
@@ -78,14 +80,17 @@ def register(dp: Owner, params: list[torch.nn.Parameter]) -> None:
         ref = weakref.ref(dp)
         for p in params:
             _OWNERS[id(p)] = ref
+        return ref
 
 
-def unregister(params: list[torch.nn.Parameter]) -> None:
-    """Once per :func:`register` (at close, or when the DataParallel is freed)."""
+def unregister(params: list[torch.nn.Parameter], ref: weakref.ref) -> None:
+    """Once per :func:`register` (at close, or when the DataParallel is freed): removes the
+    entries of that DataParallel (``ref``) only, never another's."""
     global _live
     with _lock:
         for p in params:
-            _OWNERS.pop(id(p), None)
+            if _OWNERS.get(id(p)) is ref:
+                del _OWNERS[id(p)]
         _live -= 1
         if _live == 0:
             for h in _handles:
@@ -237,8 +242,8 @@ class Mirror:
     def after(self) -> None:
         errors = self._wait()
         dp = self.dp()
-        if errors:
-            self.resync()
+        if errors or (dp is not None and not dp.grads_kept()):
+            self.resync()  # a step that raised, or replica 0 stepped on other gradients than its mirrors
         if dp is not None:
             dp.after_step()  # gives the model's turn back
         if errors:

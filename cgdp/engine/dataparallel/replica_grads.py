@@ -30,6 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.dataparallel.user_warning import warn_user
 
@@ -41,7 +42,8 @@ class ReplicaGrads:
         self.has_grad = np.array([g is not None for g in initial], bool)
         self.synced_last = True
         """Whether the last backward was synced (every replica holds the total)."""
-        self._warned = False
+        self._warned = self._warned_data = False
+        self._held: dict[int, torch.Tensor] = {}  # gradients set aside while hooks run on a sum
         views = stream.hooks[0].views
         with torch.no_grad():
             for pid, g in enumerate(initial):
@@ -95,6 +97,32 @@ class ReplicaGrads:
                         flat.zero_()
         self._attach()
 
+    def hold(self, pids: list[int]) -> None:
+        """After :meth:`prepare`, for parameters whose gradient hooks run on this backward's sum
+        (:mod:`cgdp.engine.core.param_hooks`): set aside the gradient they hold (replica 0's: the
+        others are zero after a synced backward), so that the host sums this backward's alone."""
+        views0 = self.stream.hooks[0].views
+        with torch.no_grad():
+            for pid in pids:
+                if self.has_grad[pid]:
+                    self._held[pid] = views0[pid].clone()
+                    views0[pid].zero_()
+
+    def unhold(self) -> None:
+        """A backward failed: the gradients set aside go back to replica 0."""
+        views0 = self.stream.hooks[0].views
+        with torch.no_grad():
+            for pid, g in self._held.items():
+                views0[pid].add_(g)
+        self._held = {}
+
+    def apply_hooks(self, touched: np.ndarray, hooks: ParamHooks) -> None:
+        """After a synced backward (every replica holds this backward's sum): each hooked
+        parameter's gradient becomes what one device accumulates, the gradient set aside plus
+        what its hooks make of the sum (none when it got no gradient), on every replica."""
+        hooks.run(touched, [h.views for h in self.stream.hooks], self._held)
+        self._held = {}
+
     def finish(self, touched: np.ndarray, synced: bool) -> None:
         """After a backward: ``touched[pid] > 0`` where some replica (some rank) got a gradient."""
         self.has_grad |= touched > 0
@@ -130,16 +158,27 @@ class ReplicaGrads:
 
     def mirror_if_changed(self) -> bool:
         """If replica 0's gradients changed since the last record, copy them to every replica;
-        whether they had."""
+        whether they had. An edit through ``.data`` (``p.grad.data.clamp_(...)``) moves no
+        version counter: after a synced backward, when every replica must hold the same bits,
+        it is found by comparing replica 0's flat buffer with replica 1's (one pass over both)."""
         st = self.stream
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]
         changed = st.flats[0]._version != self.versions[0] or any(
             (g is None) == bool(h) or (g is not None and g is not v)
             for g, h, v in zip(grads, self.has_grad, views0))
-        if not changed:
+        through_data = (not changed and self.synced_last and len(st.flats) > 1
+                        and not same_bits(st.flats[0], st.flats[1]))
+        if not (changed or through_data):
             return False
-        if not self._warned:
+        if through_data and not self._warned_data:
+            self._warned_data = True
+            warn_user("replica 0's gradients were changed through .data after backward (e.g. "
+                      "p.grad.data.clamp_(-1, 1)), which moves no version counter: cgdp.DataParallel "
+                      "found it by comparing them with another replica's and copies them to every "
+                      "replica. Make such edits under torch.no_grad() without .data "
+                      "(p.grad.clamp_(-1, 1)), or use torch.nn.utils.clip_grad_value_")
+        elif changed and not self._warned:
             self._warned = True
             warn_user("replica 0's gradients were changed after backward (for example by "
                       "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)); cgdp.DataParallel "
@@ -158,6 +197,12 @@ class ReplicaGrads:
         self.set_none()
         self.record()
         return True
+
+    def attached(self) -> bool:
+        """Whether replica 0's ``.grad`` are still what the last record left: its views where it
+        has a gradient, None elsewhere (``zero_grad()`` from another thread during a step changes that)."""
+        return all((g is None) != bool(h) and (g is None or g is v) for g, h, v in
+                   zip([p.grad for p in self.stream.params[0]], self.has_grad, self.stream.hooks[0].views))
 
     def set_none(self) -> None:
         """Parameters without a gradient since the last zero_grad: ``.grad`` None everywhere."""
@@ -178,3 +223,14 @@ class ReplicaGrads:
             for p, view in zip(params, hooks.views):
                 if p.grad is not view:
                     p.grad = view
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two flat buffers hold the same bits: compared directly on one host (emulated
+    devices), by an integer sum of their bits on their own devices otherwise (two GPUs)."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    a, b = a.view(bits), b.view(bits)  # bits, not values: NaN equals NaN, -0.0 is not 0.0
+    if a.device == b.device:
+        return torch.equal(a, b)
+    sums = [t.sum(dtype=torch.int64) for t in (a, b)]
+    return bool(sums[0].cpu() == sums[1].cpu())  # note: a CPU-GPU sync point

@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from cgdp.comm import Comm
+from cgdp.engine.core.claims import Claim
 from cgdp.engine.core.lifetime import settle
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
@@ -28,6 +29,8 @@ class Resources:
         self.comm: Comm | None = None
         self.registered: list[nn.Parameter] | None = None  # replica 0's, given to mirror.register
         self.load_hook: Any = None
+        self.claim: Claim | None = None  # the model's parameters, given back last
+        self.owner: Any = None  # the weak reference mirror.register returned
         self.mirrors: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -42,7 +45,7 @@ def release(res: Resources) -> None:
     if res.threads is not None:
         res.threads.close()
     if res.registered is not None:
-        mirror.unregister(res.registered)
+        mirror.unregister(res.registered, res.owner)
     for m in list(res.mirrors):  # they hold the other replicas' parameters and state
         m.detach()
     if res.load_hook is not None:
@@ -56,5 +59,7 @@ def release(res: Resources) -> None:
         d.close()
     if res.comm is not None:
         res.comm.close()
+    if res.claim is not None:
+        res.claim.release()
     if failed is not None:
         raise failed

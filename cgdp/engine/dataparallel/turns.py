@@ -18,6 +18,12 @@ holding the turn meanwhile; so does any thread once the owner thread has ended (
 inside anything). An operation from another thread while the owner lives cannot tell a stale
 turn from a running operation, and is refused. A backward's owner is the thread that ran its
 forward (on CUDA, autograd runs the gather's backward on one of its own threads).
+
+``close()`` while an operation holds the turn (:meth:`Turns.close`) must not free what that
+operation uses: it stops the operation (its waits raise the ``RuntimeError`` that names
+``close()``), waits a bounded time for the turn, and if the operation has not given it back by
+then, the operation releases everything when it does (as ``Trainer.close()`` does with a step).
+A stale turn holds nothing: it is dropped and the release is immediate.
 """
 from __future__ import annotations
 
@@ -33,7 +39,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class Turns:
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # guards the three fields below
+        self._lock = threading.Condition()  # guards the fields below; notified when the turn is given
+        self._release: Callable[[], None] | None = None  # what give() runs after a close() that stopped waiting
         self.what: str | None = None
         """The operation that holds the turn (None: free)."""
         self._owner: threading.Thread | None = None
@@ -85,6 +92,34 @@ class Turns:
     def give(self) -> None:
         with self._lock:
             self.what = self._owner = self._cleanup = None
+            release, self._release = self._release, None
+            self._lock.notify_all()
+        if release is not None:
+            release()
+
+    def close(self, stop: Callable[[BaseException], None], wait_s: float, inside: bool,
+              release: Callable[[], None]) -> bool:
+        """``close()`` of the model: whether it may ``release`` now. If not, the operation that
+        holds the turn runs ``release`` when it gives the turn back. ``inside``: the caller is a
+        thread the operation waits for (a device thread), which must not wait for it."""
+        me = threading.current_thread()
+        with self._lock:
+            if self.what is None:
+                return True
+            what = self.what
+            in_backward = what == "backward" and torch._C._current_graph_task_id() == self._task
+            if self._stale_for(me) and not in_backward:
+                self.what = self._owner = self._cleanup = None  # stale: nothing runs, nothing to clean
+                return True
+        stop(RuntimeError(f"{NAME}.close() was called while its {what} was running; that {what} stopped "
+                          f"(nothing applied unless it was past its last wait) and the {NAME} is closed"))
+        with self._lock:
+            if not (inside or in_backward or self._owner is me):  # never wait for what this thread is in
+                self._lock.wait_for(lambda: self.what is None, wait_s)
+            if self.what is None:
+                return True
+            self._release = release
+            return False
 
     def settle(self) -> None:
         """Clean up a stale operation of this thread now, if there is one (and hold nothing)."""

@@ -65,6 +65,20 @@ def build_profile(*, devs: Sequence[Device], hooks: Sequence[DeviceHooks], bw_st
         host_bytes_moved=(host or {}).get("bytes_moved", 0))
 
 
+def finish_timing(devs: Sequence[Device], bw_stamps: Sequence[Any], events: Sequence[Event], t_start: float,
+                  tracing: bool, profile_inputs: dict[str, Any] | None) -> tuple[Any, StepProfile | None]:
+    """After a timed step: its trace (if ``tracing``) and profile (if ``profile_inputs``, the
+    rest of :func:`build_profile`'s arguments). Every stamp is resolved before each device's
+    ``end_timing()`` closes the step's timing."""
+    bw_start = [d.resolve(s) for d, s in zip(devs, bw_stamps)]
+    for d in devs:
+        d.end_timing()  # emits the device-timed copies into the events
+    trace = build_trace(events, t_start) if tracing else None
+    if profile_inputs is None:
+        return trace, None
+    return trace, build_profile(devs=devs, bw_start=bw_start, events=events, **profile_inputs)
+
+
 def step_stats(devs: Sequence[Device], fw: Sequence[tuple[Any, Any, Any]],
                bw: Sequence[tuple[float, Any, Any, Any]], up: Sequence[tuple[Any, Any] | None],
                t_start: float, t_bw: float, t_up: float, t_end: float, samples: int) -> dict[str, float]:

@@ -46,11 +46,14 @@ from torch import nn
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import host_threads, make_devices, make_rng, parse_devices
 from cgdp.engine.core.buffers import BufferWatch, copy_from_first, sync_buffers
-from cgdp.engine.core.clip import check_max_norm, clip_coefficient
+from cgdp.engine.core.claims import claim
+from cgdp.engine.core.clip import check_max_norm, clip_coefficient, device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
 from cgdp.engine.core.lifetime import Resources, close_during_call, exclusive, finalizer
-from cgdp.engine.core.replicas import Replicas, batch_weights, signature
+from cgdp.engine.core.module_hooks import ModuleHooks
+from cgdp.engine.core.param_hooks import ParamHooks
+from cgdp.engine.core.replicas import Replicas, batch_weights, signature, split_buffers
 from cgdp.engine.core.stream import GradientStream, wire_dtype
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.sync import Guard
@@ -58,7 +61,7 @@ from cgdp.engine.trainer.batch import check_micro_batches, micro_rounds
 from cgdp.engine.trainer.losses import (DeviceLoss, HeldMicroBatches, ambient_autocast, backward_weight,
                                         loss_weights, parse_step)
 from cgdp.engine.trainer.state import check_state
-from cgdp.engine.trainer.timing import build_profile, build_trace, compute_spans, step_stats
+from cgdp.engine.trainer.timing import compute_spans, finish_timing, step_stats
 from cgdp.engine.trainer.typical import broadcast_parameters, gather_on_first
 from cgdp.engine.trainer.update import (HyperparameterMismatchError, Schedulers, check_digests, check_hyperparameters,
                                         hyperparameter_digest)
@@ -184,6 +187,7 @@ class Trainer:
         self._res = Resources()  # stopped by close(), or when the trainer is dropped unclosed
         self._release = finalizer(self, self._res)
         try:
+            self._res.claim = claim(self, model, "cgdp.Trainer")  # one engine per model
             self._build(model, optimizer, chunks, comm)
             self._schedulers = Schedulers(scheduler, self.optimizers)
             self.schedulers = self._schedulers.schedulers
@@ -198,6 +202,10 @@ class Trainer:
         self.replicas, self.optimizers = reps.modules, reps.optimizers
         self._params, self._buffers = reps.params, reps.buffers
         self._buffer_watch = BufferWatch(reps.buffers, reps.other_buffers)
+        # replica 0's module hooks are every replica's; its parameters' hooks run on the average
+        self._module_hooks = ModuleHooks(reps.modules, [list(r.parameters()) for r in reps.modules],
+                                         [d.torch_device for d in self._devs])
+        self._param_hooks = ParamHooks(reps.params)
 
         self._comm = make_comm(comm, timeout_s=self._timeout_s)
         if self._comm is not None:
@@ -294,7 +302,12 @@ class Trainer:
         tracing = self._trace_once
         self._profile_once = self._trace_once = False
 
+        if self._module_hooks.follow():  # a hook registration changed the buffers (prune)
+            self._buffers, others = split_buffers(self.replicas)
+            self._buffer_watch = BufferWatch(self._buffers, others)
         self._begin_step(profiling or tracing)
+        if self.mode != "single":  # the user's gradient hooks wait for the average (_finish_backward)
+            self._param_hooks.take()
         t_start = time.perf_counter()
         phase = "forward"
         try:
@@ -319,6 +332,7 @@ class Trainer:
             up = self._update(coef)                                                  #    update
             t_end = time.perf_counter()
         except (NonFiniteGradientError, HyperparameterMismatchError):
+            self._param_hooks.put_back()
             # a clean rejection: every rank saw the same flag and every collective has completed,
             # so nothing needs recovering and training can go on. The copies back were only
             # ordered on the devices: let them finish, so a caller who stops here (close(), or
@@ -326,6 +340,7 @@ class Trainer:
             self._quiesce()
             raise
         except BaseException as exc:
+            self._param_hooks.put_back()
             self._recover(exc, phase)
             raise
         self.step_count += 1
@@ -387,6 +402,10 @@ class Trainer:
         self._closed = True
         if close_during_call(self, self._guard.fail, CLOSE_WAIT_S):
             self._finish_close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _finish_close(self) -> None:
         self._res.take(self)
@@ -510,6 +529,13 @@ class Trainer:
                 f"the averaged gradient has {int(bad)} NaN/Inf value(s) (layers: "
                 f"{self._stream.bad_layers(self.layer_names)}); the update was not applied. Lower the learning rate, "
                 f"check the inputs, or clip gradients")
+        if self._param_hooks.held:  # the user's gradient hooks, on the average (core/param_hooks.py)
+            views = [h.views for h in self._stream.hooks]  # mode typical broadcasts replica 0's update
+            self._param_hooks.run(touched, views if self.mode == "cgdp" else views[:1])
+            if self._max_norm is not None:  # the norm of their result (rank 0's, as the host's)
+                norm = device_norm(self._stream.flats[0])
+                self._grad_norm = norm if self._comm is None else float(
+                    self._comm.allreduce_small(np.array([norm if self._comm.rank == 0 else 0.0]))[0])
         self._stream.set_untouched(touched)
         return loss
 
@@ -565,15 +591,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ profiles and traces
     def _collect(self, t_start: float, bw_stamps: list[Any], profiling: bool, tracing: bool) -> None:
-        # every stamp is resolved before end_timing() closes the step's timing
-        bw_start = [d.resolve(s) for d, s in zip(self._devs, bw_stamps)]
-        for d in self._devs:
-            d.end_timing()  # emits the device-timed copies into the events
-        events = self._events or []
-        if tracing:
-            self.last_trace = build_trace(events, t_start)
-        if profiling:
-            self.last_profile = build_profile(
-                devs=self._devs, bw_start=bw_start, events=events, **self._stream.profile_inputs(),
-                stats=self.stats, layer_bytes=self._layer_bytes, mode=self.mode,
-                ranks=self._comm.size if self._comm is not None else 1)
+        inputs = (dict(self._stream.profile_inputs(), stats=self.stats, layer_bytes=self._layer_bytes, mode=self.mode,
+                       ranks=self._comm.size if self._comm is not None else 1) if profiling else None)
+        trace, profile = finish_timing(self._devs, bw_stamps, self._events or [], t_start, tracing, inputs)
+        self.last_trace = trace if tracing else self.last_trace
+        self.last_profile = profile if profiling else self.last_profile

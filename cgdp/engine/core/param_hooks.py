@@ -1,0 +1,121 @@
+"""The user's gradient hooks on parameters (``p.register_hook``): run once, on the summed gradient.
+
+On one device a hook registered with ``p.register_hook(fn)`` sees the whole gradient of each
+backward before it is added to ``p.grad``, and what it returns replaces it. Here the gradient of a
+parameter is the sum of the replicas' parts; a hook that ran on each part (or on replica 0's part
+alone: ``copy.deepcopy`` drops a parameter's hooks) would be exact only if it were linear (a
+mask, a scale) and silently wrong otherwise (a clamp, a norm). So the hooks of replica 0's
+parameters (the user's model, before or after wrapping) are taken off the parameter for the
+backward (:meth:`ParamHooks.take`: its ``_backward_hooks`` dictionary is set aside and put back
+after, so handles keep working) and run by the face once the summed gradient is back
+(:meth:`ParamHooks.apply`): once per backward, on ``devices[0]``, on the whole gradient, in
+registration order, with what they return written into every replica's gradient. That is what
+one device computes, for any hook. A parameter that got no gradient on any device runs no hook,
+as on one device.
+
+Hooks on the other replicas' parameters (``model.replicas[j]``) are refused: register them on the
+model itself. So are hooks that run after accumulation (``register_post_accumulate_grad_hook``),
+which would see replica 0's part in the middle of backward. Which parameters have hooks is looked at again only when some hook was registered
+in the process since the last look (:func:`~cgdp.engine.core.module_hooks.hook_count`): one integer
+comparison per step otherwise, and per step a length check of the dictionaries of the parameters
+that had one.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from cgdp.engine.core.module_hooks import hook_count
+
+_HOOKS = operator.attrgetter("_backward_hooks")
+_POST = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+class ParamHooks:
+    def __init__(self, params: Sequence[Sequence[nn.Parameter]], unsupported: Sequence[nn.Parameter] = ()):
+        """``params[j]``: replica j's trainable parameters in engine order (the flat buffer's);
+        ``unsupported``: replica 0's parameters whose hooks cannot run on the sum (sparse ones)."""
+        self.params = [list(p) for p in params]
+        self._others = [p for ps in self.params[1:] for p in ps] + list(unsupported)
+        self._seen = -1
+        self._watched: list[int] = []  # parameters of replica 0 whose hook dictionary exists
+        self.held: dict[int, dict] = {}
+        """Per parameter whose hooks are taken off for this backward: its hook dictionary."""
+
+    def take(self) -> list[int]:
+        """Before a backward: take the hooks off replica 0's parameters; the parameters taken."""
+        seen = hook_count()
+        if seen != self._seen:
+            self._look()
+            self._seen = seen
+        first = self.params[0]
+        for pid in self._watched:
+            hooks = first[pid]._backward_hooks
+            if hooks:
+                self.held[pid] = hooks
+                first[pid]._backward_hooks = None  # autograd calls no hook of it in this backward
+        return list(self.held)
+
+    def put_back(self) -> None:
+        """After the backward (also one that failed): every hook dictionary where it was."""
+        first = self.params[0]
+        for pid, hooks in self.held.items():
+            added = first[pid]._backward_hooks  # registered during the backward: keep them too
+            if added:
+                hooks.update(added)
+            first[pid]._backward_hooks = hooks
+        self.held = {}
+
+    def run(self, touched: Sequence[float], views: Sequence[Sequence[torch.Tensor]],
+            kept: dict[int, torch.Tensor] | None = None) -> None:
+        """After the backward, when ``views[0]`` (replica 0's gradient views) hold the summed
+        gradient of this backward: each parameter taken gets, in every ``views[j]``, ``kept[pid]``
+        (what it held before, if anything) plus what its hooks make of the sum if it got a
+        gradient (``touched[pid]``), as one device accumulates; then the hooks are put back."""
+        kept = {} if kept is None else kept
+        with torch.no_grad():  # as autograd calls them
+            for pid in self.held:
+                new = self.apply(pid, views[0][pid].clone()) if touched[pid] else None
+                old = kept.pop(pid, None)
+                if new is None and old is None:
+                    continue
+                total = new if old is None else old if new is None else old.add_(new)
+                for v in views:
+                    v[pid].copy_(total)
+        self.put_back()
+
+    def apply(self, pid: int, grad: torch.Tensor) -> torch.Tensor:
+        """Parameter ``pid``'s hooks on ``grad``, the summed gradient of this backward, in
+        registration order, as autograd calls them: each gets the gradient so far, and what it
+        returns (not None) replaces it."""
+        for hook in list(self.held[pid].values()):
+            out = hook(grad)
+            if out is not None:
+                if not isinstance(out, torch.Tensor) or out.shape != grad.shape:
+                    raise RuntimeError(f"a gradient hook of parameter {pid} returned "
+                                       f"{getattr(out, 'shape', type(out).__name__)}, not a tensor of shape "
+                                       f"{tuple(grad.shape)}")
+                grad = out
+        return grad
+
+    def _look(self) -> None:
+        if any(map(_HOOKS, self._others)):  # one pass in C; which one, only to say so
+            n = len(self.params[0])
+            k = next(i for i, p in enumerate(self._others) if p._backward_hooks)
+            if k >= n * (len(self.params) - 1):
+                raise RuntimeError("a gradient hook (register_hook) is registered on a parameter with sparse "
+                                   "gradients (nn.Embedding(sparse=True)), which cgdp cannot run on the summed "
+                                   "gradient: use sparse=False, or remove the hook")
+            raise RuntimeError(f"a gradient hook (register_hook) is registered on a parameter of replica "
+                               f"{k // n + 1}; register it on the model's own parameter (replica 0): cgdp runs it "
+                               f"once per backward on the summed gradient and gives every replica the result")
+        first = self.params[0]
+        if sum(map(len, filter(None, map(_POST, first)))) > len(first):  # cgdp's own: one per parameter
+            raise RuntimeError("a hook registered with register_post_accumulate_grad_hook on a parameter of "
+                               "the model would run in the middle of backward on replica 0's part of the "
+                               "gradient; cgdp does not support it: use p.register_hook (cgdp runs it on the "
+                               "summed gradient), or act on p.grad after backward()")
+        self._watched = [pid for pid, h in enumerate(map(_HOOKS, first)) if h is not None]
