@@ -30,8 +30,10 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 from cgdp.engine.backend.base import Device
@@ -114,16 +116,40 @@ class DeviceThreads:
         self._turns = threading.Semaphore(n) if n < len(devs) else None
         self._queued: set[str] = set()
         """Device threads waiting for a turn (not stuck themselves: a timeout does not name them)."""
+        self._later: deque[tuple[_DeviceThread, _Slot, Callable[[int], Any], int]] = deque()
+        """Work started only when a turn is free (:meth:`run_all` with ``turns``), in device order."""
+        self._later_lock = threading.Lock()
+        self._mine = threading.local()
+        """``granted``: this thread was started with a turn that its first :meth:`computing` takes."""
         self.stuck: list[str] = []
         """Devices whose thread did not come back from an abandoned call (the trainer is unusable)."""
 
-    def run_all(self, fn: Callable[[int], Any], computing: bool = False) -> list[Any]:
+    def run_all(self, fn: Callable[[int], Any], computing: bool = False, turns: bool = False) -> list[Any]:
         """``[fn(0), fn(1), ...]``, each on its device's thread; the first real failure is raised.
         ``computing``: each ``fn(j)`` runs in a turn (:meth:`computing`); it must not wait for
-        another device."""
-        cond = threading.Condition(threading.Lock())  # one per call, shared by its slots
-        call = self._in_turn if computing and self._turns is not None else self._guarded
-        futs = [t.submit_to(_Slot(cond), call, fn, j) for j, t in enumerate(self._threads)]
+        another device. ``turns``: each ``fn(j)`` takes a turn itself (with :meth:`computing`,
+        before anything that waits for another device).
+
+        Either way, while devices take turns, ``fn(j)`` starts only when a turn is free and is
+        handed it (its first :meth:`computing` takes it; it is given back there, or when ``fn(j)``
+        returns): a device thread is woken once, when it can compute, not once for its work and
+        again for its turn."""
+        # one condition and one countdown per call, shared by its slots: the caller wakes once,
+        # when the last slot is done (or at a failure), not once per device
+        cond, left = threading.Condition(threading.Lock()), [len(self._threads)]
+        if self._turns is not None and (computing or turns):
+            call = self._in_turn if computing else self._guarded
+            futs = [_Slot(cond, left) for _ in self._threads]
+            with self._later_lock:
+                for j, (t, f) in enumerate(zip(self._threads, futs)):
+                    self._later.append((t, f, partial(call, fn), j))
+                    self._queued.add(t.thread.name)
+                for _ in range(self.at_once):
+                    if not self._turns.acquire(blocking=False):
+                        break
+                    self._start_next()
+        else:
+            futs = [t.submit_to(_Slot(cond, left), self._guarded, fn, j) for j, t in enumerate(self._threads)]
         try:
             self._wait(futs)
         except BaseException as exc:  # a timeout here, or KeyboardInterrupt
@@ -174,6 +200,13 @@ class DeviceThreads:
 
     def _abandon(self, futs: list[Future], exc: BaseException) -> None:
         self._guard.fail(exc)  # every waiting thread stops at its next wake-up
+        if futs and isinstance(futs[0], _Slot):
+            futs[0].wake_every_time()  # so that _settle sees each thread stop as it stops
+        with self._later_lock:  # work not started yet never starts
+            later, self._later = self._later, deque()
+        for t, f, _, _ in later:
+            self._queued.discard(t.thread.name)
+            f.set_exception(StepAborted("another thread of this step failed"))
         _settle(futs)
         self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done()]
 
@@ -188,12 +221,49 @@ class DeviceThreads:
         with self.computing():
             return self._guarded(fn, j)
 
+    def _start_next(self) -> None:
+        """Hand a turn just taken or given back (under ``_later_lock``) to the next work waiting to
+        start, else free it."""
+        if not self._later:
+            self._turns.release()
+            return
+        t, slot, call, j = self._later.popleft()
+        self._queued.discard(t.thread.name)
+        t.submit_to(slot, self._started, call, j)
+
+    def _started(self, call: Callable[[int], Any], j: int) -> Any:
+        """Work of :meth:`run_all` started in a turn; the turn is given back by the first
+        :meth:`computing` or, if there is none, here."""
+        mine = self._mine
+        mine.granted = True
+        try:
+            return call(j)  # also after a failure elsewhere, as a thread waiting for its turn did
+        finally:
+            if mine.granted:
+                mine.granted = False
+                self._give_turn()
+
+    def _give_turn(self) -> None:
+        with self._later_lock:
+            self._start_next()
+
     @contextmanager
     def computing(self, on: bool = True) -> Iterator[None]:
         """On a device thread, around work that runs on it and never waits for another device:
         one of at most :attr:`at_once` threads at a time (a no-op with as many cores as devices,
         or with ``on`` false)."""
         turns = self._turns
+        if turns is not None and getattr(self._mine, "granted", False):  # started with a turn
+            self._mine.granted = False
+            if not on:
+                self._give_turn()
+                yield
+                return
+            try:
+                yield
+            finally:
+                self._give_turn()
+            return
         if turns is None or not on:
             yield
             return
@@ -208,7 +278,7 @@ class DeviceThreads:
         try:
             yield
         finally:
-            turns.release()
+            self._give_turn()
 
     def on_device_thread(self) -> bool:
         """Whether the calling thread is one of the device threads (e.g. inside ``loss_fn``)."""
@@ -228,12 +298,15 @@ class DeviceThreads:
 class _Slot:
     """One device's part of a :meth:`DeviceThreads.run_all`: the few methods of a ``Future`` that
     the device thread and ``run_all`` use, on one condition shared by all the call's slots (a
-    ``Future`` per device per phase cost more than the hand-off it stood for)."""
+    ``Future`` per device per phase cost more than the hand-off it stood for). ``left`` counts the
+    call's slots not yet done: waiters are woken when it reaches zero, or from the first failure
+    on (so the caller wakes once per call, not once per device)."""
 
-    __slots__ = ("_cond", "_done", "_result", "_error")
+    __slots__ = ("_cond", "_left", "_done", "_result", "_error")
 
-    def __init__(self, cond: threading.Condition):
+    def __init__(self, cond: threading.Condition, left: list[int]):
         self._cond = cond
+        self._left = left
         self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
@@ -244,11 +317,23 @@ class _Slot:
     def set_result(self, result: Any) -> None:
         with self._cond:
             self._result, self._done = result, True
-            self._cond.notify_all()
+            self._finished()
 
     def set_exception(self, exc: BaseException) -> None:
         with self._cond:
             self._error, self._done = exc, True
+            self._left[1:] = [True]  # failed: from now on every slot wakes the waiters
+            self._finished()
+
+    def wake_every_time(self) -> None:
+        """From now on, every slot of this call that finishes wakes the waiters."""
+        with self._cond:
+            self._left[1:] = [True]
+
+    def _finished(self) -> None:
+        left = self._left
+        left[0] -= 1
+        if left[0] == 0 or len(left) > 1:
             self._cond.notify_all()
 
     def done(self) -> bool:

@@ -320,9 +320,10 @@ class Trainer:
             # (loss_sum, count) micro-batches: the held gradients were summed with weight
             # 1 / guess_j; now that the total count is known they become 1 / total on the device
             rescale = held.rescale(weights[0])
+            fw = [(None, *f[1:]) for f in fw]  # each backward takes its loss: its graph is freed there
             # 3.-6. backward; hooks send each chunk, the host sums it (and allreduces it across
             # ranks) and copies it back, while backward goes on; returns when all are back
-            bw = self._threads.run_all(lambda j: self._backward_on(j, losses[j], weights[j], rescale[j]))
+            bw = self._threads.run_all(lambda j: self._backward_on(j, losses, weights[j], rescale[j]), turns=True)
             t_bw = time.perf_counter()
             loss = self._finish_backward([b[0] for b in bw] + held.values,                    # 7.
                                          weights + held.final_weights(weights[0]))
@@ -477,7 +478,7 @@ class Trainer:
         for parts, w in rounds:
             fw = self._forward_all(parts, compute, amp)
             w = held.weights([f[0] for f in fw], w)
-            held.values += self._threads.run_all(lambda j: self._held_backward_on(j, fw[j][0].loss, w[j]))
+            held.values += self._threads.run_all(lambda j: self._held_backward_on(j, fw[j][0].loss, w[j]), turns=True)
         held.seconds = time.perf_counter() - t0
         return held
 
@@ -486,11 +487,11 @@ class Trainer:
             torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
         return float(loss.detach())
 
-    def _backward_on(self, j: int, loss: torch.Tensor, w: float,
+    def _backward_on(self, j: int, losses: list[torch.Tensor | None], w: float,
                      rescale: torch.Tensor | None = None) -> tuple[float, Any, Any, Any]:
-        """(loss value, backward start, backward end, gradients back): stamps as in forward.
-        ``rescale``: the factor the held micro-batches' gradients take first."""
-        dev = self._devs[j]
+        """(loss value, backward start, backward end, gradients back): stamps as in forward. ``rescale``: the
+        factor the held micro-batches' gradients take first. ``losses[j]`` is taken out (its graph is freed here)."""
+        dev, loss, losses[j] = self._devs[j], losses[j], None
         b0 = dev.stamp()
         if rescale is not None:
             self._stream.scale_grads(rescale, j)
@@ -502,7 +503,7 @@ class Trainer:
             dev.backward_issued()
         self._stream.flush(j)
         dev.wait_compute(self._guard)  # note: host waits for backward, sleeping rather than spinning
-        value = float(loss.detach())
+        value, loss = float(loss.detach()), None
         b1 = dev.stamp()
         self._stream.wait_returned(j)
         return value, b0, b1, dev.stamp()
