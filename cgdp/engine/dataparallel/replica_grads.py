@@ -164,9 +164,7 @@ class ReplicaGrads:
         st = self.stream
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]
-        changed = st.flats[0]._version != self.versions[0] or any(
-            (g is None) == bool(h) or (g is not None and g is not v)
-            for g, h, v in zip(grads, self.has_grad, views0))
+        changed = st.flats[0]._version != self.versions[0] or not self.attached(grads)
         through_data = (not changed and self.synced_last and len(st.flats) > 1
                         and not same_bits(st.flats[0], st.flats[1]))
         if not (changed or through_data):
@@ -198,11 +196,13 @@ class ReplicaGrads:
         self.record()
         return True
 
-    def attached(self) -> bool:
-        """Whether replica 0's ``.grad`` are still what the last record left: its views where it
-        has a gradient, None elsewhere (``zero_grad()`` from another thread during a step changes that)."""
-        return all((g is None) != bool(h) and (g is None or g is v) for g, h, v in
-                   zip([p.grad for p in self.stream.params[0]], self.has_grad, self.stream.hooks[0].views))
+    def attached(self, grads: list[torch.Tensor | None] | None = None) -> bool:
+        """Whether replica 0's ``.grad`` (``grads``, read now if not given) are still what the last
+        record left: its views where it has a gradient, None elsewhere."""
+        if grads is None:
+            grads = [p.grad for p in self.stream.params[0]]
+        return all((g is None) != bool(h) and (g is None or g is v)
+                   for g, h, v in zip(grads, self.has_grad, self.stream.hooks[0].views))
 
     def set_none(self) -> None:
         """Parameters without a gradient since the last zero_grad: ``.grad`` None everywhere."""
