@@ -253,21 +253,15 @@ class DeviceThreads:
         one of at most :attr:`at_once` threads at a time (a no-op with as many cores as devices,
         or with ``on`` false)."""
         turns = self._turns
-        if turns is not None and getattr(self._mine, "granted", False):  # started with a turn
+        granted = turns is not None and getattr(self._mine, "granted", False)  # started with a turn
+        if granted:
             self._mine.granted = False
             if not on:
                 self._give_turn()
-                yield
-                return
-            try:
-                yield
-            finally:
-                self._give_turn()
-            return
         if turns is None or not on:
             yield
             return
-        if not turns.acquire(blocking=False):
+        if not granted and not turns.acquire(blocking=False):
             me = threading.current_thread().name
             self._queued.add(me)
             try:
