@@ -69,6 +69,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import cgdp  # noqa: E402
 from common import command_line, fmt, machine, machine_md, median, table, write_results  # noqa: E402
+from cgdp.testing import inside
 
 
 def null_runtime():
@@ -320,7 +321,7 @@ def measure(case: Case, g: int, rounds: int, steps: int, *, emulated: bool = Fal
                 raise AssertionError(f"{case.name}: the loss is not finite")
             warm = settle(tr, cg)
             plain(), one()
-            lay = tr._stream.layout
+            lay = inside(tr).stream.layout
             chunks, segments = len(lay.plan), len(lay.segments)
             if rt is not None:
                 rt.counts.clear()
@@ -338,7 +339,7 @@ def measure(case: Case, g: int, rounds: int, steps: int, *, emulated: bool = Fal
                 runs["cgdp"].append(Run(cg, steps))
                 runs["threads"].append(Run(threaded, steps))
                 runs["one"].append(Run(one, steps))
-            registered = getattr(tr._stream.host, "registered_bytes", None)
+            registered = getattr(inside(tr).stream.host, "registered_bytes", None)
         finally:
             tr.close()
             stop()

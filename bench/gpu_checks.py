@@ -44,6 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from common import command_line, machine, machine_md, table  # noqa: E402
+from cgdp.testing import inside
 
 
 def models() -> dict[str, nn.Module]:
@@ -85,7 +86,7 @@ def run_trainer(model, data, devices, runtime, grad_transfer=None, chunks=1) -> 
         with cgdp.Trainer(copy.deepcopy(model), SGD, devices, chunks=chunks, segment_bytes=4096,
                           share_devices=True, grad_transfer=grad_transfer) as tr:
             if hasattr(runtime, "attach"):
-                runtime.attach(tr._devs)
+                runtime.attach(inside(tr).devices)
             for x, y in data:
                 tr.step(x, y, F.cross_entropy)
             out = [p.detach().cpu().clone() for p in tr.replicas[0].parameters()]
@@ -99,7 +100,7 @@ def run_dataparallel(model, data, devices, runtime) -> list[torch.Tensor]:
         net = copy.deepcopy(model)
         with cgdp.DataParallel(net, list(dict.fromkeys(devices)), chunks=1) as dp:
             if hasattr(runtime, "attach"):
-                runtime.attach(dp._devs)
+                runtime.attach(inside(dp).devices)
             opt = SGD(net.parameters())
             for x, y in data:
                 opt.zero_grad()

@@ -27,6 +27,7 @@ from torch import nn  # noqa: E402
 
 import cgdp  # noqa: E402
 from cgdp.engine.core import stream as stream_mod  # noqa: E402
+from cgdp.testing import inside
 
 
 def model(layers: int = 16, width: int = 256) -> nn.Module:
@@ -73,7 +74,7 @@ def measure(g: int, simulated: bool, steps: int, segment_bytes: int, cuda: bool 
                         s = starts.get((devices[j], f"chunk {c}"))
                         if s is not None and not shared:  # (CUDA copies: device clock)
                             delay.append(s - a)
-                lay = tr._stream.layout
+                lay = inside(tr).stream.layout
                 counts = {k: (sim.counts[k] - before.get(k, 0)) / steps for k in sim.counts} if sim else {}
                 return {"G": g, "chunks": len(lay.plan), "segments": len(lay.segments),
                         "in_send_us": 1e6 * statistics.median(in_send),

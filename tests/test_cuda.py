@@ -19,6 +19,7 @@ from torch import nn
 import cgdp
 from cgdp.testing import simulated_cuda
 from helpers import SmallCNN, assert_params_close, assert_replicas_identical, mlp, reference
+from cgdp.testing import inside
 
 REAL = torch.cuda.is_available()
 
@@ -86,8 +87,8 @@ def test_equivalence_on_cuda(gpu, mode, opt, chunks):
 def test_host_memory_is_page_locked_and_sized_exactly(gpu):
     model = on_ref(mlp((64, 256, 256, 10)))
     with cgdp.Trainer(model, SGD, gpus(), share_devices=True) as tr:
-        host = tr._stream.host._host
-        assert host.shape == (len(gpus()) + 1, tr._stream.layout.total)
+        host = inside(tr).stream.host._host
+        assert host.shape == (len(gpus()) + 1, inside(tr).stream.layout.total)
         if REAL:
             assert host.is_pinned()
             # registered exactly: the allocation holds the rows plus at most a page of alignment
@@ -138,7 +139,7 @@ def test_d2h_copy_overlaps_later_backward_work():
         tr.trace_next()
         tr.step(x, y, F.cross_entropy)
         torch.cuda.synchronize()
-        dev = tr._devs[0]
+        dev = inside(tr).devices[0]
         stream, label, start, done = dev.copies[0]
         assert (stream, label) == ("d2h", "chunk 0")
         end = dev.compute_done  # recorded on the compute stream right after backward was issued

@@ -20,6 +20,7 @@ from cgdp.testing import SideStream, simulated_cuda
 from cgdp.testing import fake_cuda
 from cgdp.testing.stream_check import AccessMode, StreamChecker, StreamRaceError, tensor_bytes
 from helpers import assert_params_close, assert_replicas_identical, mlp, reference
+from cgdp.testing import inside
 
 SGD = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
 
@@ -69,7 +70,7 @@ def test_defect_1_close_lets_the_last_copies_back_finish_before_unregistering():
     with simulated_cuda(2, seed=1) as sim:
         tr = cgdp.Trainer(mlp(), SGD, ["cuda:0", "cuda:1"], chunks=1, segment_bytes=1024)
         tr.step(*batches[0], F.cross_entropy)
-        host = tr._stream.host._host
+        host = inside(tr).stream.host._host
         tr.close()
         assert sim.registered == {} and not sim.violations
         assert torch.isnan(host).all(), "unregistered rows are poisoned"

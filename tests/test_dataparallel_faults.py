@@ -15,6 +15,7 @@ from torch import nn
 
 import cgdp
 from helpers import WithBN, assert_params_close, assert_replicas_identical, mlp
+from cgdp.testing import inside
 
 DEVS = ["cpu:0", "cpu:1"]
 
@@ -432,7 +433,7 @@ def test_close_from_another_thread_during_backward_stops_it_at_once():
         if closer.ident is None:  # the first replica's hook (module hooks run on every replica)
             closer.start()
             deadline = time.monotonic() + 5
-            while model._guard.error is None and time.monotonic() < deadline:  # until close() stopped it
+            while inside(model).error is None and time.monotonic() < deadline:  # until close() stopped it
                 time.sleep(0.001)
     net[2].register_full_backward_hook(hook)
     loss = model(torch.randn(8, 32)).pow(2).mean()
@@ -475,7 +476,7 @@ def test_close_from_another_thread_at_random_moments_has_a_clear_outcome():
     for i in range(16):
         model = cgdp.DataParallel(net, DEVS, chunks=1, timeout_s=20)
         opt = SlowSGD(model.parameters(), lr=1e-3)
-        closer = threading.Timer(rng.random() * 0.04, lambda m=model: landed.append(m._turns.what) or m.close())
+        closer = threading.Timer(rng.random() * 0.04, lambda m=model: landed.append(inside(m).operation) or m.close())
         t0 = time.monotonic()
         closer.start()
         try:
@@ -502,7 +503,7 @@ def test_close_of_a_model_whose_last_backward_failed_on_this_thread():
     model = cgdp.DataParallel(LateFailure(), DEVS, chunks=1)
     x, y = batches(1)[0]
     failing_backward(model, x, y)
-    assert model._turns.what == "backward"  # stale
+    assert inside(model).operation == "backward"  # stale
     t0 = time.monotonic()
     model.close()
     assert time.monotonic() - t0 < 2

@@ -10,6 +10,7 @@ import cgdp
 from cgdp.planning.chunks import one_chunk_plan
 from helpers import (Gated, SmallCNN, Tied, WithBN, assert_params_close, assert_replicas_identical,
                      mlp, reference)
+from cgdp.testing import inside
 
 SGD = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3)  # noqa: E731
 ADAM = lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-4)  # noqa: E731
@@ -164,7 +165,7 @@ def test_grads_are_views_of_one_flat_buffer_in_chunk_order():
     model = mlp()
     with cgdp.Trainer(model, SGD, devs(2), chunks=2) as tr:
         tr.step(*batches(1, 4)[0], F.cross_entropy)
-        flat = tr._stream.flats[0]
+        flat = inside(tr).stream.flats[0]
         base = flat.untyped_storage().data_ptr()
         offsets = {}
         for p in tr.replicas[0].parameters():
@@ -172,7 +173,7 @@ def test_grads_are_views_of_one_flat_buffer_in_chunk_order():
             offsets[id(p)] = (p.grad.data_ptr() - flat.data_ptr()) // 4
         # the plan's first chunk (the last layers) sits at the start of the buffer
         last = list(tr.replicas[0].parameters())[-1]
-        lo, hi = tr._stream.layout.chunk_bounds[0]
+        lo, hi = inside(tr).stream.layout.chunk_bounds[0]
         assert lo <= offsets[id(last)] < hi
 
 
@@ -202,7 +203,7 @@ def test_profile_and_trace():
         tr.step(*batches(1, 8, shape=(32,), classes=10)[0], F.cross_entropy)
         prof = tr.last_profile
         assert prof is not None and len(prof.chunks) == len(tr.plan) == 4
-        assert sum(c.bytes for c in prof.chunks) == tr._stream.layout.total * 4
+        assert sum(c.bytes for c in prof.chunks) == inside(tr).stream.layout.total * 4
         assert all(c.d2h_s > 0 and c.acc_s > 0 and c.h2d_s > 0 for c in prof.chunks)
         # layers become ready in backward order
         ready = prof.layer_ready_s
@@ -245,7 +246,7 @@ def test_segmented_chunks_are_exact(segment_bytes):
     data = batches(3, 10)
     ref, _ = reference(model, ADAM, data, F.cross_entropy)
     with cgdp.Trainer(model, ADAM, devs(3), chunks=[[2, 1], [0]], segment_bytes=segment_bytes) as tr:
-        assert len(tr._stream.layout.segments) > 2 * len(tr.plan)
+        assert len(inside(tr).stream.layout.segments) > 2 * len(tr.plan)
         for x, y in data:
             tr.step(x, y, F.cross_entropy)
             assert_replicas_identical(tr)
@@ -328,7 +329,7 @@ def test_first_forward_that_draws_random_numbers_counts_once_in_batchnorm():
         h = model[0](x)
     with cgdp.Trainer(model, lambda p: torch.optim.SGD(p, lr=0.0), devs(2)) as tr:
         tr.step(x, y, F.cross_entropy)
-        assert tr._rng.turns
+        assert inside(tr).rng.turns
         assert_replicas_identical(tr)
     assert int(model[1].num_batches_tracked) == 1
     expect = 0.1 * (0.5 * h[:4].mean(0) + 0.5 * h[4:].mean(0))

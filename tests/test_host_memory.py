@@ -11,6 +11,7 @@ from torch import nn
 import cgdp
 from cgdp.testing import simulated_cuda
 from helpers import assert_replicas_identical
+from cgdp.testing import inside
 
 SEG = 4096  # bytes per segment: many segments for small models
 SGD = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
@@ -33,7 +34,7 @@ def train(devices, model, steps=3, dtype=torch.float32, **kw):
             x, y = torch.randn(12, width, generator=g).to(dtype), torch.randn(12, width, generator=g).to(dtype)
             tr.step(x, y, F.mse_loss)
             assert_replicas_identical(tr)
-        st = tr._stream
+        st = inside(tr).stream
         layout = {"segments": len(st.layout.segments), "ring": st.ring}
         return [p.detach().clone() for p in tr.replicas[-1].parameters()], st.host.registered_bytes, layout
 
@@ -115,8 +116,8 @@ def test_16_bit_sum_writes_no_float32_row():
     16-bit rows, and moves (6G + 2) bytes per element per step, not 6G + 6."""
     model = net().to(torch.bfloat16)
     with cgdp.Trainer(model, SGD, ["cpu:0", "cpu:1"], chunks=2) as tr:
-        host = tr._stream.host
-        total = tr._stream.layout.total
+        host = inside(tr).stream.host
+        total = inside(tr).stream.layout.total
         assert host.registered_bytes == 3 * total * 2
         assert host.traffic()["total"] == (6 * 2 + 2) * total
 
@@ -132,7 +133,7 @@ def test_profile_reports_registered_and_moved_host_bytes():
     with cgdp.Trainer(net(), SGD, ["cpu:0", "cpu:1"], chunks=1, profile=True) as tr:
         tr.step(torch.randn(8, 64), torch.randn(8, 64), F.mse_loss)
         p = tr.last_profile
-        total = tr._stream.layout.total
+        total = inside(tr).stream.layout.total
     assert p.host_registered_bytes == 3 * total * 4
     assert p.host_bytes_moved == (3 * 2 + 1) * total * 4  # (3G + 1) x the gradient bytes
     assert np.isfinite(p.step_s)

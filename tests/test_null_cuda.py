@@ -10,6 +10,7 @@ import cgdp
 from cgdp.engine.backend import cuda as cuda_backend
 from cgdp.testing import NullCuda, null_cuda
 from helpers import mlp
+from cgdp.testing import inside
 
 SGD = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
 
@@ -19,10 +20,10 @@ def test_runs_the_cuda_backend_and_counts_its_calls_per_step():
     with null_cuda(g) as rt:
         assert cuda_backend.runtime() is rt and cuda_backend.cuda_count() == g
         with cgdp.Trainer(mlp(), SGD, [f"cuda:{j}" for j in range(g)], chunks=1, segment_bytes=1024) as tr:
-            assert all(isinstance(d, cuda_backend.CudaDevice) for d in tr._devs)
+            assert all(isinstance(d, cuda_backend.CudaDevice) for d in inside(tr).devices)
             x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
             tr.step(x, y, F.cross_entropy)
-            lay = tr._stream.layout
+            lay = inside(tr).stream.layout
             chunks, segments = len(lay.plan), len(lay.segments)
             assert segments > chunks
             assert rt.registered_bytes == (g + 1) * lay.total * 4

@@ -8,19 +8,21 @@ import torch
 
 import cgdp
 from cgdp.engine.backend.rng import EmulatedRNG, device_seed
+from cgdp.testing import inside
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # run in a fresh process: torch is unseeded there (a random 64-bit seed), as in a user's script
 CHILD = r"""
 import torch, cgdp
+from cgdp.testing import inside
 def train():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
     with cgdp.Trainer(model, lambda p: torch.optim.SGD(p, lr=0.1), ["cpu:0", "cpu:1"]) as tr:
         g = torch.Generator().manual_seed(0)
         tr.step(torch.randn(6, 4, generator=g), torch.randint(0, 2, (6,), generator=g),
                 torch.nn.functional.cross_entropy)
-        assert tr._rng.turns  # dropout drew: the per-device streams were used
+        assert inside(tr).rng.turns  # dropout drew: the per-device streams were used
         return [p.detach().clone() for p in tr.replicas[0].parameters()]
 train()
 print("unseeded", torch.initial_seed())
@@ -86,7 +88,7 @@ def test_resume_with_dropout_on_emulated_devices_is_bitwise_identical():
 
     with trainer(copy.deepcopy(net)) as tr:
         steps(tr, data)
-        assert tr._rng.turns  # dropout drew: the per-device streams were used
+        assert inside(tr).rng.turns  # dropout drew: the per-device streams were used
         straight = [p.detach().clone() for p in tr.replicas[0].parameters()]
     with trainer(copy.deepcopy(net)) as tr:
         steps(tr, data[:2])

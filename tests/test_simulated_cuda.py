@@ -17,6 +17,7 @@ from cgdp.engine.backend import cuda as cuda_backend
 from cgdp.testing import simulated_cuda
 from cgdp.testing.stream_check import StreamRaceError
 from helpers import SmallCNN, WithBN, assert_params_close, assert_replicas_identical, mlp, reference
+from cgdp.testing import inside
 
 SGD = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3)  # noqa: E731
 ADAM = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
@@ -184,7 +185,7 @@ def test_untimed_steps_do_not_wait_on_the_host_beyond_the_loss(monkeypatch):
             tr.step(*batches[0], F.cross_entropy)
             before = dict(sim.counts)
             tr.step(*batches[1], F.cross_entropy)
-            segments = len(tr._stream.layout.segments)
+            segments = len(inside(tr).stream.layout.segments)
             diff = {k: sim.counts[k] - before.get(k, 0) for k in sim.counts}
     assert diff.get("spin_waits", 0) == 0 and diff.get("device_syncs", 0) == 0
     assert diff["host_waits"] == 2 * (1 + segments)  # the loss, and each segment's completion
@@ -202,7 +203,7 @@ def test_send_costs_one_event_wait_and_context_per_chunk():
             tr.step(*batches[0], F.cross_entropy)
             before = dict(sim.counts)
             tr.step(*batches[1], F.cross_entropy)
-            lay = tr._stream.layout
+            lay = inside(tr).stream.layout
             diff = {k: sim.counts[k] - before.get(k, 0) for k in sim.counts}
     chunks, segments, g = len(lay.plan), len(lay.segments), 2
     assert segments > chunks
@@ -215,7 +216,7 @@ def test_host_rows_are_registered_exactly_and_freed_on_close():
     """Item 5: one registration of exactly (G + 1) x the flat buffer, unregistered on close()."""
     with simulated_cuda(2) as sim:
         tr = cgdp.Trainer(mlp(), SGD, ["cuda:0", "cuda:1"])
-        total = tr._stream.layout.total
+        total = inside(tr).stream.layout.total
         assert list(sim.registered.values()) == [3 * total * 4]
         tr.step(*data(1)[0], F.cross_entropy)
         tr.close()
@@ -247,7 +248,7 @@ def test_each_cuda_replica_draws_its_own_dropout_masks():
             with cgdp.Trainer(Masked(), SGD, ["cuda:0", "cuda:1"]) as tr:
                 tr.step(x, y, F.cross_entropy)
                 runs.append([r.mask for r in tr.replicas])
-                assert tr._rng.states[0].shape == tr._rng.states[1].shape
+                assert inside(tr).rng.states[0].shape == inside(tr).rng.states[1].shape
     (a0, a1), (b0, b1) = runs
     assert not torch.equal(a0, a1), "both replicas drew the same mask"
     assert torch.equal(a0, b0) and torch.equal(a1, b1)
@@ -297,10 +298,10 @@ def test_plan_switch_relays_the_flat_buffers_in_place():
         with (sim or _null()):
             with cgdp.Trainer(mlp(), SGD, devices, chunks=1) as tr:
                 tr.step(*data(1)[0], F.cross_entropy)
-                ptrs = [f.data_ptr() for f in tr._stream.flats]
+                ptrs = [f.data_ptr() for f in inside(tr).stream.flats]
                 grads = [p.grad.clone() for p in tr.replicas[0].parameters()]
                 tr.set_plan([[3, 2], [1, 0]])
-                assert [f.data_ptr() for f in tr._stream.flats] == ptrs
+                assert [f.data_ptr() for f in inside(tr).stream.flats] == ptrs
                 for p, g in zip(tr.replicas[0].parameters(), grads):
                     assert torch.equal(p.grad, g)
                     assert p.grad.data_ptr() >= ptrs[0]

@@ -36,6 +36,7 @@ import cgdp
 from cgdp.engine.dataparallel.scatter import gather as cgdp_gather
 from cgdp.engine.dataparallel.scatter import scatter as cgdp_scatter
 from cgdp.testing import simulated_cuda
+from cgdp.testing import inside
 
 HOST = [torch.device("cpu"), torch.device("cpu")]
 """The torch devices of two emulated (or simulated) devices: both in host memory."""
@@ -488,7 +489,7 @@ def test_replicate(devices):
     input = torch.randn(2, 10)
     expected_output = module(input).detach()
     with wrapped(module, devices) as model:
-        for replica, dev in zip(model.replicas, model._devs):
+        for replica, dev in zip(model.replicas, inside(model).devices):
             assert all(p.device == dev.torch_device for p in replica.parameters())
             torch.testing.assert_close(replica(input), expected_output)
 
@@ -497,7 +498,7 @@ def test_replicate_buffers(devices):
     net = nn.Module()
     net.bn = nn.BatchNorm2d(10)
     with wrapped(net, devices) as model:
-        for replica, dev in zip(model.replicas, model._devs):
+        for replica, dev in zip(model.replicas, inside(model).devices):
             for b in (replica.bn.running_mean, replica.bn.running_var, replica.bn.num_batches_tracked):
                 assert b.device == dev.torch_device
 

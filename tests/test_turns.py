@@ -15,6 +15,7 @@ from cgdp.engine.core.threads import DeviceThreads, default_at_once
 from cgdp.engine.sync import Guard
 from helpers import assert_replicas_identical, mlp
 from test_host_path import Net, bits, loss_fn, same
+from cgdp.testing import inside
 
 
 def test_default_turns_follow_the_cores(monkeypatch):
@@ -56,7 +57,7 @@ def train(cores, monkeypatch, devices=3, **kw):
     g = torch.Generator().manual_seed(1)
     with cgdp.Trainer(Net(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
                       [f"cpu:{i}" for i in range(devices)], chunks=1, **kw) as tr:
-        assert tr._threads.at_once == min(devices, default_at_once(devices))
+        assert inside(tr).threads.at_once == min(devices, default_at_once(devices))
         for _ in range(3):
             tr.step((torch.randn(9, 160, generator=g), torch.randint(0, 8, (9,), generator=g)), loss_fn)
             assert_replicas_identical(tr)
@@ -79,7 +80,7 @@ def test_dataparallel_forward_takes_turns_and_stays_exact(monkeypatch):
     ref = mlp()
     ref.load_state_dict(net.state_dict())
     model = cgdp.DataParallel(net, ["cpu:0", "cpu:1", "cpu:2"])
-    assert model._threads.at_once == 1
+    assert inside(model).threads.at_once == 1
     x, y = torch.randn(7, 12), torch.randint(0, 5, (7,))
     F.cross_entropy(model(x), y).backward()
     F.cross_entropy(ref(x), y).backward()
@@ -110,7 +111,7 @@ def test_a_thread_stuck_in_its_turn_is_the_only_one_named(monkeypatch):
         with pytest.raises(TimeoutError, match=r"the device thread\(s\) of cpu:1 did not finish"):
             tr.step(torch.randn(6, 12), torch.randint(0, 5, (6,)), F.cross_entropy)
         assert time.monotonic() - t0 < 2.5
-        assert tr._threads.stuck == ["cpu:1"]
+        assert inside(tr).threads.stuck == ["cpu:1"]
     finally:
         STALL["release"].set()
         STALL["armed"] = False

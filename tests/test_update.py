@@ -9,6 +9,7 @@ import cgdp
 from cgdp.engine.trainer.update import HyperparameterMismatchError
 from helpers import Gated, assert_params_close, assert_replicas_identical, mlp
 from test_comm_inproc import on_ranks
+from cgdp.testing import inside
 
 SGD = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3)  # noqa: E731
 ADAM = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
@@ -151,9 +152,9 @@ def test_chunks_travel_in_the_last_micro_batch_only():
     model, data = mlp(), batches(1, 12)
     with cgdp.Trainer(copy.deepcopy(model), SGD, devs(2), micro_batches=3, chunks=1) as tr:
         sends = []
-        for j, dev in enumerate(tr._devs):
+        for j, dev in enumerate(inside(tr).devices):
             def send(*args, _orig=dev.send, _j=j):
-                sends.append((_j, tr._stream.hooks[_j].streaming))
+                sends.append((_j, inside(tr).stream.hooks[_j].streaming))
                 return _orig(*args)
             dev.send = send
         tr.step(*data[0], F.cross_entropy)

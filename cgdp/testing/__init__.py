@@ -6,8 +6,10 @@ the strict simulated CUDA runtime beneath ``TorchCuda`` (``fake_cuda``: its ``to
 checker the simulator and the first GPU run share. ``null_cuda``: :func:`null_cuda`, a runtime
 object whose every CUDA call is a no-op, to count and time cgdp's own host work. ``netns``
 (imported only when used): hosts emulated by network namespaces, and MPI jobs across them.
+``inside``: :func:`inside`, the one documented look inside an engine that tests may take.
 """
 from cgdp.testing.cuda_sim import SideStream, SimulatedCuda, simulated_cuda
+from cgdp.testing.inside import Inside, inside
 from cgdp.testing.null_cuda import NullCuda, null_cuda
 
-__all__ = ["simulated_cuda", "SimulatedCuda", "SideStream", "null_cuda", "NullCuda"]
+__all__ = ["simulated_cuda", "SimulatedCuda", "SideStream", "null_cuda", "NullCuda", "inside", "Inside"]

@@ -1,81 +1,233 @@
-"""A trainer's lifetime: one caller at a time, and everything it owns released when it ends.
+"""An engine's lifetime, the same for both faces: one operation at a time, one stack of
+resources, one ``close()``.
 
-Invariants:
+Invariants (``docs/reliability.md`` states them for users):
 
-* **One call at a time.** ``step``, ``load_state_dict`` and ``set_plan`` are :func:`exclusive`:
-  a second call while one runs (from another thread, or from inside ``loss_fn`` or the model's
-  forward, which run on the device threads) is a ``RuntimeError`` at once, never a hang and never
-  two steps interleaved on the same replicas. ``close()`` during a call (from another thread)
-  stops that call and releases nothing under it (:func:`close_during_call`).
-* **No reference cycles through the engine.** The engine's threads and callbacks hold the
-  trainer only weakly (:func:`weak_call`), so a trainer is freed by reference counting the moment
-  its last user reference goes, not whenever the cycle collector runs.
-* **Dropped means closed.** :class:`Resources` holds what must be stopped (device threads, the
-  gradient stream with its hooks and host accumulator, the devices' stream workers, the comm)
-  but never the trainer; a ``weakref.finalize`` runs
-  :meth:`Resources.release` when the trainer is freed without ``close()`` (and at interpreter
-  exit). ``close()`` runs the same finalizer, so release happens exactly once.
-* **Nothing is freed in flight.** A step returns after device-side waits only: on a GPU its last
-  copies back may still read the host rows and write the flat buffers. Release first lets every
-  copy finish (:func:`settle`), then frees.
+* **One operation at a time.** Each operation that changes what the replicas share (``Trainer``:
+  ``step``, ``load_state_dict``, ``set_plan``; ``DataParallel``: forward, a backward from the
+  gather's backward to autograd's final callback, the user's ``optimizer.step()``,
+  ``clip_grad_norm_``) holds the engine's *operation lock* (:class:`Operations`) while it runs. A
+  second operation while one runs, from another thread or from inside it (``loss_fn``, the
+  model's forward, on a device thread), is a ``RuntimeError`` at once, never a hang and never two
+  operations interleaved on the same replicas. Operations that do not overlap may come from any
+  thread.
+* **An unfinished operation is reported at the next call.** Two ``DataParallel`` operations can end
+  without giving the lock back, because torch tells nobody that they failed: a backward that raised
+  (autograd skips its final callback) and an optimizer step that raised on replica 0 (torch skips
+  the step post-hooks). Such a hold is *stale*: its owner thread has left the operation. The next
+  operation from the owner thread (which cannot be inside the other one), or from any thread once
+  the owner has ended, runs the stale operation's clean-up first. Another thread while the owner
+  lives cannot tell a stale hold from a running operation, and is refused. A backward's owner is
+  the thread that ran its forward (on CUDA, autograd runs the gather's backward on a thread of
+  its own); a second gathered output in the same backward is recognised by autograd's graph task.
+* **Dropped means closed, and nothing is freed in flight.** :class:`Resources` is a stack of what
+  must be stopped (the model's claim, the devices' stream workers, the comm, the device threads,
+  the gradient stream with its hooks and host accumulator, ...), pushed as each is built and
+  released in reverse after every copy in flight has finished. It holds no reference to the
+  engine, so a ``weakref.finalize`` releases it when the engine is freed without ``close()`` (and
+  at exit); ``close()`` runs the same finalizer: release happens exactly once.
+* **``close()`` during an operation** (from another thread) stops it (its waits raise the error
+  that names ``close()``), waits up to :data:`CLOSE_WAIT_S` for it, and if it has not ended by
+  then, the operation releases everything when it gives the lock back. A stale hold holds
+  nothing: it is dropped and the release is immediate.
+* **No reference cycles through the engine.** Threads and callbacks hold the engine weakly
+  (:func:`weak_call`), so it is freed by reference counting when its last user reference goes.
 """
 from __future__ import annotations
 
 import functools
 import threading
 import weakref
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, TypeVar
+
+import torch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+CLOSE_WAIT_S = 5.0
+"""How long ``close()`` from another thread waits for a running operation to stop."""
 
-def exclusive(method: F) -> F:
-    """Refuse a call of ``method`` while another exclusive call on the same object runs."""
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        lock = self.__dict__.setdefault("_exclusive_lock", threading.Lock())  # setdefault is atomic
-        if not lock.acquire(blocking=False):
-            threads = getattr(self, "_threads", None)
-            if threads is not None and threads.on_device_thread():
-                where = ("from a device thread, i.e. from inside loss_fn or the model's forward; "
-                         "call it after step() has returned")
+
+class Operations:
+    """The operation lock of one engine (``name``: how errors name it)."""
+
+    def __init__(self, refusal: Callable[[str, str, bool], str], stopped: Callable[[str], str],
+                 on_device_thread: Callable[[], bool]):
+        """``refusal(what, running, inside)``: the message refusing ``what`` while ``running`` runs
+        (``inside``: called from the running operation's own thread or one of its device threads);
+        ``stopped(running)``: the error that stops ``running`` when ``close()`` comes."""
+        self._refusal, self._stopped = refusal, stopped
+        self._on_device_thread = on_device_thread
+        self._lock = threading.Condition()  # guards the fields below; notified when the lock is given
+        self._release: Callable[[], None] | None = None  # what give() runs after a close() that stopped waiting
+        self.what: str | None = None
+        """The operation that holds the lock (None: free)."""
+        self._owner: threading.Thread | None = None
+        self._cleanup: Callable[[], None] | None = None
+        self._task = -1  # autograd's graph task of the backward that holds the lock
+
+    def take(self, what: str, owner: threading.Thread | None = None,
+             cleanup: Callable[[], None] | None = None) -> None:
+        """Hold the lock for ``what`` on behalf of thread ``owner`` (the caller's by default).
+        ``cleanup``: what to run if the operation ends without :meth:`give` (it may go stale)."""
+        owner = threading.current_thread() if owner is None else owner
+        with self._lock:
+            stale = None
+            if self.what is not None:
+                if not self._stale_for(owner):
+                    inside = self._owner is owner or self._on_device_thread()
+                    raise RuntimeError(self._refusal(what, self.what, inside))
+                stale, self._cleanup = self._cleanup, None
+                self.what = f"clean-up after the failed {self.what}"
             else:
-                where = ("from another thread while one is running; a Trainer takes one call at a "
-                         "time: serialise the calls with a lock, or use one Trainer per thread")
-            raise RuntimeError(f"Trainer.{method.__name__}() was called {where}")
-        self.__dict__["_exclusive_owner"] = threading.get_ident()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self.__dict__["_exclusive_owner"] = None
-            lock.release()
-            if self.__dict__.get("_closed"):  # close() came from another thread during this call
-                self._finish_close()
-    return call  # type: ignore[return-value]
+                self.what, self._owner = what, owner
+        if stale is not None:
+            try:
+                stale()
+            except BaseException:
+                self.give()
+                raise
+        with self._lock:
+            self.what, self._owner, self._cleanup = what, owner, cleanup
 
+    def _stale_for(self, thread: threading.Thread) -> bool:
+        """Whether the held lock is stale as seen from ``thread`` (see the module); lock held."""
+        return self._cleanup is not None and (self._owner is thread or not self._owner.is_alive())
 
-def close_during_call(obj: Any, stop: Callable[[BaseException], None], wait_s: float) -> bool:
-    """``close()`` of an object with :func:`exclusive` methods: whether it may release now.
-
-    No call running: yes. A call running on another thread: ``stop`` it (its waits raise at
-    their next wake-up) and wait up to ``wait_s`` for it to return; if it does not, the call
-    releases everything itself when it returns (its :func:`exclusive` wrapper calls
-    ``_finish_close``), so nothing is freed under a running step. From inside the running call
-    (its ``loss_fn``, on a device thread): never wait, the call releases on its way out."""
-    lock = obj.__dict__.setdefault("_exclusive_lock", threading.Lock())
-    if lock.acquire(blocking=False):
-        lock.release()
+    def take_backward(self, owner: threading.Thread, cleanup: Callable[[], None]) -> bool:
+        """The lock for a backward, taken in it (on autograd's thread); False if this backward
+        already holds it (a second gathered output reached in the same graph task)."""
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            if self.what == "backward" and self._task == task and self._cleanup is not None:
+                return False
+        self.take("backward", owner, cleanup)
+        self._task = task
         return True
-    stop(RuntimeError(f"{type(obj).__name__}.close() was called from another thread while a call was "
-                      f"running; that call stopped (nothing applied unless its update had begun) and "
-                      f"the {type(obj).__name__} is closed"))
-    threads = getattr(obj, "_threads", None)
-    inside = obj.__dict__.get("_exclusive_owner") == threading.get_ident() or (
-        threads is not None and threads.on_device_thread())
-    if inside or not lock.acquire(timeout=wait_s):
-        return False
-    lock.release()
-    return True
+
+    def give(self) -> None:
+        with self._lock:
+            self.what = self._owner = self._cleanup = None
+            release, self._release = self._release, None
+            self._lock.notify_all()
+        if release is not None:
+            release()
+
+    def clean_stale(self) -> None:
+        """Run a stale operation's clean-up of this thread now, if there is one (holding nothing)."""
+        with self._lock:
+            if self.what is None or not self._stale_for(threading.current_thread()):
+                return
+        self.take("a look at the replicas")
+        self.give()
+
+    def close(self, stop: Callable[[BaseException], None], release: Callable[[], None]) -> bool:
+        """``close()`` of the engine: whether it may ``release`` now. If not, the operation that
+        holds the lock runs ``release`` when it gives the lock back."""
+        me = threading.current_thread()
+        with self._lock:
+            if self.what is None:
+                return True
+            what = self.what
+            in_backward = what == "backward" and torch._C._current_graph_task_id() == self._task
+            if self._stale_for(me) and not in_backward:
+                self.what = self._owner = self._cleanup = None  # stale: nothing runs, nothing to clean
+                return True
+        stop(RuntimeError(self._stopped(what)))
+        inside = self._on_device_thread()  # a thread the operation waits for must not wait for it
+        with self._lock:
+            if not (inside or in_backward or self._owner is me):  # never wait for what this thread is in
+                self._lock.wait_for(lambda: self.what is None, CLOSE_WAIT_S)
+            if self.what is None:
+                return True
+            self._release = release
+            return False
+
+
+class Resources:
+    """What an engine must stop when it ends, as a stack; holds no reference to the engine."""
+
+    def __init__(self) -> None:
+        self._stack: list[Callable[[], None]] = []
+        self.devs: list[Any] = []  # whose copies must finish before anything is freed
+        self.stream: Any = None  # its host accumulator too
+
+    def push(self, close: Callable[[], None]) -> None:
+        self._stack.append(close)
+
+    def release(self) -> None:
+        """Let every copy in flight finish, then stop everything in reverse order of building; once.
+        The first failure (a sticky CUDA error) is raised after the rest is released."""
+        from cgdp.engine.core.drain import quiesce
+        steps, self._stack = self._stack[::-1], []
+        devs, stream, self.devs, self.stream = self.devs, self.stream, [], None
+        if devs:  # note: host waits on every stream
+            steps.insert(0, lambda: quiesce(devs, getattr(stream, "host", None), 30.0))
+        first: BaseException | None = None
+        for close in steps:
+            try:
+                close()
+            except BaseException as exc:  # release the rest anyway; report the first failure
+                first = first or exc
+        if first is not None:
+            raise first
+
+
+class Lifetime:
+    """An engine's lifetime: its operation lock, its resources, whether it is closed or broken."""
+
+    def __init__(self, owner: object, name: str, reopen: str, refusal: Callable[[str, str, bool], str],
+                 stopped: Callable[[str], str], stop: Callable[[BaseException], None]):
+        """``name``, ``reopen``: how errors name the engine and what to do once it is closed;
+        ``refusal``, ``stopped``: see :class:`Operations`; ``stop``: fails every wait of the engine."""
+        self.name, self._reopen, self._stop = name, reopen, stop
+        self.threads: Any = None  # the engine's DeviceThreads, once built
+        self.ops = Operations(refusal, stopped, self._on_device_thread)
+        self.resources = Resources()
+        self.release = weakref.finalize(owner, self.resources.release)
+        """Releases the resources once: from ``close()``, or when the engine is freed."""
+        self.closed = False
+        self.broken: str | None = None
+        """Why the engine cannot continue (a failure that may have left the replicas different)."""
+
+    def _on_device_thread(self) -> bool:
+        return self.threads is not None and self.threads.on_device_thread()
+
+    def check_usable(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"this {self.name} is closed; {self._reopen}")
+        if self.broken:
+            raise RuntimeError(f"this {self.name} cannot continue: {self.broken}")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.ops.close(self._stop, self.release):
+            self.release()
+
+
+def holding(what: str, until_given: bool = False) -> Callable[[F], F]:
+    """A method that holds its engine's operation lock (``self._life``) while it runs, and runs only
+    on a usable engine. With ``until_given``, the lock is held until a later call gives it back (the
+    method's first argument: the clean-up if that never comes); only an exception here gives it
+    back at once."""
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            life: Lifetime = self._life
+            life.ops.take(what, cleanup=args[0] if until_given else None)
+            try:
+                life.check_usable()
+                out = method(self, *args, **kwargs)
+            except BaseException:
+                life.ops.give()
+                raise
+            if not until_given:
+                life.ops.give()
+            return out
+        return call  # type: ignore[return-value]
+    return wrap
 
 
 def weak_call(bound: Callable[..., Any], *args: Any) -> Callable[..., Any]:
@@ -85,55 +237,6 @@ def weak_call(bound: Callable[..., Any], *args: Any) -> Callable[..., Any]:
     def call(*more: Any) -> Any:
         fn = ref()
         if fn is None:
-            raise RuntimeError("the Trainer this callback belongs to is gone")
+            raise RuntimeError("the engine this callback belongs to is gone")
         return fn(*args, *more)
     return call
-
-
-class Resources:
-    """What a trainer must stop when it ends; holds no reference to the trainer itself."""
-
-    def __init__(self) -> None:
-        self.threads: Any = None
-        self.stream: Any = None
-        self.devs: Sequence[Any] = ()
-        self.comm: Any = None
-        self.claim: Any = None  # the model's parameters (core/claims.py), given back last
-
-    def take(self, trainer: Any) -> None:
-        """Note what ``trainer`` has built so far (called after construction and by close())."""
-        self.threads, self.stream, self.comm = trainer._threads, trainer._stream, trainer._comm
-        self.devs = list(trainer._devs)
-
-    def release(self) -> None:
-        """Stop every thread, remove the hooks, free the flat and pinned buffers, close the comm; once."""
-        devs, stream = self.devs, self.stream
-        steps = [lambda: settle(devs, stream),
-                 getattr(self.threads, "close", None), getattr(self.stream, "close", None),
-                 *(d.close for d in self.devs), getattr(self.comm, "close", None),
-                 getattr(self.claim, "release", None)]
-        self.threads = self.stream = self.comm = None
-        self.devs = ()
-        first: BaseException | None = None
-        for close in steps:
-            if close is None:
-                continue
-            try:
-                close()
-            except BaseException as exc:  # release the rest anyway; report the first failure
-                first = first or exc
-        if first is not None:
-            raise first
-
-
-def settle(devs: Sequence[Any], stream: Any, timeout_s: float = 30.0) -> None:
-    """Wait until no copy of ``devs`` is in flight, the copies back the host accumulator of
-    ``stream`` (a GradientStream, or None) is still issuing included: before anything is freed."""
-    from cgdp.engine.core.drain import quiesce
-    if devs:
-        quiesce(devs, getattr(stream, "host", None), timeout_s)  # note: host waits on every stream
-
-
-def finalizer(owner: object, res: Resources) -> weakref.finalize:
-    """Run ``res.release()`` when ``owner`` is freed (or at exit), or when called; only once."""
-    return weakref.finalize(owner, res.release)

@@ -68,6 +68,7 @@ from cgdp.engine.core.buffers import sync_buffers
 from cgdp.engine.core.claims import claim
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
+from cgdp.engine.core.lifetime import Lifetime, holding
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
 from cgdp.engine.core.module_hooks import ModuleHooks
 from cgdp.engine.core.param_hooks import ParamHooks
@@ -78,18 +79,15 @@ from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
 from cgdp.engine.dataparallel.replica_grads import ReplicaGrads
 from cgdp.engine.dataparallel.replica_state import ReplicaState
-from cgdp.engine.dataparallel.resources import Resources, release
 from cgdp.engine.dataparallel.scatter import caller_context, gather, scatter, watch_counts
 from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
-from cgdp.engine.dataparallel.turns import Turns, giving, holding
 from cgdp.engine.dataparallel.user_module import GradBuffers, local_load_post_hook
 from cgdp.engine.dataparallel.user_warning import warn_user
 from cgdp.engine.sync import Guard, StepAborted
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 
 
-CLOSE_WAIT_S = 5.0
-"""How long ``close()`` from another thread waits for a running operation to stop."""
+NAME = "cgdp.DataParallel"
 
 
 class DataParallel(nn.Module):
@@ -145,32 +143,31 @@ class DataParallel(nn.Module):
         dtype = trainable_dtype(layer_params) if any(layer_params) else None
         self.devices = list(devices)
         self._scalar_outputs = scalar_outputs
-        self._closed = False
-        self._broken: str | None = None
         self._no_sync = False
-        self._turns = Turns()  # one operation at a time; who holds the turn (a backward too)
         self._incomplete = False  # a backward failed partway and dropped the gradients
         self._sending = False
         self._host_fresh = False
         self._guard = Guard(timeout_s)
-        # what close() releases; held by a finalizer too, so that a DataParallel dropped without
-        # close() stops its threads (nothing in it refers back to this wrapper)
-        self._res = res = Resources()
-        self._finalizer = weakref.finalize(self, release, res)
-        res.claim = claim(self, module, "cgdp.DataParallel")  # one engine per model
-        self._devs = res.devs = make_devices(devices, self._guard.fail)
-        for d in self._devs:
-            d.check_caller("cgdp.DataParallel(...)")  # its buffers must not live on a user stream
-        self.output_device = self._devs[0].torch_device
-        """Where the gathered outputs are (``devices[0]``): put the targets there."""
+        # one operation at a time, and what close() releases (also when dropped without close())
+        self._life = Lifetime(self, NAME, "wrap model.module again", _refusal, _stopped, self._guard.fail)
+        res = self._life.resources
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
-        self.mirrors: weakref.WeakSet = res.mirrors
-        """The :class:`~cgdp.engine.dataparallel.mirror.Mirror` of each optimizer that stepped this model."""
         self._comm: Comm | None = None
+        self.mirrors: weakref.WeakSet = weakref.WeakSet()
+        """The :class:`~cgdp.engine.dataparallel.mirror.Mirror` of each optimizer that stepped this model."""
         try:
-            self._comm = res.comm = make_comm(comm, timeout_s=timeout_s)
+            res.push(claim(self, module, NAME).release)  # one engine per model, given back last
+            self._devs = res.devs = make_devices(devices, self._guard.fail)
+            for d in self._devs:
+                res.push(d.close)
+            for d in self._devs:
+                d.check_caller("cgdp.DataParallel(...)")  # its buffers must not live on a user stream
+            self.output_device = self._devs[0].torch_device
+            """Where the gathered outputs are (``devices[0]``): put the targets there."""
+            self._comm = make_comm(comm, timeout_s=timeout_s)
             if self._comm is not None:
+                res.push(self._comm.close)
                 self._comm.attach(self._guard.fail)
                 self._comm.check_same(_signature(module, infos, len(devices), dtype))
             self._build(module, infos, layer_params, dtype, chunks, segment_bytes, host_memory)
@@ -199,7 +196,9 @@ class DataParallel(nn.Module):
             n += len(layer)
         self._tuner = None
         self._t_step: float | None = None
-        self._threads = self._res.threads = DeviceThreads(devs, self._guard)
+        res = self._life.resources
+        self._threads = self._life.threads = DeviceThreads(devs, self._guard)
+        res.push(self._threads.close)
         self._rng = make_rng(devs)  # one random stream per replica
         self._sparse = SparseGrads(sparse, [d.torch_device for d in devs])
         self._backward_check = BackwardCheck()
@@ -207,11 +206,14 @@ class DataParallel(nn.Module):
         self._grads: ReplicaGrads | None = None
         if any(info.numel for info in infos):  # dense trainable parameters: the streaming path
             self._build_stream(devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before, host_memory)
-        self._res.registered = list(module.parameters()) + self._grad_buffers.current(0)
-        self._res.owner = mirror.register(self, self._res.registered)
+        registered = list(module.parameters()) + self._grad_buffers.current(0)
+        owner, mirrors = mirror.register(self, registered), self.mirrors
+        res.push(lambda: mirror.unregister(registered, owner))
+        # the mirrors hold the other replicas' parameters and optimizer state
+        res.push(lambda: [m.detach() for m in list(mirrors)])
         me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
         # never pickled with the module (torch.save(model.module) while wrapped)
-        self._res.load_hook = local_load_post_hook(module, lambda *_: me()._state.broadcast())
+        res.push(local_load_post_hook(module, lambda *_: me()._state.broadcast()).remove)
 
     def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before, host_memory) -> None:
         itemsize = torch.tensor([], dtype=dtype).element_size()
@@ -226,9 +228,10 @@ class DataParallel(nn.Module):
             plan = resolve_plan(chunks, len(infos))
         if self._comm is not None:
             plan = self._comm.broadcast_object(plan)  # rank 0's plan: the same chunks everywhere
-        self._stream = self._res.stream = GradientStream(devs, params, layer_pids, dtype, segment_bytes=segment_bytes,
-                                      streaming=True, guard=self._guard, comm=self._comm,
-                                      host_threads=host_threads(devs), host_memory=host_memory)
+        self._stream = st = self._life.resources.stream = GradientStream(
+            devs, params, layer_pids, dtype, segment_bytes=segment_bytes, streaming=True, guard=self._guard,
+            comm=self._comm, host_threads=host_threads(devs), host_memory=host_memory)
+        self._life.resources.push(lambda: _close_keeping_grads(st))
         self._stream.set_plan(plan)
         self._stream.disarm()
         self._grads = ReplicaGrads(self._stream, before)
@@ -236,7 +239,7 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------ public API
     @property
     def replicas(self) -> list[nn.Module]:
-        self._turns.settle()  # after a step that failed on replica 0: identical again first
+        self._life.ops.clean_stale()  # after a step that failed on replica 0: identical again first
         return list(self._replicas)
 
     def rng_state(self) -> dict[str, Any]:
@@ -260,7 +263,6 @@ class DataParallel(nn.Module):
 
     @holding("forward()")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_usable()
         devs = self._devs
         for d in devs:
             d.check_caller("model(...)")  # CUDA: the replicas run on the default streams, as must the gather
@@ -326,7 +328,6 @@ class DataParallel(nn.Module):
         """Clip the gradient of every replica by the norm of the whole (summed) gradient, computed
         on the host during backward (from the second call on); returns that norm (as FSDP's
         method of the same name)."""
-        self._check_usable()
         if not ((self._grads is None or self._grads.synced_last) and self._sparse.synced_last):
             raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
                                "that runs outside model.no_sync()")
@@ -373,13 +374,9 @@ class DataParallel(nn.Module):
         From another thread while an operation runs (forward, backward, ``optimizer.step()``,
         ``clip_grad_norm_``): that operation stops with a ``RuntimeError`` that names ``close()``
         (or completes, if it was past its last wait), and ``close()`` waits up to
-        :data:`CLOSE_WAIT_S` for it; one still running then releases everything when it ends."""
-        if self._closed:
-            return
-        self._closed = True
-        inside = self._threads is not None and self._threads.on_device_thread()
-        if self._turns.close(self._guard.fail, CLOSE_WAIT_S, inside, self._finalizer):
-            self._finalizer()
+        :data:`~cgdp.engine.core.lifetime.CLOSE_WAIT_S` for it; one still running then releases
+        everything when it ends (:mod:`cgdp.engine.core.lifetime`)."""
+        self._life.close()
 
     def __enter__(self) -> "DataParallel":
         return self
@@ -394,7 +391,7 @@ class DataParallel(nn.Module):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._life.closed
 
     # ------------------------------------------------------------------ for mirror.py
     def parameter_maps(self) -> list[dict[int, nn.Parameter]]:
@@ -411,8 +408,7 @@ class DataParallel(nn.Module):
 
     @holding("optimizer.step()", until_given=True)
     def before_step(self, cleanup: Callable[[], None]) -> None:
-        """Before the optimizer steps: the turn, held until after_step (``cleanup`` if that never comes)."""
-        self._check_usable()
+        """Before the optimizer steps: the operation lock, held until after_step (``cleanup`` if that never comes)."""
         for d in self._devs:  # the copies back are ordered before the default streams only
             d.check_caller("optimizer.step()")
         if self._incomplete:
@@ -434,10 +430,16 @@ class DataParallel(nn.Module):
                   "state, so they stay identical. Drive a cgdp.DataParallel from one thread")
         return False
 
-    @giving
     def after_step(self) -> None:
         """Called after the user's optimizer stepped every replica: while tuning, the time since
-        the last step is one iteration under the current plan; switch to the tuner's next plan."""
+        the last step is one iteration under the current plan; switch to the tuner's next plan.
+        Gives the operation lock back, whatever happens."""
+        try:
+            self._after_step()
+        finally:
+            self._life.ops.give()
+
+    def _after_step(self) -> None:
         self._state.record_parameters()
         if self._tuner is None:
             return
@@ -466,12 +468,12 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------ backward
     def _begin_backward(self, sync: bool, owner: threading.Thread) -> None:
         """Autograd thread, in the gather's backward, before any replica's gradient exists."""
-        if not self._turns.take_backward(owner, self._after_failed_backward):
+        if not self._life.ops.take_backward(owner, self._after_failed_backward):
             return  # a second gathered output in the same backward
         try:
-            self._check_usable()
+            self._life.check_usable()
             if not self._backward_check.trains(self._state.params[0], self._state.trainable):
-                self._turns.give()  # input gradients only: autograd alone, as on one device
+                self._life.ops.give()  # input gradients only: autograd alone, as on one device
                 return
             self._guard.reset()
             if self._stream is not None:
@@ -488,7 +490,7 @@ class DataParallel(nn.Module):
             self._host_fresh = False
             Variable._execution_engine.queue_callback(self._end_backward)
         except BaseException:
-            self._turns.give()
+            self._life.ops.give()
             raise
 
     def _after_failed_backward(self) -> None:
@@ -497,7 +499,7 @@ class DataParallel(nn.Module):
         stop and start again from zero."""
         st = self._stream
         self._guard.fail(RuntimeError("the previous backward failed"))
-        self._broken = drain_after_failure(self._devs, st.host if st is not None else None)
+        self._life.broken = drain_after_failure(self._devs, st.host if st is not None else None)
         self._guard.reset()
         if st is not None:
             st.disarm()
@@ -536,7 +538,7 @@ class DataParallel(nn.Module):
             self._host_fresh = self._sending and not hooked
         except BaseException as exc:
             self._guard.fail(exc)
-            self._broken = (drain_after_failure(self._devs, st.host if st is not None else None)
+            self._life.broken = (drain_after_failure(self._devs, st.host if st is not None else None)
                             or f"a backward failed, the replicas' gradients may differ ({exc!r})")
             if isinstance(exc, StepAborted) and self._guard.error is not None:
                 raise self._guard.error from None  # the cause (close() from another thread, a device's error)
@@ -545,7 +547,7 @@ class DataParallel(nn.Module):
             if st is not None:
                 st.disarm()
                 self._param_hooks.put_back()
-            self._turns.give()
+            self._life.ops.give()
 
     def _grad_norm(self, norm_type: float) -> torch.Tensor:
         """The norm of the whole gradient. The 2-norm comes from the host, which summed the squares
@@ -567,11 +569,25 @@ class DataParallel(nn.Module):
                 torch.tensor([value, self._sparse.norm(norm_type)], dtype=torch.float64), norm_type))
         return torch.tensor(value, dtype=torch.float32, device=self._devs[0].torch_device)
 
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise RuntimeError("this cgdp.DataParallel is closed; wrap model.module again")
-        if self._broken:
-            raise RuntimeError(f"this cgdp.DataParallel cannot continue: {self._broken}")
+
+def _refusal(what: str, running: str, inside: bool) -> str:
+    return (f"{what} was called on a {NAME} while its {running} is running on "
+            f"{'inside it' if inside else 'another thread'}; a {NAME} takes one operation at a time (forward, "
+            f"backward, optimizer.step(), clip_grad_norm_): drive it from one thread, or serialise the calls "
+            f"with a lock")
+
+
+def _stopped(running: str) -> str:
+    return (f"{NAME}.close() was called while its {running} was running; that {running} stopped (nothing "
+            f"applied unless it was past its last wait) and the {NAME} is closed")
+
+
+def _close_keeping_grads(stream: GradientStream) -> None:
+    """Remove the hooks and free the buffers; replica 0 keeps its gradients."""
+    kept = [None if p.grad is None else p.grad.clone() for p in stream.params[0]]
+    stream.close()
+    for p, g in zip(stream.params[0], kept):
+        p.grad = g
 
 
 def _signature(module: nn.Module, infos: Sequence[LayerInfo], devices: int, dtype: torch.dtype) -> dict[str, str]:

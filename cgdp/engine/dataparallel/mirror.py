@@ -24,7 +24,7 @@ a step that raised somewhere (:meth:`Mirror.resync`): every replica then takes r
 parameters and optimizer state, which are what one device would hold after that step raised
 (unchanged if it raised before changing anything). When replica 0's step raises, torch runs no
 post-hook; the model's next operation from that thread does the resync first
-(:mod:`cgdp.engine.dataparallel.turns`), and ``model.replicas`` is always resynced.
+(:mod:`cgdp.engine.core.lifetime`), and ``model.replicas`` is always resynced.
 
 An optimizer subclass whose ``step()`` calls ``super().step()`` has both methods wrapped by torch,
 so the global hooks fire twice, nested: only the outermost call of an optimizer counts

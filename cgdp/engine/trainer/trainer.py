@@ -50,7 +50,7 @@ from cgdp.engine.core.claims import claim
 from cgdp.engine.core.clip import check_max_norm, clip_coefficient, device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
-from cgdp.engine.core.lifetime import Resources, close_during_call, exclusive, finalizer
+from cgdp.engine.core.lifetime import Lifetime, holding
 from cgdp.engine.core.module_hooks import ModuleHooks
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.replicas import Replicas, batch_weights, signature, split_buffers
@@ -69,8 +69,6 @@ from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 from cgdp.planning.profile import StepProfile
 
 MODES = ("cgdp", "typical", "single")
-CLOSE_WAIT_S = 5.0
-"""How long ``close()`` from another thread waits for a running step to stop."""
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -163,9 +161,8 @@ class Trainer:
         self._profile_always = bool(profile)
         self._profile_once = False
         self._trace_once = False
-        self._broken: str | None = None
-        self._closed = False
         self._guard = Guard(timeout_s)
+        self._life = Lifetime(self, "Trainer", "create a new one", _refusal, _stopped, self._guard.fail)
         self._timeout_s = timeout_s
         self._events: list[tuple[str, str, str, float, float]] | None = None
 
@@ -178,23 +175,23 @@ class Trainer:
         self._layer_bytes = [info.numel * torch.tensor([], dtype=self._dtype).element_size()
                              for info in infos]
 
-        self._devs = make_devices(devices, self._guard.fail, share_devices)
-        for d in self._devs:  # the flat buffers must not be allocated on a user's stream
-            d.check_caller("cgdp.Trainer(...)")
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
         self._comm: Comm | None = None
-        self._res = Resources()  # stopped by close(), or when the trainer is dropped unclosed
-        self._release = finalizer(self, self._res)
+        res = self._life.resources  # stopped by close(), or when the trainer is dropped unclosed
         try:
-            self._res.claim = claim(self, model, "cgdp.Trainer")  # one engine per model
+            res.push(claim(self, model, "cgdp.Trainer").release)  # one engine per model, given back last
+            self._devs = res.devs = make_devices(devices, self._guard.fail, share_devices)
+            for d in self._devs:
+                res.push(d.close)
+            for d in self._devs:  # the flat buffers must not be allocated on a user's stream
+                d.check_caller("cgdp.Trainer(...)")
             self._build(model, optimizer, chunks, comm)
             self._schedulers = Schedulers(scheduler, self.optimizers)
             self.schedulers = self._schedulers.schedulers
         except BaseException:
             self.close()
             raise
-        self._res.take(self)
 
     # ------------------------------------------------------------------ construction
     def _build(self, model, optimizer, chunks, comm) -> None:
@@ -209,6 +206,7 @@ class Trainer:
 
         self._comm = make_comm(comm, timeout_s=self._timeout_s)
         if self._comm is not None:
+            self._life.resources.push(self._comm.close)
             self._comm.attach(self._guard.fail)
             self._comm.check_same(signature(reps, self.layers, self.mode, self._dtype))
 
@@ -219,11 +217,14 @@ class Trainer:
         # one CPU random stream per emulated device, derived from torch's seed (reproducible)
         self._rng = make_rng(self._devs)
 
-        self._threads = DeviceThreads(self._devs, self._guard)
-        self._stream = GradientStream(
+        res = self._life.resources
+        self._threads = self._life.threads = DeviceThreads(self._devs, self._guard)
+        res.push(self._threads.close)
+        self._stream = res.stream = GradientStream(
             self._devs, self._params, self._layer_pids, self._dtype, segment_bytes=self._segment,
             streaming=self.mode == "cgdp", guard=self._guard, comm=self._comm,
             host_threads=host_threads(self._devs), transfer=self._transfer, host_memory=self._host_memory)
+        res.push(self._stream.close)
         self._stream.set_plan(plan)
         self._stream.want_norm = self._max_norm is not None
 
@@ -257,10 +258,9 @@ class Trainer:
     def layer_names(self) -> list[str]:
         return [info.name for info in self.layers]
 
-    @exclusive
+    @holding("Trainer.set_plan()")
     def set_plan(self, plan: int | Plan) -> None:
         """Switch the chunk plan between steps (every rank must pass the same plan)."""
-        self._check_usable()
         for d in self._devs:
             d.check_caller("Trainer.set_plan()")
         new = resolve_plan(plan, len(self.layers))
@@ -275,7 +275,7 @@ class Trainer:
         """Trace the next step: ``last_trace`` then holds its stream events."""
         self._trace_once = True
 
-    @exclusive
+    @holding("Trainer.step()")
     def step(self, *args: Any, loss_fn: Callable[..., Any] | None = None) -> float:
         """One training iteration on the global batch; returns its loss (see :mod:`cgdp.engine.trainer.losses`).
 
@@ -284,7 +284,6 @@ class Trainer:
         or ``(loss_sum, count)`` for a mean over items (tokens) of the global batch.
         ``step(inputs, targets, loss_fn)``: ``loss_fn(model(*inputs), targets)``, mean-reduced.
         """
-        self._check_usable()
         if loss_fn is not None:
             args = (*args, loss_fn)
         call = parse_step(args, len(self._devs))                                     # 1. split
@@ -367,10 +366,9 @@ class Trainer:
                 "tuner": self.tuner.state_dict() if self.tuner is not None else None,
                 "scheduler": self._schedulers.state_dict()}
 
-    @exclusive
+    @holding("Trainer.load_state_dict()")
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; checked in full first, so a bad one changes nothing."""
-        self._check_usable()
         for d in self._devs:
             d.check_caller("Trainer.load_state_dict()")
         check_state(state, self.replicas[0], self.optimizers[0], len(self.layers), self.tuner)
@@ -396,24 +394,13 @@ class Trainer:
 
         From another thread while ``step()`` runs: that step stops with a ``RuntimeError`` (or
         returns, if it was already past its last wait), and ``close()`` waits up to
-        :data:`CLOSE_WAIT_S` for it; a step still running then releases everything itself when
-        it ends."""
-        if self._closed:
-            return
-        self._closed = True
-        if close_during_call(self, self._guard.fail, CLOSE_WAIT_S):
-            self._finish_close()
+        :data:`~cgdp.engine.core.lifetime.CLOSE_WAIT_S` for it; a step still running then releases
+        everything itself when it ends (:mod:`cgdp.engine.core.lifetime`)."""
+        self._life.close()
 
     @property
     def closed(self) -> bool:
-        return self._closed
-
-    def _finish_close(self) -> None:
-        self._res.take(self)
-        try:
-            self._release()  # the finalizer: runs once, here or when the trainer is dropped
-        finally:
-            self._threads = self._stream = self._comm = None
+        return self._life.closed
 
     def __enter__(self) -> "Trainer":
         return self
@@ -422,12 +409,6 @@ class Trainer:
         self.close()
 
     # ------------------------------------------------------------------ one step
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise RuntimeError("this Trainer is closed; create a new one")
-        if self._broken:
-            raise RuntimeError(f"this Trainer cannot continue: {self._broken}")
-
     def _tuner_plan(self) -> bool:
         """Put the tuner's plan for this step in place; whether this step is measured for it."""
         if not self._tuning:
@@ -576,15 +557,15 @@ class Trainer:
     def _recover(self, exc: BaseException, phase: str) -> None:
         """After a failed step: let every thread stop, drain the streams, stay usable if safe."""
         self._guard.fail(exc)
-        self._broken = drain_after_failure(self._devs, self._stream.host)
+        self._life.broken = drain_after_failure(self._devs, self._stream.host)
         if phase == "update":
-            self._broken = f"a failure during the update may have left replicas different ({exc!r})"
+            self._life.broken = f"a failure during the update may have left replicas different ({exc!r})"
         if self._comm is not None and phase != "forward":
-            self._broken = f"a failure in a step with MPI peers leaves them out of step ({exc!r})"
+            self._life.broken = f"a failure in a step with MPI peers leaves them out of step ({exc!r})"
         if self._threads.stuck:
-            self._broken = (f"the device thread(s) of {', '.join(self._threads.stuck)} never returned from "
+            self._life.broken = (f"the device thread(s) of {', '.join(self._threads.stuck)} never returned from "
                             f"a step that failed ({exc!r}); create a new Trainer (load a checkpoint into it)")
-        if not self._broken:  # the replicas' buffers agree again (a forward may have failed on one)
+        if not self._life.broken:  # the replicas' buffers agree again (a forward may have failed on one)
             copy_from_first(self._buffers)
             copy_from_first(self._buffer_watch.others)
             self._buffer_watch.synced()
@@ -597,3 +578,16 @@ class Trainer:
         trace, profile = finish_timing(self._devs, bw_stamps, self._events or [], t_start, tracing, inputs)
         self.last_trace = trace if tracing else self.last_trace
         self.last_profile = profile if profiling else self.last_profile
+
+
+def _refusal(what: str, running: str, inside: bool) -> str:
+    if inside:
+        return (f"{what} was called from a device thread, i.e. from inside loss_fn or the model's forward; "
+                f"call it after step() has returned")
+    return (f"{what} was called from another thread while one is running; a Trainer takes one call at a "
+            f"time: serialise the calls with a lock, or use one Trainer per thread")
+
+
+def _stopped(running: str) -> str:
+    return ("Trainer.close() was called from another thread while a call was running; that call stopped "
+            "(nothing applied unless its update had begun) and the Trainer is closed")
