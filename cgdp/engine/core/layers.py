@@ -74,3 +74,13 @@ def nonfinite_layers(params: list[nn.Parameter], layer_pids: list[list[int]], na
     bad = [names[i] or "<root>" for i, pids in enumerate(layer_pids)
            if any(params[p].grad is not None and not bool(torch.isfinite(params[p].grad).all()) for p in pids)]
     return ", ".join(bad) or "unknown"
+
+
+def number_params(layer_params: list[list[nn.Parameter]]) -> list[list[int]]:
+    """Per layer, the engine's numbers of its parameters (pids): consecutive in forward layer
+    order, each layer's in registration order (the order of the flat buffer's views)."""
+    out, n = [], 0
+    for layer in layer_params:
+        out.append(list(range(n, n + len(layer))))
+        n += len(layer)
+    return out

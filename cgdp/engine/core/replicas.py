@@ -30,9 +30,7 @@ class Replicas:
                  optimizer: Callable[..., torch.optim.Optimizer]):
         self.modules: list[nn.Module] = []
         self.params: list[list[nn.Parameter]] = []
-        # the copies first, then the model itself moves: no copy is made on devices[0] on the way
-        copies = [copy.deepcopy(model).to(dev.torch_device) for dev in devs[1:]]
-        for replica in [model.to(devs[0].torch_device), *copies]:
+        for replica in make_replicas(model, devs):
             _, lp = find_layers(replica)
             self.modules.append(replica)
             self.params.append([p for layer in lp for p in layer])
@@ -46,20 +44,26 @@ class Replicas:
         self.buffers, self.other_buffers = split_buffers(self.modules)
 
 
+def make_replicas(model: nn.Module, devs: Sequence[Device]) -> list[nn.Module]:
+    """``model`` moved to ``devs[0]`` in place (replica 0), and a deep copy on every other device.
+    The copies first, then the model itself moves: no copy is made on ``devs[0]`` on the way."""
+    copies = [copy.deepcopy(model).to(dev.torch_device) for dev in devs[1:]]
+    return [model.to(devs[0].torch_device), *copies]
+
+
 def split_buffers(modules: Sequence[nn.Module]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """Per replica: its floating buffers, and the others."""
     return ([[b for b in r.buffers() if b.is_floating_point()] for r in modules],
             [[b for b in r.buffers() if not b.is_floating_point()] for r in modules])
 
 
-def signature(replicas: Replicas, layers: Sequence[LayerInfo], mode: str, dtype: torch.dtype) -> dict[str, str]:
-    """What every MPI rank must have the same of (checked at start-up by ``Comm.check_same``)."""
-    opt = replicas.optimizers[0]
-    return {"devices_per_rank": str(len(replicas.modules)), "mode": mode,
-            "initial_parameters": state_digest(replicas.modules[0]) + " (seed every rank the same)",
-            "layers": ";".join(f"{i.name}:{i.numels}" for i in layers), "dtype": str(dtype),
-            "optimizer": type(opt).__name__,
-            "optimizer_defaults": repr(sorted(opt.defaults.items(), key=str))}
+def signature(face: str, model: nn.Module, layers: Sequence[LayerInfo], devices: int, dtype: torch.dtype | None,
+              **more: str) -> dict[str, str]:
+    """What every MPI rank must have the same of (checked at start-up by ``Comm.check_same``):
+    the face, the devices per rank, the initial parameters, the layers, their dtype, and ``more``."""
+    return {"face": face, "devices_per_rank": str(devices),
+            "initial_parameters": state_digest(model) + " (seed every rank the same)",
+            "layers": ";".join(f"{i.name}:{i.numels}" for i in layers), "dtype": str(dtype), **more}
 
 
 def state_digest(module: nn.Module) -> str:

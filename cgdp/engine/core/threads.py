@@ -32,9 +32,11 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from functools import partial
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
+
+import torch
 
 from cgdp.engine.backend.base import Device
 from cgdp.engine.core import fork
@@ -356,3 +358,36 @@ def _settle(futs: list[Future]) -> None:
             f.exception(timeout=left)
         except TimeoutError:
             return
+
+
+def caller_context(device_types: Sequence[str] = ("cuda", "cpu"), grad: bool = True
+                   ) -> Callable[[], ContextManager[Any]]:
+    """A context factory that re-enters, on a device thread, the calling thread's autocast for
+    ``device_types`` and (``grad``) its grad and inference mode: torch keeps them per thread, so a
+    device thread does not see them. Captured once per call on the caller's thread."""
+    casts = [c for c in map(_autocast_state, device_types) if c is not None]
+    modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled()) if grad else None
+    if not casts and modes is None:
+        return nullcontext
+
+    @contextmanager
+    def enter() -> Iterator[None]:
+        with ExitStack() as stack:
+            if modes is not None:
+                stack.enter_context(torch.inference_mode() if modes[1] else torch.set_grad_enabled(modes[0]))
+            for dt, dtype, cache in casts:
+                stack.enter_context(torch.autocast(dt, dtype=dtype, cache_enabled=cache))
+            yield
+    return enter
+
+
+def _autocast_state(device_type: str) -> tuple[str, torch.dtype, bool] | None:
+    """The calling thread's autocast for ``device_type``: (type, dtype, cache enabled), or None if off."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError):  # torch < 2.4: one function per device type
+        cpu = device_type == "cpu"
+        enabled = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
+        dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
+    return (device_type, dtype, torch.is_autocast_cache_enabled()) if enabled else None

@@ -51,7 +51,6 @@ drops them, and ``optimizer.step()`` refuses to run until the step's backward is
 from __future__ import annotations
 
 import contextlib
-import copy
 import threading
 import time
 import weakref
@@ -69,22 +68,23 @@ from cgdp.engine.core.claims import claim
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.lifetime import Lifetime, holding
-from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
+from cgdp.engine.core.layers import find_layers, number_params, trainable_dtype
 from cgdp.engine.core.module_hooks import ModuleHooks
 from cgdp.engine.core.param_hooks import ParamHooks
-from cgdp.engine.core.replicas import batch_weights, state_digest
+from cgdp.engine.core.plan import first_plan, tuned_plan
+from cgdp.engine.core.replicas import batch_weights, make_replicas, signature
 from cgdp.engine.core.stream import GradientStream
-from cgdp.engine.core.threads import DeviceThreads
+from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
 from cgdp.engine.dataparallel.replica_grads import ReplicaGrads
 from cgdp.engine.dataparallel.replica_state import ReplicaState
-from cgdp.engine.dataparallel.scatter import caller_context, gather, scatter, watch_counts
+from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
 from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
 from cgdp.engine.dataparallel.user_module import GradBuffers, local_load_post_hook
 from cgdp.engine.dataparallel.user_warning import warn_user
 from cgdp.engine.sync import Guard, StepAborted
-from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
+from cgdp.planning.chunks import Plan
 
 
 NAME = "cgdp.DataParallel"
@@ -169,7 +169,7 @@ class DataParallel(nn.Module):
             if self._comm is not None:
                 res.push(self._comm.close)
                 self._comm.attach(self._guard.fail)
-                self._comm.check_same(_signature(module, infos, len(devices), dtype))
+                self._comm.check_same(signature("DataParallel", module, infos, len(devices), dtype))
             self._build(module, infos, layer_params, dtype, chunks, segment_bytes, host_memory)
         except BaseException:
             self.close()
@@ -178,9 +178,8 @@ class DataParallel(nn.Module):
     def _build(self, module, infos, layer_params, dtype, chunks, segment_bytes, host_memory) -> None:
         devs = self._devs
         before = [p.grad for p in (q for layer in layer_params for q in layer)]
-        module.to(devs[0].torch_device)
+        reps = make_replicas(module, devs)
         self.module = module
-        reps = [module] + [copy.deepcopy(module).to(d.torch_device) for d in devs[1:]]
         object.__setattr__(self, "_replicas", reps)  # not submodules: parameters() is replica 0's
         sparse = [sparse_parameters(r) for r in reps]
         params = [[p for layer in find_layers(r, {id(q) for q in sp})[1] for p in layer]
@@ -190,10 +189,7 @@ class DataParallel(nn.Module):
         # replica 0's module hooks are every replica's; its parameters' hooks run on the sum
         self._module_hooks = ModuleHooks(reps, self._state.params, [d.torch_device for d in devs])
         self._param_hooks = ParamHooks(params, unsupported=sparse[0])
-        layer_pids, n = [], 0
-        for layer in layer_params:
-            layer_pids.append(list(range(n, n + len(layer))))
-            n += len(layer)
+        layer_pids = number_params(layer_params)
         self._tuner = None
         self._t_step: float | None = None
         res = self._life.resources
@@ -217,17 +213,8 @@ class DataParallel(nn.Module):
 
     def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before, host_memory) -> None:
         itemsize = torch.tensor([], dtype=dtype).element_size()
-        if isinstance(chunks, str):
-            if chunks != "auto":
-                raise ValueError(f"chunks must be an int, an explicit plan or 'auto'; got {chunks!r}")
-            from cgdp.planning.tuner import make_tuner
-            # no step profiles here (the loop is the user's): the tuner measures uniform plans
-            self._tuner = make_tuner("auto", [i.numel * itemsize for i in infos], len(devs))
-            plan = validate_plan(self._tuner.plan(), len(infos))
-        else:
-            plan = resolve_plan(chunks, len(infos))
-        if self._comm is not None:
-            plan = self._comm.broadcast_object(plan)  # rank 0's plan: the same chunks everywhere
+        # no step profiles here (the loop is the user's): the tuner measures uniform plans
+        plan, self._tuner = first_plan(chunks, [i.numel * itemsize for i in infos], len(devs), self._comm)
         self._stream = st = self._life.resources.stream = GradientStream(
             devs, params, layer_pids, dtype, segment_bytes=segment_bytes, streaming=True, guard=self._guard,
             comm=self._comm, host_threads=host_threads(devs), host_memory=host_memory)
@@ -281,7 +268,8 @@ class DataParallel(nn.Module):
             if j >= g:
                 return None
             try:
-                return self._rng.on_device(j, lambda: in_caller(lambda: self._replicas[j](*parts[j][0], **parts[j][1])))
+                with in_caller():
+                    return self._rng.on_device(j, lambda: self._replicas[j](*parts[j][0], **parts[j][1]))
             except Exception as exc:  # the user's own error, said where it happened (Python >= 3.11)
                 getattr(exc, "add_note", lambda _: None)(f"(raised in replica {j} of cgdp.DataParallel, on {self.devices[j]})")
                 raise
@@ -446,11 +434,9 @@ class DataParallel(nn.Module):
         now = time.perf_counter()
         if self._t_step is not None:
             self._tuner.observe(now - self._t_step)
-            plan, done = self._tuner.plan(), self._tuner.done
-            if self._comm is not None:  # rank 0 decides, every rank follows
-                plan, done = self._comm.broadcast_object((plan, done))
+            plan, done = tuned_plan(self._tuner, self._comm, len(self._stream.layer_pids))
             if plan != self._stream.plan:
-                self._set_plan(validate_plan(plan, len(self._stream.layer_pids)))
+                self._set_plan(plan)
             if done:
                 self._tuner = None
             now = time.perf_counter()  # the switch is not part of the next iteration
@@ -588,10 +574,3 @@ def _close_keeping_grads(stream: GradientStream) -> None:
     stream.close()
     for p, g in zip(stream.params[0], kept):
         p.grad = g
-
-
-def _signature(module: nn.Module, infos: Sequence[LayerInfo], devices: int, dtype: torch.dtype) -> dict[str, str]:
-    """What every MPI rank must have the same of (checked at start-up by ``Comm.check_same``)."""
-    return {"face": "DataParallel", "devices_per_rank": str(devices),
-            "initial_parameters": state_digest(module) + " (seed every rank the same)",
-            "layers": ";".join(f"{i.name}:{i.numels}" for i in infos), "dtype": str(dtype)}

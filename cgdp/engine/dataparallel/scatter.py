@@ -5,7 +5,7 @@ tuples, lists and dicts) is split along dimension 0 in device order, as ``torch.
 does, and moved to its device; all of them must share that first dimension (the batch). A batch
 of n < G samples runs on the first n devices only. 0-dim tensors and other objects go to every
 replica unchanged (tensors moved to its device). Each part runs on its device's thread with the
-caller's grad mode and autocast (:func:`caller_context`). A call with no batch to split (no arguments, or
+caller's grad mode and autocast (:func:`cgdp.engine.core.threads.caller_context`). A call with no batch to split (no arguments, or
 no tensor with a dimension) runs on replica 0 alone, as on one device (as ``nn.DataParallel``
 does for a call without inputs).
 
@@ -35,7 +35,6 @@ its share (the slice of the concatenated gradient, or ``w_j`` times a scalar's),
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
@@ -87,22 +86,6 @@ def _paths(spec: Any, prefix: str = "output") -> list[str]:
     sep = "." if spec[0] == "dc" or dataclasses.is_dataclass(spec[1]) else ""
     return [p for k, s in zip(spec[2], spec[3])
             for p in _paths(s, f"{prefix}.{k}" if sep else f"{prefix}[{k!r}]")]
-
-
-def caller_context() -> Callable[[Callable[[], Any]], Any]:
-    """Run a function on a device thread with the caller's grad mode and autocast (both are
-    thread-local in torch)."""
-    grad = torch.is_grad_enabled()
-    inference = torch.is_inference_mode_enabled()
-    casts = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cuda", "cpu") if torch.is_autocast_enabled(dt)]
-
-    def run(fn: Callable[[], Any]) -> Any:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.inference_mode() if inference else torch.set_grad_enabled(grad))
-            for dt, dtype in casts:
-                stack.enter_context(torch.autocast(dt, dtype=dtype))
-            return fn()
-    return run
 
 
 def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]

@@ -23,18 +23,17 @@ The backward weight (:func:`backward_weight`) is computed in float64 and rounded
 loss's dtype: autograd needs a gradient of the loss's own dtype, and torch converts a Python float
 to bfloat16/float16 through float32, which can round twice.
 
-Autocast (:func:`ambient_autocast`): autocast state is thread-local, and forwards run on cgdp's
+Autocast (:func:`cgdp.engine.core.threads.caller_context`): autocast state is thread-local, and forwards run on cgdp's
 device threads; the caller's state for the devices' type is captured in ``step`` and entered again
 around each device's forward and loss, as around a single-device forward.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import partial
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -253,17 +252,3 @@ def backward_weight(w: float, dtype: torch.dtype, device: torch.device) -> torch
         value = min(near, key=lambda vb: (abs(Fraction(vb[0]) - Fraction(w)), vb[1] & 1))[0]
     # exact: the value is representable in dtype, so torch.full's conversion does not round it
     return torch.full((), value, dtype=dtype, device=device)
-
-
-def ambient_autocast(device_type: str) -> Callable[[], ContextManager[Any]]:
-    """A context factory that re-enters the calling thread's autocast state for ``device_type``."""
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-        dtype = torch.get_autocast_dtype(device_type)
-    except (TypeError, AttributeError):  # torch < 2.4: one function per device type
-        cpu = device_type == "cpu"
-        enabled = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
-        dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
-    if not enabled:
-        return contextlib.nullcontext
-    return partial(torch.autocast, device_type, dtype=dtype, cache_enabled=torch.is_autocast_cache_enabled())

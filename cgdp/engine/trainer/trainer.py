@@ -49,16 +49,17 @@ from cgdp.engine.core.buffers import BufferWatch, copy_from_first, sync_buffers
 from cgdp.engine.core.claims import claim
 from cgdp.engine.core.clip import check_max_norm, clip_coefficient, device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
-from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
+from cgdp.engine.core.layers import LayerInfo, find_layers, number_params, trainable_dtype
 from cgdp.engine.core.lifetime import Lifetime, holding
 from cgdp.engine.core.module_hooks import ModuleHooks
 from cgdp.engine.core.param_hooks import ParamHooks
+from cgdp.engine.core.plan import first_plan, tuned_plan
 from cgdp.engine.core.replicas import Replicas, batch_weights, signature, split_buffers
 from cgdp.engine.core.stream import GradientStream, wire_dtype
-from cgdp.engine.core.threads import DeviceThreads
+from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.sync import Guard
 from cgdp.engine.trainer.batch import check_micro_batches, micro_rounds
-from cgdp.engine.trainer.losses import (DeviceLoss, HeldMicroBatches, ambient_autocast, backward_weight,
+from cgdp.engine.trainer.losses import (DeviceLoss, HeldMicroBatches, backward_weight,
                                         loss_weights, parse_step)
 from cgdp.engine.trainer.state import check_state
 from cgdp.engine.trainer.timing import compute_spans, finish_timing, step_stats
@@ -166,12 +167,7 @@ class Trainer:
         self._timeout_s = timeout_s
         self._events: list[tuple[str, str, str, float, float]] | None = None
 
-        # pid numbering: parameters in forward layer order
-        self._layer_pids: list[list[int]] = []
-        n = 0
-        for layer in layer_params:
-            self._layer_pids.append(list(range(n, n + len(layer))))
-            n += len(layer)
+        self._layer_pids = number_params(layer_params)
         self._layer_bytes = [info.numel * torch.tensor([], dtype=self._dtype).element_size()
                              for info in infos]
 
@@ -208,11 +204,13 @@ class Trainer:
         if self._comm is not None:
             self._life.resources.push(self._comm.close)
             self._comm.attach(self._guard.fail)
-            self._comm.check_same(signature(reps, self.layers, self.mode, self._dtype))
+            opt = reps.optimizers[0]
+            self._comm.check_same(signature("Trainer", model, self.layers, len(self._devs), self._dtype, mode=self.mode,
+                                            optimizer=type(opt).__name__,
+                                            optimizer_defaults=repr(sorted(opt.defaults.items(), key=str))))
 
-        plan = self._initial_plan(chunks)
-        if self._comm is not None:
-            plan = self._comm.broadcast_object(plan)
+        plan, self.tuner = first_plan(chunks, self._layer_bytes, len(self._devs), self._comm,
+                                      tuned=self.mode == "cgdp", paper=True)
         self._tuning = self.tuner is not None
         # one CPU random stream per emulated device, derived from torch's seed (reproducible)
         self._rng = make_rng(self._devs)
@@ -227,26 +225,6 @@ class Trainer:
         res.push(self._stream.close)
         self._stream.set_plan(plan)
         self._stream.want_norm = self._max_norm is not None
-
-    def _initial_plan(self, chunks: int | Plan | str) -> Plan:
-        """The plan of the first step: given, or the tuner's first (``self.tuner``)."""
-        self.tuner = None
-        if not isinstance(chunks, str):
-            return resolve_plan(chunks, len(self.layers))
-        if chunks not in ("auto", "paper"):
-            raise ValueError(f"chunks must be an int, an explicit plan or 'auto'; got {chunks!r}")
-        if self.mode != "cgdp":  # nothing is sent during backward: there is nothing to tune
-            return resolve_plan(1, len(self.layers))
-        from cgdp.planning.tuner import make_tuner
-        cost, ranks = None, 1
-        if self._comm is not None and chunks == "auto":
-            # the tuner's model learns the MPI stage from a short probe (~0.1 s, collective)
-            from cgdp.comm.mpi import probe_alpha_beta
-            from cgdp.planning.simulator import Linear
-            alpha, beta = probe_alpha_beta(self._comm)
-            cost, ranks = Linear(alpha, beta), self._comm.size
-        self.tuner = make_tuner(chunks, self._layer_bytes, len(self._devs), comm=cost, ranks=ranks)
-        return validate_plan(self.tuner.plan(), len(self.layers))
 
     # ------------------------------------------------------------------ public API
     @property
@@ -293,7 +271,7 @@ class Trainer:
             d.check_caller()
         self._weights, total = batch_weights(call.sizes, self._comm)
         rounds = micro_rounds(call.parts, call.sizes, total, self._micro, call.whole)
-        amp = ambient_autocast(self._devs[0].torch_device.type)  # thread-local: captured here
+        amp = caller_context([self._devs[0].torch_device.type], grad=False)  # thread-local: captured here
 
         tuning = self._tuner_plan()
         profiling = self._profile_always or self._profile_once or bool(
@@ -413,12 +391,10 @@ class Trainer:
         """Put the tuner's plan for this step in place; whether this step is measured for it."""
         if not self._tuning:
             return False
-        plan, done = self.tuner.plan(), self.tuner.done
-        if self._comm is not None:  # rank 0 decides, every rank follows
-            plan, done = self._comm.broadcast_object((plan, done))
+        plan, done = tuned_plan(self.tuner, self._comm, len(self.layers))
         if plan != self._stream.plan:
             self._quiesce()
-            self._stream.set_plan(validate_plan(plan, len(self.layers)))
+            self._stream.set_plan(plan)
         if done:  # the final plan is in place; no more measurements
             self._tuning = False
         return self._tuning

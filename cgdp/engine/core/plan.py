@@ -1,0 +1,52 @@
+"""The chunk plan in use: the first one (given, or the tuner's), and the tuner's next ones.
+
+Every rank must send the same chunks in the same order (the MPI tier allreduces chunk by chunk),
+so whatever decides a plan decides it on rank 0, and every rank takes rank 0's
+(:func:`first_plan`, :func:`tuned_plan`). A plan changes only between iterations, with nothing in
+flight (the face quiesces before ``GradientStream.set_plan``). The plan never changes results,
+only speed.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from cgdp.comm import Comm
+from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
+
+
+def first_plan(chunks: int | Plan | str, layer_bytes: Sequence[int], devices: int, comm: Comm | None, *,
+               tuned: bool = True, paper: bool = False) -> tuple[Plan, Any]:
+    """The plan of the first iteration, and the tuner that chooses the next ones (None if the
+    plan is given, or ``tuned`` is False: nothing is sent during backward, so there is nothing
+    to tune and ``"auto"`` is one layer per chunk). ``paper`` (``Trainer``, which profiles its
+    steps): ``"paper"`` (Algorithm 1) is allowed too, and ``"auto"`` with a comm learns the MPI
+    stage from a short probe (~0.1 s, collective)."""
+    n = len(layer_bytes)
+    tuner = None
+    if not isinstance(chunks, str):
+        plan = resolve_plan(chunks, n)
+    elif chunks not in (("auto", "paper") if paper else ("auto",)):
+        raise ValueError(f"chunks must be an int, an explicit plan or 'auto'; got {chunks!r}")
+    elif not tuned:
+        plan = resolve_plan(1, n)
+    else:
+        from cgdp.planning.tuner import make_tuner
+        cost, ranks = None, 1
+        if comm is not None and chunks == "auto" and paper:
+            from cgdp.comm.mpi import probe_alpha_beta
+            from cgdp.planning.simulator import Linear
+            alpha, beta = probe_alpha_beta(comm)
+            cost, ranks = Linear(alpha, beta), comm.size
+        tuner = make_tuner(chunks, list(layer_bytes), devices, comm=cost, ranks=ranks)
+        plan = validate_plan(tuner.plan(), n)
+    if comm is not None:
+        plan = comm.broadcast_object(plan)  # rank 0's plan: the same chunks everywhere
+    return plan, tuner
+
+
+def tuned_plan(tuner: Any, comm: Comm | None, layers: int) -> tuple[Plan, bool]:
+    """The tuner's plan for the next iteration, and whether it is its final one: rank 0's on every rank."""
+    plan, done = tuner.plan(), tuner.done
+    if comm is not None:  # rank 0 decides, every rank follows
+        plan, done = comm.broadcast_object((plan, done))
+    return validate_plan(plan, layers), done
