@@ -7,7 +7,8 @@ checker the simulator and the first GPU run share. ``null_cuda``: :func:`null_cu
 object whose every CUDA call is a no-op, to count and time cgdp's own host work. ``netns``
 (imported only when used): hosts emulated by network namespaces, and MPI jobs across them.
 """
-from cgdp.testing.cuda_sim import SideStream, SimulatedCuda, simulated_cuda
+from cgdp.testing.cuda_sim import SimulatedCuda, simulated_cuda
 from cgdp.testing.null_cuda import NullCuda, null_cuda
+from cgdp.testing.side_stream import SideStream
 
 __all__ = ["simulated_cuda", "SimulatedCuda", "SideStream", "null_cuda", "NullCuda"]
