@@ -304,7 +304,8 @@ def predict(profiles) -> dict:
     """Simulator predictions for G = 2, 4 from the G = 1 profiles (labelled as predictions)."""
     try:
         from cgdp.planning.calibrate import calibrate
-        from cgdp.planning.simulator import Linear, simulate
+        from cgdp.planning.costs import Linear
+        from cgdp.planning.simulator import simulate
         cal = calibrate(profiles)
         plan = profiles[0].plan
         out = {}

@@ -5,7 +5,7 @@ import pytest
 from cgdp.planning.costmodel import (ChunkTimes, backprop_time, cgdp_backward_time, cgdp_exact_overhead, cgdp_overhead,
                             cgdp_wins, chunk_times, layer_completion_times, paper_win_condition,
                             typical_backward_time, typical_overhead)
-from cgdp.planning.simulator import chain_makespan
+from cgdp.planning.flowshop import chain_makespan
 
 
 # three layers in backward order (paper's layers 3, 2, 1)

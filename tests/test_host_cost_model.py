@@ -7,9 +7,11 @@ import pytest
 
 from cgdp.cli.plan import main as plan_main
 from cgdp.planning.chunks import one_chunk_plan, paper_plan
+from cgdp.planning.costs import Linear, ModelCosts, StageCosts
+from cgdp.planning.flowshop import chain_makespan, stage_times
 from cgdp.planning.hardware import Hardware, host_traffic, stage_costs
 from cgdp.planning.planner import choose_plan, dp_plan, brute_force
-from cgdp.planning.simulator import Linear, ModelCosts, StageCosts, chain_makespan, simulate, stage_times
+from cgdp.planning.simulator import simulate
 
 
 def random_model(rng, L):

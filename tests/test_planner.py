@@ -3,8 +3,10 @@ import numpy as np
 import pytest
 
 from cgdp.planning.chunks import paper_plan
+from cgdp.planning.costs import Linear, ModelCosts, StageCosts
+from cgdp.planning.flowshop import plan_of
 from cgdp.planning.planner import all_sizes, best_uniform, brute_force, byte_bucket_sizes, choose_plan, dp_plan
-from cgdp.planning.simulator import Linear, ModelCosts, StageCosts, plan_of, predict_step, simulate
+from cgdp.planning.simulator import predict_step, simulate
 
 
 def random_case(rng, L):

@@ -6,11 +6,12 @@ import pytest
 
 from cgdp.planning.calibrate import calibrate, synthetic_profile
 from cgdp.planning.chunks import one_chunk_plan, paper_plan
+from cgdp.planning.costs import Linear, ModelCosts, StageCosts
+from cgdp.planning.flowshop import chain_makespan, stage_times
 from cgdp.planning.hardware import Hardware, emulated_costs, pcie_gbps, preset, stage_costs, PRESETS
 from cgdp.planning.paper_profiles import PAPER_MODELS, paper_model
 from cgdp.planning.probe import ProbeResult, probe
-from cgdp.planning.simulator import Linear, ModelCosts, StageCosts, Task, chain_makespan, predict_step, run_tasks, simulate, \
-    stage_times
+from cgdp.planning.simulator import Task, predict_step, run_tasks, simulate
 
 
 def test_event_simulation_equals_closed_form_for_identical_devices():

@@ -8,8 +8,9 @@ import pytest
 
 from cgdp.planning.calibrate import synthetic_profile
 from cgdp.planning.chunks import paper_plan
+from cgdp.planning.costs import Linear, ModelCosts, StageCosts
 from cgdp.planning.planner import best_uniform
-from cgdp.planning.simulator import Linear, ModelCosts, StageCosts, predict_step
+from cgdp.planning.simulator import predict_step
 from cgdp.planning.tuner import AutoTuner, AutoTunerConfig, PaperChunkSearch, PaperTuner, Tuner, make_tuner
 
 

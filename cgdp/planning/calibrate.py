@@ -24,8 +24,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from cgdp.planning.costs import Linear, ModelCosts, StageCosts
 from cgdp.planning.profile import StepProfile
-from cgdp.planning.simulator import Linear, ModelCosts, StageCosts
 
 
 def backward_order(profile: StepProfile) -> list[int]:

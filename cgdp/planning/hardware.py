@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from cgdp.planning.costs import Linear, StageCosts
 from cgdp.planning.probe import ProbeResult
-from cgdp.planning.simulator import Linear, StageCosts
 
 PCIE_GT_S = {1: 2.5, 2: 5.0, 3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}
 """Transfer rate per lane, GT/s."""

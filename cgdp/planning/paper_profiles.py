@@ -14,7 +14,7 @@ Layers are numbered in forward order; each entry is (name, parameters, MACs per 
 """
 from __future__ import annotations
 
-from cgdp.planning.simulator import ModelCosts
+from cgdp.planning.costs import ModelCosts
 
 ALEXNET_TABLE4_PARAMS_M = [0.03, 0.3, 0.9, 0.7, 0.4, 37.8, 16.8, 4.0]
 """Table 4, layers 1..8 (millions of parameters)."""

@@ -23,8 +23,9 @@ from typing import Iterator
 import numpy as np
 
 from cgdp.planning.chunks import paper_plan
-from cgdp.planning.simulator import (STAGES, ModelCosts, StageCosts, advance, ordered_compute, plan_of, predict_step,
-                                     stage_times_from_sums)
+from cgdp.planning.costs import ModelCosts, StageCosts
+from cgdp.planning.flowshop import STAGES, advance, ordered_compute, plan_of, stage_times_from_sums
+from cgdp.planning.simulator import predict_step
 
 Plan = list[list[int]]
 

@@ -1,10 +1,12 @@
 """A discrete-event model of one training iteration: CGDP, the typical baseline, ring allreduce.
 
-Inputs are a :class:`ModelCosts` (what one device computes: per-layer backward time and gradient
-bytes, forward and update time, measured by the engine's profile) and a :class:`StageCosts` (what
-moving and adding a chunk costs on this machine: fitted from profiles by :mod:`cgdp.planning.calibrate`,
-or derived from a hardware description by :mod:`cgdp.planning.hardware`). The output is the predicted step
-time and a timeline.
+Inputs are a :class:`~cgdp.planning.costs.ModelCosts` (what one device computes: per-layer
+backward time and gradient bytes, forward and update time, measured by the engine's profile) and a
+:class:`~cgdp.planning.costs.StageCosts` (what moving and adding a chunk costs on this machine:
+fitted from profiles by :mod:`cgdp.planning.calibrate`, or derived from a hardware description by
+:mod:`cgdp.planning.hardware`); both, and :class:`~cgdp.planning.costs.Linear`, live in
+:mod:`cgdp.planning.costs` and are importable from here too. The output is the predicted step time
+and a timeline (:class:`SimResult`, its :class:`Task` list).
 
 The model, and why:
 
@@ -30,146 +32,21 @@ The model, and why:
 * Every resource serves its ready tasks first-come first-served, ties broken by chunk then device:
   the engine's streams and host queues are FIFO too.
 
-:func:`chain_makespan` is the same model in closed form for identical devices (a permutation flow
-shop: C[c][s] = max(C[c-1][s], C[c][s-1]) + p[c][s]); the planner optimises it and the tests check it
-equals the event simulation. With stages that never queue it reduces to the paper's Definition 3.3.
+The same model in closed form for identical devices (a permutation flow shop, which the planner
+optimises and the tests check against the event simulation) is :mod:`cgdp.planning.flowshop`;
+:func:`predict_step` uses it where it is exact and :func:`simulate` elsewhere.
 """
 from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
 
-import numpy as np
+# re-exported: cgdp.engine imports Linear from here, cgdp.cli ModelCosts and StageCosts
+from cgdp.planning.costs import Linear, ModelCosts, StageCosts  # noqa: F401
+from cgdp.planning.flowshop import chain_makespan, ordered_compute, sizes_of, stage_times
 
 Plan = list[list[int]]
-
-
-@dataclass(frozen=True)
-class Linear:
-    """The cost of one operation on ``n`` bytes: ``latency_s + n * per_byte_s``."""
-
-    latency_s: float = 0.0
-    """Fixed cost per operation (launch, wake-up, message latency)."""
-    per_byte_s: float = 0.0
-    """Seconds per byte: 1 / bandwidth."""
-
-    def __call__(self, nbytes: float) -> float:
-        return self.latency_s + nbytes * self.per_byte_s if nbytes > 0 else 0.0
-
-    @staticmethod
-    def from_bandwidth(gb_per_s: float, latency_s: float = 0.0) -> "Linear":
-        return Linear(latency_s, 1.0 / (gb_per_s * 1e9) if gb_per_s > 0 else 0.0)
-
-
-@dataclass
-class ModelCosts:
-    """The work of one device in one iteration; the chunk plan does not change it."""
-
-    layer_bytes: list[int]
-    """Gradient bytes per layer, forward numbering."""
-    backward_s: list[float]
-    """Backward compute time per layer, forward numbering."""
-    order: list[int] | None = None
-    """Layers in the order backward completes them; ``None`` means L-1, ..., 0."""
-    forward_s: float = 0.0
-    """Forward pass and loss."""
-    update_s: float = 0.0
-    """Optimizer step of one replica."""
-    other_s: float = 0.0
-    """Per-step cost outside forward/backward/update (splitting the batch, bookkeeping)."""
-    tail_s: float = 0.0
-    """Backward compute after the last gradient is complete (input gradients, autograd's exit):
-    it delays the update but no chunk waits for it."""
-    layer_tensors: list[int] | None = None
-    """Parameter tensors per layer (one gradient hook each per device); ``None``: no hook cost."""
-
-    def __post_init__(self) -> None:
-        if len(self.layer_bytes) != len(self.backward_s):
-            raise ValueError(f"layer_bytes has {len(self.layer_bytes)} layers but backward_s has "
-                             f"{len(self.backward_s)}; give both per layer in forward numbering")
-        if self.order is None:
-            self.order = list(range(len(self.layer_bytes) - 1, -1, -1))
-        if sorted(self.order) != list(range(len(self.layer_bytes))):
-            raise ValueError("order must list every layer exactly once (backward completion order)")
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layer_bytes)
-
-
-@dataclass
-class StageCosts:
-    """What synchronising, moving and adding a chunk costs on one machine (and between machines)."""
-
-    devices: int
-    """Devices on this machine (G)."""
-    sync_s: float = 0.0
-    """Compute-stream cost per chunk (the paper's t_as)."""
-    d2h: Linear = field(default_factory=Linear)
-    """One device's device-to-host copy on an unshared link."""
-    h2d: Linear = field(default_factory=Linear)
-    """One device's host-to-device copy on an unshared link."""
-    acc: Linear = field(default_factory=Linear)
-    """Host accumulation of one chunk, all G contributions (bytes = one device's chunk)."""
-    ranks: int = 1
-    """Machines joined by the MPI tier (R)."""
-    comm: Linear = field(default_factory=Linear)
-    """MPI allreduce of one chunk between machines (used when ranks > 1)."""
-    link_groups: list[list[int]] | None = None
-    """Devices that share one link per direction; ``None``: every device has its own."""
-    device_speed: list[float] | None = None
-    """Compute-time multiplier per device (1.0: as profiled); ``None``: all 1.0."""
-    p2p: Linear | None = None
-    """Direct device-to-device copy for the baselines; ``None``: staged through the host."""
-    device_acc: Linear = field(default_factory=Linear)
-    """Adding one contribution on a device (typical training's server)."""
-    typical_pattern: str = "star"
-    """Typical training's gather/broadcast: "star" (device 0 talks to each) or "tree" (Caffe)."""
-    shared_cores: float | None = None
-    """Emulated devices: the host cores that compute, copies and accumulation all share;
-    ``None``: devices compute on their own hardware and host work never slows them."""
-    acc_threads: float = 1.0
-    """Threads one accumulation keeps busy (with ``shared_cores``)."""
-    dram: Linear = field(default_factory=Linear)
-    """Host DRAM time for the traffic of one chunk, all devices together ((3G + 1) x its bytes);
-    zero: DRAM never binds."""
-    hook_s: float = 0.0
-    """Host CPU per parameter tensor per device: its gradient hook, on the issuing thread."""
-    segment_bytes: float = 0.0
-    """Chunks travel in segments of at most this many bytes (0: one segment per chunk)."""
-    segment_s: float = 0.0
-    """Host-thread CPU per segment, beyond the sum itself."""
-    segment_device_s: float = 0.0
-    """Host-thread CPU per segment and device (its copy's wait, its copy back's issue)."""
-
-    def segments(self, nbytes: float) -> float:
-        """Segments of a chunk of ``nbytes``."""
-        if nbytes <= 0:
-            return 0.0
-        return max(1.0, math.ceil(nbytes / self.segment_bytes)) if self.segment_bytes > 0 else 1.0
-
-    def host_cpu(self, nbytes: float) -> float:
-        """The host thread's own CPU for one chunk of ``nbytes`` (all devices), beyond the sum."""
-        return self.segments(nbytes) * (self.segment_s + self.devices * self.segment_device_s)
-
-    def threads(self, kind: str) -> float:
-        """Host threads a task of this kind occupies while it runs (with ``shared_cores``)."""
-        if kind in ("compute", "sync", "reduce", "update"):
-            return 1.0
-        if kind in ("d2h", "h2d", "gather", "bcast", "ring"):
-            return 1.0  # an emulated copy is a memcpy on the stream's thread
-        if kind == "acc":
-            return self.acc_threads
-        return 0.0
-
-    def groups(self) -> list[list[int]]:
-        return self.link_groups if self.link_groups else [[d] for d in range(self.devices)]
-
-    def share(self) -> int:
-        """Devices on the most crowded link."""
-        return max(len(g) for g in self.groups())
 
 
 @dataclass
@@ -219,7 +96,7 @@ class SimResult:
 def run_tasks(tasks: list[Task], costs: StageCosts | None = None) -> None:
     """Event simulation of ``tasks`` (a DAG by ``deps``) on single-server FIFO resources, in place.
 
-    With ``costs.shared_cores`` set, tasks that run on host CPUs (see :meth:`StageCosts.threads`)
+    With ``costs.shared_cores`` set, tasks that run on host CPUs (see :meth:`~cgdp.planning.costs.StageCosts.threads`)
     also share that many cores: while the threads wanting a core outnumber the cores, every such
     task progresses at cores/threads of its full speed (processor sharing). That is the emulated
     machine, where "device" compute, copies and accumulation all run on the same cores.
@@ -518,93 +395,6 @@ def _simulate_ring(model: ModelCosts, costs: StageCosts, plan: Plan) -> SimResul
     for c, nbytes in enumerate(_chunk_bytes(model, plan)):
         tasks.append(Task("ring", "ring", ring_allreduce_s(costs, nbytes), list(ready[c]), c))
     return _finish("ring", model, costs, tasks, last, model.update_s)
-
-
-# ---- closed form for identical devices (what the planner optimises) -------------------------
-
-STAGES = ("compute", "d2h", "acc", "comm", "dram", "h2d")
-"""The flow shop's stages; ``dram`` runs beside d2h..comm (from the chunk's ready time) and the
-copy back waits for both."""
-
-
-def ordered_compute(model: ModelCosts, costs: StageCosts) -> np.ndarray:
-    """Per layer in ``model.order``: its backward on the slowest device plus its hooks' host CPU."""
-    bwd = np.array([model.backward_s[i] for i in model.order]) * max(costs.device_speed or [1.0])
-    if model.layer_tensors and costs.hook_s:
-        bwd = bwd + np.array([model.layer_tensors[i] for i in model.order]) * costs.hook_s
-    return bwd
-
-
-def stage_times(model: ModelCosts, costs: StageCosts, sizes: Sequence[int]) -> np.ndarray:
-    """Per chunk (``sizes``: chunk lengths along ``model.order``) the time it holds each stage."""
-    bwd = ordered_compute(model, costs)
-    nb = np.array([model.layer_bytes[i] for i in model.order], dtype=float)
-    edges = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-    cb = np.concatenate([[0.0], np.cumsum(bwd)])
-    cn = np.concatenate([[0.0], np.cumsum(nb)])
-    return stage_times_from_sums(costs, cb[edges[1:]] - cb[edges[:-1]], cn[edges[1:]] - cn[edges[:-1]])
-
-
-def stage_times_from_sums(costs: StageCosts, bwd: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
-    """Vectorised stage times of chunks given their compute time and bytes."""
-    def lin(f: Linear, b: np.ndarray) -> np.ndarray:
-        return np.where(b > 0, f.latency_s + b * f.per_byte_s, 0.0)
-    p = np.empty((len(bwd), len(STAGES)))
-    p[:, 0] = bwd + costs.sync_s
-    p[:, 1] = costs.share() * lin(costs.d2h, nbytes)
-    p[:, 2] = lin(costs.acc, nbytes)
-    if costs.segment_s or costs.segment_device_s:
-        per = costs.segment_s + costs.devices * costs.segment_device_s
-        segs = np.where(nbytes > 0, np.maximum(1.0, np.ceil(nbytes / costs.segment_bytes))
-                        if costs.segment_bytes > 0 else 1.0, 0.0)
-        p[:, 2] += segs * per
-    p[:, 3] = lin(costs.comm, nbytes) if costs.ranks > 1 else 0.0
-    p[:, 4] = lin(costs.dram, nbytes)
-    p[:, 5] = costs.share() * lin(costs.h2d, nbytes)
-    return p
-
-
-def advance(state: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """Flow-shop step: finish times of one more chunk given the previous chunk's (rows broadcast).
-    Stages run in series, except ``dram`` (column 4), which starts with the chunk's d2h and which
-    the copy back (column 5) also waits for."""
-    out = np.empty(np.broadcast_shapes(state.shape, p.shape))
-    out[..., 0] = state[..., 0] + p[..., 0]
-    for s in range(1, 4):
-        out[..., s] = np.maximum(state[..., s], out[..., s - 1]) + p[..., s]
-    out[..., 4] = np.maximum(state[..., 4], out[..., 0]) + p[..., 4]
-    out[..., 5] = np.maximum(state[..., 5], np.maximum(out[..., 3], out[..., 4])) + p[..., 5]
-    return out
-
-
-def chain_makespan(p: np.ndarray) -> float:
-    """End of the backward phase for stage times ``p`` (chunks × stages), identical devices."""
-    state = np.zeros(p.shape[1])
-    for row in p:
-        state = advance(state, row)
-    return float(state[-1]) if len(p) else 0.0
-
-
-def sizes_of(model: ModelCosts, plan: Plan) -> list[int] | None:
-    """Chunk lengths if ``plan`` is contiguous runs of ``model.order`` (else ``None``)."""
-    pos = {layer: i for i, layer in enumerate(model.order)}
-    sizes, at = [], 0
-    for ch in plan:
-        ps = sorted(pos[x] for x in ch)
-        if ps != list(range(at, at + len(ch))):
-            return None
-        sizes.append(len(ch))
-        at += len(ch)
-    return sizes
-
-
-def plan_of(model: ModelCosts, sizes: Sequence[int]) -> Plan:
-    """The plan with chunk lengths ``sizes`` along ``model.order`` (layers in completion order)."""
-    plan, at = [], 0
-    for s in sizes:
-        plan.append(list(model.order[at:at + s]))
-        at += s
-    return plan
 
 
 def predict_step(model: ModelCosts, costs: StageCosts, plan: Plan) -> float:

@@ -30,8 +30,8 @@ from statistics import median
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from cgdp.planning.chunks import one_chunk_plan, paper_plan
+from cgdp.planning.costs import Linear
 from cgdp.planning.profile import StepProfile
-from cgdp.planning.simulator import Linear
 
 Plan = list[list[int]]
 
@@ -300,7 +300,7 @@ class AutoTuner:
 
         base = None
         if self.comm is not None and self.ranks > 1:
-            from cgdp.planning.simulator import StageCosts
+            from cgdp.planning.costs import StageCosts
             base = StageCosts(devices=self.devices, ranks=self.ranks, comm=self.comm)
         cal = calibrate(self.profiles, base)
         choice = choose_plan(cal.model, cal.costs, self.config.max_front)

@@ -22,12 +22,11 @@ difference could hide a defect:
   it, is a :class:`~cgdp.testing.stream_check.StreamRaceError`, raised at the next host
   synchronisation (or when the ``with`` block ends): a wrong order fails even when the random
   delays happen to hide it.
-* **Page-locked memory.** ``cudaHostRegister`` pins whole pages (``page_size``: the OS's, or 4 KiB
-  / 64 KiB as asked); a range sharing a page with a registered one is refused
-  (``cudaErrorHostMemoryAlreadyRegistered``, 712) and sets the thread's last error, which the
-  next kernel launch on that thread raises unless it was cleared (``cudaGetLastError``), as
-  ``C10_CUDA_KERNEL_LAUNCH_CHECK`` does. ``cudaHostUnregister`` poisons the bytes (0xFF: NaN), and a
-  copy that runs after it fails with an illegal-address error and poisons its destination.
+* **Page-locked memory** (:mod:`cgdp.testing.page_locked`, a mixin of :class:`SimulatedCuda`):
+  ``cudaHostRegister`` pins whole pages (``page_size``: the OS's, or 4 KiB / 64 KiB as asked) and
+  refuses a range sharing a page with a registered one (712), setting the thread's last error,
+  which its next kernel launch raises unless cleared; ``cudaHostUnregister`` poisons the bytes,
+  and a copy that runs after it fails with an illegal-address error.
 * **Devices and contexts.** Each thread has its own current device (c10's bookkeeping, lazy
   ``MaybeSetDevice`` included). A call that needs a context creates the primary context of the
   thread's current device, which is device 0 for a thread that never chose one; ``sim.contexts``
@@ -38,35 +37,29 @@ difference could hide a defect:
 ``sim.counts`` counts what the backend asked of the runtime (events, contexts, copies, host waits,
 spin waits on non-blocking events, device synchronisations, coalesced collectives), so tests can
 check costs as well as results. What it cannot show: kernel timing, races inside PyTorch's own
-CUDA kernels, real PCIe behaviour (see docs/cuda.md).
+CUDA kernels, real PCIe behaviour (see docs/cuda.md). A model part on a stream of its own, for
+tests of gradients produced on a side stream, is :class:`cgdp.testing.side_stream.SideStream`.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import queue
 import random
 import threading
 import time
-import types
-import weakref
 from collections import Counter
 from typing import Any, Callable, Iterator
 
 import torch
 
 from cgdp.testing import fake_cuda
-from cgdp.testing.stream_check import AccessMode, StreamChecker, StreamRaceError, tensor_bytes
+from cgdp.testing.page_locked import PageLockedMemory
+from cgdp.testing.stream_check import AccessMode, StreamChecker, StreamRaceError
 
-__all__ = ["simulated_cuda", "SimulatedCuda", "SideStream"]
-
-ERRORS = {1: "invalid argument", 2: "out of memory", 700: "an illegal memory access was encountered",
-          712: "part or all of the requested memory range is already mapped",
-          713: "pointer does not correspond to a registered memory region"}
-"""The cudaError_t codes the simulator returns, with CUDA's messages."""
+__all__ = ["simulated_cuda", "SimulatedCuda"]
 
 
-class SimulatedCuda:
+class SimulatedCuda(PageLockedMemory):
     """The simulated runtime's state; :attr:`runtime` is the backend's ``TorchCuda`` over it."""
 
     simulated = True
@@ -81,17 +74,12 @@ class SimulatedCuda:
         self.seed = seed
         self.max_delay_s = max_delay_s
         self.timeout_s = timeout_s
-        self.page_size = page_size or host_page_size()
+        self._init_page_locked(page_size or host_page_size(), lockable_bytes)
         self.nccl = nccl
-        self.lockable_bytes = lockable_bytes
-        """Limit of page-locked bytes (``ulimit -l``); None: no limit."""
         self.clock = time.perf_counter
         self.counts: Counter = Counter()
         self.copied_bytes: Counter = Counter()
         """Bytes moved by asynchronous copies, by direction ('d2h', 'h2d', 'd2d')."""
-        self.registered: dict[int, int] = {}
-        """Page-locked host ranges: address → bytes."""
-        self._pages: set[int] = set()
         self.contexts: dict[int, str] = {}
         """Device → who created its primary context (thread name and the call)."""
         self.thread_devices: dict[str, set[int]] = {}
@@ -109,12 +97,6 @@ class SimulatedCuda:
         self.checker = StreamChecker(self._stream_name)
         self.checker.on_error = self.violations.append
         self.mode = AccessMode(self.checker, self._stream_of, self._execute)
-        self.cudart = types.SimpleNamespace(
-            cudaHostRegister=self._host_register, cudaHostUnregister=self._host_unregister,
-            cudaGetErrorString=lambda error: ERRORS.get(int(error), f"error {int(error)}"),
-            cudaError=types.SimpleNamespace(success=0))
-        self.native = types.SimpleNamespace(cudaGetLastError=self._get_last_error)
-        """What the backend loads from libcudart with ctypes."""
         self.torch, self.cuda = fake_cuda.namespaces(self)
         self._default = [self.new_stream(fake_cuda.Stream, i, compute=True) for i in range(num_devices)]
         self.runtime = TorchCuda(self.torch, native=lambda: self.native, page_size=self.page_size)
@@ -374,11 +356,7 @@ class SimulatedCuda:
     def _execute(self, func: Any, args: tuple, kwargs: dict, stream: int | None) -> Any:
         if stream is not None:
             self.check()
-            t = self._tls()
-            if t.last_error:  # C10_CUDA_KERNEL_LAUNCH_CHECK: cudaGetLastError after each launch
-                code, t.last_error = t.last_error, 0
-                raise RuntimeError(f"CUDA error: {ERRORS.get(code, code)} (simulated: left set by an "
-                                   f"earlier call on this thread)")
+            self._launch_check()
         if func is not torch.ops.aten.copy_.default:
             return func(*args, **kwargs)
         s = self.current_stream(self.current_device())
@@ -392,66 +370,10 @@ class SimulatedCuda:
         self.need_context(s.device_index, "cudaMemcpyAsync")
 
         def run() -> None:
-            for rng in host:
-                if rng is not None and self.registered.get(rng[0]) != rng[1]:
-                    _poison(dst)
-                    raise RuntimeError(f"{ERRORS[700]} (simulated: a copy on {s.name} used page-locked "
-                                       f"host memory after cudaHostUnregister)")
+            self._check_registered(host, dst, s.name)
             func(*args, **kwargs)
         self._submit(s, run)
         return dst
-
-    def _registered_range(self, t: torch.Tensor) -> tuple[int, int] | None:
-        rng = tensor_bytes(t)
-        if rng is None:
-            return None
-        for a, n in list(self.registered.items()):
-            if a <= rng[0] < a + n:
-                return a, n
-        return None
-
-    # ---------------------------------------------------------------- page-locked memory
-    def _error(self, code: int) -> int:
-        self._tls().last_error = code
-        return code
-
-    def _get_last_error(self) -> int:
-        t = self._tls()
-        code, t.last_error = t.last_error, 0
-        return code
-
-    def _host_register(self, ptr: int, size: int, flags: int) -> int:
-        if self.errors:
-            return self._error(700)
-        self.need_context(None, "cudaHostRegister")
-        if size <= 0:
-            return self._error(1)
-        p = self.page_size
-        pages = set(range(ptr // p, (ptr + size - 1) // p + 1))
-        with self._lock:
-            if pages & self._pages:
-                return self._error(712)
-            if self.lockable_bytes is not None and sum(self.registered.values()) + size > self.lockable_bytes:
-                return self._error(2)
-            self._pages |= pages
-            self.registered[ptr] = size
-            self.counts["host_register"] += 1
-        return 0
-
-    def _host_unregister(self, ptr: int) -> int:
-        if self.errors:
-            return self._error(700)
-        self.need_context(None, "cudaHostUnregister")
-        with self._lock:
-            size = self.registered.pop(ptr, None)
-            if size is None:
-                return self._error(713)
-            p = self.page_size
-            self._pages -= set(range(ptr // p, (ptr + size - 1) // p + 1))
-            self.counts["host_unregister"] += 1
-        self.checker.host_release(ptr, ptr + size, "cudaHostUnregister of page-locked host memory")
-        ctypes.memset(ptr, 0xFF, size)  # poisoned: a copy still using it reads NaN
-        return 0
 
     # ---------------------------------------------------------------- errors and lifetime
     def inject_error(self, message: str = "an illegal memory access was encountered") -> None:
@@ -487,12 +409,6 @@ class SimulatedCuda:
             s._thread.join(timeout=5)
 
 
-def _poison(t: torch.Tensor) -> None:
-    rng = tensor_bytes(t)
-    if rng is not None and t.is_contiguous():
-        ctypes.memset(rng[0], 0xFF, rng[1] - rng[0])
-
-
 @contextlib.contextmanager
 def simulated_cuda(num_devices: int = 2, *, seed: int = 0, max_delay_s: float = 0.002,
                    timeout_s: float = 60.0, page_size: int | None = None, nccl: bool = True,
@@ -517,97 +433,3 @@ def simulated_cuda(num_devices: int = 2, *, seed: int = 0, max_delay_s: float = 
     if len(sim.violations) > sim._reported:  # (a sticky error was raised where it happened)
         sim.errors.clear()
         sim.raise_pending()
-
-
-# ------------------------------------------------------------------------- side-stream forwards
-class _Side:
-    """One forward's side-stream state, shared by its two autograd nodes."""
-
-    def __init__(self, sim: SimulatedCuda, main: Any, side: Any):
-        self.sim, self.main, self.side, self.done = sim, main, side, None
-
-
-_backward = threading.local()
-
-
-class _Exit(torch.autograd.Function):
-    """At the side part's input (a node of the main stream): in backward, the main stream waits
-    for the gradient the side stream produced, as autograd's engine makes a consumer wait."""
-
-    @staticmethod
-    def forward(ctx, x, anchor, st):
-        ctx.st = st
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        st = ctx.st
-        done = st.done or st.side.record_event()
-        st.main.wait_event(done)
-        st.sim.set_stream(st.main)
-        _backward.side = None
-        return g, None, None
-
-
-class _Enter(torch.autograd.Function):
-    """At the side part's output: in backward, its nodes run on the side stream."""
-
-    @staticmethod
-    def forward(ctx, h, st):
-        ctx.st = st
-        return h.view_as(h)
-
-    @staticmethod
-    def backward(ctx, g):
-        st = ctx.st
-        st.done = None
-        st.side.wait_stream(st.main)
-        st.sim.set_stream(st.side)
-        _backward.side = st
-        return g, None
-
-
-class SideStream(torch.nn.Module):
-    """Runs ``inner`` on a stream of its own, as a model with ``torch.cuda.stream(s)`` in its
-    forward does on a GPU: the side stream waits for the main one, the main one for the result;
-    in backward (as autograd's engine runs a node on its forward's stream) the side part's
-    gradients are computed and accumulated into its parameters' ``.grad`` on the side stream, and
-    the main stream waits only for the gradient that leaves the side part, not for those
-    accumulations. Only inside :func:`simulated_cuda`."""
-
-    def __init__(self, inner: torch.nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        sim = fake_cuda.active()
-        dev = sim.current_device()
-        main, side = sim.current_stream(dev), sim.side_stream(dev)
-        for p in self.inner.parameters():
-            if id(p) not in _SIDE_NODES:  # once per replica's parameter
-                # a pre-hook on the parameter's AccumulateGrad node, where autograd's engine records
-                # the event: a hook of the engine's, not a user's gradient hook on the parameter
-                node = p.view_as(p).grad_fn.next_functions[0][0]
-                node.register_prehook(_producer_done)
-                _SIDE_NODES[id(p)] = node  # a leaf's accumulator lives while something holds it
-                weakref.finalize(p, _SIDE_NODES.pop, id(p), None)
-        st = _Side(sim, main, side)
-        anchor = torch.zeros((), requires_grad=True)  # so that _Exit's backward always runs
-        x = _Exit.apply(x, anchor, st)
-        side.wait_stream(main)
-        with fake_cuda.stream(side):
-            h = self.inner(x)
-        main.wait_stream(side)
-        return _Enter.apply(h, st)
-
-
-_SIDE_NODES: dict[int, Any] = {}
-"""id(parameter) -> its AccumulateGrad node, for the parameters of :class:`SideStream` parts."""
-
-
-def _producer_done(grads: tuple) -> None:
-    """Before the first accumulation of the side part: the point autograd's engine records for
-    the main stream to wait on (the accumulations come after it)."""
-    st = getattr(_backward, "side", None)
-    if st is not None and st.done is None:
-        st.done = st.side.record_event()
