@@ -81,7 +81,7 @@ def rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
 
 def run_trainer(model, data, devices, runtime, grad_transfer=None, chunks=1) -> list[torch.Tensor]:
     import cgdp
-    from cgdp.engine.backend.cuda import use_runtime
+    from cgdp.engine.backend.cuda_runtime import use_runtime
     with use_runtime(runtime):
         with cgdp.Trainer(copy.deepcopy(model), SGD, devices, chunks=chunks, segment_bytes=4096,
                           share_devices=True, grad_transfer=grad_transfer) as tr:
@@ -95,7 +95,7 @@ def run_trainer(model, data, devices, runtime, grad_transfer=None, chunks=1) -> 
 
 def run_dataparallel(model, data, devices, runtime) -> list[torch.Tensor]:
     import cgdp
-    from cgdp.engine.backend.cuda import use_runtime
+    from cgdp.engine.backend.cuda_runtime import use_runtime
     with use_runtime(runtime):
         net = copy.deepcopy(model)
         with cgdp.DataParallel(net, list(dict.fromkeys(devices)), chunks=1) as dp:
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if not real and not args.simulate:
         print("[gpu_checks] no GPU: use --simulate to run the checks on the simulated runtime")
         return 2
-    from cgdp.engine.backend.cuda import TorchCuda
+    from cgdp.engine.backend.cuda_runtime import TorchCuda
     from cgdp.testing import simulated_cuda
     from cgdp.testing.fault_injection import Delayed
     from cgdp.testing.stream_check import StreamRaceError, checked

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import cgdp
-from cgdp.engine.core.accumulate import BLOCK, SERIAL_BELOW
+from cgdp.engine.core.accumulate import SERIAL_BELOW
+from cgdp.engine.core.kernels import BLOCK
 
 
 @pytest.mark.parametrize("nparts", [1, 2, 3, 4, 5, 6, 7, 8, 9])

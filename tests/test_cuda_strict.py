@@ -16,6 +16,7 @@ from torch import nn
 
 import cgdp
 from cgdp.engine.backend import cuda as cuda_backend
+from cgdp.engine.backend import cuda_runtime
 from cgdp.testing import SideStream, simulated_cuda
 from cgdp.testing import fake_cuda
 from cgdp.testing.stream_check import AccessMode, StreamChecker, StreamRaceError, tensor_bytes
@@ -51,7 +52,7 @@ def test_simulator_fakes_take_the_arguments_torch_cuda_takes():
     assert not wrong, wrong
     # what TorchCuda calls on torch.cuda is all mirrored
     import ast
-    src = inspect.getsource(cuda_backend.TorchCuda)
+    src = inspect.getsource(cuda_runtime.TorchCuda)
     called = {n.attr for n in ast.walk(ast.parse(src))
               if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "cuda"}
     mirrored = {name.split(".")[0] for name, _ in fake_cuda.MIRRORS} | {"nccl", "comm"}
@@ -248,7 +249,7 @@ def test_defect_6_buffers_and_steps_stay_off_a_user_stream():
 # ------------------------------------------------------------------------- defect 7
 def test_defect_7_host_free_checks_the_unregister_result():
     with simulated_cuda(1):
-        rt = cuda_backend.runtime()
+        rt = cuda_runtime.runtime()
         t = rt.host_alloc(100, torch.float32)
         rt.host_free(t)
         with pytest.raises(RuntimeError, match="cudaHostUnregister .* failed .*713"):
@@ -299,7 +300,7 @@ def test_simulator_waits_are_device_side():
     """A stream waiting on an event gives the host no knowledge: host memory a side-stream copy
     used is in flight until the host synchronises (unregistering it then is reported)."""
     with simulated_cuda(1, max_delay_s=0.0) as sim:
-        rt = cuda_backend.runtime()
+        rt = cuda_runtime.runtime()
         side = rt.Stream(0)
         host = rt.host_alloc(64, torch.float32)
         dev = torch.ones(64)
@@ -440,7 +441,7 @@ def test_backend_corners_without_nccl_and_with_failures():
     """The rest of TorchCuda and CudaDevice: the reduce without NCCL, host rows given back one by
     one, one segment sent and given back by hand, a timestamp that outlived its step, libcudart
     lookup."""
-    lib = cuda_backend._load_cudart()
+    lib = cuda_runtime._load_cudart()
     assert lib is None or hasattr(lib, "cudaGetLastError")
     batches = data(2)
     model = mlp()

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import cgdp
 from cgdp.engine.backend import cuda as cuda_backend
+from cgdp.engine.backend import cuda_runtime
 from cgdp.testing import NullCuda, null_cuda
 from helpers import mlp
 from cgdp.testing import inside
@@ -18,7 +19,7 @@ SGD = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
 def test_runs_the_cuda_backend_and_counts_its_calls_per_step():
     g = 4
     with null_cuda(g) as rt:
-        assert cuda_backend.runtime() is rt and cuda_backend.cuda_count() == g
+        assert cuda_runtime.runtime() is rt and cuda_backend.cuda_count() == g
         with cgdp.Trainer(mlp(), SGD, [f"cuda:{j}" for j in range(g)], chunks=1, segment_bytes=1024) as tr:
             assert all(isinstance(d, cuda_backend.CudaDevice) for d in inside(tr).devices)
             x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
@@ -42,10 +43,10 @@ def test_runs_the_cuda_backend_and_counts_its_calls_per_step():
 
 def test_is_a_runtime_object_for_use_runtime():
     rt = NullCuda(2)
-    with cuda_backend.use_runtime(rt):
+    with cuda_runtime.use_runtime(rt):
         with cgdp.Trainer(mlp(), SGD, ["cuda:0", "cuda:1"], chunks=2) as tr:
             tr.step(torch.randn(6, 12), torch.randint(0, 5, (6,)), F.cross_entropy)
-    assert cuda_backend.runtime() is not rt
+    assert cuda_runtime.runtime() is not rt
     with pytest.raises(ValueError, match="at least one device"):
         NullCuda(0)
 

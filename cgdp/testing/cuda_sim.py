@@ -2,8 +2,8 @@
 
 Inside ``with cgdp.testing.simulated_cuda(2) as sim:``, ``"cuda:0"`` and ``"cuda:1"`` are CUDA
 devices: the engine builds :class:`cgdp.engine.backend.cuda.CudaDevice` objects over the real
-:class:`~cgdp.engine.backend.cuda.TorchCuda`, whose ``torch.cuda`` is :mod:`cgdp.testing.fake_cuda`
-(torch 2.13's signatures) over this runtime. It is at least as strict as CUDA wherever a
+:class:`~cgdp.engine.backend.cuda_runtime.TorchCuda`, whose ``torch.cuda`` is
+:mod:`cgdp.testing.fake_cuda` (torch 2.13's signatures) over this runtime. It is at least as strict as CUDA wherever a
 difference could hide a defect:
 
 * **Asynchrony.** Every stream is an in-order worker thread that sleeps a random (seeded) time
@@ -67,7 +67,7 @@ class SimulatedCuda(PageLockedMemory):
     def __init__(self, num_devices: int, seed: int = 0, max_delay_s: float = 0.002,
                  timeout_s: float = 60.0, page_size: int | None = None, nccl: bool = True,
                  lockable_bytes: int | None = None):
-        from cgdp.engine.backend.cuda import TorchCuda, host_page_size
+        from cgdp.engine.backend.cuda_runtime import TorchCuda, host_page_size
         if num_devices < 1:
             raise ValueError(f"simulated_cuda needs at least one device, got {num_devices}")
         self.num_devices = num_devices
@@ -419,7 +419,7 @@ def simulated_cuda(num_devices: int = 2, *, seed: int = 0, max_delay_s: float = 
     ``page_size``: the host's page size (default: this machine's); ``nccl``: whether
     ``torch.cuda.nccl`` reports itself available; ``lockable_bytes``: the page-locked memory limit.
     Ordering violations not raised earlier are raised when the block ends."""
-    from cgdp.engine.backend.cuda import use_runtime
+    from cgdp.engine.backend.cuda_runtime import use_runtime
     sim = SimulatedCuda(num_devices, seed=seed, max_delay_s=max_delay_s, timeout_s=timeout_s,
                         page_size=page_size, nccl=nccl, lockable_bytes=lockable_bytes)
     sim.activate()

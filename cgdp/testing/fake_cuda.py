@@ -1,4 +1,4 @@
-"""``torch.cuda`` as :class:`cgdp.engine.backend.cuda.TorchCuda` uses it, over a simulated runtime.
+"""``torch.cuda`` as :class:`cgdp.engine.backend.cuda_runtime.TorchCuda` uses it, over a simulated runtime.
 
 The classes and functions here have the signatures of torch 2.13's (``Stream``, ``Event``,
 ``StreamContext``, ``device``, ``current_stream``, ``cudart()``, the RNG calls, ``nccl``,

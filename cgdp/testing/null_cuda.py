@@ -3,7 +3,7 @@
 Inside ``with cgdp.testing.null_cuda(8) as rt:``, ``"cuda:0"`` … ``"cuda:7"`` are CUDA devices and
 the engine runs :mod:`cgdp.engine.backend.cuda`'s own code (hooks, sends, completion waits, the
 host sum, copies back, events, stream waits), but the runtime beneath it
-(:class:`cgdp.engine.backend.cuda.TorchCuda`) is replaced by :class:`NullCuda`, whose methods
+(:class:`cgdp.engine.backend.cuda_runtime.TorchCuda`) is replaced by :class:`NullCuda`, whose methods
 return at once: a copy copies nothing, an event is complete when recorded, a stream wait waits for
 nothing. Tensors of a null device live in host memory (its ``torch_device`` is ``cpu``), so the
 replicas' forward, backward and optimizer still run, on CPU kernels.
@@ -99,7 +99,8 @@ class NullEvent:
 
 
 class NullCuda:
-    """A CUDA runtime with :class:`cgdp.engine.backend.cuda.TorchCuda`'s methods, each a no-op."""
+    """A CUDA runtime with :class:`cgdp.engine.backend.cuda_runtime.TorchCuda`'s methods, each a
+    no-op."""
 
     simulated = True
     null = True
@@ -199,7 +200,7 @@ class NullCuda:
 def null_cuda(num_devices: int = 2) -> Iterator[NullCuda]:
     """Inside, ``"cuda:0"`` … ``"cuda:{num_devices-1}"`` run cgdp's CUDA backend on a runtime whose
     every call is a no-op (nothing is computed on, or copied to or from, any device)."""
-    from cgdp.engine.backend.cuda import use_runtime
+    from cgdp.engine.backend.cuda_runtime import use_runtime
     rt = NullCuda(num_devices)
     with use_runtime(rt):
         yield rt

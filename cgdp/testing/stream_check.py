@@ -401,10 +401,10 @@ _UNINITIALISED = re.compile(r"aten::(new_)?empty(_like|_strided|_permuted)?$")
 
 
 class checked:
-    """A runtime object (``cgdp.engine.backend.cuda.use_runtime``) that records, on a GPU, what every
-    cgdp thread issues: ``set_device`` (each cgdp thread's first CUDA call) pushes the access mode
-    on that thread; ``host_free`` reports page-locked memory unregistered while still in use.
-    Everything else is the wrapped runtime's."""
+    """A runtime object (``cgdp.engine.backend.cuda_runtime.use_runtime``) that records, on a GPU,
+    what every cgdp thread issues: ``set_device`` (each cgdp thread's first CUDA call) pushes the
+    access mode on that thread; ``host_free`` reports page-locked memory unregistered while still
+    in use. Everything else is the wrapped runtime's."""
 
     def __init__(self, rt: Any):
         self._rt = rt

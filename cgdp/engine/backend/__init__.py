@@ -1,7 +1,8 @@
-"""The devices: streams, events, pinned memory; CUDA (``cuda.py``: alone touches ``torch.cuda``) or CPU-emulated.
+"""The devices: streams, events, pinned memory; CUDA (``cuda.py``) or CPU-emulated.
 
-May import ``engine.sync`` only. This module is device selection in one place: device strings →
-:class:`~cgdp.engine.backend.base.Device` objects.
+Only the CUDA backend's runtime (``cuda_runtime.py``, beneath ``cuda.py``'s devices) touches
+``torch.cuda``. May import ``engine.sync`` only. This module is device selection in one place:
+device strings → :class:`~cgdp.engine.backend.base.Device` objects.
 
 ``"cpu:N"`` are CPU-emulated devices (any N, each a separate replica in host memory);
 ``"cuda:N"`` are real GPUs (or simulated ones inside ``cgdp.testing.simulated_cuda``). One trainer

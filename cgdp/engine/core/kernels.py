@@ -1,0 +1,436 @@
+"""The host sum's Numba kernels: every compiled loop behind :mod:`cgdp.engine.core.accumulate`.
+
+``accumulate`` checks the arguments and picks a kernel (parallel or serial, float or 16-bit, by
+part count); what runs is here. Invariants:
+
+* The work is cut into cache-sized blocks (``BLOCK``); each block is summed in L1/L2 while the
+  parts stream through once, so the bytes moved are (len(parts) reads + 1 write) of the output
+  size, no more. Within a block, parts are added left to right, in the order given.
+* The non-finite count, the sum of squares (``want_sq``: float64, each block's right after it is
+  written, the blocks' sums added in block order) and the rounding to 16 bits (``back``) are
+  taken in that same pass, while the block is in L1: no second read of memory, and the same bits
+  for any thread count.
+* Every kernel is ``nogil`` (the accumulator thread runs them while the device threads execute
+  Python) and compiled twice, parallel (``prange`` over blocks) and serial.
+* Every compiled function and all it calls live in this one file: Numba's on-disk cache
+  (``cache=True``) notices a change to a kernel's own file only, not to a callee in another file.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+BLOCK = 4096
+"""Elements per block: 16 KiB of float32 output stays in L1 while up to four parts stream through."""
+
+# Each inner loop is its own small function over block slices: indexing a slice from 0 lets LLVM
+# drop Numba's negative-index check and vectorise the loop (indexing the whole array over
+# range(lo, hi) does not vectorise). Up to four parts are added per pass over a block, always
+# left to right, so the sum is the same as adding the parts one after another.
+_loop = njit(nogil=True, inline="never", cache=True)
+
+
+@intrinsic
+def _bits_to_f32(typingctx, u):
+    """Reinterpret a uint32 as float32 (a register bit cast; vectorises, unlike an array view)."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return sig, codegen
+
+
+@_loop
+def _set1s(o, a, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = a[i] * s
+        o[i] = v
+        nb += (v - v) != 0  # v - v is 0 for finite v, NaN for NaN/Inf: counted in the same pass
+    return nb
+
+
+@_loop
+def _set2s(o, a, b, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = (a[i] + b[i]) * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
+
+
+@_loop
+def _set3s(o, a, b, c, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = ((a[i] + b[i]) + c[i]) * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
+
+
+@_loop
+def _set4s(o, a, b, c, d, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = (((a[i] + b[i]) + c[i]) + d[i]) * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
+
+
+@_loop
+def _set4(o, a, b, c, d):
+    for i in range(o.shape[0]):
+        o[i] = ((a[i] + b[i]) + c[i]) + d[i]
+
+
+@_loop
+def _add4(o, a, b, c, d):
+    for i in range(o.shape[0]):
+        o[i] = (((o[i] + a[i]) + b[i]) + c[i]) + d[i]
+
+
+@_loop
+def _add1s(o, a, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = (o[i] + a[i]) * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
+
+
+@_loop
+def _add2s(o, a, b, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = ((o[i] + a[i]) + b[i]) * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
+
+
+@_loop
+def _add3s(o, a, b, c, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = (((o[i] + a[i]) + b[i]) + c[i]) * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
+
+
+@_loop
+def _add4s(o, a, b, c, d, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = ((((o[i] + a[i]) + b[i]) + c[i]) + d[i]) * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
+
+
+@intrinsic
+def _half_to_f32(typingctx, u):
+    """Widen fp16 bits (uint16) to float32 (``fpext half``: one instruction with F16C)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return sig, codegen
+
+
+@njit(nogil=True, inline="always", cache=True)
+def widen(u, half):
+    """16-bit bits to float32: IEEE half if ``half``, else bfloat16. ``half`` is the same for a
+    whole loop: LLVM unswitches the loop on it and vectorises each version."""
+    if half:
+        return _half_to_f32(u)
+    return _bits_to_f32(np.uint32(u) << np.uint32(16))
+
+
+@intrinsic
+def _f32_bits(typingctx, x):
+    """Reinterpret a float32 as uint32."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return sig, codegen
+
+
+@intrinsic
+def _f32_to_half_bits(typingctx, x):
+    """Round a float32 to IEEE half (``fptrunc``: to nearest even, as torch) and return its bits."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return sig, codegen
+
+
+@njit(nogil=True, inline="always", cache=True)
+def narrow(x, half):
+    """float32 to 16-bit bits, rounded to nearest even exactly as ``tensor.to(torch.bfloat16 or
+    torch.float16)`` rounds finite values (NaN becomes a quiet NaN)."""
+    if half:
+        return _f32_to_half_bits(x)
+    u = _f32_bits(x)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16(0x7FC0)
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@_loop
+def _narrow(o, d, half):
+    for i in range(o.shape[0]):
+        d[i] = narrow(o[i], half)
+
+
+@_loop
+def _wset2s(o, a, b, s, half):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = (widen(a[i], half) + widen(b[i], half)) * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
+
+
+@_loop
+def _scale_count(o, s):
+    nb = 0
+    for i in range(o.shape[0]):
+        v = o[i] * s
+        o[i] = v
+        nb += (v - v) != 0
+    return nb
+
+
+@_loop
+def _wset1(o, a, half):
+    for i in range(o.shape[0]):
+        o[i] = widen(a[i], half)
+
+
+@_loop
+def _wset2(o, a, b, half):
+    for i in range(o.shape[0]):
+        o[i] = widen(a[i], half) + widen(b[i], half)
+
+
+@_loop
+def _wadd1(o, a, half):
+    for i in range(o.shape[0]):
+        o[i] = o[i] + widen(a[i], half)
+
+
+@_loop
+def _wadd2(o, a, b, half):
+    for i in range(o.shape[0]):
+        o[i] = (o[i] + widen(a[i], half)) + widen(b[i], half)
+
+
+@njit(nogil=True, inline="never", cache=True, fastmath={"reassoc", "nsz"})
+def _sumsq(o):
+    """Sum of squares of one block in float64. ``reassoc`` lets LLVM vectorise the sum (4x faster
+    than eight scalar lanes, which LLVM leaves unvectorised): the order within a block is then
+    the compiled code's vector order, fixed for a build and CPU (the same bits on every run and
+    any thread count, but CPUs with other vector widths may differ in the last bits: the trainer
+    makes MPI ranks agree by using rank 0's value)."""
+    a = 0.0
+    for i in range(o.shape[0]):
+        x = np.float64(o[i])
+        a += x * x
+    return a
+
+
+@_loop
+def _ordered_sum(sq):
+    t = 0.0
+    for i in range(sq.shape[0]):
+        t += sq[i]
+    return t
+
+
+# One kernel per part count up to four, each calling its fused loop with the parts as plain
+# arguments: indexing the tuple of parts with a run-time index costs half the bandwidth.
+# With ``want_sq``, each block's sum of squares is taken right after the block is written, while
+# it is still in L1 (no second pass over memory), into its own slot of ``sq``; the slots are then
+# added in block order, so the total is the same whatever the thread count.
+def _k1(out, a, s, want_sq):
+    n = out.shape[0]
+    nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
+    bad = 0
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
+        hi = min(lo + BLOCK, n)
+        bad += _set1s(out[lo:hi], a[lo:hi], s)
+        if want_sq:
+            sq[blk] = _sumsq(out[lo:hi])
+    return bad, _ordered_sum(sq)
+
+
+def _k2(out, a, b, s, want_sq):
+    n = out.shape[0]
+    nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
+    bad = 0
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
+        hi = min(lo + BLOCK, n)
+        bad += _set2s(out[lo:hi], a[lo:hi], b[lo:hi], s)
+        if want_sq:
+            sq[blk] = _sumsq(out[lo:hi])
+    return bad, _ordered_sum(sq)
+
+
+def _k3(out, a, b, c, s, want_sq):
+    n = out.shape[0]
+    nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
+    bad = 0
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
+        hi = min(lo + BLOCK, n)
+        bad += _set3s(out[lo:hi], a[lo:hi], b[lo:hi], c[lo:hi], s)
+        if want_sq:
+            sq[blk] = _sumsq(out[lo:hi])
+    return bad, _ordered_sum(sq)
+
+
+def _k4(out, a, b, c, d, s, want_sq):
+    n = out.shape[0]
+    nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
+    bad = 0
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
+        hi = min(lo + BLOCK, n)
+        bad += _set4s(out[lo:hi], a[lo:hi], b[lo:hi], c[lo:hi], d[lo:hi], s)
+        if want_sq:
+            sq[blk] = _sumsq(out[lo:hi])
+    return bad, _ordered_sum(sq)
+
+
+def _wk2(out, a, b, s, want_sq, half, back):
+    n = a.shape[0]
+    nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
+    bad = 0
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
+        hi = min(lo + BLOCK, n)
+        # an empty out: the float32 block lives in a scratch that stays in cache (only back is written)
+        o = out[lo:hi] if out.shape[0] else np.empty(hi - lo, np.float32)
+        bad += _wset2s(o, a[lo:hi], b[lo:hi], s, half)
+        if want_sq:
+            sq[blk] = _sumsq(o)
+        if back.shape[0]:
+            _narrow(o, back[lo:hi], half)
+    return bad, _ordered_sum(sq)
+
+
+def _body(out, parts, scale, want_sq):
+    """More than four parts: the first four in one pass, then up to four more per pass."""
+    n = out.shape[0]
+    nparts = len(parts)
+    nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
+    bad = 0
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
+        hi = min(lo + BLOCK, n)
+        o = out[lo:hi]
+        _set4(o, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], parts[3][lo:hi])
+        j = 4
+        while nparts - j > 4:  # middle groups of four; the last group is fused with the scale
+            _add4(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], parts[j + 3][lo:hi])
+            j += 4
+        k = nparts - j
+        if k == 1:
+            bad += _add1s(o, parts[j][lo:hi], scale)
+        elif k == 2:
+            bad += _add2s(o, parts[j][lo:hi], parts[j + 1][lo:hi], scale)
+        elif k == 3:
+            bad += _add3s(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], scale)
+        else:
+            bad += _add4s(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi],
+                          parts[j + 3][lo:hi], scale)
+        if want_sq:
+            sq[blk] = _sumsq(o)
+    return bad, _ordered_sum(sq)
+
+
+def _body_wide(out, parts, scale, want_sq, half, back):
+    """16-bit parts (bf16 or fp16 bits), widened to float32 on the fly; with a non-empty ``back``,
+    each block's float32 result is also rounded into it, while the block is in L1. An empty
+    ``out`` keeps each float32 block in a scratch of its own: only ``back`` is written."""
+    n = parts[0].shape[0]
+    nparts = len(parts)
+    nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks if want_sq else 0)
+    bad = 0
+    for b in prange(nblocks):
+        lo = b * BLOCK
+        hi = min(lo + BLOCK, n)
+        o = out[lo:hi] if out.shape[0] else np.empty(hi - lo, np.float32)
+        z = nparts - nparts
+        if nparts == 1:
+            _wset1(o, parts[z][lo:hi], half)
+            j = 1
+        else:
+            _wset2(o, parts[z][lo:hi], parts[z + 1][lo:hi], half)
+            j = 2
+        while j < nparts:
+            if nparts - j >= 2:
+                _wadd2(o, parts[j][lo:hi], parts[j + 1][lo:hi], half)
+                j += 2
+            else:
+                _wadd1(o, parts[j][lo:hi], half)
+                j += 1
+        bad += _scale_count(o, scale)
+        if want_sq:
+            sq[b] = _sumsq(o)
+        if back.shape[0]:
+            _narrow(o, back[lo:hi], half)
+    return bad, _ordered_sum(sq)
+
+
+# Compiled twice each, parallel and serial (below accumulate.SERIAL_BELOW elements, or in a forked
+# child). Index 0 takes any number of parts, index k exactly k (16-bit: index 1 exactly two).
+PARALLEL = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body, _k1, _k2, _k3, _k4)]
+SERIAL = [njit(nogil=True, cache=True)(k) for k in (_body, _k1, _k2, _k3, _k4)]
+PARALLEL_WIDE = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body_wide, _wk2)]
+SERIAL_WIDE = [njit(nogil=True, cache=True)(k) for k in (_body_wide, _wk2)]
+
+
+def _round_blocks_py(src, dst, half):
+    n = src.shape[0]
+    for blk in prange((n + BLOCK - 1) // BLOCK):
+        lo = blk * BLOCK
+        hi = min(lo + BLOCK, n)
+        _narrow(src[lo:hi], dst[lo:hi], half)
+
+
+round_blocks = njit(parallel=True, nogil=True, cache=True)(_round_blocks_py)
+round_blocks_serial = njit(nogil=True, cache=True)(_round_blocks_py)
+
+
+def _sumsq_blocks_py(x):
+    n = x.shape[0]
+    nblocks = (n + BLOCK - 1) // BLOCK
+    sq = np.zeros(nblocks)
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
+        sq[blk] = _sumsq(x[lo:min(lo + BLOCK, n)])
+    return _ordered_sum(sq)
+
+
+sumsq_blocks = njit(parallel=True, nogil=True, cache=True)(_sumsq_blocks_py)
+sumsq_blocks_serial = njit(nogil=True, cache=True)(_sumsq_blocks_py)
