@@ -3,7 +3,7 @@
 A :class:`Hardware` names the parts that bound CGDP: the PCIe generation, width and topology of the
 device links (which devices share a switch uplink), host memory bandwidth and accumulation threads,
 and, for several machines, the network. :func:`stage_costs` turns it into the simulator's
-:class:`~cgdp.planning.simulator.StageCosts`; :func:`emulated_costs` does the same for CPU-emulated devices
+:class:`~cgdp.planning.costs.StageCosts`; :func:`emulated_costs` does the same for CPU-emulated devices
 from a :mod:`cgdp.planning.probe` measurement. Presets cover the paper's machine and common PCIe boxes.
 
 Bandwidths are GB/s (1e9 bytes/s) per direction unless named otherwise; a PCIe link moves data in

@@ -2,7 +2,7 @@
 
 The paper searches only uniform chunk sizes (§4.2, Algorithm 1); there are 2^(l−1) plans
 (Proposition 4.1). For identical devices the simulator's backward phase is a permutation flow shop
-(:func:`cgdp.planning.simulator.chain_makespan`): a chunk holds compute, D2H, host accumulation, (MPI) and
+(:func:`cgdp.planning.flowshop.chain_makespan`): a chunk holds compute, D2H, host accumulation, (MPI) and
 H2D in turn, each stage serving chunks in order. The state after a prefix of chunks is the vector of
 finish times of the last chunk on every stage, and the final time is a monotone (max-plus) function
 of that vector. So the planner keeps, at every layer boundary, the Pareto front of state vectors

@@ -34,7 +34,7 @@ def first_plan(chunks: int | Plan | str, layer_bytes: Sequence[int], devices: in
         cost, ranks = None, 1
         if comm is not None and chunks == "auto" and paper:
             from cgdp.comm.mpi import probe_alpha_beta
-            from cgdp.planning.simulator import Linear
+            from cgdp.planning.costs import Linear
             alpha, beta = probe_alpha_beta(comm)
             cost, ranks = Linear(alpha, beta), comm.size
         tuner = make_tuner(chunks, list(layer_bytes), devices, comm=cost, ranks=ranks)
