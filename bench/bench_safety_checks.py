@@ -10,7 +10,7 @@ Two checks run at every step of ``cgdp.DataParallel`` (the hook gates also in ``
   looked at again only when it moved. Timed alone, per step, on bench_engine's models replicated
   4 times: when nothing was registered (the usual step), and when a hook is registered at every
   step (non-reentrant ``torch.utils.checkpoint`` does that).
-* **The gradient comparison** (:func:`cgdp.engine.dataparallel.replica_grads.same_bits`): before
+* **The gradient comparison** (:func:`cgdp.engine.dataparallel.dense.same_bits`): before
   each ``optimizer.step()`` after a synced backward, replica 0's flat gradient buffer is compared
   bit for bit with replica 1's, to find edits through ``.data`` (one pass over two gradients).
   Timed in the user's loop on two emulated devices, with the comparison and with it replaced by
@@ -37,7 +37,7 @@ import cgdp  # noqa: E402
 from bench_engine import FULL, LR, QUICK, params_of, rel_err  # noqa: E402
 from cgdp.engine.core.module_hooks import ModuleHooks  # noqa: E402
 from cgdp.engine.core.param_hooks import ParamHooks  # noqa: E402
-from cgdp.engine.dataparallel import replica_grads  # noqa: E402
+from cgdp.engine.dataparallel import dense  # noqa: E402
 from common import command_line, fmt, interleaved, machine, machine_md, median, table, write_results  # noqa: E402
 
 
@@ -80,18 +80,18 @@ def main(argv: list[str] | None = None) -> int:
             models[name] = (m, torch.optim.SGD(m.parameters(), lr=LR))
         ref = copy.deepcopy(net)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-        real = replica_grads.same_bits
+        real = dense.same_bits
 
         def loop(name: str) -> None:
             m, opt = models[name]
-            replica_grads.same_bits = real if name == "compared" else (lambda a, b: True)
+            dense.same_bits = real if name == "compared" else (lambda a, b: True)
             try:
                 for _ in range(args.steps):
                     opt.zero_grad()
                     loss_fn(m(x), y).backward()
                     opt.step()
             finally:
-                replica_grads.same_bits = real
+                dense.same_bits = real
 
         times = interleaved({k: (lambda k=k: loop(k)) for k in models}, rounds, warmup=1)
         calls = 1 + len(times["compared"])  # warm-up included: the reference steps as often

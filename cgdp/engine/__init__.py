@@ -20,7 +20,7 @@ agreement, schedulers); ``typical`` (the paper's baseline mode), ``state`` (chec
 ``timing`` (profiles and traces).
 
 ``dataparallel/`` the face ``cgdp.DataParallel``, behind the user's own loop: ``scatter`` (split the
-arguments, gather the outputs) → the core → ``replica_grads`` (what each replica's ``.grad`` holds
+arguments, gather the outputs) → the core → ``grads`` (what each replica's ``.grad`` holds
 between backwards) → ``mirror`` (the user's optimizer steps every replica).
 
 ``sync`` (loose): how threads of one step wait for each other without hanging; every room uses it.

@@ -65,7 +65,6 @@ from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import default_devices, host_threads, make_devices, make_rng, parse_devices
 from cgdp.engine.core.buffers import sync_buffers
 from cgdp.engine.core.claims import claim
-from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.lifetime import Lifetime, holding
 from cgdp.engine.core.layers import find_layers, number_params, trainable_dtype
@@ -77,12 +76,12 @@ from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
-from cgdp.engine.dataparallel.replica_grads import ReplicaGrads
+from cgdp.engine.dataparallel.dense import DenseGrads
+from cgdp.engine.dataparallel.grads import EmptyPart, Gradients
 from cgdp.engine.dataparallel.replica_state import ReplicaState
 from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
 from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
 from cgdp.engine.dataparallel.user_module import GradBuffers, local_load_post_hook
-from cgdp.engine.dataparallel.user_warning import warn_user
 from cgdp.engine.sync import Guard, StepAborted
 from cgdp.planning.chunks import Plan
 
@@ -144,9 +143,6 @@ class DataParallel(nn.Module):
         self.devices = list(devices)
         self._scalar_outputs = scalar_outputs
         self._no_sync = False
-        self._incomplete = False  # a backward failed partway and dropped the gradients
-        self._sending = False
-        self._host_fresh = False
         self._guard = Guard(timeout_s)
         # one operation at a time, and what close() releases (also when dropped without close())
         self._life = Lifetime(self, NAME, "wrap model.module again", _refusal, _stopped, self._guard.fail)
@@ -196,12 +192,14 @@ class DataParallel(nn.Module):
         self._threads = self._life.threads = DeviceThreads(devs, self._guard)
         res.push(self._threads.close)
         self._rng = make_rng(devs)  # one random stream per replica
-        self._sparse = SparseGrads(sparse, [d.torch_device for d in devs])
         self._backward_check = BackwardCheck()
         self._stream: GradientStream | None = None
-        self._grads: ReplicaGrads | None = None
+        dense = EmptyPart()
         if any(info.numel for info in infos):  # dense trainable parameters: the streaming path
-            self._build_stream(devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before, host_memory)
+            dense = self._build_stream(devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
+                                       host_memory)
+        torch_devices = [d.torch_device for d in devs]
+        self._grads = Gradients(dense, SparseGrads(sparse, torch_devices) if sparse[0] else None, torch_devices)
         registered = list(module.parameters()) + self._grad_buffers.current(0)
         owner, mirrors = mirror.register(self, registered), self.mirrors
         res.push(lambda: mirror.unregister(registered, owner))
@@ -211,7 +209,8 @@ class DataParallel(nn.Module):
         # never pickled with the module (torch.save(model.module) while wrapped)
         res.push(local_load_post_hook(module, lambda *_: me()._state.broadcast()).remove)
 
-    def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before, host_memory) -> None:
+    def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
+                      host_memory) -> DenseGrads:
         itemsize = torch.tensor([], dtype=dtype).element_size()
         # no step profiles here (the loop is the user's): the tuner measures uniform plans
         plan, self._tuner = first_plan(chunks, [i.numel * itemsize for i in infos], len(devs), self._comm)
@@ -221,7 +220,7 @@ class DataParallel(nn.Module):
         self._life.resources.push(lambda: _close_keeping_grads(st))
         self._stream.set_plan(plan)
         self._stream.disarm()
-        self._grads = ReplicaGrads(self._stream, before)
+        return DenseGrads(self._stream, before, self._param_hooks, self._comm, self._guard.timeout_s)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -295,8 +294,8 @@ class DataParallel(nn.Module):
                 self._state.broadcast(buffers_only=True)
         sync = not self._no_sync
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
-        trains = self._stream is not None or bool(self._sparse)
-        on_backward = (lambda me=threading.current_thread(): self._begin_backward(sync, me)) if trains else None
+        on_backward = ((lambda me=threading.current_thread(): self._begin_backward(sync, me))
+                       if self._grads.trains else None)
         # the scalars are shares of a global sum when the model divided by the count it was given
         summed = self._scalar_outputs == "sum" or any(c.used for c in counts)
         return gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
@@ -316,25 +315,7 @@ class DataParallel(nn.Module):
         """Clip the gradient of every replica by the norm of the whole (summed) gradient, computed
         on the host during backward (from the second call on); returns that norm (as FSDP's
         method of the same name)."""
-        if not ((self._grads is None or self._grads.synced_last) and self._sparse.synced_last):
-            raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
-                               "that runs outside model.no_sync()")
-        self._mirror_if_changed()
-        total = self._grad_norm(float(norm_type))
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        with torch.no_grad():
-            if self._stream is not None:
-                self._stream.scale_grads(coef)
-                self._grads.record()
-            self._sparse.scale(coef)
-        self._host_fresh = False
-        return total
-
-    def _mirror_if_changed(self) -> None:
-        """Replica 0's gradients changed by the user since backward: copy them to every replica."""
-        if self._grads is not None and self._grads.mirror_if_changed():
-            self._host_fresh = False
-        self._sparse.mirror_if_changed()
+        return self._grads.clip(max_norm, float(norm_type))
 
     def train(self, mode: bool = True) -> "DataParallel":
         super().train(mode)
@@ -399,11 +380,7 @@ class DataParallel(nn.Module):
         """Before the optimizer steps: the operation lock, held until after_step (``cleanup`` if that never comes)."""
         for d in self._devs:  # the copies back are ordered before the default streams only
             d.check_caller("optimizer.step()")
-        if self._incomplete:
-            raise RuntimeError("the last backward through cgdp.DataParallel failed partway, so the "
-                               "gradients are incomplete (they were dropped); call optimizer.zero_grad() "
-                               "and redo this step's forward and backward before optimizer.step()")
-        self._mirror_if_changed()
+        self._grads.check_step()
 
     def replicas_resynced(self) -> None:
         self._state.record_parameters()  # every replica took replica 0's parameters (a step failed)
@@ -411,12 +388,7 @@ class DataParallel(nn.Module):
     def grads_kept(self) -> bool:
         """After the optimizer stepped every replica: whether replica 0's gradients were left as
         its mirrors had them (if not, the mirrors resync and this warns)."""
-        if self._grads is None or self._grads.attached():
-            return True
-        warn_user("replica 0's gradients were changed during optimizer.step() (optimizer.zero_grad() "
-                  "from another thread?); every replica took replica 0's parameters and optimizer "
-                  "state, so they stay identical. Drive a cgdp.DataParallel from one thread")
-        return False
+        return self._grads.kept()
 
     def after_step(self) -> None:
         """Called after the user's optimizer stepped every replica: while tuning, the time since
@@ -446,10 +418,7 @@ class DataParallel(nn.Module):
         """Relay the flat buffers for ``plan`` (their contents kept), with nothing in flight."""
         quiesce(self._devs, self._stream.host, self._guard.timeout_s)
         self._stream.set_plan(plan)
-        self._stream.disarm()
-        self._grads.set_none()
-        self._grads.record()
-        self._host_fresh = False
+        self._grads.relaid()
 
     # ------------------------------------------------------------------ backward
     def _begin_backward(self, sync: bool, owner: threading.Thread) -> None:
@@ -462,18 +431,7 @@ class DataParallel(nn.Module):
                 self._life.ops.give()  # input gradients only: autograd alone, as on one device
                 return
             self._guard.reset()
-            if self._stream is not None:
-                if self._param_hooks.take() and not (sync and self._grads.synced_last):
-                    self._param_hooks.put_back()
-                    raise RuntimeError("a parameter of the model has a gradient hook (register_hook), which cgdp "
-                                       "runs on each backward's summed gradient; inside model.no_sync() that sum "
-                                       "is never formed. Accumulate outside no_sync(), or remove the hook")
-                self._grads.prepare()
-                self._grads.hold(list(self._param_hooks.held))
-                self._stream.arm(sending=sync)
-            self._sparse.prepare()
-            self._sending = sync
-            self._host_fresh = False
+            self._grads.begin(sync)
             Variable._execution_engine.queue_callback(self._end_backward)
         except BaseException:
             self._life.ops.give()
@@ -481,79 +439,30 @@ class DataParallel(nn.Module):
 
     def _after_failed_backward(self) -> None:
         """A backward that raised never reached :meth:`_end_backward` (the clean-up of its stale
-        turn): its copies may still be in flight and the gradients are partial. Let everything
-        stop and start again from zero."""
-        st = self._stream
+        hold of the operation lock): its copies may still be in flight and the gradients are
+        partial. Let everything stop, then keep or drop them."""
         self._guard.fail(RuntimeError("the previous backward failed"))
-        self._life.broken = drain_after_failure(self._devs, st.host if st is not None else None)
+        self._life.broken = drain_after_failure(self._devs, self._host())
         self._guard.reset()
-        if st is not None:
-            st.disarm()
-            self._param_hooks.put_back()
-            self._grads.unhold()
-        if (st is None or self._grads.undo_prepare()) and self._sparse.undo_prepare():
-            return  # it failed before any gradient changed: they are kept, as on one device
-        if st is not None:
-            self._grads.reset()
-        self._sparse.reset()
-        self._incomplete = True
-        warn_user("the previous backward through cgdp.DataParallel failed partway; the gradients "
-                  "it left were dropped (every .grad is None)")
+        self._grads.fail()
 
     def _end_backward(self) -> None:
         """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
-        st = self._stream
-        hooked = False
         try:
-            if st is not None:
-                if self._sending:
-                    st.flush_all()  # chunks backward never completed (unused layers, idle devices)
-                    for j in range(len(self._devs)):
-                        st.wait_returned(j)  # note: host waits until every summed chunk is back
-                touched = st.touched()
-                if self._sending and self._comm is not None:
-                    self._comm.fence(self._guard.timeout_s)
-                    # a parameter with a gradient on any rank has one on every rank
-                    touched = self._comm.allreduce_small(touched + self._grads.has_grad)
-                hooked = bool(self._param_hooks.held)
-                if hooked:  # the user's gradient hooks, on the sum (the host's norm is of the sum before them)
-                    self._grads.apply_hooks(touched, self._param_hooks)
-                self._grads.finish(touched, self._sending)
-            self._sparse.finish(self._sending)  # after the dense chunks: not overlapped
-            self._incomplete = False
-            self._host_fresh = self._sending and not hooked
+            self._grads.end()
         except BaseException as exc:
             self._guard.fail(exc)
-            self._life.broken = (drain_after_failure(self._devs, st.host if st is not None else None)
-                            or f"a backward failed, the replicas' gradients may differ ({exc!r})")
+            self._life.broken = (drain_after_failure(self._devs, self._host())
+                                 or f"a backward failed, the replicas' gradients may differ ({exc!r})")
             if isinstance(exc, StepAborted) and self._guard.error is not None:
                 raise self._guard.error from None  # the cause (close() from another thread, a device's error)
             raise
         finally:
-            if st is not None:
-                st.disarm()
-                self._param_hooks.put_back()
+            self._grads.after()
             self._life.ops.give()
 
-    def _grad_norm(self, norm_type: float) -> torch.Tensor:
-        """The norm of the whole gradient. The 2-norm comes from the host, which summed the squares
-        while it summed the gradient (:meth:`GradientStream.grad_norm`, asked for from the first
-        clip on), when the host's sum is what every replica holds; otherwise, and for other
-        norms, from replica 0's flat buffer."""
-        st = self._stream
-        value = 0.0  # no dense parameter to train
-        if st is not None and norm_type == 2.0:
-            if self._host_fresh and st.want_norm:
-                value = st.grad_norm()  # no pass over the gradient: summed during backward
-            else:
-                value = device_norm(st.flats[0])
-            st.want_norm = True  # from the next backward on, the host sums the squares
-        elif st is not None:
-            value = float(torch.linalg.vector_norm(st.flats[0], norm_type, dtype=torch.float64))
-        if self._sparse:  # the norm of the parts' norms is the norm of the whole
-            value = float(torch.linalg.vector_norm(
-                torch.tensor([value, self._sparse.norm(norm_type)], dtype=torch.float64), norm_type))
-        return torch.tensor(value, dtype=torch.float32, device=self._devs[0].torch_device)
+    def _host(self) -> Any:
+        return self._stream.host if self._stream is not None else None
 
 
 def _refusal(what: str, running: str, inside: bool) -> str:

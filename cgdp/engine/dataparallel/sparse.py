@@ -1,4 +1,4 @@
-"""Parameters with sparse gradients in ``DataParallel``: they travel beside the flat buffer.
+"""The sparse part of a ``DataParallel``'s gradients: they travel beside the flat buffer.
 
 ``nn.Embedding(..., sparse=True)`` and ``nn.EmbeddingBag(..., sparse=True)`` give their weight a
 sparse COO gradient: the rows that the batch looked up, as many as it has lookups. It has no
@@ -19,7 +19,7 @@ and takes another path:
   overlapped), on the thread that finishes backward: small next to the dense gradient for the
   embedding tables this is meant for.
 
-The sum invariant of :mod:`cgdp.engine.dataparallel.replica_grads` holds here too (the true
+A part of :class:`cgdp.engine.dataparallel.grads.Gradients`, whose sum invariant holds here too (the true
 gradient is the sum of the replicas' ``.grad``): after a synced backward every replica holds the
 total, the next backward keeps replica 0's and clears the others', inside ``no_sync()`` every
 replica keeps its own part; ``zero_grad()`` (replica 0's ``.grad`` None) clears them all; a
@@ -51,7 +51,6 @@ class SparseGrads:
         """``params[j]``: replica j's sparse-gradient parameters, in the same order on every replica."""
         self.params = [list(p) for p in params]
         self.devices = list(devices)
-        self.synced_last = True
         self._prepared: list[tuple[int, int]] = []
         self._joined: list[torch.Tensor | None] = [p.grad for p in self.params[0]]
         """What the last join (or mirror) put in replica 0's ``.grad``: another object there is a
@@ -60,13 +59,10 @@ class SparseGrads:
             for p, q in zip(self.params[0], self.params[j]):
                 q.grad = None if p.grad is None else _to(p.grad, self.devices[j])
 
-    def __bool__(self) -> bool:
-        return bool(self.params[0])
-
-    def prepare(self) -> None:
+    def begin(self, sync: bool, summed: bool) -> None:
         """Before a backward adds to the gradients (the sum invariant)."""
         for k, p in enumerate(self.params[0]):
-            if p.grad is None or self.synced_last:
+            if p.grad is None or summed:
                 for params in self.params[1:]:
                     params[k].grad = None
         self._prepared = self._state()
@@ -75,42 +71,48 @@ class SparseGrads:
         return [(id(p.grad), p.grad._version if p.grad is not None else -1)
                 for params in self.params for p in params]
 
-    def undo_prepare(self) -> bool:
-        """After a failed backward: if no gradient arrived since :meth:`prepare`, put back what
+    def undo(self, summed: bool) -> bool:
+        """After a failed backward: if no gradient arrived since :meth:`begin`, put back what
         it cleared (as one device keeps its gradients); whether it could."""
         if self._state() != self._prepared:
             return False
-        if self.synced_last:
+        if summed:
             self._copy_from_first()
         return True
 
-    def reset(self) -> None:
+    def drop(self) -> None:
         """Every gradient dropped (a backward failed partway)."""
         for params in self.params:
             for p in params:
                 p.grad = None
-        self.synced_last = True
         self._joined = [None] * len(self.params[0])
 
-    def finish(self, synced: bool) -> None:
-        """After a backward; ``synced``: join the replicas' parts and give every replica the total."""
-        self.synced_last = synced
-        if not synced:
-            return
-        for k in range(len(self.params[0])):
-            total = _join([params[k].grad for params in self.params], self.devices[0])
-            for j, params in enumerate(self.params):
-                params[k].grad = total if j == 0 or total is None else _to(total, self.devices[j])
-        self._joined = [p.grad for p in self.params[0]]
+    def end(self, sync: bool) -> bool:
+        """After a backward; ``sync``: join the replicas' parts and give every replica the total
+        (after the dense chunks: not overlapped). No gradient hooks run here (they are refused)."""
+        if sync:
+            for k in range(len(self.params[0])):
+                total = _join([params[k].grad for params in self.params], self.devices[0])
+                for j, params in enumerate(self.params):
+                    params[k].grad = total if j == 0 or total is None else _to(total, self.devices[j])
+            self._joined = [p.grad for p in self.params[0]]
+        return False
 
-    def mirror_if_changed(self) -> bool:
+    def after(self) -> None: ...
+
+    def attached(self) -> bool:
+        return True
+
+    def relaid(self) -> None: ...
+
+    def mirror_if_changed(self, summed: bool) -> bool:
         """Replica 0's ``.grad`` replaced since the last join: copy it to every replica."""
         if all(p.grad is g for p, g in zip(self.params[0], self._joined)):
             return False
         self._copy_from_first()
         return True
 
-    def norm(self, norm_type: float) -> float:
+    def norm(self, norm_type: float, host: bool) -> float:
         """Of the total gradient, in float64; a sparse one coalesced first (duplicate rows summed:
         ``torch.nn.utils.clip_grad_norm_`` cannot take sparse gradients on one device)."""
         norms = [float(torch.linalg.vector_norm(p.grad.coalesce().values() if p.grad.is_sparse else p.grad,

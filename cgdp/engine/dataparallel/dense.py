@@ -1,13 +1,13 @@
-"""What each replica's gradient holds between backwards of ``DataParallel`` (the sum invariant).
+"""The dense part of a ``DataParallel``'s gradients: the flat buffers that stream through the host.
 
-The user's loop only sees replica 0: ``zero_grad`` sets its ``.grad`` to None, clipping or manual
-edits change its values, a backward accumulates into them. :class:`ReplicaGrads` keeps the flat
-buffers of all replicas (:mod:`cgdp.engine.core.flatgrad`) consistent with that, so that
+A part of :class:`cgdp.engine.dataparallel.grads.Gradients` (see there for the states). It keeps
+the flat buffers of all replicas (:mod:`cgdp.engine.core.flatgrad`) consistent with what the
+user's loop does to replica 0's ``.grad``, so that
 
     the true gradient is the sum over replicas of their flat buffers, at any time.
 
 * After a synced backward every replica holds the total T (the host sum, bitwise the same on
-  every device). The next backward (:meth:`prepare`) keeps replica 0's buffer and zeroes the
+  every device). The next backward (:meth:`DenseGrads.prepare`) keeps replica 0's buffer and zeroes the
   others', so accumulating without ``zero_grad`` counts T once. If the last backward was not
   synced (``no_sync``), every replica holds its own partial sum and nothing is zeroed.
 * ``.grad`` None on replica 0 means "no gradient" (``zero_grad``): that parameter's slice is
@@ -16,12 +16,11 @@ buffers of all replicas (:mod:`cgdp.engine.core.flatgrad`) consistent with that,
   single-device sense; parameters without one keep ``.grad`` None on every replica.
 * ``versions``: the flat buffers' version counters, recorded after every backward and every
   change made by cgdp itself. Replica 0's counter moving, or its ``.grad`` no longer being its
-  view, means the user changed replica 0's gradients: :meth:`mirror_if_changed` then copies them
-  to every replica (with a warning) before they are used.
-
-Threads: :meth:`prepare` and :meth:`finish` run on autograd's threads (the gather's backward, the
-end-of-backward callback), everything else on the caller's thread; never two at once (the caller
-waits in ``backward()`` while autograd runs).
+  view, means the user changed replica 0's gradients: :meth:`DenseGrads.mirror_if_changed` then
+  copies them to every replica (with a warning) before they are used.
+* During a synced backward the hooks send each chunk, the host SUMS the chunks of all replicas
+  (no weighting: the loss on the gathered output already weights each sample) and copies the sum
+  back; :meth:`DenseGrads.end` flushes the chunks never completed and waits until every sum is back.
 """
 from __future__ import annotations
 
@@ -30,18 +29,22 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from cgdp.comm import Comm
+from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.dataparallel.user_warning import warn_user
 
 
-class ReplicaGrads:
-    def __init__(self, stream: GradientStream, initial: Sequence[torch.Tensor | None]):
-        """``initial``: replica 0's ``.grad`` before wrapping (kept, as one device would)."""
+class DenseGrads:
+    def __init__(self, stream: GradientStream, initial: Sequence[torch.Tensor | None], param_hooks: ParamHooks,
+                 comm: Comm | None, timeout_s: float | None):
+        """``initial``: replica 0's ``.grad`` before wrapping (kept, as one device would);
+        ``param_hooks``: the user's gradient hooks, run on each synced backward's sum."""
         self.stream = stream
+        self.param_hooks = param_hooks
+        self._comm, self._timeout_s = comm, timeout_s
         self.has_grad = np.array([g is not None for g in initial], bool)
-        self.synced_last = True
-        """Whether the last backward was synced (every replica holds the total)."""
         self._warned = self._warned_data = False
         self._held: dict[int, torch.Tensor] = {}  # gradients set aside while hooks run on a sum
         views = stream.hooks[0].views
@@ -54,7 +57,46 @@ class ReplicaGrads:
         self.set_none()
         self.record()
 
-    def prepare(self) -> None:
+    def begin(self, sync: bool, summed: bool) -> None:
+        """Before a backward adds to the buffers (the gather's backward): take the user's gradient
+        hooks off for this backward (they run on its sum), make the buffers hold what it must add
+        to, set aside the gradients of hooked parameters, arm the hooks (``sync``: send)."""
+        hooks = self.param_hooks
+        if hooks.take() and not (sync and summed):
+            hooks.put_back()
+            raise RuntimeError("a parameter of the model has a gradient hook (register_hook), which cgdp "
+                               "runs on each backward's summed gradient; inside model.no_sync() that sum "
+                               "is never formed. Accumulate outside no_sync(), or remove the hook")
+        self.prepare(summed)
+        self.hold(list(hooks.held))
+        self.stream.arm(sending=sync)
+
+    def end(self, sync: bool) -> bool:
+        """After the backward (autograd's final callback): with ``sync``, flush the chunks backward
+        never completed (unused layers, idle devices) and wait until every sum is back; then the
+        user's gradient hooks on the sum, and the record. Whether hooks ran."""
+        st = self.stream
+        if sync:
+            st.flush_all()
+            for j in range(len(st.devs)):
+                st.wait_returned(j)  # note: host waits until every summed chunk is back
+        touched = st.touched()
+        if sync and self._comm is not None:
+            self._comm.fence(self._timeout_s)
+            # a parameter with a gradient on any rank has one on every rank
+            touched = self._comm.allreduce_small(touched + self.has_grad)
+        hooked = bool(self.param_hooks.held)
+        if hooked:  # the user's gradient hooks, on the sum (the host's norm is of the sum before them)
+            self.apply_hooks(touched)
+        self.finish(touched)
+        return hooked
+
+    def after(self) -> None:
+        """After the backward, or a failure: the hooks send nothing, the user's hooks are back."""
+        self.stream.disarm()
+        self.param_hooks.put_back()
+
+    def prepare(self, summed: bool) -> None:
         """Before a backward adds to the buffers: make them hold what it must add to."""
         st = self.stream
         views0 = st.hooks[0].views
@@ -71,11 +113,11 @@ class ReplicaGrads:
                     flat.zero_()
                 self.has_grad[:] = False
             else:
-                if not self.synced_last:  # early gradients that replaced a None .grad: zero_grad
+                if not summed:  # early gradients that replaced a None .grad: zero_grad
                     for pid in np.flatnonzero(early & (np.frombuffer(st.hooks[0].replaced, np.uint8) > 0)):
                         for hooks in st.hooks[1:]:
                             hooks.views[pid].zero_()
-                if edited and not self.synced_last and not early.any():
+                if edited and not summed and not early.any():
                     # inside a no_sync window the other replicas hold their own partial sums; only
                     # zeroing replica 0 (zero_grad(set_to_none=False)) has a meaning for them
                     if bool(st.flats[0].any()):  # note: a CPU-GPU sync point, on this rare path only
@@ -92,7 +134,7 @@ class ReplicaGrads:
                     elif g is not views0[pid]:
                         views0[pid].copy_(g)
                         self.has_grad[pid] = True
-                if self.synced_last:  # they hold the total, which replica 0 keeps
+                if summed:  # they hold the total, which replica 0 keeps
                     for flat in st.flats[1:]:
                         flat.zero_()
         self._attach()
@@ -116,47 +158,68 @@ class ReplicaGrads:
                 views0[pid].add_(g)
         self._held = {}
 
-    def apply_hooks(self, touched: np.ndarray, hooks: ParamHooks) -> None:
+    def apply_hooks(self, touched: np.ndarray) -> None:
         """After a synced backward (every replica holds this backward's sum): each hooked
         parameter's gradient becomes what one device accumulates, the gradient set aside plus
         what its hooks make of the sum (none when it got no gradient), on every replica."""
-        hooks.run(touched, [h.views for h in self.stream.hooks], self._held)
+        self.param_hooks.run(touched, [h.views for h in self.stream.hooks], self._held)
         self._held = {}
 
-    def finish(self, touched: np.ndarray, synced: bool) -> None:
+    def finish(self, touched: np.ndarray) -> None:
         """After a backward: ``touched[pid] > 0`` where some replica (some rank) got a gradient."""
         self.has_grad |= touched > 0
         self.set_none()
-        self.synced_last = synced
         self.record()
 
-    def undo_prepare(self) -> bool:
-        """After a backward failed: if no hook ran after :meth:`prepare` (it failed before any
-        replica's gradient was accumulated), put back what the buffers held before it, as one
-        device keeps its gradients; whether it could. :meth:`prepare` kept the sum of the
-        buffers; after a synced backward it left the total on replica 0 alone."""
+    def undo(self, summed: bool) -> bool:
+        """After a backward failed: the gradients set aside go back; then, if no hook ran after
+        :meth:`prepare` (it failed before any replica's gradient was accumulated), put back what the
+        buffers held before it, as one device keeps its gradients; whether it could.
+        :meth:`prepare` kept the sum of the buffers; after a synced backward it left the total on
+        replica 0 alone."""
+        self.unhold()
         st = self.stream
         if st.touched().any():
             return False
         with torch.no_grad():
-            if self.synced_last:
+            if summed:
                 for flat in st.flats[1:]:
                     flat.copy_(st.flats[0])
         self.set_none()
         self.record()
         return True
 
-    def reset(self) -> None:
+    def drop(self) -> None:
         """Every gradient dropped (after a failed backward): all buffers zero, ``.grad`` None."""
         with torch.no_grad():
             for flat in self.stream.flats:
                 flat.zero_()
         self.has_grad[:] = False
         self.set_none()
-        self.synced_last = True
         self.record()
 
-    def mirror_if_changed(self) -> bool:
+    def norm(self, norm_type: float, host: bool) -> float:
+        """The norm of the total (every replica holds it). The 2-norm comes from the host, which
+        summed the squares while it summed the gradient (:meth:`GradientStream.grad_norm`, asked
+        for from the first clip on), when ``host`` (the host's sum is what every replica holds);
+        otherwise, and for other norms, from replica 0's flat buffer."""
+        st = self.stream
+        if norm_type != 2.0:
+            return float(torch.linalg.vector_norm(st.flats[0], norm_type, dtype=torch.float64))
+        value = st.grad_norm() if host and st.want_norm else device_norm(st.flats[0])
+        st.want_norm = True  # from the next backward on, the host sums the squares
+        return value
+
+    def scale(self, coef: torch.Tensor) -> None:
+        self.stream.scale_grads(coef)
+        self.record()
+
+    def relaid(self) -> None:
+        self.stream.disarm()
+        self.set_none()
+        self.record()
+
+    def mirror_if_changed(self, summed: bool) -> bool:
         """If replica 0's gradients changed since the last record, copy them to every replica;
         whether they had. An edit through ``.data`` (``p.grad.data.clamp_(...)``) moves no
         version counter: after a synced backward, when every replica must hold the same bits,
@@ -165,7 +228,7 @@ class ReplicaGrads:
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]
         changed = st.flats[0]._version != self.versions[0] or not self.attached(grads)
-        through_data = (not changed and self.synced_last and len(st.flats) > 1
+        through_data = (not changed and summed and len(st.flats) > 1
                         and not same_bits(st.flats[0], st.flats[1]))
         if not (changed or through_data):
             return False

@@ -1,0 +1,208 @@
+"""The one owner of a ``DataParallel`` step's gradients: explicit states, one reset point.
+
+The user's loop only sees replica 0 (``zero_grad`` sets its ``.grad`` to None, clipping and
+edits change its values, each backward adds to them). :class:`Gradients` keeps every replica's
+gradients consistent with that, so that, at any time,
+
+    the true gradient is the sum over replicas of what they hold,
+
+and moves through these states (:class:`GradState`), one transition per event:
+
+=================  ===========================================================  =====================
+state              what the replicas hold                                       left by
+=================  ===========================================================  =====================
+``SUMMED``         every replica the total, the host's sum of the last synced   a backward, a clip, an
+                   backward (its 2-norm is known: the host summed the squares)  edit, a plan switch
+``EDITED``         every replica the same total, changed since the host summed  a backward
+                   it (clipped, a user's gradient hook, an edit of replica 0's
+                   mirrored to all, relaid by a plan switch, kept from before
+                   wrapping)
+``ACCUMULATING``   each replica its own part (backwards inside ``no_sync()``)   a backward, an edit
+``SENDING``        a synced backward is running: chunks stream to the host      its end (or failure)
+``HOLDING``        a backward inside ``no_sync()`` is running: nothing is sent  its end (or failure)
+``DROPPED``        nothing (every ``.grad`` None): a backward failed partway;   the next backward that
+                   ``optimizer.step()`` is refused                              completes
+=================  ===========================================================  =====================
+
+A backward that fails before any replica's gradient arrived returns to the state before it (the
+gradients are kept, as on one device). :meth:`Gradients.drop` is the one reset point.
+
+The gradients come in *parts* behind one small protocol (:class:`GradPart`): the dense part
+(:mod:`cgdp.engine.dataparallel.dense`: the flat buffers that stream through the host during
+backward) and the sparse part (:mod:`cgdp.engine.dataparallel.sparse`: embeddings with
+``sparse=True``, joined after backward). A model without dense trainable parameters has an empty
+dense part (:class:`EmptyPart`), not a branch at every call site.
+
+Threads: :meth:`Gradients.begin` and :meth:`Gradients.end` run on autograd's threads (the gather's
+backward, the end-of-backward callback), everything else on the caller's thread; never two at once
+(the operation lock, :mod:`cgdp.engine.core.lifetime`).
+"""
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+import torch
+
+from cgdp.engine.dataparallel.user_warning import warn_user
+
+
+class GradState(enum.Enum):
+    SUMMED = "summed"
+    EDITED = "edited"
+    ACCUMULATING = "accumulating"
+    SENDING = "sending"
+    HOLDING = "holding"
+    DROPPED = "dropped"
+
+
+class GradPart(Protocol):
+    """What the owner asks of each part. ``summed``: every replica held the total before this
+    call (``SUMMED``, ``EDITED``, ``DROPPED``; not ``ACCUMULATING``)."""
+
+    def begin(self, sync: bool, summed: bool) -> None:
+        """Before a backward adds to the gradients: make them hold what it must add to (replica
+        0's total, the others zero after a synced backward), and ready the path (``sync``: send)."""
+    def end(self, sync: bool) -> bool:
+        """After a backward: the parts summed (``sync``) or kept; whether user gradient hooks ran."""
+    def after(self) -> None:
+        """After :meth:`end`, or a failure: nothing armed is left."""
+    def undo(self, summed: bool) -> bool:
+        """A backward failed: put back what :meth:`begin` changed if nothing arrived since; whether it could."""
+    def drop(self) -> None:
+        """Every gradient dropped: ``.grad`` None on every replica."""
+    def mirror_if_changed(self, summed: bool) -> bool:
+        """Replica 0's gradients changed by the user since cgdp last touched them: copy them to every replica."""
+    def norm(self, norm_type: float, host: bool) -> float:
+        """Of the total gradient (``host``: the host's sum of squares is its 2-norm)."""
+    def scale(self, coef: torch.Tensor) -> None: ...
+    def attached(self) -> bool:
+        """Whether replica 0's ``.grad`` are still what cgdp left (none replaced since)."""
+    def relaid(self) -> None:
+        """After a plan switch relaid the flat buffers (their values kept)."""
+
+
+class EmptyPart:
+    """The dense part of a model without dense trainable parameters: nothing to do."""
+
+    def begin(self, sync: bool, summed: bool) -> None: ...
+    def end(self, sync: bool) -> bool: return False
+    def after(self) -> None: ...
+    def undo(self, summed: bool) -> bool: return True
+    def drop(self) -> None: ...
+    def mirror_if_changed(self, summed: bool) -> bool: return False
+    def norm(self, norm_type: float, host: bool) -> float: return 0.0
+    def scale(self, coef: torch.Tensor) -> None: ...
+    def attached(self) -> bool: return True
+    def relaid(self) -> None: ...
+
+
+_SUMMED = (GradState.SUMMED, GradState.EDITED, GradState.DROPPED)
+"""States in which every replica holds the total (nothing, once dropped)."""
+
+
+class Gradients:
+    def __init__(self, dense: GradPart, sparse: GradPart | None, devices: list[torch.device]):
+        """``dense``: the dense part (:class:`EmptyPart` without dense parameters); ``sparse``: the
+        sparse part, or None without sparse-gradient parameters."""
+        self.parts: list[GradPart] = [dense] + ([sparse] if sparse is not None else [])
+        self.trains = not isinstance(dense, EmptyPart) or sparse is not None
+        """Whether there is anything to train (else backwards are for input gradients only)."""
+        self.state = GradState.EDITED  # the gradients from before wrapping, on every replica
+        self._before = self.state  # the state a running backward started from
+        self._device = devices[0]
+
+    @property
+    def summed(self) -> bool:
+        """Every replica holds the total (after a backward outside ``no_sync()``, or none at all)."""
+        return self.state in _SUMMED
+
+    def begin(self, sync: bool) -> None:
+        """The gather's backward, before any replica's gradient exists."""
+        for part in self.parts:
+            part.begin(sync, self.summed)
+        self._before, self.state = self.state, GradState.SENDING if sync else GradState.HOLDING
+
+    def end(self) -> None:
+        """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
+        sync = self.state is GradState.SENDING
+        hooked = [part.end(sync) for part in self.parts]  # dense first: the sparse join is not overlapped
+        self.state = (GradState.ACCUMULATING if not sync
+                      else GradState.EDITED if any(hooked) else GradState.SUMMED)
+
+    def after(self) -> None:
+        for part in self.parts:
+            part.after()
+
+    def fail(self) -> None:
+        """A backward that raised never reached :meth:`end`: if it failed before any gradient
+        changed they are kept, as on one device; otherwise every one is dropped (:meth:`drop`)."""
+        self.after()
+        summed = self._before in _SUMMED
+        if all(part.undo(summed) for part in self.parts):
+            self.state = self._before
+            return
+        self.drop()
+        warn_user("the previous backward through cgdp.DataParallel failed partway; the gradients "
+                  "it left were dropped (every .grad is None)")
+
+    def drop(self) -> None:
+        """The one reset point: every gradient dropped until a backward completes."""
+        for part in self.parts:
+            part.drop()
+        self.state = GradState.DROPPED
+
+    def check_step(self) -> None:
+        """Before ``optimizer.step()``: gradients to step on, the same on every replica."""
+        if self.state is GradState.DROPPED:
+            raise RuntimeError("the last backward through cgdp.DataParallel failed partway, so the "
+                               "gradients are incomplete (they were dropped); call optimizer.zero_grad() "
+                               "and redo this step's forward and backward before optimizer.step()")
+        self.mirror_if_changed()
+
+    def mirror_if_changed(self) -> None:
+        """Replica 0's gradients changed by the user since cgdp last touched them: copy them to
+        every replica (the host's norm is then stale if the dense part changed)."""
+        dense, *rest = self.parts
+        if dense.mirror_if_changed(self.summed) and self.state is GradState.SUMMED:
+            self.state = GradState.EDITED
+        for part in rest:
+            part.mirror_if_changed(self.summed)
+
+    def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip every replica's gradient by the norm of the total; that norm."""
+        if not self.summed:
+            raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
+                               "that runs outside model.no_sync()")
+        self.mirror_if_changed()
+        total = self.norm(norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for part in self.parts:
+                part.scale(coef)
+        self.state = GradState.EDITED
+        return total
+
+    def norm(self, norm_type: float) -> torch.Tensor:
+        """The norm of the total gradient: the 2-norm of the dense part from the host's sum of
+        squares when every replica holds the host's sum as is (``SUMMED``)."""
+        values = [part.norm(norm_type, self.state is GradState.SUMMED) for part in self.parts]
+        value = values[0] if len(values) == 1 else float(  # the norm of the parts' norms
+            torch.linalg.vector_norm(torch.tensor(values, dtype=torch.float64), norm_type))
+        return torch.tensor(value, dtype=torch.float32, device=self._device)
+
+    def kept(self) -> bool:
+        """After the optimizer stepped every replica: whether replica 0's gradients were left as
+        its mirrors had them (if not, the mirrors resync, and this warns)."""
+        if self.parts[0].attached():
+            return True
+        warn_user("replica 0's gradients were changed during optimizer.step() (optimizer.zero_grad() "
+                  "from another thread?); every replica took replica 0's parameters and optimizer "
+                  "state, so they stay identical. Drive a cgdp.DataParallel from one thread")
+        return False
+
+    def relaid(self) -> None:
+        """After a plan switch relaid the flat buffers."""
+        self.parts[0].relaid()
+        if self.state is GradState.SUMMED:
+            self.state = GradState.EDITED
