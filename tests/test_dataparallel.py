@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgdp
+from cgdp.testing import inside
 from helpers import Gated, Tied, WithBN, assert_params_close, assert_replicas_identical, mlp
 
 @pytest.fixture(autouse=True)
@@ -850,5 +851,5 @@ def test_two_optimizers_on_separate_subsets_and_mixed_optimizer_as_documented():
 def test_closing_from_a_device_thread_does_not_join_itself():
     # what the garbage collector does when it frees a dropped model on a device thread
     model = cgdp.DataParallel(mlp(), devs(2))
-    model.run_on(1, model.close).result(timeout=30)
+    inside(model).threads.submit(1, model.close).result(timeout=30)
     assert model.closed

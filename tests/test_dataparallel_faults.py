@@ -82,7 +82,7 @@ def test_optimizer_subclass_calling_super_step(cls, monkeypatch):
         assert errors == ref_errors == [None] * 4
         assert_replicas_identical(model)
         assert_params_close(model.module, ref)
-        (m,) = list(model.mirrors)
+        (m,) = inside(model).mirrors
         assert [o.calls for o in [m.opt, *m.mirrors]] == [4, 4]
         assert not resyncs
     del parent

@@ -52,9 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
-from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -65,12 +63,12 @@ from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import default_devices, host_threads, make_devices, make_rng, parse_devices
 from cgdp.engine.core.buffers import sync_buffers
 from cgdp.engine.core.claims import claim
-from cgdp.engine.core.drain import drain_after_failure, quiesce
-from cgdp.engine.core.lifetime import Lifetime, holding
+from cgdp.engine.core.drain import drain_after_failure
+from cgdp.engine.core.lifetime import Lifetime, holding, weak_call
 from cgdp.engine.core.layers import find_layers, number_params, trainable_dtype
 from cgdp.engine.core.module_hooks import ModuleHooks
 from cgdp.engine.core.param_hooks import ParamHooks
-from cgdp.engine.core.plan import first_plan, tuned_plan
+from cgdp.engine.core.plan import first_plan
 from cgdp.engine.core.replicas import batch_weights, make_replicas, signature
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads, caller_context
@@ -78,6 +76,7 @@ from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
 from cgdp.engine.dataparallel.dense import DenseGrads
 from cgdp.engine.dataparallel.grads import EmptyPart, Gradients
+from cgdp.engine.dataparallel.steps import ReplicaSteps
 from cgdp.engine.dataparallel.replica_state import ReplicaState
 from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
 from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
@@ -150,8 +149,6 @@ class DataParallel(nn.Module):
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
         self._comm: Comm | None = None
-        self.mirrors: weakref.WeakSet = weakref.WeakSet()
-        """The :class:`~cgdp.engine.dataparallel.mirror.Mirror` of each optimizer that stepped this model."""
         try:
             res.push(claim(self, module, NAME).release)  # one engine per model, given back last
             self._devs = res.devs = make_devices(devices, self._guard.fail)
@@ -186,8 +183,7 @@ class DataParallel(nn.Module):
         self._module_hooks = ModuleHooks(reps, self._state.params, [d.torch_device for d in devs])
         self._param_hooks = ParamHooks(params, unsupported=sparse[0])
         layer_pids = number_params(layer_params)
-        self._tuner = None
-        self._t_step: float | None = None
+        tuner = None
         res = self._life.resources
         self._threads = self._life.threads = DeviceThreads(devs, self._guard)
         res.push(self._threads.close)
@@ -196,31 +192,35 @@ class DataParallel(nn.Module):
         self._stream: GradientStream | None = None
         dense = EmptyPart()
         if any(info.numel for info in infos):  # dense trainable parameters: the streaming path
-            dense = self._build_stream(devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
-                                       host_memory)
+            dense, tuner = self._build_stream(devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
+                                              host_memory)
         torch_devices = [d.torch_device for d in devs]
         self._grads = Gradients(dense, SparseGrads(sparse, torch_devices) if sparse[0] else None, torch_devices)
+        # the user's optimizer steps every replica (mirror.py asks this, not the module)
+        self._steps = steps = ReplicaSteps(self._life, devs, self._threads, self._grads, self._state,
+                                           weak_call(self._parameter_maps), self._stream, self._comm, tuner,
+                                           self._guard.timeout_s)
         registered = list(module.parameters()) + self._grad_buffers.current(0)
-        owner, mirrors = mirror.register(self, registered), self.mirrors
+        owner = mirror.register(steps, registered)
         res.push(lambda: mirror.unregister(registered, owner))
         # the mirrors hold the other replicas' parameters and optimizer state
-        res.push(lambda: [m.detach() for m in list(mirrors)])
+        res.push(lambda: [m.detach() for m in list(steps.mirrors)])
         me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
         # never pickled with the module (torch.save(model.module) while wrapped)
         res.push(local_load_post_hook(module, lambda *_: me()._state.broadcast()).remove)
 
     def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
-                      host_memory) -> DenseGrads:
+                      host_memory) -> tuple[DenseGrads, Any]:
         itemsize = torch.tensor([], dtype=dtype).element_size()
         # no step profiles here (the loop is the user's): the tuner measures uniform plans
-        plan, self._tuner = first_plan(chunks, [i.numel * itemsize for i in infos], len(devs), self._comm)
+        plan, tuner = first_plan(chunks, [i.numel * itemsize for i in infos], len(devs), self._comm)
         self._stream = st = self._life.resources.stream = GradientStream(
             devs, params, layer_pids, dtype, segment_bytes=segment_bytes, streaming=True, guard=self._guard,
             comm=self._comm, host_threads=host_threads(devs), host_memory=host_memory)
         self._life.resources.push(lambda: _close_keeping_grads(st))
         self._stream.set_plan(plan)
         self._stream.disarm()
-        return DenseGrads(self._stream, before, self._param_hooks, self._comm, self._guard.timeout_s)
+        return DenseGrads(self._stream, before, self._param_hooks, self._comm, self._guard.timeout_s), tuner
 
     # ------------------------------------------------------------------ public API
     @property
@@ -356,14 +356,13 @@ class DataParallel(nn.Module):
     @property
     def tuning(self) -> bool:
         """Whether ``chunks="auto"`` is still timing plans."""
-        return self._tuner is not None
+        return self._steps.tuner is not None
 
     @property
     def closed(self) -> bool:
         return self._life.closed
 
-    # ------------------------------------------------------------------ for mirror.py
-    def parameter_maps(self) -> list[dict[int, nn.Parameter]]:
+    def _parameter_maps(self) -> list[dict[int, nn.Parameter]]:
         """Per replica j > 0: id(replica 0's parameter) -> replica j's (all parameters, and the
         stand-ins of buffers that require grad, which the replicas read from replica 0)."""
         first = list(self.module.parameters())
@@ -371,54 +370,6 @@ class DataParallel(nn.Module):
         for m, stand_ins in zip(maps, self._grad_buffers.parameter_maps()):
             m.update(stand_ins)
         return maps
-
-    def run_on(self, j: int, fn: Callable[[], Any]) -> Future:
-        return self._threads.submit(j, fn)
-
-    @holding("optimizer.step()", until_given=True)
-    def before_step(self, cleanup: Callable[[], None]) -> None:
-        """Before the optimizer steps: the operation lock, held until after_step (``cleanup`` if that never comes)."""
-        for d in self._devs:  # the copies back are ordered before the default streams only
-            d.check_caller("optimizer.step()")
-        self._grads.check_step()
-
-    def replicas_resynced(self) -> None:
-        self._state.record_parameters()  # every replica took replica 0's parameters (a step failed)
-
-    def grads_kept(self) -> bool:
-        """After the optimizer stepped every replica: whether replica 0's gradients were left as
-        its mirrors had them (if not, the mirrors resync and this warns)."""
-        return self._grads.kept()
-
-    def after_step(self) -> None:
-        """Called after the user's optimizer stepped every replica: while tuning, the time since
-        the last step is one iteration under the current plan; switch to the tuner's next plan.
-        Gives the operation lock back, whatever happens."""
-        try:
-            self._after_step()
-        finally:
-            self._life.ops.give()
-
-    def _after_step(self) -> None:
-        self._state.record_parameters()
-        if self._tuner is None:
-            return
-        now = time.perf_counter()
-        if self._t_step is not None:
-            self._tuner.observe(now - self._t_step)
-            plan, done = tuned_plan(self._tuner, self._comm, len(self._stream.layer_pids))
-            if plan != self._stream.plan:
-                self._set_plan(plan)
-            if done:
-                self._tuner = None
-            now = time.perf_counter()  # the switch is not part of the next iteration
-        self._t_step = now
-
-    def _set_plan(self, plan: Plan) -> None:
-        """Relay the flat buffers for ``plan`` (their contents kept), with nothing in flight."""
-        quiesce(self._devs, self._stream.host, self._guard.timeout_s)
-        self._stream.set_plan(plan)
-        self._grads.relaid()
 
     # ------------------------------------------------------------------ backward
     def _begin_backward(self, sync: bool, owner: threading.Thread) -> None:

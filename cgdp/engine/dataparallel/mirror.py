@@ -3,10 +3,11 @@
 The user builds one optimizer on ``model.parameters()`` (replica 0's). PyTorch's global step
 hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``_post_hook``) see every
 ``optimizer.step()``; the pre-hook recognises an optimizer over replica 0's parameters of a live
-``DataParallel`` (by parameter identity, :data:`_OWNERS`), and then:
+``DataParallel`` (by parameter identity, :data:`_OWNERS`, which maps them to the model's
+:class:`~cgdp.engine.dataparallel.steps.ReplicaSteps`, not to the user's module), and then:
 
-1. asks the ``DataParallel`` to check that replica 0's gradients are still what backward left,
-   and to mirror them to the other replicas if the user changed them (``before_step``);
+1. asks the model to check that replica 0's gradients are still what backward left, and to
+   mirror them to the other replicas if the user changed them (``ReplicaSteps.begin``);
 2. the first time, builds one mirror optimizer per other replica: the same class, the same param
    groups mapped to that replica's parameters, a copy of the user's state (``state_dict``);
    groups added later with ``add_param_group`` are added to the mirrors too;
@@ -27,15 +28,21 @@ post-hook; the model's next operation from that thread does the resync first
 (:mod:`cgdp.engine.core.lifetime`), and ``model.replicas`` is always resynced.
 
 An optimizer subclass whose ``step()`` calls ``super().step()`` has both methods wrapped by torch,
-so the global hooks fire twice, nested: only the outermost call of an optimizer counts
-(:func:`_nested`).
+so the global hooks fire twice, nested: only the outermost call of an optimizer counts. Each
+mirror counts the calls it is inside (:attr:`Mirror.depth`, per thread: a nested call comes from
+the thread of the outer one); a step that raised leaves its count behind (torch calls no
+post-hook), so the user's optimizer gets an outermost ``step`` of its instance
+(:func:`_install_outermost`, over whatever ``step`` it had, a scheduler's counter included) that
+starts the count afresh at every call. Only a step called past that instance attribute (
+``type(opt).step(opt)``) right after one that raised, with no other operation of the model
+between them, would be taken for a nested one.
 """
 from __future__ import annotations
 
 import copy
 import inspect
-import sys
 import threading
+import types
 import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol
@@ -46,22 +53,24 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 
 class Owner(Protocol):
-    """What a mirror needs of the ``DataParallel`` whose replicas it steps (so this module does not
-    import the one that imports it)."""
+    """What a mirror needs of the model whose replicas it steps
+    (:class:`~cgdp.engine.dataparallel.steps.ReplicaSteps`)."""
 
     closed: bool
     mirrors: weakref.WeakSet
 
     def parameter_maps(self) -> list[dict[int, torch.nn.Parameter]]: ...
-    def run_on(self, j: int, fn: Callable[[], Any]) -> Future: ...
-    def before_step(self, cleanup: Callable[[], None]) -> None: ...
-    def after_step(self) -> None: ...
-    def replicas_resynced(self) -> None: ...
-    def grads_kept(self) -> bool: ...
+    def submit(self, j: int, fn: Callable[[], Any]) -> Future: ...
+    def begin(self, cleanup: Callable[[], None]) -> None: ...
+    def end(self) -> None: ...
+    def resynced(self) -> None: ...
+    def kept(self) -> bool: ...
+
 
 _OWNERS: dict[int, weakref.ref] = {}
-"""id(parameter of replica 0) -> the DataParallel that owns it (while it is open)."""
+"""id(parameter of replica 0) -> the owner that steps its replicas (while its model is open)."""
 _ATTR = "_cgdp_mirror"
+_INNER = "_cgdp_step"  # the optimizer's own step, under its outermost one
 _lock = threading.Lock()
 _live = 0
 """How many DataParallel are registered: the global step hooks exist only while one is (every
@@ -119,28 +128,12 @@ def _owner(opt: torch.optim.Optimizer) -> "Owner | None":
     return owners.pop()
 
 
-_STEP_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
-"""The code of the wrapper torch puts around every optimizer class's ``step`` (it calls the hooks)."""
-
-
-def _nested(opt: torch.optim.Optimizer) -> bool:
-    """Whether the calling hook runs in a step of ``opt`` inside another step of ``opt`` (a
-    subclass's ``step()`` calling ``super().step()``): two of torch's wrappers for ``opt`` on the
-    stack. Reads the stack of the calling thread only."""
-    seen = 0
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code is _STEP_WRAPPER and f.f_locals.get("self") is opt:
-            seen += 1
-            if seen > 1:
-                return True
-        f = f.f_back
-    return False
-
-
 def _pre_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     mirror = opt.__dict__.get(_ATTR)
-    if mirror is False or (_live and _nested(opt)):  # a mirror itself, or super().step()
+    if mirror is False:  # a mirror optimizer itself
+        return
+    if mirror and mirror.depth and mirror.thread is threading.current_thread():
+        mirror.depth += 1  # super().step() inside a step already mirrored
         return
     if mirror is None or mirror.dp() is None or mirror.dp().closed:
         opt.__dict__.pop(_ATTR, None)  # a closed model's optimizer steps replica 0 alone again
@@ -154,8 +147,27 @@ def _pre_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
 
 def _post_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     mirror = opt.__dict__.get(_ATTR)
-    if mirror and not _nested(opt):
+    if not mirror or not mirror.depth:
+        return
+    mirror.depth -= 1
+    if not mirror.depth:
         mirror.after()
+
+
+def _install_outermost(opt: torch.optim.Optimizer) -> None:
+    """Give ``opt`` an outermost ``step`` of its instance, over the one it has: the count of nested
+    calls starts afresh at each call, even after a step that raised (see the module)."""
+    inner = opt.__dict__[_INNER] = opt.step  # its class's step, or a scheduler's counter around it
+
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        mirror = self.__dict__.get(_ATTR)
+        if mirror:
+            mirror.depth = 0
+        return self.__dict__[_INNER](*args, **kwargs)
+    step.cgdp_outermost = True  # type: ignore[attr-defined]
+    if getattr(inner, "_wrapped_by_lr_sched", False):  # what a scheduler checks its counter by
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = types.MethodType(step, opt)
 
 
 class Mirror:
@@ -166,8 +178,13 @@ class Mirror:
         self.dp = weakref.ref(dp)
         self.maps = dp.parameter_maps()
         self.inflight: list[Future] = []
+        self.depth = 0
+        """How many calls of ``opt``'s step (and hooked parent steps) the current one is inside."""
+        self.thread: threading.Thread | None = None
         self.mirrors = [self._build(j) for j in range(1, len(self.maps) + 1)]
         self._load_hook = opt.register_load_state_dict_post_hook(self._reload)
+        if _INNER not in opt.__dict__:
+            _install_outermost(opt)
         dp.mirrors.add(self)
 
     def detach(self) -> None:
@@ -175,8 +192,17 @@ class Mirror:
         and optimizer state) and the hook on the user's optimizer, which steps replica 0 alone."""
         self._load_hook.remove()
         self.mirrors, self.maps, self.inflight = [], [], []
-        if self.opt.__dict__.get(_ATTR) is self:
-            del self.opt.__dict__[_ATTR]
+        d = self.opt.__dict__
+        if d.get(_ATTR) is self:
+            del d[_ATTR]
+        step = d.get("step")
+        if isinstance(step, types.MethodType) and getattr(step, "cgdp_outermost", False) and step.__self__ is self.opt:
+            inner = d.pop(_INNER)  # (a scheduler built since wraps it: then it stays, harmless)
+            if getattr(inner, "__func__", None) is getattr(type(self.opt).step, "__func__", type(self.opt).step) \
+                    and getattr(inner, "__self__", None) is self.opt:
+                del d["step"]  # the class's own step again
+            else:
+                d["step"] = inner
 
     def _groups(self, j: int, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mapping = self.maps[j - 1]
@@ -230,22 +256,23 @@ class Mirror:
         if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0]: opt
             raise NotImplementedError("optimizer.step(closure) is not supported with cgdp.DataParallel: "
                                       "the closure would run on replica 0 only")
-        dp.before_step(self.failed_on_replica_0)  # the model's turn, until after() or the clean-up
+        dp.begin(self.failed_on_replica_0)  # the model's operation lock, until after() or the clean-up
         try:
             self._sync_groups()
-            self.inflight = [dp.run_on(j, m.step) for j, m in enumerate(self.mirrors, start=1)]
+            self.inflight = [dp.submit(j, m.step) for j, m in enumerate(self.mirrors, start=1)]
         except BaseException:
             self.failed_on_replica_0()
-            dp.after_step()
+            dp.end()
             raise
+        self.depth, self.thread = 1, threading.current_thread()
 
     def after(self) -> None:
         errors = self._wait()
         dp = self.dp()
-        if errors or (dp is not None and not dp.grads_kept()):
+        if errors or (dp is not None and not dp.kept()):
             self.resync()  # a step that raised, or replica 0 stepped on other gradients than its mirrors
         if dp is not None:
-            dp.after_step()  # gives the model's turn back
+            dp.end()  # gives the model's operation lock back
         if errors:
             j, exc = errors[0]
             raise RuntimeError(f"optimizer.step() raised on replica {j} ({exc!r}) after replica 0's step had "
@@ -260,7 +287,7 @@ class Mirror:
         self.resync()
         dp = self.dp()
         if dp is not None:
-            dp.replicas_resynced()
+            dp.resynced()
 
     def _wait(self) -> list[tuple[int, BaseException]]:
         """Wait for the other replicas' steps; (replica, exception) of those that raised."""

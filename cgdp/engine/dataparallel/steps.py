@@ -1,0 +1,104 @@
+"""The model's side of the user's ``optimizer.step()``: every replica takes the same step.
+
+``DataParallel``'s update strategy (per-replica optimizers; ``Trainer``'s are in
+:mod:`cgdp.engine.core.update`). :mod:`cgdp.engine.dataparallel.mirror` intercepts the user's
+optimizer and asks this object, never the user's module:
+
+* :meth:`ReplicaSteps.begin` before replica 0's step: the model's operation lock (held until
+  :meth:`ReplicaSteps.end`, or cleaned up by the model's next operation if torch never calls back
+  because the step raised), the gradients checked and made the same on every replica;
+* :meth:`ReplicaSteps.submit`: replica j's step on its device thread;
+* :meth:`ReplicaSteps.kept` and :meth:`ReplicaSteps.resynced` around a resync;
+* :meth:`ReplicaSteps.end` after every replica stepped: the replicas' parameters recorded, the
+  time since the last step given to the chunk-plan tuner (``chunks="auto"``: one iteration of the
+  user's loop under the current plan), and the lock given back.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from torch import nn
+
+from cgdp.engine.core.drain import quiesce
+from cgdp.engine.core.lifetime import Lifetime
+from cgdp.engine.core.plan import tuned_plan
+from cgdp.engine.core.threads import DeviceThreads
+from cgdp.engine.dataparallel.grads import Gradients
+from cgdp.engine.dataparallel.replica_state import ReplicaState
+
+
+class ReplicaSteps:
+    def __init__(self, life: Lifetime, devs: list, threads: DeviceThreads, grads: Gradients, state: ReplicaState,
+                 maps: Callable[[], list[dict[int, nn.Parameter]]], stream: Any, comm: Any, tuner: Any,
+                 timeout_s: float | None):
+        """``maps()``: per replica j > 0, id(replica 0's parameter) -> replica j's; ``tuner``: the
+        chunk-plan tuner while it times plans (None: the plan is fixed)."""
+        self._life, self._devs, self._threads = life, devs, threads
+        self._grads, self._state, self._maps = grads, state, maps
+        self._stream, self._comm, self._timeout_s = stream, comm, timeout_s
+        self.tuner = tuner
+        self._t_step: float | None = None
+        self.mirrors: weakref.WeakSet = weakref.WeakSet()
+        """The :class:`~cgdp.engine.dataparallel.mirror.Mirror` of each optimizer that stepped the model."""
+
+    @property
+    def closed(self) -> bool:
+        return self._life.closed
+
+    def parameter_maps(self) -> list[dict[int, nn.Parameter]]:
+        return self._maps()
+
+    def submit(self, j: int, fn: Callable[[], Any]) -> Future:
+        return self._threads.submit(j, fn)
+
+    def begin(self, cleanup: Callable[[], None]) -> None:
+        """Before the optimizer steps: the operation lock, held until :meth:`end` (``cleanup`` if
+        that never comes)."""
+        ops = self._life.ops
+        ops.take("optimizer.step()", cleanup=cleanup)
+        try:
+            self._life.check_usable()
+            for d in self._devs:  # the copies back are ordered before the default streams only
+                d.check_caller("optimizer.step()")
+            self._grads.check_step()
+        except BaseException:
+            ops.give()
+            raise
+
+    def resynced(self) -> None:
+        self._state.record_parameters()  # every replica took replica 0's parameters (a step failed)
+
+    def kept(self) -> bool:
+        """After the optimizer stepped every replica: whether replica 0's gradients were left as
+        its mirrors had them (if not, the mirrors resync and this warns)."""
+        return self._grads.kept()
+
+    def end(self) -> None:
+        """After the user's optimizer stepped every replica; gives the operation lock back,
+        whatever happens."""
+        try:
+            self._state.record_parameters()
+            if self.tuner is not None:
+                self._tune()
+        finally:
+            self._life.ops.give()
+
+    def _tune(self) -> None:
+        """The time since the last step is one iteration under the current plan; switch to the
+        tuner's next plan."""
+        now = time.perf_counter()
+        if self._t_step is not None:
+            self.tuner.observe(now - self._t_step)
+            st = self._stream
+            plan, done = tuned_plan(self.tuner, self._comm, len(st.layer_pids))
+            if plan != st.plan:  # the flat buffers relaid (contents kept), with nothing in flight
+                quiesce(self._devs, st.host, self._timeout_s)
+                st.set_plan(plan)
+                self._grads.relaid()
+            if done:
+                self.tuner = None
+            now = time.perf_counter()  # the switch is not part of the next iteration
+        self._t_step = now
