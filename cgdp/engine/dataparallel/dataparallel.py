@@ -61,7 +61,6 @@ from torch.autograd import Variable
 
 from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import default_devices, host_threads, make_devices, make_rng, parse_devices
-from cgdp.engine.core.buffers import sync_buffers
 from cgdp.engine.core.claims import claim
 from cgdp.engine.core.drain import drain_after_failure
 from cgdp.engine.core.lifetime import Lifetime, holding, weak_call
@@ -69,7 +68,7 @@ from cgdp.engine.core.layers import find_layers, number_params, trainable_dtype
 from cgdp.engine.core.module_hooks import ModuleHooks
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan
-from cgdp.engine.core.replicas import batch_weights, make_replicas, signature
+from cgdp.engine.core.replicas import make_replicas, signature
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.dataparallel import mirror
@@ -279,19 +278,8 @@ class DataParallel(nn.Module):
             if not self._threads.stuck:
                 self._state.broadcast(buffers_only=True)
             raise
-        bufs_f = self._state.buffers_f
-        if self.module.training and bufs_f[0] and (len(devs) > 1 or self._comm is not None):
-            weights, _ = batch_weights(sizes, self._comm)  # over all ranks with a comm
-            # through .data: the graph just built saved these buffers (BatchNorm), and an in-place
-            # write through the tensors would bump their version and fail its backward
-            # only those the forward wrote (BatchNorm's): a weighted mean of equal values is not
-            # always that value, and constant tables (rotary frequencies) must stay bitwise
-            changed = self._state.buffer_watch.changed(self._comm)
-            sync_buffers([[b.data for b in bufs] for bufs in bufs_f],
-                         weights + [0.0] * (len(devs) - g), self._comm, changed)
-            self._state.buffer_watch.synced(changed, others=False)
-            if g < len(devs):  # replicas that got no sample: integer buffers (counters) too
-                self._state.broadcast(buffers_only=True)
+        if self.module.training:  # the buffers the forward wrote (BatchNorm's statistics): the same everywhere
+            self._state.after_forward(sizes, self._comm)
         sync = not self._no_sync
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
         on_backward = ((lambda me=threading.current_thread(): self._begin_backward(sync, me))

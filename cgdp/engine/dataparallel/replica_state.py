@@ -11,17 +11,21 @@ before each forward (:meth:`ReplicaState.before_forward`):
 * parameters changed in place outside ``optimizer.step()`` (``p.clamp_`` under ``no_grad``,
   ``torch.nn.init``), seen through the parameters' version counters, with a warning.
 
-:meth:`ReplicaState.broadcast` copies the whole state (after ``load_state_dict``), or the buffers
-only (after a forward that failed on some replicas). Parameters are otherwise never copied: each
+:meth:`ReplicaState.after_forward` gives every replica the batch-weighted mean of the buffers a
+training forward wrote. :meth:`ReplicaState.broadcast` copies the whole state (after
+``load_state_dict``), or the buffers only (after a forward that failed on some replicas). Parameters are otherwise never copied: each
 replica takes the same optimizer step (:mod:`cgdp.engine.dataparallel.mirror`), and
 :meth:`ReplicaState.record_parameters` notes their version counters after every step.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from cgdp.engine.core.buffers import BufferWatch
+from cgdp.engine.core.buffers import BufferWatch, sync_buffers
+from cgdp.engine.core.replicas import batch_weights
 from cgdp.engine.dataparallel.user_warning import warn_user
 
 
@@ -107,3 +111,20 @@ class ReplicaState:
         self.buffer_watch.synced()  # every replica's buffers are the same again
         if not buffers_only:
             self.record_parameters()
+
+    def after_forward(self, sizes: list[int], comm: Any) -> None:
+        """After a training forward of ``len(sizes)`` replicas: the floating buffers it wrote
+        (BatchNorm's statistics) take their batch-weighted mean (over all ranks with a comm) on
+        every replica. Only those the forward wrote: a weighted mean of equal values is not always
+        that value, and constant tables (rotary frequencies) must stay bitwise."""
+        bufs_f, g, n = self.buffers_f, len(sizes), len(self.replicas)
+        if not bufs_f[0] or (n == 1 and comm is None):
+            return
+        weights, _ = batch_weights(sizes, comm)
+        changed = self.buffer_watch.changed(comm)
+        # through .data: the graph just built saved these buffers (BatchNorm), and an in-place
+        # write through the tensors would bump their version and fail its backward
+        sync_buffers([[b.data for b in bufs] for bufs in bufs_f], weights + [0.0] * (n - g), comm, changed)
+        self.buffer_watch.synced(changed, others=False)
+        if g < n:  # replicas that got no sample: integer buffers (counters) too
+            self.broadcast(buffers_only=True)
