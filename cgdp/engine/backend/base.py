@@ -127,7 +127,7 @@ class Device(ABC):
     def synchronize(self, guard: Guard) -> None:
         """Block the host until all streams of this device are idle."""
 
-    def settle(self, marker: Any, guard: Guard) -> None:
+    def wait_marker(self, marker: Any, guard: Guard) -> None:
         """Block the host until ``marker`` has completed (timed steps only, so that phase times
         are true)."""
 

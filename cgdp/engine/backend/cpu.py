@@ -176,7 +176,7 @@ class CpuDevice(Device):
         # note: the emulated compute stream is this host thread, so it waits on the host.
         self._h2d.progress.wait(marker, guard, f"the gradients copied back to {self.name}")
 
-    def settle(self, marker: Any, guard: Guard) -> None:
+    def wait_marker(self, marker: Any, guard: Guard) -> None:
         pass  # compute_wait already waited on the host
 
     def synchronize(self, guard: Guard) -> None:

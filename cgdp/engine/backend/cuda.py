@@ -199,7 +199,7 @@ class CudaDevice(Device):
         self._computed.record(self.rt.current_stream(self.index))
         self._computed.synchronize()  # note: host waits for backward, sleeping (a blocking-sync event, no spin)
 
-    def settle(self, marker: Any, guard: Guard) -> None:
+    def wait_marker(self, marker: Any, guard: Guard) -> None:
         marker.synchronize()  # note: host sync on the last H2D copy (timed steps only)
 
     def synchronize(self, guard: Guard) -> None:

@@ -43,38 +43,35 @@ class DeviceHooks:
         so autograd hands its gradient over instead of adding it to a zeroed view; the hook
         writes ``0.0 + grad`` into the view, the bits the zeroed view would have held."""
         self.ready_at: list[Any] = [0.0] * n
-        self.mode: list[Any] = [False, False, None]
-        """[streaming, timing, note]: hooks send chunks (mode 'cgdp'), hooks stamp when each
-        parameter was ready (timed steps), and ``note(c)`` is called with the chunk of each
-        gradient that arrives while streaming (CUDA: notes the stream it accumulated on, which
-        the chunk's send must wait for). One list, read by every hook."""
+        self.mode = HookMode()
+        """What every hook of this device does this backward (one record, read by every hook)."""
         self._handles = [p.register_post_accumulate_grad_hook(self._make(pid))
                          for pid, p in enumerate(params)]
 
     @property
     def streaming(self) -> bool:
         """True in mode 'cgdp': hooks send chunks. Otherwise they only mark parameters touched."""
-        return self.mode[0]
+        return self.mode.streaming
 
     @streaming.setter
     def streaming(self, on: bool) -> None:
-        self.mode[0] = bool(on)
+        self.mode.streaming = bool(on)
 
     @property
     def timing(self) -> bool:
-        return self.mode[1]
+        return self.mode.timing
 
     @timing.setter
     def timing(self, on: bool) -> None:
-        self.mode[1] = bool(on)
+        self.mode.timing = bool(on)
 
     @property
     def note(self) -> Callable[[int], None] | None:
-        return self.mode[2]
+        return self.mode.note
 
     @note.setter
     def note(self, fn: Callable[[int], None] | None) -> None:
-        self.mode[2] = fn
+        self.mode.note = fn
 
     def set_layout(self, param_chunk: list[int], chunk_params: list[int],
                    views: list[torch.Tensor]) -> None:
@@ -107,11 +104,11 @@ class DeviceHooks:
                     replaced[pid] = 1
                 p.grad = view
             touched[pid] = 1
-            streaming, timing, note = mode
-            if timing:
+            if mode.timing:
                 ready_at[pid] = stamp()
-            if streaming:
+            if mode.streaming:
                 c = chunk_of[pid]
+                note = mode.note
                 if note is not None:
                     note(c)
                 left = pending[c] - 1
@@ -130,3 +127,18 @@ class DeviceHooks:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+class HookMode:
+    """What the hooks of one device do in this backward."""
+
+    __slots__ = ("streaming", "timing", "note")
+
+    def __init__(self) -> None:
+        self.streaming = False
+        """Send chunks (mode 'cgdp'); otherwise only mark parameters touched."""
+        self.timing = False
+        """Stamp when each parameter was ready (timed steps)."""
+        self.note: Callable[[int], None] | None = None
+        """Called with the chunk of each gradient that arrives while streaming (CUDA: notes the
+        stream it accumulated on, which the chunk's send must wait for)."""

@@ -281,7 +281,7 @@ class GradientStream:
         marker = dev.h2d_marker()
         dev.compute_wait(marker, self._guard)
         if self.hooks[j].timing:  # so that the phase times are true; untimed steps do not wait
-            dev.settle(marker, self._guard)
+            dev.wait_marker(marker, self._guard)
 
     def touched(self) -> np.ndarray:
         """Per parameter, on how many devices it got a gradient this step."""

@@ -42,7 +42,7 @@ from cgdp.engine.backend.base import Device
 from cgdp.engine.core import fork
 from cgdp.engine.sync import POLL_S, Guard, StepAborted
 
-SETTLE_S = 0.5
+STOP_WAIT_S = 0.5
 """After a failure or Ctrl-C, how long the caller waits for the other device threads to stop (a
 waiting thread notices within POLL_S; one still computing is then counted as stuck)."""
 
@@ -138,7 +138,7 @@ class DeviceThreads:
         again for its turn."""
         # one condition and one countdown per call, shared by its slots: the caller wakes once,
         # when the last slot is done (or at a failure), not once per device
-        cond, left = threading.Condition(threading.Lock()), [len(self._threads)]
+        cond, left = threading.Condition(threading.Lock()), _Countdown(len(self._threads))
         if self._turns is not None and (computing or turns):
             call = self._in_turn if computing else self._guarded
             futs = [_Slot(cond, left) for _ in self._threads]
@@ -203,13 +203,13 @@ class DeviceThreads:
     def _abandon(self, futs: list[Future], exc: BaseException) -> None:
         self._guard.fail(exc)  # every waiting thread stops at its next wake-up
         if futs and isinstance(futs[0], _Slot):
-            futs[0].wake_every_time()  # so that _settle sees each thread stop as it stops
+            futs[0].wake_every_time()  # so that _let_stop sees each thread stop as it stops
         with self._later_lock:  # work not started yet never starts
             later, self._later = self._later, deque()
         for t, f, _, _ in later:
             self._queued.discard(t.thread.name)
             f.set_exception(StepAborted("another thread of this step failed"))
-        _settle(futs)
+        _let_stop(futs)
         self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done()]
 
     def _guarded(self, fn: Callable[[int], Any], j: int) -> Any:
@@ -287,20 +287,30 @@ class DeviceThreads:
             t.stop()
         for t in self._threads:
             if t.name not in self.stuck and t.thread is not threading.current_thread():
-                t.thread.join(timeout=SETTLE_S)
+                t.thread.join(timeout=STOP_WAIT_S)
         self._threads = []
+
+
+class _Countdown:
+    """The slots of one :meth:`DeviceThreads.run_all` not yet done (``left``), and whether every
+    slot that finishes wakes the waiters (``every``: from the first failure on)."""
+
+    __slots__ = ("left", "every")
+
+    def __init__(self, n: int):
+        self.left, self.every = n, False
 
 
 class _Slot:
     """One device's part of a :meth:`DeviceThreads.run_all`: the few methods of a ``Future`` that
     the device thread and ``run_all`` use, on one condition shared by all the call's slots (a
-    ``Future`` per device per phase cost more than the hand-off it stood for). ``left`` counts the
-    call's slots not yet done: waiters are woken when it reaches zero, or from the first failure
-    on (so the caller wakes once per call, not once per device)."""
+    ``Future`` per device per phase cost more than the hand-off it stood for). Waiters are woken
+    when the call's countdown reaches zero, or from the first failure on (so the caller wakes once
+    per call, not once per device)."""
 
     __slots__ = ("_cond", "_left", "_done", "_result", "_error")
 
-    def __init__(self, cond: threading.Condition, left: list[int]):
+    def __init__(self, cond: threading.Condition, left: _Countdown):
         self._cond = cond
         self._left = left
         self._done = False
@@ -318,18 +328,18 @@ class _Slot:
     def set_exception(self, exc: BaseException) -> None:
         with self._cond:
             self._error, self._done = exc, True
-            self._left[1:] = [True]  # failed: from now on every slot wakes the waiters
+            self._left.every = True  # failed: from now on every slot wakes the waiters
             self._finished()
 
     def wake_every_time(self) -> None:
         """From now on, every slot of this call that finishes wakes the waiters."""
         with self._cond:
-            self._left[1:] = [True]
+            self._left.every = True
 
     def _finished(self) -> None:
         left = self._left
-        left[0] -= 1
-        if left[0] == 0 or len(left) > 1:
+        left.left -= 1
+        if left.left == 0 or left.every:
             self._cond.notify_all()
 
     def done(self) -> bool:
@@ -348,8 +358,8 @@ class _Slot:
         return self._result
 
 
-def _settle(futs: list[Future]) -> None:
-    deadline = time.monotonic() + SETTLE_S
+def _let_stop(futs: list[Future]) -> None:
+    deadline = time.monotonic() + STOP_WAIT_S
     for f in futs:
         left = deadline - time.monotonic()
         if left <= 0:

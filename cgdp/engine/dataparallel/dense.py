@@ -16,7 +16,7 @@ user's loop does to replica 0's ``.grad``, so that
   single-device sense; parameters without one keep ``.grad`` None on every replica.
 * ``versions``: the flat buffers' version counters, recorded after every backward and every
   change made by cgdp itself. Replica 0's counter moving, or its ``.grad`` no longer being its
-  view, means the user changed replica 0's gradients: :meth:`DenseGrads.mirror_if_changed` then
+  view, means the user changed replica 0's gradients: :meth:`DenseGrads.follow_edits` then
   copies them to every replica (with a warning) before they are used.
 * During a synced backward the hooks send each chunk, the host SUMS the chunks of all replicas
   (no weighting: the loss on the gathered output already weights each sample) and copies the sum
@@ -219,7 +219,7 @@ class DenseGrads:
         self.set_none()
         self.record()
 
-    def mirror_if_changed(self, summed: bool) -> bool:
+    def follow_edits(self, summed: bool) -> bool:
         """If replica 0's gradients changed since the last record, copy them to every replica;
         whether they had. An edit through ``.data`` (``p.grad.data.clamp_(...)``) moves no
         version counter: after a synced backward, when every replica must hold the same bits,

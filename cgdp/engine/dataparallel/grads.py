@@ -71,7 +71,7 @@ class GradPart(Protocol):
         """A backward failed: put back what :meth:`begin` changed if nothing arrived since; whether it could."""
     def drop(self) -> None:
         """Every gradient dropped: ``.grad`` None on every replica."""
-    def mirror_if_changed(self, summed: bool) -> bool:
+    def follow_edits(self, summed: bool) -> bool:
         """Replica 0's gradients changed by the user since cgdp last touched them: copy them to every replica."""
     def norm(self, norm_type: float, host: bool) -> float:
         """Of the total gradient (``host``: the host's sum of squares is its 2-norm)."""
@@ -90,7 +90,7 @@ class EmptyPart:
     def after(self) -> None: ...
     def undo(self, summed: bool) -> bool: return True
     def drop(self) -> None: ...
-    def mirror_if_changed(self, summed: bool) -> bool: return False
+    def follow_edits(self, summed: bool) -> bool: return False
     def norm(self, norm_type: float, host: bool) -> float: return 0.0
     def scale(self, coef: torch.Tensor) -> None: ...
     def attached(self) -> bool: return True
@@ -158,23 +158,23 @@ class Gradients:
             raise RuntimeError("the last backward through cgdp.DataParallel failed partway, so the "
                                "gradients are incomplete (they were dropped); call optimizer.zero_grad() "
                                "and redo this step's forward and backward before optimizer.step()")
-        self.mirror_if_changed()
+        self.follow_edits()
 
-    def mirror_if_changed(self) -> None:
+    def follow_edits(self) -> None:
         """Replica 0's gradients changed by the user since cgdp last touched them: copy them to
         every replica (the host's norm is then stale if the dense part changed)."""
         dense, *rest = self.parts
-        if dense.mirror_if_changed(self.summed) and self.state is GradState.SUMMED:
+        if dense.follow_edits(self.summed) and self.state is GradState.SUMMED:
             self.state = GradState.EDITED
         for part in rest:
-            part.mirror_if_changed(self.summed)
+            part.follow_edits(self.summed)
 
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Clip every replica's gradient by the norm of the total; that norm."""
         if not self.summed:
             raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
                                "that runs outside model.no_sync()")
-        self.mirror_if_changed()
+        self.follow_edits()
         total = self.norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():

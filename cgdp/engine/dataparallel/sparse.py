@@ -105,7 +105,7 @@ class SparseGrads:
 
     def relaid(self) -> None: ...
 
-    def mirror_if_changed(self, summed: bool) -> bool:
+    def follow_edits(self, summed: bool) -> bool:
         """Replica 0's ``.grad`` replaced since the last join: copy it to every replica."""
         if all(p.grad is g for p, g in zip(self.params[0], self._joined)):
             return False
