@@ -66,6 +66,47 @@ class MyAdamW(Counted, torch.optim.AdamW):
     pass
 
 
+def test_a_nested_step_that_raised_leaves_no_count_behind():
+    """The first step of an optimizer subclass raises inside its nested super().step() (after
+    cgdp's pre-hook counted it), so torch calls no post-hook for either call: the next steps
+    (called as opt.step(), the first with no other operation of the model between) are still
+    taken as new outermost steps, never as nested ones, and every replica takes them: one
+    device's result, replicas identical."""
+    parent = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # wraps the parent's step too
+    net = mlp()
+    ref = copy.deepcopy(net)
+    model = cgdp.DataParallel(net, DEVS, chunks=1)
+    opt = MySGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    seen = []
+
+    def second_call_raises(o, args, kwargs):  # the outer step's pre-hooks, then the nested one's
+        seen.append(1)
+        if len(seen) == 2:
+            raise RuntimeError("the nested step fails")
+    hook = opt.register_step_pre_hook(second_call_raises)
+    x, y = batches(1)[0]
+    with model:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(RuntimeError, match="the nested step fails"):
+            opt.step()
+        hook.remove()
+        opt.step()  # the same gradients, stepped now: no forward or backward between
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        for xb, yb in batches(3):
+            for o, m in ((opt, model), (ref_opt, ref)):
+                o.zero_grad()
+                F.cross_entropy(m(xb), yb).backward()
+                o.step()
+        assert opt.calls == 5
+        assert_replicas_identical(model)
+        assert_params_close(model.module, ref)
+    del parent
+
+
 @pytest.mark.parametrize("cls", [MySGD, MyAdamW])
 def test_optimizer_subclass_calling_super_step(cls, monkeypatch):
     """torch wraps both step() methods, so its global hooks fire twice, nested; with an instance
