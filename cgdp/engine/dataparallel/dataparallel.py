@@ -3,17 +3,22 @@
 ``model = cgdp.DataParallel(net, devices)`` replaces ``torch.nn.DataParallel(net)``; the loop
 stays the user's (``opt.zero_grad()``, ``model(x)``, ``loss.backward()``, ``opt.step()``). It
 drives the same :class:`~cgdp.engine.core.stream.GradientStream` as ``Trainer`` (hooks, flat buffers,
-device streams, host sum, copy back): one data path, two faces.
+device streams, host sum, copy back): one data path, two faces. Its four entry points, each
+holding the model's operation lock (:mod:`cgdp.engine.core.lifetime`), in the order of one
+iteration: :meth:`DataParallel.forward`; the gather's backward (:meth:`DataParallel._begin_backward`);
+autograd's final callback (:meth:`DataParallel._end_backward`); the user's ``optimizer.step()``
+(:mod:`cgdp.engine.dataparallel.mirror` → :class:`~cgdp.engine.dataparallel.steps.ReplicaSteps`).
+``docs/design.md`` draws them beside ``Trainer``'s step.
 
 * **Replicas.** ``net`` is replica 0, moved to ``devices[0]`` and trained in place
   (``.module``); replica j > 0 is a deep copy on ``devices[j]`` (``.replicas``). They are never
-  broadcast again: each replica takes the same optimizer step (:mod:`cgdp.engine.dataparallel.mirror`).
+  broadcast again: each replica takes the same optimizer step (:mod:`cgdp.engine.dataparallel.steps`).
 * **Forward** (:mod:`cgdp.engine.dataparallel.scatter`): the arguments are split along dimension 0 in device
   order, each replica runs on its device's thread (with the caller's grad mode and autocast),
   the outputs are gathered on ``devices[0]``. In training mode the floating buffers (BatchNorm
   statistics) are then set to their batch-weighted mean on every replica.
 * **Backward.** The gather's backward (:meth:`_begin_backward`, before any replica gradient
-  exists) readies the flat buffers and arms the hooks, and queues :meth:`_end_backward` with
+  exists) readies the gradients (:meth:`Gradients.begin`) and queues :meth:`_end_backward` with
   autograd's engine (``queue_callback``, as DDP does), which runs once the whole backward is done
   (on the thread that finished it: the caller's on CPU, possibly an autograd device thread on
   CUDA), before the caller's ``backward()`` returns. The hooks send each chunk as backward completes it,
@@ -21,8 +26,8 @@ device streams, host sum, copy back): one data path, two faces.
   weights each sample) and copies the sum back; the callback flushes the chunks never completed
   and waits until every sum is back. On CPU-emulated devices autograd runs every replica's
   backward on its one CPU thread; each replica's hooks are still only touched by that thread.
-* **The sum invariant** (:mod:`cgdp.engine.dataparallel.replica_grads`): the true gradient is the sum over
-  replicas of their flat buffers. After a synced backward every replica holds the total; the next
+* **The sum invariant** (:mod:`cgdp.engine.dataparallel.grads`, the one owner of the gradients'
+  state): the true gradient is the sum over replicas of what they hold. After a synced backward every replica holds the total; the next
   backward keeps replica 0's and zeroes the others' (accumulation without ``zero_grad`` counts it
   once); inside ``no_sync()`` nothing is sent and every replica accumulates its own part, which
   the first synced backward sends. A change to replica 0's gradients alone
