@@ -65,7 +65,7 @@ def measure(g: int, simulated: bool, steps: int, segment_bytes: int, cuda: bool 
                     tr.trace_next()
                     tr.step(x, y, F.cross_entropy)
                     starts: dict[tuple[str, str], float] = {}
-                    for dev, stream, name, t_a, _ in tr._events:  # host clock, absolute
+                    for dev, stream, name, t_a, _ in tr._timing.events:  # host clock, absolute
                         if stream == "d2h":
                             key = (dev, name)
                             starts[key] = min(starts.get(key, float("inf")), t_a)

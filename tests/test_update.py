@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import cgdp
-from cgdp.engine.trainer.update import HyperparameterMismatchError
+from cgdp.engine.trainer.hyperparameters import HyperparameterMismatchError
 from helpers import Gated, assert_params_close, assert_replicas_identical, mlp
 from test_comm_inproc import on_ranks
 from cgdp.testing import inside

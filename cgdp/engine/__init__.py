@@ -12,12 +12,15 @@ them together for G replicas. Around it, also shared: ``replicas`` (one copy of 
 device, each device's share of the batch), ``threads`` (one host thread per device), ``buffers``
 (BatchNorm statistics made identical), ``clip`` (clipping on the host norm), ``precision``
 (gradient dtypes on the host), ``drain`` (bringing the engine to rest), ``lifetime`` (one caller at
-a time; release on close or drop).
+a time; release on close or drop), ``update`` (how the averaged gradient becomes every replica's
+parameters: each device steps its own replica, or the paper's baseline, device 0 gathers, steps and
+broadcasts).
 
-``trainer/`` the face ``cgdp.Trainer``, where cgdp owns the step: ``batch`` (split and weight) →
-``losses`` (each device's loss and backward weight) → the core → ``update`` (hyperparameter
-agreement, schedulers); ``typical`` (the paper's baseline mode), ``state`` (checked restores),
-``timing`` (profiles and traces).
+``trainer/`` the face ``cgdp.Trainer``, where cgdp owns the step: ``options`` (the modes, each an
+update strategy; the arguments checked) → ``batch`` (split and weight) → ``passes`` (forward and
+backward on the device threads) and ``losses`` (each device's loss and backward weight) → the core
+→ ``hyperparameters`` (agreement across replicas and ranks, schedulers); ``state`` (checked
+restores), ``timing`` (profiles and traces).
 
 ``dataparallel/`` the face ``cgdp.DataParallel``, behind the user's own loop: ``scatter`` (split the
 arguments, gather the outputs) → the core → ``grads`` (what each replica's ``.grad`` holds

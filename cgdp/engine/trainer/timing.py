@@ -1,6 +1,8 @@
 """Profiles and traces of one step, built from what the streams recorded.
 
-While a step is timed, every stream, the host threads and the device threads append
+:class:`Timing` decides which steps are timed (``Trainer(profile=True)``, ``profile_next()``,
+``trace_next()``, a tuner that asks for profiles) and keeps the last profile and trace. While a
+step is timed, every stream, the host threads and the device threads append
 ``(device, stream, name, start, end)`` events to one list (host clock), and the hooks stamp when
 each parameter's gradient was ready. After the step, :func:`build_trace` turns the events into a
 timeline and :func:`build_profile` into a :class:`~cgdp.planning.profile.StepProfile`: the
@@ -9,15 +11,70 @@ paper's per-layer and per-chunk times (Table 4), which the tuner and calibration
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from cgdp.engine.backend.base import Device
 from cgdp.engine.core.flatgrad import Layout
 from cgdp.engine.core.hooks import DeviceHooks
+from cgdp.engine.core.stream import GradientStream
 from cgdp.planning.profile import ChunkTiming, StepProfile
 
 Event = tuple[str, str, str, float, float]
 """``(device, stream, name, start, end)``; times on the host clock."""
+
+
+class Timing:
+    """Which steps are profiled or traced, the events of a timed one, and the last results.
+
+    Per step: :meth:`choose` (before anything runs; uses up the one-shot requests), :meth:`start`
+    (gives every device and the stream the sink), then after an applied step :meth:`finish`. A
+    step that fails keeps the previous ``last_profile`` and ``last_trace``."""
+
+    def __init__(self, always: bool):
+        self.always = always
+        """Profile every step (``Trainer(profile=True)``)."""
+        self.profile_once = False
+        """Profile the next step (``Trainer.profile_next()``)."""
+        self.trace_once = False
+        """Trace the next step (``Trainer.trace_next()``)."""
+        self.profiling = self.tracing = False
+        """Whether this step is profiled, traced."""
+        self.events: list[Event] | None = None
+        """This step's events while it is timed, else None."""
+        self.last_profile: StepProfile | None = None
+        self.last_trace: list[dict[str, Any]] | None = None
+
+    def choose(self, tuner_wants: bool) -> None:
+        """Whether this step is profiled (always, once, or for the tuner) and traced."""
+        self.profiling = self.always or self.profile_once or tuner_wants
+        self.tracing = self.trace_once
+        self.profile_once = self.trace_once = False
+
+    def start(self, devs: Sequence[Device], stream: GradientStream) -> None:
+        """Before the first forward (nothing in flight): the sink of this step's events, or none."""
+        timing = self.profiling or self.tracing
+        events: list[Event] | None = [] if timing else None
+        self.events = events
+        # the sink holds the list, not the trainer: no reference cycle through the devices
+        sink = (lambda *e: events.append(e)) if events is not None else None
+        for d in devs:
+            d.trace = sink
+            if timing:
+                d.begin_timing()
+        stream.begin_step(timing, sink)
+
+    def finish(self, devs: Sequence[Device], fw, bw, up, t_start: float,
+               profile_inputs: Callable[[], dict[str, Any]]) -> None:
+        """After an applied step (``fw``, ``bw``, ``up`` as in :func:`step_stats`): its trace and
+        profile, if it was timed. ``profile_inputs()``: the rest of :func:`build_profile`'s arguments."""
+        if not (self.profiling or self.tracing):
+            return
+        if self.events is not None:
+            self.events += compute_spans(devs, fw, bw, up)
+        inputs = profile_inputs() if self.profiling else None
+        trace, profile = finish_timing(devs, [b[1] for b in bw], self.events or [], t_start, self.tracing, inputs)
+        self.last_trace = trace if self.tracing else self.last_trace
+        self.last_profile = profile if self.profiling else self.last_profile
 
 
 def build_trace(events: Sequence[Event], t_start: float) -> list[dict[str, Any]]:

@@ -16,10 +16,13 @@ One iteration (``step``), for G devices (and R ranks when a comm is attached):
 4.-6. The host accumulator (:mod:`cgdp.engine.core.host`) sums each chunk in device order, allreduces it
    across ranks if a comm is attached, and copies it back on every device's H2D stream.
 7. After backward each device flushes the chunks it never completed (unused layers), its compute
-   stream waits for the last H2D copy, and it steps its own optimizer. Parameters that got no
-   gradient anywhere get ``.grad = None`` first, as in single-device training. Floating buffers
-   the step wrote (BatchNorm statistics) are set to their batch-weighted mean on every replica.
-   Around the update (:mod:`cgdp.engine.trainer.update`): hyperparameter check, clipping, schedulers.
+   stream waits for the last H2D copy, and the mode's update strategy
+   (:mod:`cgdp.engine.core.update`) applies the update: each device steps its own optimizer
+   (``"cgdp"``, ``"single"``), or device 0 gathers, steps and broadcasts (``"typical"``).
+   Parameters that got no gradient anywhere get ``.grad = None`` first, as in single-device
+   training. Floating buffers the step wrote (BatchNorm statistics) are set to their
+   batch-weighted mean on every replica. Around the update
+   (:mod:`cgdp.engine.trainer.hyperparameters`): hyperparameter check, clipping, schedulers.
 With ``micro_batches=k``, steps 2-3 run k-1 times first with the hooks holding (nothing is sent);
 ``(loss_sum, count)`` losses are rescaled on the device once the last forward has given the
 total count (:class:`cgdp.engine.trainer.losses.HeldMicroBatches`).
@@ -44,32 +47,30 @@ import torch
 from torch import nn
 
 from cgdp.comm import Comm, make_comm
-from cgdp.engine.backend import host_threads, make_devices, make_rng, parse_devices
+from cgdp.engine.backend import host_threads, make_devices, make_rng
 from cgdp.engine.core.buffers import BufferWatch, copy_from_first, sync_buffers
 from cgdp.engine.core.claims import claim
-from cgdp.engine.core.clip import check_max_norm, clip_coefficient, device_norm
+from cgdp.engine.core.clip import clip_coefficient, device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
-from cgdp.engine.core.layers import LayerInfo, find_layers, number_params, trainable_dtype
+from cgdp.engine.core.layers import LayerInfo, number_params
 from cgdp.engine.core.lifetime import Lifetime, holding
 from cgdp.engine.core.module_hooks import ModuleHooks
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan, tuned_plan
 from cgdp.engine.core.replicas import Replicas, batch_weights, signature, split_buffers
-from cgdp.engine.core.stream import GradientStream, wire_dtype
+from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.sync import Guard
-from cgdp.engine.trainer.batch import check_micro_batches, micro_rounds
-from cgdp.engine.trainer.losses import (DeviceLoss, HeldMicroBatches, backward_weight,
-                                        loss_weights, parse_step)
+from cgdp.engine.trainer.batch import micro_rounds
+from cgdp.engine.trainer.hyperparameters import (HyperparameterMismatchError, Schedulers, agree_on_step,
+                                                 check_hyperparameters)
+from cgdp.engine.trainer.losses import loss_weights, parse_step
+from cgdp.engine.trainer.options import UPDATES, check_arguments
+from cgdp.engine.trainer.passes import DevicePasses
 from cgdp.engine.trainer.state import check_state
-from cgdp.engine.trainer.timing import compute_spans, finish_timing, step_stats
-from cgdp.engine.trainer.typical import broadcast_parameters, gather_on_first
-from cgdp.engine.trainer.update import (HyperparameterMismatchError, Schedulers, check_digests, check_hyperparameters,
-                                        hyperparameter_digest)
+from cgdp.engine.trainer.timing import Timing, step_stats
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 from cgdp.planning.profile import StepProfile
-
-MODES = ("cgdp", "typical", "single")
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -103,7 +104,7 @@ class Trainer:
             out, host sum and copy back of one chunk overlap (see :mod:`cgdp.engine.core.flatgrad`).
         scheduler: ``optimizer -> LRScheduler``, one per replica, stepped after each applied update.
         clip_grad_norm: clip the averaged gradient's total 2-norm as ``clip_grad_norm_`` does on one
-            device (:mod:`cgdp.engine.trainer.update`); ``stats["grad_norm"]``: the norm before clipping.
+            device (:mod:`cgdp.engine.core.clip`); ``stats["grad_norm"]``: the norm before clipping.
         micro_batches: micro-batches per device part, accumulated on the device; chunks travel
             during the last one's backward only.
         share_devices: allow a GPU to be listed more than once (one replica per entry, each with
@@ -125,51 +126,27 @@ class Trainer:
                  clip_grad_norm: float | None = None, micro_batches: int = 1,
                  share_devices: bool = False, grad_transfer: str | None = None,
                  host_memory: int | None = None):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError("optimizer must be a callable that takes parameters and returns an optimizer, "
-                            "e.g. lambda params: torch.optim.SGD(params, lr=0.1), so that each replica "
-                            "gets its own")
-        parse_devices(devices, share_devices)
-        if mode == "single" and len(devices) != 1:
-            raise ValueError(f"mode='single' trains on one device; got {len(devices)} devices. "
-                             f"Pass one device, or use mode='cgdp' for several")
-        infos, layer_params = find_layers(model)
-        if not any(info.numel for info in infos):
-            raise ValueError("the model has no trainable parameters (none with requires_grad=True); "
-                             "there is nothing to train")
-        self._dtype = trainable_dtype(layer_params)
-        self._transfer = wire_dtype(grad_transfer, self._dtype, mode)
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
-        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1024:
-            raise ValueError(f"segment_bytes must be an int >= 1024, got {segment_bytes!r}")
+        checked = check_arguments(model, optimizer, devices, mode=mode, share_devices=share_devices,
+                                  grad_transfer=grad_transfer, timeout_s=timeout_s, segment_bytes=segment_bytes,
+                                  clip_grad_norm=clip_grad_norm, micro_batches=micro_batches)
+        self._dtype, self._transfer = checked.dtype, checked.transfer
         self._segment = segment_bytes
         self._host_memory = host_memory
-        self._max_norm = check_max_norm(clip_grad_norm)
-        self._micro = check_micro_batches(micro_batches)
+        self._max_norm, self._micro = checked.max_norm, checked.micro_batches
 
         self.mode = mode
         self.devices = list(devices)
-        self.layers: list[LayerInfo] = infos
+        self.layers: list[LayerInfo] = checked.layers
         self.step_count = 0
         self.stats: dict[str, float] = {}
-        self.last_profile: StepProfile | None = None
-        self.last_trace: list[dict[str, Any]] | None = None
-        self._profile_always = bool(profile)
-        self._profile_once = False
-        self._trace_once = False
+        self._timing = Timing(bool(profile))
         self._guard = Guard(timeout_s)
         self._life = Lifetime(self, "Trainer", "create a new one", _refusal, _stopped, self._guard.fail)
         self._timeout_s = timeout_s
-        self._events: list[tuple[str, str, str, float, float]] | None = None
 
-        self._layer_pids = number_params(layer_params)
+        self._layer_pids = number_params(checked.layer_params)
         self._layer_bytes = [info.numel * torch.tensor([], dtype=self._dtype).element_size()
-                             for info in infos]
+                             for info in checked.layers]
 
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
@@ -199,6 +176,7 @@ class Trainer:
         self._module_hooks = ModuleHooks(reps.modules, [list(r.parameters()) for r in reps.modules],
                                          [d.torch_device for d in self._devs])
         self._param_hooks = ParamHooks(reps.params)
+        self._update = UPDATES[self.mode](self._devs, reps.optimizers, reps.params)
 
         self._comm = make_comm(comm, timeout_s=self._timeout_s)
         if self._comm is not None:
@@ -210,7 +188,7 @@ class Trainer:
                                             optimizer_defaults=repr(sorted(opt.defaults.items(), key=str))))
 
         plan, self.tuner = first_plan(chunks, self._layer_bytes, len(self._devs), self._comm,
-                                      tuned=self.mode == "cgdp", paper=True)
+                                      tuned=self._update.streams, paper=True)
         self._tuning = self.tuner is not None
         # one CPU random stream per emulated device, derived from torch's seed (reproducible)
         self._rng = make_rng(self._devs)
@@ -220,11 +198,13 @@ class Trainer:
         res.push(self._threads.close)
         self._stream = res.stream = GradientStream(
             self._devs, self._params, self._layer_pids, self._dtype, segment_bytes=self._segment,
-            streaming=self.mode == "cgdp", guard=self._guard, comm=self._comm,
+            streaming=self._update.streams, guard=self._guard, comm=self._comm,
             host_threads=host_threads(self._devs), transfer=self._transfer, host_memory=self._host_memory)
         res.push(self._stream.close)
         self._stream.set_plan(plan)
         self._stream.want_norm = self._max_norm is not None
+        self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._guard,
+                                    self._timing)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -247,11 +227,21 @@ class Trainer:
 
     def profile_next(self) -> None:
         """Profile the next step: ``last_profile`` then holds its :class:`StepProfile`."""
-        self._profile_once = True
+        self._timing.profile_once = True
 
     def trace_next(self) -> None:
         """Trace the next step: ``last_trace`` then holds its stream events."""
-        self._trace_once = True
+        self._timing.trace_once = True
+
+    @property
+    def last_profile(self) -> StepProfile | None:
+        """The :class:`StepProfile` of the last profiled step (``profile=True``, :meth:`profile_next`)."""
+        return self._timing.last_profile
+
+    @property
+    def last_trace(self) -> list[dict[str, Any]] | None:
+        """The stream events of the last traced step (:meth:`trace_next`)."""
+        return self._timing.last_trace
 
     @holding("Trainer.step()")
     def step(self, *args: Any, loss_fn: Callable[..., Any] | None = None) -> float:
@@ -265,32 +255,16 @@ class Trainer:
         if loss_fn is not None:
             args = (*args, loss_fn)
         call = parse_step(args, len(self._devs))                                     # 1. split
-        if self._comm is None:  # before anything runs (with a comm: in the step's allreduce)
-            check_hyperparameters(self.optimizers)
-        for d in self._devs:
-            d.check_caller()
-        self._weights, total = batch_weights(call.sizes, self._comm)
-        rounds = micro_rounds(call.parts, call.sizes, total, self._micro, call.whole)
-        amp = caller_context([self._devs[0].torch_device.type], grad=False)  # thread-local: captured here
-
+        rounds, total, amp = self._prepare(call)
         tuning = self._tuner_plan()
-        profiling = self._profile_always or self._profile_once or bool(
-            tuning and getattr(self.tuner, "wants_profile", False))
-        tracing = self._trace_once
-        self._profile_once = self._trace_once = False
-
-        if self._module_hooks.follow():  # a hook registration changed the buffers (prune)
-            self._buffers, others = split_buffers(self.replicas)
-            self._buffer_watch = BufferWatch(self._buffers, others)
-        self._begin_step(profiling or tracing)
-        if self.mode != "single":  # the user's gradient hooks wait for the average (_finish_backward)
-            self._param_hooks.take()
+        self._begin_step(tuning)
         t_start = time.perf_counter()
         phase = "forward"
         try:
-            held = self._hold_micro_batches(rounds[:-1], call.compute, amp)  # micro-batches 1..k-1
+            restore = self._buffer_watch.restore
+            held = self._passes.hold_micro_batches(rounds[:-1], call.compute, amp, restore)  # micro-batches 1..k-1
             parts, weights = rounds[-1]
-            fw = self._forward_all(parts, call.compute, amp)                         # 2. forward
+            fw = self._passes.forward_all(parts, call.compute, amp, restore)                 # 2. forward
             losses = [f[0].loss for f in fw]
             phase = "backward"  # with MPI the weights are a collective: ranks agree from here on
             weights = loss_weights([f[0] for f in fw], weights, self._comm, call.nested, held)
@@ -300,39 +274,20 @@ class Trainer:
             fw = [(None, *f[1:]) for f in fw]  # each backward takes its loss: its graph is freed there
             # 3.-6. backward; hooks send each chunk, the host sums it (and allreduces it across
             # ranks) and copies it back, while backward goes on; returns when all are back
-            bw = self._threads.run_all(lambda j: self._backward_on(j, losses, weights[j], rescale[j]), turns=True)
+            bw = self._passes.backward_all(losses, weights, rescale)
             t_bw = time.perf_counter()
             loss = self._finish_backward([b[0] for b in bw] + held.values,                    # 7.
                                          weights + held.final_weights(weights[0]))
             coef = clip_coefficient(self._grad_norm, self._max_norm)                 #    clip,
             phase = "update"
             t_up = time.perf_counter()
-            up = self._update(coef)                                                  #    update
+            up = self._apply_update(coef)                                            #    update
             t_end = time.perf_counter()
-        except (NonFiniteGradientError, HyperparameterMismatchError):
-            self._param_hooks.put_back()
-            # a clean rejection: every rank saw the same flag and every collective has completed,
-            # so nothing needs recovering and training can go on. The copies back were only
-            # ordered on the devices: let them finish, so a caller who stops here (close(), or
-            # dropping the trainer) frees nothing a copy still uses
-            self._quiesce()
-            raise
         except BaseException as exc:
-            self._param_hooks.put_back()
             self._recover(exc, phase)
             raise
         self.step_count += 1
-        # phase times from the devices' own clocks in timed steps (CUDA: resolved device events)
-        self.stats = step_stats(self._devs, fw, bw, up, t_start, t_bw, t_up, t_end, total)
-        self.stats["forward_s"] += held.seconds
-        if coef is not None:
-            self.stats["grad_norm"] = self._grad_norm
-        if profiling or tracing:
-            if self._events is not None:
-                self._events += compute_spans(self._devs, fw, bw, up)
-            self._collect(t_start, [b[1] for b in bw], profiling, tracing)
-        if tuning:
-            self.tuner.observe(self.stats["step_s"], self.last_profile if profiling else None)
+        self._account(fw, bw, up, (t_start, t_bw, t_up, t_end), total, held.seconds, coef, tuning)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -399,97 +354,46 @@ class Trainer:
             self._tuning = False
         return self._tuning
 
-    def _begin_step(self, timing: bool) -> None:
-        self._guard.reset()
-        events: list | None = [] if timing else None
-        self._events = events
-        # the sink holds the list, not the trainer: no reference cycle through the devices
-        sink = (lambda *e: events.append(e)) if events is not None else None
+    def _prepare(self, call: Any) -> tuple[list, int, Any]:
+        """Before anything runs: the checks, each device's share of the batch and micro-batch
+        rounds, and the caller's autocast; (rounds, global batch size, autocast)."""
+        if self._comm is None:  # before anything runs (with a comm: in the step's allreduce)
+            check_hyperparameters(self.optimizers)
         for d in self._devs:
-            d.trace = sink
-            if timing:
-                d.begin_timing()
-        self._stream.begin_step(timing, sink)
+            d.check_caller()
+        self._weights, total = batch_weights(call.sizes, self._comm)
+        rounds = micro_rounds(call.parts, call.sizes, total, self._micro, call.whole)
+        amp = caller_context([self._devs[0].torch_device.type], grad=False)  # thread-local: captured here
+        return rounds, total, amp
 
-    def _forward_all(self, parts: list[Any], compute, amp) -> list[tuple[DeviceLoss, Any, Any]]:
-        def run() -> list[tuple[DeviceLoss, Any, Any]]:
-            return self._threads.run_all(lambda j: self._forward_on(j, parts[j], compute, amp), computing=True)
-        return self._rng.forward_all(run, self._buffer_watch.restore)
-
-    def _forward_on(self, j: int, part: Any, compute, amp) -> tuple[DeviceLoss, Any, Any]:
-        """(loss, start stamp, end stamp): stamps on the device's clock (see ``Device.stamp``)."""
-        dev = self._devs[j]
-        f0 = dev.stamp()
-
-        def forward() -> DeviceLoss:
-            with amp():
-                return compute(self.replicas[j], part, dev.torch_device)
-        loss = self._rng.on_device(j, forward)
-        return loss, f0, dev.stamp()
-
-    def _hold_micro_batches(self, rounds, compute, amp) -> HeldMicroBatches:
-        """Forward and backward of micro-batches 1..k-1 on every device; the gradients add up in
-        the flat buffers and the hooks send nothing (see :class:`HeldMicroBatches`)."""
-        held = HeldMicroBatches(len(self._devs), len(rounds) + 1)
-        t0 = time.perf_counter()
-        for parts, w in rounds:
-            fw = self._forward_all(parts, compute, amp)
-            w = held.weights([f[0] for f in fw], w)
-            held.values += self._threads.run_all(lambda j: self._held_backward_on(j, fw[j][0].loss, w[j]), turns=True)
-        held.seconds = time.perf_counter() - t0
-        return held
-
-    def _held_backward_on(self, j: int, loss: torch.Tensor, w: float) -> float:
-        with self._stream.holding(j), self._threads.computing(loss.device.type == "cpu"):  # as in _backward_on
-            torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
-        return float(loss.detach())
-
-    def _backward_on(self, j: int, losses: list[torch.Tensor | None], w: float,
-                     rescale: torch.Tensor | None = None) -> tuple[float, Any, Any, Any]:
-        """(loss value, backward start, backward end, gradients back): stamps as in forward. ``rescale``: the
-        factor the held micro-batches' gradients take first. ``losses[j]`` is taken out (its graph is freed here)."""
-        dev, loss, losses[j] = self._devs[j], losses[j], None
-        b0 = dev.stamp()
-        if rescale is not None:
-            self._stream.scale_grads(rescale, j)
-        # backward of a CPU loss runs on this thread (a GPU's runs on autograd's thread for that
-        # device): a turn, since its hooks only enqueue and never wait for another device
-        with self._threads.computing(loss.device.type == "cpu"):
-            torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
-        if self._events is not None:
-            dev.backward_issued()
-        self._stream.flush(j)
-        dev.wait_compute(self._guard)  # note: host waits for backward, sleeping rather than spinning
-        value, loss = float(loss.detach()), None
-        b1 = dev.stamp()
-        self._stream.wait_returned(j)
-        return value, b0, b1, dev.stamp()
+    def _begin_step(self, tuning: bool) -> None:
+        """After the checks, before the first forward: timing, the buffers to watch, the user's hooks."""
+        self._timing.choose(bool(tuning and getattr(self.tuner, "wants_profile", False)))
+        if self._module_hooks.follow():  # a hook registration changed the buffers (prune)
+            self._buffers, others = split_buffers(self.replicas)
+            self._buffer_watch = BufferWatch(self._buffers, others)
+        self._guard.reset()
+        self._timing.start(self._devs, self._stream)
+        if self._update.sums:  # the user's gradient hooks wait for the sum (_finish_backward)
+            self._param_hooks.take()
 
     def _finish_backward(self, losses: list[float], weights: list[float]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""
         touched = self._stream.touched()
-        bad = self._stream.bad_count()
         loss = math.fsum(w * l for w, l in zip(weights, losses))
-        if self.mode == "typical":
-            bad = gather_on_first(self._devs, self._stream.flats)
-        # the clipping norm: rank 0's value on every rank (all computed it from the same reduced
-        # values, but a CPU with other vector widths may round the last bits differently)
+        bad = self._update.reduce(self._stream)  # the gradient the update reads, in place
         self._grad_norm = self._stream.grad_norm() if self._max_norm is not None else 0.0
-        if self._comm is not None:
+        if self._comm is not None:  # every rank takes the same values (rank 0's clipping norm)
             self._comm.fence(self._timeout_s)
-            norm0 = self._grad_norm if self._comm.rank == 0 else 0.0
-            digest = hyperparameter_digest(self.optimizers)
-            vec = self._comm.allreduce_small(np.concatenate([[loss, bad, norm0], digest, touched]))
-            loss, bad, self._grad_norm, touched = float(vec[0]), float(vec[1]), float(vec[2]), vec[6:]
-            check_digests(vec[3:6], self._comm.size, self.optimizers)
+            loss, bad, self._grad_norm, touched = agree_on_step(self._comm, loss, bad, self._grad_norm, touched,
+                                                                self.optimizers)
         if bad:
             raise NonFiniteGradientError(
                 f"the averaged gradient has {int(bad)} NaN/Inf value(s) (layers: "
                 f"{self._stream.bad_layers(self.layer_names)}); the update was not applied. Lower the learning rate, "
                 f"check the inputs, or clip gradients")
         if self._param_hooks.held:  # the user's gradient hooks, on the average (core/param_hooks.py)
-            views = [h.views for h in self._stream.hooks]  # mode typical broadcasts replica 0's update
-            self._param_hooks.run(touched, views if self.mode == "cgdp" else views[:1])
+            self._param_hooks.run(touched, self._update.hook_views([h.views for h in self._stream.hooks]))
             if self._max_norm is not None:  # the norm of their result (rank 0's, as the host's)
                 norm = device_norm(self._stream.flats[0])
                 self._grad_norm = norm if self._comm is None else float(
@@ -497,33 +401,34 @@ class Trainer:
         self._stream.set_untouched(touched)
         return loss
 
-    def _update(self, coef: torch.Tensor | None) -> list[tuple[Any, Any] | None]:
-        """Per device, the stamps around its update (None where it has none)."""
-        if self.mode == "typical":
-            dev = self._devs[0]
-            u0 = dev.stamp()
-            if coef is not None:
-                self._stream.scale_grads(coef, 0)
-            self.optimizers[0].step()
-            broadcast_parameters(self._devs, self._params)
-            up = [(u0, dev.stamp())] + [None] * (len(self._devs) - 1)
-        else:
-            up = self._threads.run_all(lambda j: self._update_on(j, coef), computing=True)
+    def _apply_update(self, coef: torch.Tensor | None) -> list[tuple[Any, Any] | None]:
+        """The mode's update, then what every replica shares after it: buffers, schedulers. Per
+        device, the stamps around its update (None where it has none)."""
+        up = self._update.step(coef, self._stream, self._threads)
         changed = self._buffer_watch.changed(self._comm)
         sync_buffers(self._buffers, self._weights, self._comm, changed)
         # a forward is done again (and the buffers restored) only on emulated devices, until
         # their random streams take turns
         self._buffer_watch.synced(changed, others=not (self._devs[0].is_cuda or self._rng.turns))
-        self._schedulers.step(only_first_stepped=self.mode == "typical")
+        self._schedulers.step(only_first_stepped=self._update.only_first_stepped)
         return up
 
-    def _update_on(self, j: int, coef: torch.Tensor | None) -> tuple[Any, Any]:
-        dev = self._devs[j]
-        u0 = dev.stamp()
+    def _account(self, fw: list, bw: list, up: list, times: tuple[float, float, float, float], samples: int,
+                 held_s: float, coef: torch.Tensor | None, tuning: bool) -> None:
+        """After an applied step: ``stats``, its profile and trace if timed, the tuner's measurement.
+        Phase times come from the devices' own clocks in timed steps (CUDA: resolved device events)."""
+        self.stats = step_stats(self._devs, fw, bw, up, *times, samples)
+        self.stats["forward_s"] += held_s
         if coef is not None:
-            self._stream.scale_grads(coef, j)
-        self.optimizers[j].step()
-        return u0, dev.stamp()
+            self.stats["grad_norm"] = self._grad_norm
+        self._timing.finish(self._devs, fw, bw, up, times[0], self._profile_inputs)
+        if tuning:
+            self.tuner.observe(self.stats["step_s"], self.last_profile if self._timing.profiling else None)
+
+    def _profile_inputs(self) -> dict[str, Any]:
+        """What a profile needs beyond the step's events (:func:`~cgdp.engine.trainer.timing.build_profile`)."""
+        return dict(self._stream.profile_inputs(), stats=self.stats, layer_bytes=self._layer_bytes, mode=self.mode,
+                    ranks=self._comm.size if self._comm is not None else 1)
 
     # ------------------------------------------------------------------ failures, plan switches
     def _quiesce(self) -> None:
@@ -531,7 +436,16 @@ class Trainer:
         quiesce(self._devs, self._stream.host, self._timeout_s)
 
     def _recover(self, exc: BaseException, phase: str) -> None:
-        """After a failed step: let every thread stop, drain the streams, stay usable if safe."""
+        """After a failed step: the user's gradient hooks back on their parameters; then, unless the
+        step was cleanly rejected, let every thread stop, drain the streams, stay usable if safe."""
+        self._param_hooks.put_back()
+        if isinstance(exc, (NonFiniteGradientError, HyperparameterMismatchError)):
+            # a clean rejection: every rank saw the same flag and every collective has completed,
+            # so nothing needs recovering and training can go on. The copies back were only
+            # ordered on the devices: let them finish, so a caller who stops here (close(), or
+            # dropping the trainer) frees nothing a copy still uses
+            self._quiesce()
+            return
         self._guard.fail(exc)
         self._life.broken = drain_after_failure(self._devs, self._stream.host)
         if phase == "update":
@@ -546,14 +460,6 @@ class Trainer:
             copy_from_first(self._buffer_watch.others)
             self._buffer_watch.synced()
         self._guard.reset()
-
-    # ------------------------------------------------------------------ profiles and traces
-    def _collect(self, t_start: float, bw_stamps: list[Any], profiling: bool, tracing: bool) -> None:
-        inputs = (dict(self._stream.profile_inputs(), stats=self.stats, layer_bytes=self._layer_bytes, mode=self.mode,
-                       ranks=self._comm.size if self._comm is not None else 1) if profiling else None)
-        trace, profile = finish_timing(self._devs, bw_stamps, self._events or [], t_start, tracing, inputs)
-        self.last_trace = trace if tracing else self.last_trace
-        self.last_profile = profile if profiling else self.last_profile
 
 
 def _refusal(what: str, running: str, inside: bool) -> str:

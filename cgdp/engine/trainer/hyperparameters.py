@@ -7,6 +7,8 @@ averaged gradient. This module holds what the trainer does to all of them alike:
   state) must equal optimizer 0's. A change made on one replica only (``optimizers[0]``'s
   ``lr``, a scheduler built for one optimizer) is an error, never a silent drift. The check reads
   a few dozen Python values per step.
+* :func:`agree_on_step` (MPI): the step's one small allreduce after backward, which also carries
+  a digest of the hyperparameters, so that every rank rejects the same step when they differ.
 * :class:`Schedulers`: one learning-rate scheduler per optimizer, from the user's factory,
   stepped together after every applied update (never after a rejected one), saved as one.
   ``ReduceLROnPlateau`` needs a metric, so the user steps it, on every replica
@@ -23,7 +25,10 @@ import re
 import warnings
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
+
+from cgdp.comm import Comm
 
 
 class HyperparameterMismatchError(ValueError):
@@ -123,6 +128,18 @@ def check_digests(summed: Sequence[float], ranks: int, optimizers: Sequence[torc
             "the optimizers' hyperparameters (param-group values such as lr) differ between MPI "
             "ranks; the update was not applied. Change them the same way on every rank, or use "
             "Trainer(..., scheduler=lambda opt: ...)")
+
+
+def agree_on_step(comm: Comm, loss: float, bad: float, norm: float, touched: np.ndarray,
+                  optimizers: Sequence[torch.optim.Optimizer]) -> tuple[float, float, float, np.ndarray]:
+    """Over every rank, in one small allreduce: the summed loss and NaN/Inf count, rank 0's
+    clipping norm (all computed it from the same reduced values, but a CPU with other vector
+    widths may round the last bits differently), on how many devices each parameter got a
+    gradient; raises :class:`HyperparameterMismatchError` on every rank if the hyperparameters differ."""
+    norm0 = norm if comm.rank == 0 else 0.0
+    vec = comm.allreduce_small(np.concatenate([[loss, bad, norm0], hyperparameter_digest(optimizers), touched]))
+    check_digests(vec[3:6], comm.size, optimizers)
+    return float(vec[0]), float(vec[1]), float(vec[2]), vec[6:]
 
 
 class Schedulers:

@@ -1,0 +1,81 @@
+"""``cgdp.Trainer``'s modes, and its arguments checked before anything is built.
+
+A mode is its update strategy (:mod:`cgdp.engine.core.update`), which says everything else the
+mode changes on the data path: whether gradients stream through the host during backward (and
+the chunk plan is tuned), whether the user's gradient hooks wait for the summed gradient, which
+replicas step an optimizer. :data:`UPDATES` maps each mode to it; nothing else in the face looks at
+the mode's name.
+
+:func:`check_arguments` checks every argument of ``Trainer(...)`` that can be checked without a
+device, in a fixed order (the first wrong one is reported, in the user's words), before a device,
+thread or buffer exists: a wrong argument leaves nothing to release.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from cgdp.engine.backend import parse_devices
+from cgdp.engine.core.clip import check_max_norm
+from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
+from cgdp.engine.core.stream import wire_dtype
+from cgdp.engine.core.update import PerReplica, Typical, Update
+from cgdp.engine.trainer.batch import check_micro_batches
+
+UPDATES: dict[str, Callable[..., Update]] = {
+    "cgdp": PerReplica,                           # host averaging during backward; each device steps
+    "typical": Typical,                           # device 0 gathers, steps and broadcasts (§2.3)
+    "single": partial(PerReplica, streams=False),  # one device, nothing leaves it
+}
+MODES = tuple(UPDATES)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the checks found out about the model and the options."""
+
+    layers: list[LayerInfo]
+    """The model's layers (modules that directly own trainable parameters), in forward order."""
+    layer_params: list[list[nn.Parameter]]
+    """Per layer, the parameters it owns."""
+    dtype: torch.dtype
+    """The one dtype of the trainable parameters (the flat buffers')."""
+    transfer: torch.dtype | None
+    """The dtype gradients travel in, when it is not ``dtype`` (``grad_transfer``)."""
+    max_norm: float | None
+    """``clip_grad_norm``, as a float."""
+    micro_batches: int
+
+
+def check_arguments(model: Any, optimizer: Any, devices: Sequence[str], *, mode: str, share_devices: bool,
+                    grad_transfer: str | None, timeout_s: float | None, segment_bytes: int,
+                    clip_grad_norm: float | None, micro_batches: int) -> Checked:
+    """Raise ``ValueError`` or ``TypeError`` for the first argument of ``Trainer(...)`` that is wrong."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("optimizer must be a callable that takes parameters and returns an optimizer, "
+                        "e.g. lambda params: torch.optim.SGD(params, lr=0.1), so that each replica "
+                        "gets its own")
+    parse_devices(devices, share_devices)
+    if mode == "single" and len(devices) != 1:
+        raise ValueError(f"mode='single' trains on one device; got {len(devices)} devices. "
+                         f"Pass one device, or use mode='cgdp' for several")
+    infos, layer_params = find_layers(model)
+    if not any(info.numel for info in infos):
+        raise ValueError("the model has no trainable parameters (none with requires_grad=True); "
+                         "there is nothing to train")
+    dtype = trainable_dtype(layer_params)
+    transfer = wire_dtype(grad_transfer, dtype, mode)
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
+    if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1024:
+        raise ValueError(f"segment_bytes must be an int >= 1024, got {segment_bytes!r}")
+    return Checked(infos, layer_params, dtype, transfer, check_max_norm(clip_grad_norm),
+                   check_micro_batches(micro_batches))

@@ -1,0 +1,113 @@
+"""Steps 2 and 3 of the data path, on the devices' host threads: forward and loss, then backward.
+
+``Trainer.step`` runs on the caller's thread and decides; what it hands to the device threads
+(:meth:`~cgdp.engine.core.threads.DeviceThreads.run_all`, one thread per device for the whole run)
+is here, one method per pass over every device:
+
+* :meth:`DevicePasses.forward_all`: each replica's forward and loss, inside its own random stream
+  (``rng.on_device``) and the caller's autocast; on emulated devices whose random streams do not
+  take turns, the forwards run again if one drew random numbers out of turn (``rng.forward_all``),
+  with the buffers restored first.
+* :meth:`DevicePasses.hold_micro_batches`: micro-batches 1..k-1, forward and backward, with the
+  hooks holding (``stream.holding(j)``: nothing is sent; the gradients add up on the device).
+* :meth:`DevicePasses.backward_all`: the last backward; its hooks send the chunks. Each device
+  then flushes the chunks it never completed, waits for its backward and for its gradients to be
+  back. Each backward takes its loss out of the list it was given, so that its graph is freed
+  there and not when the step ends.
+
+Every pass returns, per device, stamps on that device's clock (``Device.stamp``): resolved later
+into ``Trainer.stats`` and traces (:mod:`cgdp.engine.trainer.timing`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from cgdp.engine.backend.base import Device
+from cgdp.engine.core.stream import GradientStream
+from cgdp.engine.core.threads import DeviceThreads
+from cgdp.engine.sync import Guard
+from cgdp.engine.trainer.losses import DeviceLoss, HeldMicroBatches, backward_weight
+from cgdp.engine.trainer.timing import Timing
+
+Forward = tuple[DeviceLoss, Any, Any]
+"""(loss, forward start, forward end) of one device."""
+Backward = tuple[float, Any, Any, Any]
+"""(loss value, backward start, backward end, gradients back) of one device."""
+
+
+class DevicePasses:
+    def __init__(self, devs: Sequence[Device], replicas: Sequence[nn.Module], rng: Any, threads: DeviceThreads,
+                 stream: GradientStream, guard: Guard, timing: Timing):
+        self.devs = list(devs)
+        self.replicas = list(replicas)
+        self.rng = rng
+        self.threads = threads
+        self.stream = stream
+        self.guard = guard
+        self.timing = timing
+
+    def forward_all(self, parts: list[Any], compute: Callable, amp: Callable,
+                    restore: Callable[[], None]) -> list[Forward]:
+        """Forward and loss of ``parts[j]`` on every device j; ``restore``: puts the buffers back
+        before a forward is run again."""
+        def run() -> list[Forward]:
+            return self.threads.run_all(lambda j: self._forward_on(j, parts[j], compute, amp), computing=True)
+        return self.rng.forward_all(run, restore)
+
+    def _forward_on(self, j: int, part: Any, compute: Callable, amp: Callable) -> Forward:
+        dev = self.devs[j]
+        f0 = dev.stamp()
+
+        def forward() -> DeviceLoss:
+            with amp():
+                return compute(self.replicas[j], part, dev.torch_device)
+        loss = self.rng.on_device(j, forward)
+        return loss, f0, dev.stamp()
+
+    def hold_micro_batches(self, rounds: list[tuple[list[Any], list[float]]], compute: Callable, amp: Callable,
+                           restore: Callable[[], None]) -> HeldMicroBatches:
+        """Forward and backward of micro-batches 1..k-1 on every device; the gradients add up in
+        the flat buffers and the hooks send nothing (see :class:`HeldMicroBatches`)."""
+        held = HeldMicroBatches(len(self.devs), len(rounds) + 1)
+        t0 = time.perf_counter()
+        for parts, w in rounds:
+            fw = self.forward_all(parts, compute, amp, restore)
+            w = held.weights([f[0] for f in fw], w)
+            held.values += self.threads.run_all(lambda j: self._held_backward_on(j, fw[j][0].loss, w[j]), turns=True)
+        held.seconds = time.perf_counter() - t0
+        return held
+
+    def _held_backward_on(self, j: int, loss: torch.Tensor, w: float) -> float:
+        with self.stream.holding(j), self.threads.computing(loss.device.type == "cpu"):  # as in _backward_on
+            torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
+        return float(loss.detach())
+
+    def backward_all(self, losses: list[torch.Tensor | None], weights: list[float],
+                     rescale: list[torch.Tensor | None]) -> list[Backward]:
+        """Backward of ``losses[j]`` with weight ``weights[j]`` on every device, until its gradients
+        are back. ``rescale[j]``: the factor the held micro-batches' gradients take first."""
+        return self.threads.run_all(lambda j: self._backward_on(j, losses, weights[j], rescale[j]), turns=True)
+
+    def _backward_on(self, j: int, losses: list[torch.Tensor | None], w: float,
+                     rescale: torch.Tensor | None = None) -> Backward:
+        """``losses[j]`` is taken out (its graph is freed here)."""
+        dev, loss, losses[j] = self.devs[j], losses[j], None
+        b0 = dev.stamp()
+        if rescale is not None:
+            self.stream.scale_grads(rescale, j)
+        # backward of a CPU loss runs on this thread (a GPU's runs on autograd's thread for that
+        # device): a turn, since its hooks only enqueue and never wait for another device
+        with self.threads.computing(loss.device.type == "cpu"):
+            torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
+        if self.timing.events is not None:
+            dev.backward_issued()
+        self.stream.flush(j)
+        dev.wait_compute(self.guard)  # note: host waits for backward, sleeping rather than spinning
+        value, loss = float(loss.detach()), None
+        b1 = dev.stamp()
+        self.stream.wait_returned(j)
+        return value, b0, b1, dev.stamp()
