@@ -45,7 +45,6 @@ import threading
 import time
 from functools import partial
 
-import numpy as np
 import torch
 
 from cgdp.comm import Comm

@@ -70,7 +70,7 @@ def trainable_dtype(params: list[list[nn.Parameter]]) -> torch.dtype:
 
 def nonfinite_layers(params: list[nn.Parameter], layer_pids: list[list[int]], names: list[str]) -> str:
     """The layers whose gradient on this replica holds NaN/Inf (after
-    :func:`cgdp.engine.trainer.typical.gather_on_first`, replica 0's gradient is the summed one), for the error message."""
+    :func:`cgdp.engine.core.update.gather_on_first`, replica 0's gradient is the summed one), for the error message."""
     bad = [names[i] or "<root>" for i, pids in enumerate(layer_pids)
            if any(params[p].grad is not None and not bool(torch.isfinite(params[p].grad).all()) for p in pids)]
     return ", ".join(bad) or "unknown"

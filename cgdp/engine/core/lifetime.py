@@ -207,25 +207,19 @@ class Lifetime:
             self.release()
 
 
-def holding(what: str, until_given: bool = False) -> Callable[[F], F]:
-    """A method that holds its engine's operation lock (``self._life``) while it runs, and runs only
-    on a usable engine. With ``until_given``, the lock is held until a later call gives it back (the
-    method's first argument: the clean-up if that never comes); only an exception here gives it
-    back at once."""
+def operation(what: str) -> Callable[[F], F]:
+    """A method that is one operation of its engine (``self._life``): it holds the operation lock
+    while it runs, and runs only on a usable engine."""
     def wrap(method: F) -> F:
         @functools.wraps(method)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             life: Lifetime = self._life
-            life.ops.take(what, cleanup=args[0] if until_given else None)
+            life.ops.take(what)
             try:
                 life.check_usable()
-                out = method(self, *args, **kwargs)
-            except BaseException:
+                return method(self, *args, **kwargs)
+            finally:
                 life.ops.give()
-                raise
-            if not until_given:
-                life.ops.give()
-            return out
         return call  # type: ignore[return-value]
     return wrap
 

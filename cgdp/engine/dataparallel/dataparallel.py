@@ -68,7 +68,7 @@ from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import default_devices, host_threads, make_devices, make_rng, parse_devices
 from cgdp.engine.core.claims import claim
 from cgdp.engine.core.drain import drain_after_failure
-from cgdp.engine.core.lifetime import Lifetime, holding, weak_call
+from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.layers import find_layers, number_params, trainable_dtype
 from cgdp.engine.core.module_hooks import ModuleHooks
 from cgdp.engine.core.param_hooks import ParamHooks
@@ -251,7 +251,7 @@ class DataParallel(nn.Module):
         trainable parameters."""
         return self._stream.plan if self._stream is not None else []
 
-    @holding("forward()")
+    @operation("forward()")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         devs = self._devs
         for d in devs:
@@ -303,7 +303,7 @@ class DataParallel(nn.Module):
         finally:
             self._no_sync = old
 
-    @holding("clip_grad_norm_()")
+    @operation("clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradient of every replica by the norm of the whole (summed) gradient, computed
         on the host during backward (from the second call on); returns that norm (as FSDP's

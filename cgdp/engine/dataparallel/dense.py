@@ -46,7 +46,7 @@ class DenseGrads:
         self._comm, self._timeout_s = comm, timeout_s
         self.has_grad = np.array([g is not None for g in initial], bool)
         self._warned = self._warned_data = False
-        self._held: dict[int, torch.Tensor] = {}  # gradients set aside while hooks run on a sum
+        self._aside: dict[int, torch.Tensor] = {}  # gradients set aside while hooks run on a sum
         views = stream.hooks[0].views
         with torch.no_grad():
             for pid, g in enumerate(initial):
@@ -68,7 +68,7 @@ class DenseGrads:
                                "runs on each backward's summed gradient; inside model.no_sync() that sum "
                                "is never formed. Accumulate outside no_sync(), or remove the hook")
         self.prepare(summed)
-        self.hold(list(hooks.held))
+        self.set_aside(list(hooks.held))
         self.stream.arm(sending=sync)
 
     def end(self, sync: bool) -> bool:
@@ -139,7 +139,7 @@ class DenseGrads:
                         flat.zero_()
         self._attach()
 
-    def hold(self, pids: list[int]) -> None:
+    def set_aside(self, pids: list[int]) -> None:
         """After :meth:`prepare`, for parameters whose gradient hooks run on this backward's sum
         (:mod:`cgdp.engine.core.param_hooks`): set aside the gradient they hold (replica 0's: the
         others are zero after a synced backward), so that the host sums this backward's alone."""
@@ -147,23 +147,23 @@ class DenseGrads:
         with torch.no_grad():
             for pid in pids:
                 if self.has_grad[pid]:
-                    self._held[pid] = views0[pid].clone()
+                    self._aside[pid] = views0[pid].clone()
                     views0[pid].zero_()
 
-    def unhold(self) -> None:
+    def restore_aside(self) -> None:
         """A backward failed: the gradients set aside go back to replica 0."""
         views0 = self.stream.hooks[0].views
         with torch.no_grad():
-            for pid, g in self._held.items():
+            for pid, g in self._aside.items():
                 views0[pid].add_(g)
-        self._held = {}
+        self._aside = {}
 
     def apply_hooks(self, touched: np.ndarray) -> None:
         """After a synced backward (every replica holds this backward's sum): each hooked
         parameter's gradient becomes what one device accumulates, the gradient set aside plus
         what its hooks make of the sum (none when it got no gradient), on every replica."""
-        self.param_hooks.run(touched, [h.views for h in self.stream.hooks], self._held)
-        self._held = {}
+        self.param_hooks.run(touched, [h.views for h in self.stream.hooks], self._aside)
+        self._aside = {}
 
     def finish(self, touched: np.ndarray) -> None:
         """After a backward: ``touched[pid] > 0`` where some replica (some rank) got a gradient."""
@@ -177,7 +177,7 @@ class DenseGrads:
         buffers held before it, as one device keeps its gradients; whether it could.
         :meth:`prepare` kept the sum of the buffers; after a synced backward it left the total on
         replica 0 alone."""
-        self.unhold()
+        self.restore_aside()
         st = self.stream
         if st.touched().any():
             return False

@@ -53,7 +53,7 @@ from cgdp.engine.core.claims import claim
 from cgdp.engine.core.clip import clip_coefficient, device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, number_params
-from cgdp.engine.core.lifetime import Lifetime, holding
+from cgdp.engine.core.lifetime import Lifetime, operation
 from cgdp.engine.core.module_hooks import ModuleHooks
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan, tuned_plan
@@ -216,7 +216,7 @@ class Trainer:
     def layer_names(self) -> list[str]:
         return [info.name for info in self.layers]
 
-    @holding("Trainer.set_plan()")
+    @operation("Trainer.set_plan()")
     def set_plan(self, plan: int | Plan) -> None:
         """Switch the chunk plan between steps (every rank must pass the same plan)."""
         for d in self._devs:
@@ -243,7 +243,7 @@ class Trainer:
         """The stream events of the last traced step (:meth:`trace_next`)."""
         return self._timing.last_trace
 
-    @holding("Trainer.step()")
+    @operation("Trainer.step()")
     def step(self, *args: Any, loss_fn: Callable[..., Any] | None = None) -> float:
         """One training iteration on the global batch; returns its loss (see :mod:`cgdp.engine.trainer.losses`).
 
@@ -299,7 +299,7 @@ class Trainer:
                 "tuner": self.tuner.state_dict() if self.tuner is not None else None,
                 "scheduler": self._schedulers.state_dict()}
 
-    @holding("Trainer.load_state_dict()")
+    @operation("Trainer.load_state_dict()")
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; checked in full first, so a bad one changes nothing."""
         for d in self._devs:
