@@ -584,3 +584,149 @@ def test_gradients_dropped_during_the_step_leave_the_replicas_identical():
                     opt.step()
         assert_replicas_identical(model)
     assert_params_close(net, ref)
+
+
+# ------------------------------------------------------------------ the gradients' states after failures
+class _FailingBackward(torch.autograd.Function):
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailingBackward.fail:
+            raise RuntimeError("boom before any gradient")
+        return g
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(12, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        return _FailingBackward.apply(self.b(torch.relu(self.a(x))))
+
+
+def test_clip_after_a_backward_that_failed_early_clips_the_kept_gradients():
+    """A synced backward that fails before any gradient arrived keeps the gradients, as one device
+    does; arming it reset the host's sum of squares, so the clip that follows must take the norm of
+    the kept gradients (not the host's zero) and clip: equal to one device."""
+    net = _Head()
+    ref = copy.deepcopy(net)
+    x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
+    with cgdp.DataParallel(net, DEVS, chunks=1) as model:
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+        norms = []
+        for m, opt, clip in ((model, opts[0], model.clip_grad_norm_),
+                             (ref, opts[1], lambda n: torch.nn.utils.clip_grad_norm_(ref.parameters(), n))):
+            for it in range(2):
+                opt.zero_grad()
+                F.cross_entropy(m(x), y).backward()
+                if it == 1:
+                    _FailingBackward.fail = True
+                    try:
+                        with pytest.raises(RuntimeError, match="boom before any gradient"):
+                            F.cross_entropy(m(x), y).backward()
+                    finally:
+                        _FailingBackward.fail = False
+                norms.append(float(clip(0.01)))
+                opt.step()
+        assert norms[1] > 0 and norms[:2] == pytest.approx(norms[2:], rel=1e-5)
+        assert_replicas_identical(model)
+        assert_params_close(model.module, ref)
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom")
+
+
+class _FailsLate(nn.Module):  # fc2's gradient arrives, fc1's never will
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(4, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc2(_Boom.apply(self.fc1(x)))
+
+
+def test_clipping_after_a_dropped_backward_does_not_lift_the_refusal():
+    with cgdp.DataParallel(_FailsLate(), DEVS, chunks=1) as model:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.randn(6, 4)).sum().backward()
+        with pytest.warns(UserWarning, match="failed partway"):
+            assert float(model.clip_grad_norm_(1.0)) == 0.0  # the clean-up of the failed backward
+        with pytest.raises(RuntimeError, match="failed partway"):
+            opt.step()
+
+
+def test_a_step_refused_on_another_thread_leaves_the_running_step_undisturbed(monkeypatch):
+    """Thread B's optimizer.step() while thread A's runs is refused; A's step then completes as
+    usual, untouched by B's call (no resync of the replicas): the model's lock is given back and
+    another thread may use the model."""
+    from cgdp.engine.dataparallel import mirror
+    resyncs = []
+    monkeypatch.setattr(mirror.Mirror, "resync", lambda self, real=mirror.Mirror.resync: resyncs.append(1) or real(self))
+    entered = threading.Event()
+
+    class Slow(torch.optim.SGD):
+        def step(self, closure=None):
+            if threading.current_thread() is threading.main_thread():
+                entered.set()
+                time.sleep(0.3)
+            return super().step(closure)
+
+    x, y = batches(1)[0]
+    with cgdp.DataParallel(mlp(), DEVS, chunks=1) as model:
+        opt = Slow(model.parameters(), lr=0.1)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        refused = []
+
+        def other():
+            entered.wait(10)
+            try:
+                opt.step()
+            except RuntimeError as e:
+                refused.append(str(e))
+        t = threading.Thread(target=other)
+        t.start()
+        opt.step()
+        t.join()
+        assert refused and "one operation at a time" in refused[0]
+        assert inside(model).operation is None and not resyncs
+        worker = threading.Thread(target=lambda: model(x))
+        worker.start()
+        worker.join()
+        assert_replicas_identical(model)
+
+
+def test_a_closed_models_optimizer_is_freed_by_reference_counting():
+    """The optimizer that stepped a DataParallel (a scheduler built after its first step wraps
+    its step) holds no reference cycle once the model is closed: its state goes with it."""
+    import weakref
+    gc.collect()
+    gc.disable()
+    try:
+        with cgdp.DataParallel(mlp(), DEVS, chunks=1) as model:
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            x, y = batches(1)[0]
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+        ref = weakref.ref(opt)
+        del opt, sched
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -25,7 +25,8 @@ state              what the replicas hold                                       
 =================  ===========================================================  =====================
 
 A backward that fails before any replica's gradient arrived returns to the state before it (the
-gradients are kept, as on one device). :meth:`Gradients.drop` is the one reset point.
+gradients are kept, as on one device; ``SUMMED`` becomes ``EDITED``: arming the backward reset the
+host's sum of squares). :meth:`Gradients.drop` is the one reset point.
 
 The gradients come in *parts* behind one small protocol (:class:`GradPart`): the dense part
 (:mod:`cgdp.engine.dataparallel.dense`: the flat buffers that stream through the host during
@@ -140,7 +141,8 @@ class Gradients:
         self.after()
         summed = self._before in _SUMMED
         if all(part.undo(summed) for part in self.parts):
-            self.state = self._before
+            # kept; but the host's sum of squares is no longer theirs (arming a backward reset it)
+            self.state = GradState.EDITED if self._before is GradState.SUMMED else self._before
             return
         self.drop()
         warn_user("the previous backward through cgdp.DataParallel failed partway; the gradients "
@@ -180,7 +182,8 @@ class Gradients:
         with torch.no_grad():
             for part in self.parts:
                 part.scale(coef)
-        self.state = GradState.EDITED
+        if self.state is GradState.SUMMED:  # (DROPPED stays: the step is refused until a backward)
+            self.state = GradState.EDITED
         return total
 
     def norm(self, norm_type: float) -> torch.Tensor:

@@ -155,19 +155,46 @@ def _post_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
 
 
 def _install_outermost(opt: torch.optim.Optimizer) -> None:
-    """Give ``opt`` an outermost ``step`` of its instance, over the one it has: the count of nested
-    calls starts afresh at each call, even after a step that raised (see the module)."""
-    inner = opt.__dict__[_INNER] = opt.step  # its class's step, or a scheduler's counter around it
+    """Give ``opt`` an outermost ``step`` of its instance, over the one it has (its class's, or a
+    scheduler's counter around it): the count of nested calls starts afresh at each call of this
+    thread, even after a step that raised (see the module). Like torch's LR-scheduler counter it
+    holds ``opt`` weakly (the optimizer stays free of reference cycles: its state is freed with its
+    last reference), has the signature of the step it covers (``GradScaler`` reads it), and has the
+    ``__func__`` a scheduler built later unwraps."""
+    inner = opt.step
+    bound = isinstance(inner, types.MethodType) and inner.__self__ is opt
+    opt.__dict__[_INNER] = (inner.__func__ if bound else inner, bound)  # no reference to opt itself
 
-    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def unbound(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         mirror = self.__dict__.get(_ATTR)
-        if mirror:
+        if mirror and mirror.thread is threading.current_thread():
             mirror.depth = 0
-        return self.__dict__[_INNER](*args, **kwargs)
+        fn, is_method = self.__dict__[_INNER]
+        return fn(self, *args, **kwargs) if is_method else fn(*args, **kwargs)
+
+    ref = weakref.ref(opt)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        return unbound(ref(), *args, **kwargs)
+    step.__func__ = unbound  # type: ignore[attr-defined]
+    step.__signature__ = inspect.signature(inner)  # type: ignore[attr-defined]
     step.cgdp_outermost = True  # type: ignore[attr-defined]
     if getattr(inner, "_wrapped_by_lr_sched", False):  # what a scheduler checks its counter by
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    opt.step = types.MethodType(step, opt)
+    opt.__dict__["step"] = step
+
+
+def _remove_outermost(opt: torch.optim.Optimizer) -> None:
+    """``opt.step`` as it was before :func:`_install_outermost`, unless a scheduler built since
+    wraps it (then it stays, and only resets counts of a live mirror)."""
+    d = opt.__dict__
+    if not getattr(d.get("step"), "cgdp_outermost", False):
+        return
+    fn, bound = d.pop(_INNER)
+    if bound and fn is getattr(type(opt), "step", None):
+        del d["step"]  # the class's own step again
+    else:
+        d["step"] = types.MethodType(fn, opt) if bound else fn
 
 
 class Mirror:
@@ -195,14 +222,7 @@ class Mirror:
         d = self.opt.__dict__
         if d.get(_ATTR) is self:
             del d[_ATTR]
-        step = d.get("step")
-        if isinstance(step, types.MethodType) and getattr(step, "cgdp_outermost", False) and step.__self__ is self.opt:
-            inner = d.pop(_INNER)  # (a scheduler built since wraps it: then it stays, harmless)
-            if getattr(inner, "__func__", None) is getattr(type(self.opt).step, "__func__", type(self.opt).step) \
-                    and getattr(inner, "__self__", None) is self.opt:
-                del d["step"]  # the class's own step again
-            else:
-                d["step"] = inner
+        _remove_outermost(self.opt)
 
     def _groups(self, j: int, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mapping = self.maps[j - 1]
