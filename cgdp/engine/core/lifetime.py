@@ -58,7 +58,9 @@ class Operations:
         ``stopped(running)``: the error that stops ``running`` when ``close()`` comes."""
         self._refusal, self._stopped = refusal, stopped
         self._on_device_thread = on_device_thread
-        self._lock = threading.Condition()  # guards the fields below; notified when the lock is given
+        self._lock = threading.Lock()  # guards the fields below
+        self._given = threading.Condition(self._lock)  # notified when the lock is given, if someone waits
+        self._waiting = 0  # close() calls waiting for the lock to be given
         self._release: Callable[[], None] | None = None  # what give() runs after a close() that stopped waiting
         self.what: str | None = None
         """The operation that holds the lock (None: free)."""
@@ -72,21 +74,19 @@ class Operations:
         ``cleanup``: what to run if the operation ends without :meth:`give` (it may go stale)."""
         owner = threading.current_thread() if owner is None else owner
         with self._lock:
-            stale = None
-            if self.what is not None:
-                if not self._stale_for(owner):
-                    inside = self._owner is owner or self._on_device_thread()
-                    raise RuntimeError(self._refusal(what, self.what, inside))
-                stale, self._cleanup = self._cleanup, None
-                self.what = f"clean-up after the failed {self.what}"
-            else:
-                self.what, self._owner = what, owner
-        if stale is not None:
-            try:
-                stale()
-            except BaseException:
-                self.give()
-                raise
+            if self.what is None:  # the common case: free
+                self.what, self._owner, self._cleanup = what, owner, cleanup
+                return
+            if not self._stale_for(owner):
+                inside = self._owner is owner or self._on_device_thread()
+                raise RuntimeError(self._refusal(what, self.what, inside))
+            stale, self._cleanup = self._cleanup, None
+            self.what = f"clean-up after the failed {self.what}"
+        try:
+            stale()
+        except BaseException:
+            self.give()
+            raise
         with self._lock:
             self.what, self._owner, self._cleanup = what, owner, cleanup
 
@@ -109,7 +109,8 @@ class Operations:
         with self._lock:
             self.what = self._owner = self._cleanup = None
             release, self._release = self._release, None
-            self._lock.notify_all()
+            if self._waiting:
+                self._given.notify_all()
         if release is not None:
             release()
 
@@ -137,7 +138,11 @@ class Operations:
         inside = self._on_device_thread()  # a thread the operation waits for must not wait for it
         with self._lock:
             if not (inside or in_backward or self._owner is me):  # never wait for what this thread is in
-                self._lock.wait_for(lambda: self.what is None, CLOSE_WAIT_S)
+                self._waiting += 1
+                try:
+                    self._given.wait_for(lambda: self.what is None, CLOSE_WAIT_S)
+                finally:
+                    self._waiting -= 1
             if self.what is None:
                 return True
             self._release = release

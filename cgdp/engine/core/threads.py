@@ -375,7 +375,7 @@ def caller_context(device_types: Sequence[str] = ("cuda", "cpu"), grad: bool = T
     """A context factory that re-enters, on a device thread, the calling thread's autocast for
     ``device_types`` and (``grad``) its grad and inference mode: torch keeps them per thread, so a
     device thread does not see them. Captured once per call on the caller's thread."""
-    casts = [c for c in map(_autocast_state, device_types) if c is not None]
+    casts = [c for dt in device_types if (c := _autocast_state(dt)) is not None]
     modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled()) if grad else None
     if not casts and modes is None:
         return nullcontext
@@ -394,10 +394,12 @@ def caller_context(device_types: Sequence[str] = ("cuda", "cpu"), grad: bool = T
 def _autocast_state(device_type: str) -> tuple[str, torch.dtype, bool] | None:
     """The calling thread's autocast for ``device_type``: (type, dtype, cache enabled), or None if off."""
     try:
-        enabled = torch.is_autocast_enabled(device_type)
+        if not torch.is_autocast_enabled(device_type):
+            return None
         dtype = torch.get_autocast_dtype(device_type)
     except (TypeError, AttributeError):  # torch < 2.4: one function per device type
         cpu = device_type == "cpu"
-        enabled = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
+        if not (torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()):
+            return None
         dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
-    return (device_type, dtype, torch.is_autocast_cache_enabled()) if enabled else None
+    return device_type, dtype, torch.is_autocast_cache_enabled()
