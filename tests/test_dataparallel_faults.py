@@ -613,12 +613,7 @@ def test_clip_after_a_backward_that_failed_early_clips_the_kept_gradients():
                 opt.zero_grad()
                 F.cross_entropy(m(x), y).backward()
                 if it == 1:
-                    _FailsOnce.fail = True
-                    try:
-                        with pytest.raises(RuntimeError, match="this backward failed"):
-                            F.cross_entropy(m(x), y).backward()
-                    finally:
-                        _FailsOnce.fail = False
+                    failing_backward(m, x, y)
                 norms.append(float(clip(0.01)))
                 opt.step()
         assert norms[1] > 0 and norms[:2] == pytest.approx(norms[2:], rel=1e-5)
@@ -664,13 +659,13 @@ def test_a_step_refused_on_another_thread_leaves_the_running_step_undisturbed(mo
     from cgdp.engine.dataparallel import mirror
     resyncs = []
     monkeypatch.setattr(mirror.Mirror, "resync", lambda self, real=mirror.Mirror.resync: resyncs.append(1) or real(self))
-    entered = threading.Event()
+    entered, tried = threading.Event(), threading.Event()
 
-    class Slow(torch.optim.SGD):
+    class Slow(torch.optim.SGD):  # the main thread's step waits, inside, for the other's attempt
         def step(self, closure=None):
             if threading.current_thread() is threading.main_thread():
                 entered.set()
-                time.sleep(0.3)
+                assert tried.wait(30)
             return super().step(closure)
 
     x, y = batches(1)[0]
@@ -681,11 +676,13 @@ def test_a_step_refused_on_another_thread_leaves_the_running_step_undisturbed(mo
         refused = []
 
         def other():
-            entered.wait(10)
+            entered.wait(30)
             try:
                 opt.step()
             except RuntimeError as e:
                 refused.append(str(e))
+            finally:
+                tried.set()
         t = threading.Thread(target=other)
         t.start()
         opt.step()

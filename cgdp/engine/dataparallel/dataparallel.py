@@ -79,7 +79,7 @@ from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
 from cgdp.engine.dataparallel.dense import DenseGrads
-from cgdp.engine.dataparallel.grads import EmptyPart, Gradients
+from cgdp.engine.dataparallel.grads import GradPart, Gradients
 from cgdp.engine.dataparallel.steps import ReplicaSteps
 from cgdp.engine.dataparallel.replica_state import ReplicaState
 from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
@@ -194,7 +194,7 @@ class DataParallel(nn.Module):
         self._rng = make_rng(devs)  # one random stream per replica
         self._backward_check = BackwardCheck()
         self._stream: GradientStream | None = None
-        dense = EmptyPart()
+        dense = GradPart()  # nothing to stream
         if any(info.numel for info in infos):  # dense trainable parameters: the streaming path
             dense, tuner = self._build_stream(devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
                                               host_memory)

@@ -33,10 +33,11 @@ from cgdp.comm import Comm
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.stream import GradientStream
+from cgdp.engine.dataparallel.grads import GradPart
 from cgdp.engine.dataparallel.user_warning import warn_user
 
 
-class DenseGrads:
+class DenseGrads(GradPart):
     def __init__(self, stream: GradientStream, initial: Sequence[torch.Tensor | None], param_hooks: ParamHooks,
                  comm: Comm | None, timeout_s: float | None):
         """``initial``: replica 0's ``.grad`` before wrapping (kept, as one device would);

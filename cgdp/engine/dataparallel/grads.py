@@ -32,7 +32,7 @@ The gradients come in *parts* behind one small protocol (:class:`GradPart`): the
 (:mod:`cgdp.engine.dataparallel.dense`: the flat buffers that stream through the host during
 backward) and the sparse part (:mod:`cgdp.engine.dataparallel.sparse`: embeddings with
 ``sparse=True``, joined after backward). A model without dense trainable parameters has an empty
-dense part (:class:`EmptyPart`), not a branch at every call site.
+dense part (a plain :class:`GradPart`), not a branch at every call site.
 
 Threads: :meth:`Gradients.begin` and :meth:`Gradients.end` run on autograd's threads (the gather's
 backward, the end-of-backward callback), everything else on the caller's thread; never two at once
@@ -41,7 +41,6 @@ backward, the end-of-backward callback), everything else on the caller's thread;
 from __future__ import annotations
 
 import enum
-from typing import Protocol
 
 import torch
 
@@ -57,45 +56,46 @@ class GradState(enum.Enum):
     DROPPED = "dropped"
 
 
-class GradPart(Protocol):
-    """What the owner asks of each part. ``summed``: every replica held the total before this
-    call (``SUMMED``, ``EDITED``, ``DROPPED``; not ``ACCUMULATING``)."""
+class GradPart:
+    """What the owner asks of each part; as it stands, the part of nothing (the dense part of a
+    model without dense trainable parameters), which the real parts override. ``summed``: every
+    replica held the total before this call (``SUMMED``, ``EDITED``, ``DROPPED``; not ``ACCUMULATING``)."""
 
     def begin(self, sync: bool, summed: bool) -> None:
         """Before a backward adds to the gradients: make them hold what it must add to (replica
         0's total, the others zero after a synced backward), and ready the path (``sync``: send)."""
+
     def end(self, sync: bool) -> bool:
         """After a backward: the parts summed (``sync``) or kept; whether user gradient hooks ran."""
+        return False
+
     def after(self) -> None:
         """After :meth:`end`, or a failure: nothing armed is left."""
+
     def undo(self, summed: bool) -> bool:
         """A backward failed: put back what :meth:`begin` changed if nothing arrived since; whether it could."""
+        return True
+
     def drop(self) -> None:
         """Every gradient dropped: ``.grad`` None on every replica."""
+
     def follow_edits(self, summed: bool) -> bool:
         """Replica 0's gradients changed by the user since cgdp last touched them: copy them to every replica."""
+        return False
+
     def norm(self, norm_type: float, host: bool) -> float:
         """Of the total gradient (``host``: the host's sum of squares is its 2-norm)."""
-    def scale(self, coef: torch.Tensor) -> None: ...
+        return 0.0
+
+    def scale(self, coef: torch.Tensor) -> None:
+        """Every replica's gradient times ``coef``."""
+
     def attached(self) -> bool:
         """Whether replica 0's ``.grad`` are still what cgdp left (none replaced since)."""
+        return True
+
     def relaid(self) -> None:
         """After a plan switch relaid the flat buffers (their values kept)."""
-
-
-class EmptyPart:
-    """The dense part of a model without dense trainable parameters: nothing to do."""
-
-    def begin(self, sync: bool, summed: bool) -> None: ...
-    def end(self, sync: bool) -> bool: return False
-    def after(self) -> None: ...
-    def undo(self, summed: bool) -> bool: return True
-    def drop(self) -> None: ...
-    def follow_edits(self, summed: bool) -> bool: return False
-    def norm(self, norm_type: float, host: bool) -> float: return 0.0
-    def scale(self, coef: torch.Tensor) -> None: ...
-    def attached(self) -> bool: return True
-    def relaid(self) -> None: ...
 
 
 _SUMMED = (GradState.SUMMED, GradState.EDITED, GradState.DROPPED)
@@ -104,10 +104,10 @@ _SUMMED = (GradState.SUMMED, GradState.EDITED, GradState.DROPPED)
 
 class Gradients:
     def __init__(self, dense: GradPart, sparse: GradPart | None, devices: list[torch.device]):
-        """``dense``: the dense part (:class:`EmptyPart` without dense parameters); ``sparse``: the
+        """``dense``: the dense part (a plain :class:`GradPart` without dense parameters); ``sparse``: the
         sparse part, or None without sparse-gradient parameters."""
         self.parts: list[GradPart] = [dense] + ([sparse] if sparse is not None else [])
-        self.trains = not isinstance(dense, EmptyPart) or sparse is not None
+        self.trains = type(dense) is not GradPart or sparse is not None
         """Whether there is anything to train (else backwards are for input gradients only)."""
         self.state = GradState.EDITED  # the gradients from before wrapping, on every replica
         self._before = self.state  # the state a running backward started from

@@ -35,6 +35,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from cgdp.engine.dataparallel.grads import GradPart
+
 
 def sparse_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The trainable weights of ``module``'s embeddings with ``sparse=True``, in module order."""
@@ -46,7 +48,7 @@ def sparse_parameters(module: nn.Module) -> list[nn.Parameter]:
     return out
 
 
-class SparseGrads:
+class SparseGrads(GradPart):
     def __init__(self, params: Sequence[Sequence[nn.Parameter]], devices: Sequence[torch.device]):
         """``params[j]``: replica j's sparse-gradient parameters, in the same order on every replica."""
         self.params = [list(p) for p in params]
@@ -97,13 +99,6 @@ class SparseGrads:
                     params[k].grad = total if j == 0 or total is None else _to(total, self.devices[j])
             self._joined = [p.grad for p in self.params[0]]
         return False
-
-    def after(self) -> None: ...
-
-    def attached(self) -> bool:
-        return True
-
-    def relaid(self) -> None: ...
 
     def follow_edits(self, summed: bool) -> bool:
         """Replica 0's ``.grad`` replaced since the last join: copy it to every replica."""
