@@ -12,9 +12,10 @@ hook that captures sees every part (G calls, in no fixed order). State-dict and 
 not shared (they belong to the module that is saved or loaded).
 
 Two things a hook registration can change are not in those dictionaries. They are followed by
-:class:`ModuleHooks` before each forward, only when some hook was registered in the process since
-the last look (torch numbers every hook handle it makes, :func:`hook_count`: one integer
-comparison per step otherwise):
+:class:`ModuleHooks` before each forward, when some hook was registered in the process since
+the last look (torch numbers every hook handle it makes, :func:`hook_count`), or when
+:class:`~cgdp.engine.core.follow.Follow`, which looks at replica 0 before every step, saw its
+parameters or buffers change:
 
 * ``_is_full_backward_hook``, the flag that says which kind the module's backward hooks are;
 * the module's parameters and buffers, as ``torch.nn.utils.prune`` changes them when it adds its
@@ -73,15 +74,16 @@ class ModuleHooks:
         self.devices = list(devices)
         self._pos = {id(p): i for i, p in enumerate(self.params[0])}
         self._layout = [_layout_of(m) for m in self.modules[0]]
-        self._print = _fingerprint(self.modules[0])
+        self._print = fingerprint(self.modules[0])
         self._flags = list(map(_FULL, self.modules[0]))
         self._seen = hook_count()
 
-    def follow(self) -> bool:
+    def follow(self, moved: bool = False) -> bool:
         """Before a forward (caller's thread, no replica running); whether some replica's buffers
-        changed (the face lists them again)."""
+        changed (the face lists them again). ``moved``: replica 0's parameters or buffers changed
+        (:mod:`cgdp.engine.core.follow` sees that at every step), also without a hook registration."""
         seen = hook_count()
-        if seen == self._seen:
+        if seen == self._seen and not moved:
             return False
         first = self.modules[0]
         flags = list(map(_FULL, first))
@@ -90,15 +92,15 @@ class ModuleHooks:
                 for m, flag in zip(mods, flags):
                     m._is_full_backward_hook = flag
             self._flags = flags
-        fingerprint = _fingerprint(first)
-        changed = fingerprint != self._print
+        now = fingerprint(first)
+        changed = now != self._print
         if changed:  # names or objects of some parameters or buffers: which modules?
             for i, m0 in enumerate(first):
                 layout = _layout_of(m0)
                 if layout != self._layout[i]:
                     self._restructure(i, m0)
                     self._layout[i] = layout
-            self._print = fingerprint
+            self._print = now
         self._seen = seen
         return changed
 
@@ -137,7 +139,7 @@ def _layout_of(m: nn.Module) -> tuple:
             tuple((k, id(v)) for k, v in m._buffers.items()))
 
 
-def _fingerprint(modules: list[nn.Module]) -> tuple[list, ...]:
+def fingerprint(modules: list[nn.Module]) -> tuple[list, ...]:
     """The names and objects of all the modules' parameters and buffers, in one pass in C."""
     params, buffers = list(map(_PARAMS, modules)), list(map(_BUFFERS, modules))
     return (list(chain.from_iterable(map(dict.keys, params))),

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -70,7 +69,6 @@ from cgdp.engine.core.claims import claim
 from cgdp.engine.core.drain import drain_after_failure
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.layers import find_layers, number_params, trainable_dtype
-from cgdp.engine.core.module_hooks import ModuleHooks
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan
 from cgdp.engine.core.replicas import make_replicas, signature
@@ -84,7 +82,7 @@ from cgdp.engine.dataparallel.steps import ReplicaSteps
 from cgdp.engine.dataparallel.replica_state import ReplicaState
 from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
 from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
-from cgdp.engine.dataparallel.user_module import GradBuffers, local_load_post_hook
+from cgdp.engine.dataparallel.user_module import GradBuffers
 from cgdp.engine.sync import Guard, StepAborted
 from cgdp.planning.chunks import Plan
 
@@ -182,9 +180,10 @@ class DataParallel(nn.Module):
         params = [[p for layer in find_layers(r, {id(q) for q in sp})[1] for p in layer]
                   for r, sp in zip(reps, sparse)]
         self._grad_buffers = GradBuffers(reps)  # read from replica 0 by every replica
-        self._state = ReplicaState(reps)  # what the other replicas copy from replica 0
-        # replica 0's module hooks are every replica's; its parameters' hooks run on the sum
-        self._module_hooks = ModuleHooks(reps, self._state.params, [d.torch_device for d in devs])
+        # what the other replicas copy from replica 0 (replica 0's module hooks are every replica's)
+        self._state = ReplicaState(reps, [d.torch_device for d in devs])
+        self._life.resources.push(self._state.follow.close)  # its load hook: never pickled with the module
+        # its parameters' hooks run on the sum
         self._param_hooks = ParamHooks(params, unsupported=sparse[0])
         layer_pids = number_params(layer_params)
         tuner = None
@@ -209,9 +208,6 @@ class DataParallel(nn.Module):
         res.push(lambda: mirror.unregister(registered, owner))
         # the mirrors hold the other replicas' parameters and optimizer state
         res.push(lambda: [m.detach() for m in list(steps.mirrors)])
-        me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
-        # never pickled with the module (torch.save(model.module) while wrapped)
-        res.push(local_load_post_hook(module, lambda *_: me()._state.broadcast()).remove)
 
     def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
                       host_memory) -> tuple[DenseGrads, Any]:
@@ -256,9 +252,7 @@ class DataParallel(nn.Module):
         devs = self._devs
         for d in devs:
             d.check_caller("model(...)")  # CUDA: the replicas run on the default streams, as must the gather
-        if self._module_hooks.follow():  # a hook registration changed the buffers (prune)
-            self._state.rebuild_buffers()
-        self._state.before_forward()
+        self._state.before_forward()  # what the user changed on model.module since
         parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
         g = len(parts)
         counts = watch_counts(parts, [d.torch_device for d in devs]) if self._scalar_outputs == "auto" else []
@@ -283,6 +277,7 @@ class DataParallel(nn.Module):
             if not self._threads.stuck:
                 self._state.broadcast(buffers_only=True)
             raise
+        self._state.follow.after_forward(g)  # parameters the forward changed in place
         if self.module.training:  # the buffers the forward wrote (BatchNorm's statistics): the same everywhere
             self._state.after_forward(sizes, self._comm)
         sync = not self._no_sync

@@ -124,7 +124,8 @@ def _owner(opt: torch.optim.Optimizer) -> "Owner | None":
         raise ValueError("this optimizer holds parameters of a cgdp.DataParallel together with other "
                          "parameters (or those of another DataParallel); an optimizer may hold the "
                          "parameters of one DataParallel only (model.parameters() or a subset): build "
-                         "a separate optimizer for the others")
+                         "a separate optimizer for the others. A layer replaced after wrapping has "
+                         "parameters the DataParallel does not train: replace layers before wrapping")
     return owners.pop()
 
 
@@ -226,6 +227,10 @@ class Mirror:
 
     def _groups(self, j: int, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mapping = self.maps[j - 1]
+        if any(id(p) not in mapping for g in groups for p in g["params"]):
+            raise ValueError("this optimizer holds a parameter that the cgdp.DataParallel did not have when it "
+                             "was built (a layer replaced after wrapping?): it cannot step it on every replica. "
+                             "Replace layers before wrapping, or close() and wrap model.module again")
         return [{**{k: v for k, v in g.items() if k != "params"},
                  "params": [mapping[id(p)] for p in g["params"]]} for g in groups]
 

@@ -1,12 +1,7 @@
 """What ``DataParallel`` keeps on the user's module (replica 0), and what it must not leave there.
 
-* **A load hook that stays in this process.** ``model.module.load_state_dict(...)`` must reach
-  every replica, so a load post-hook sits on the user's module while it is wrapped. The user
-  still owns that module: ``torch.save(model.module)``, ``copy.deepcopy`` and ``pickle`` must work
-  while it is wrapped and carry nothing of cgdp. The hook is kept in the module's hook dictionary
-  swapped for a :class:`LocalHooks`, an ``OrderedDict`` that pickles and deep-copies as a plain
-  ``OrderedDict`` without cgdp's entries: the saved file names no cgdp object (it loads where cgdp
-  is not installed), and a copy of the module is not tied to this wrapper.
+* **A load hook that stays in this process** (``model.module.load_state_dict(...)`` reaches every
+  replica): :class:`cgdp.engine.core.follow.LocalHooks`, shared with ``Trainer``.
 * **Buffers that require grad** (``register_buffer("scale", t.requires_grad_())``: a learnable
   tensor kept out of ``parameters()``). One device accumulates their whole gradient into the
   buffer's ``.grad``. Here every replica reads replica 0's buffer through a differentiable copy
@@ -18,47 +13,9 @@
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
-
-
-class LocalHooks(OrderedDict):
-    """A module's hook dictionary whose entries in ``local`` are never pickled or copied.
-
-    It replaces the module's own dictionary, whose entries it takes over; the user's handles of
-    hooks registered before wrapping still point at that one (``RemovableHandle`` holds a weak
-    reference), so an entry it took over counts only while it is still there."""
-
-    def __init__(self, previous: OrderedDict):
-        super().__init__(previous.items())
-        self.previous = previous
-        self.inherited = set(previous.keys())
-        self.local: set[int] = set()
-
-    def _live(self) -> list[tuple[int, Any]]:
-        return [(k, v) for k, v in super().items() if k not in self.inherited or k in self.previous]
-
-    def values(self):  # what nn.Module.load_state_dict calls
-        return [v for _, v in self._live()]
-
-    def __reduce__(self):
-        # a plain OrderedDict: the file (or the copy) holds the user's hooks only
-        return OrderedDict, (), None, None, iter([(k, v) for k, v in self._live() if k not in self.local])
-
-
-def local_load_post_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
-    """``module.register_load_state_dict_post_hook(hook)``, kept out of pickles and copies."""
-    hooks = module._load_state_dict_post_hooks
-    if not isinstance(hooks, LocalHooks):
-        hooks = LocalHooks(hooks)
-        module._load_state_dict_post_hooks = hooks
-    handle = module.register_load_state_dict_post_hook(hook)
-    hooks.local.add(handle.id)
-    return handle
 
 
 class GradBuffers:

@@ -41,7 +41,8 @@ Backward = tuple[float, Any, Any, Any]
 
 class DevicePasses:
     def __init__(self, devs: Sequence[Device], replicas: Sequence[nn.Module], rng: Any, threads: DeviceThreads,
-                 stream: GradientStream, guard: Guard, timing: Timing):
+                 stream: GradientStream, guard: Guard, timing: Timing,
+                 after_forward: Callable[[int], None] = lambda used: None):
         self.devs = list(devs)
         self.replicas = list(replicas)
         self.rng = rng
@@ -49,6 +50,9 @@ class DevicePasses:
         self.stream = stream
         self.guard = guard
         self.timing = timing
+        self.after_forward = after_forward
+        """Called with the number of devices after every forward pass: what the forwards changed in
+        the parameters is made the same on every replica (:mod:`cgdp.engine.core.follow`)."""
 
     def forward_all(self, parts: list[Any], compute: Callable, amp: Callable,
                     restore: Callable[[], None]) -> list[Forward]:
@@ -56,7 +60,9 @@ class DevicePasses:
         before a forward is run again."""
         def run() -> list[Forward]:
             return self.threads.run_all(lambda j: self._forward_on(j, parts[j], compute, amp), computing=True)
-        return self.rng.forward_all(run, restore)
+        out = self.rng.forward_all(run, restore)
+        self.after_forward(len(self.devs))
+        return out
 
     def _forward_on(self, j: int, part: Any, compute: Callable, amp: Callable) -> Forward:
         dev = self.devs[j]

@@ -53,8 +53,8 @@ from cgdp.engine.core.claims import claim
 from cgdp.engine.core.clip import clip_coefficient, device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, number_params
-from cgdp.engine.core.lifetime import Lifetime, operation
-from cgdp.engine.core.module_hooks import ModuleHooks
+from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
+from cgdp.engine.core.follow import Follow
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan, tuned_plan
 from cgdp.engine.core.replicas import Replicas, batch_weights, signature, split_buffers
@@ -172,9 +172,11 @@ class Trainer:
         self.replicas, self.optimizers = reps.modules, reps.optimizers
         self._params, self._buffers = reps.params, reps.buffers
         self._buffer_watch = BufferWatch(reps.buffers, reps.other_buffers)
-        # replica 0's module hooks are every replica's; its parameters' hooks run on the average
-        self._module_hooks = ModuleHooks(reps.modules, [list(r.parameters()) for r in reps.modules],
-                                         [d.torch_device for d in self._devs])
+        # what the other replicas copy from replica 0 between steps (its module hooks are every
+        # replica's); its parameters' hooks run on the average
+        self._follow = Follow(reps.modules, [d.torch_device for d in self._devs], "cgdp.Trainer",
+                              "close() it and create a new Trainer", after_load=weak_call(self._loaded))
+        self._life.resources.push(self._follow.close)
         self._param_hooks = ParamHooks(reps.params)
         self._update = UPDATES[self.mode](self._devs, reps.optimizers, reps.params)
 
@@ -204,7 +206,10 @@ class Trainer:
         self._stream.set_plan(plan)
         self._stream.want_norm = self._max_norm is not None
         self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._guard,
-                                    self._timing)
+                                    self._timing, self._follow.after_forward)
+
+    def _loaded(self) -> None:
+        self._buffer_watch.synced()  # the loaded buffers are the same on every replica
 
     # ------------------------------------------------------------------ public API
     @property
@@ -305,13 +310,12 @@ class Trainer:
         for d in self._devs:
             d.check_caller("Trainer.load_state_dict()")
         check_state(state, self.replicas[0], self.optimizers[0], len(self.layers), self.tuner)
-        for r, opt in zip(self.replicas, self.optimizers):
-            r.load_state_dict(state["model"])
+        self.replicas[0].load_state_dict(state["model"])  # every replica's (core/follow.py's load hook)
+        for opt in self.optimizers:
             # each replica needs its own copy: load_state_dict keeps tensors that already have
             # the right dtype and device, and two optimizers sharing one state corrupt each other
             opt.load_state_dict(copy.deepcopy(state["optimizer"]))
         self._schedulers.load_state_dict(state.get("scheduler"))
-        self._buffer_watch.synced()  # the loaded buffers are the same on every replica
         self.step_count = int(state.get("step", 0))
         if state.get("device_rng") is not None and len(state["device_rng"]) == len(self._devs):
             self._rng.states = [st.clone() for st in state["device_rng"]]
@@ -369,7 +373,7 @@ class Trainer:
     def _begin_step(self, tuning: bool) -> None:
         """After the checks, before the first forward: timing, the buffers to watch, the user's hooks."""
         self._timing.choose(bool(tuning and getattr(self.tuner, "wants_profile", False)))
-        if self._module_hooks.follow():  # a hook registration changed the buffers (prune)
+        if self._follow.before_step():  # what the user changed on the model; buffers relisted (prune)
             self._buffers, others = split_buffers(self.replicas)
             self._buffer_watch = BufferWatch(self._buffers, others)
         self._guard.reset()
@@ -411,6 +415,7 @@ class Trainer:
         # their random streams take turns
         self._buffer_watch.synced(changed, others=not (self._devs[0].is_cuda or self._rng.turns))
         self._schedulers.step(only_first_stepped=self._update.only_first_stepped)
+        self._follow.record()  # the replicas' parameters as the update left them
         return up
 
     def _account(self, fw: list, bw: list, up: list, times: tuple[float, float, float, float], samples: int,

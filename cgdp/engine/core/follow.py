@@ -1,0 +1,274 @@
+"""Replica 0 is the user's model: what the other replicas follow of it, for both faces.
+
+The user changes the model between steps (``model.eval()``, a BatchNorm frozen through
+``model.modules()``, ``p.clamp_`` under ``torch.no_grad()``, ``load_state_dict``,
+``requires_grad_(False)``, a layer replaced), and its forward may change parameters in place
+(``nn.Embedding(max_norm=...)``). One device sees every such change at once; here the other
+replicas must take it before they run again. :class:`Follow` is the one owner of that: it holds
+replica 0 *as every replica has it* (:meth:`Follow._look`: modes, ``requires_grad``, parameter
+version counters, the module tree's children, parameters and buffers, torch's hook count), built
+in C in one pass over the modules and one over the parameters, and compared as one value before
+every step or forward (:meth:`Follow.before_step`). Only what differs is looked at:
+
+* **modes** (``training`` of every submodule): every replica takes replica 0's;
+* **requires_grad**: a parameter frozen after wrapping is frozen on every replica (it then gets no
+  gradient, as on one device); unfreezing one that was frozen when wrapped is refused (it has no
+  place in the flat buffers);
+* **parameters changed in place** outside the update (seen through their version counters, which
+  ``p.data`` does not share): copied from replica 0 to every replica, with a warning;
+* **the module tree**: a hook registration (``torch.nn.utils.prune``) that renames parameters or
+  adds buffers is followed by :class:`~cgdp.engine.core.module_hooks.ModuleHooks`; a submodule
+  replaced, added or removed, or a parameter object the model did not have when wrapped, is refused
+  with a sentence (the engine's flat buffers, hooks and optimizers hold the parameters it had);
+* **load_state_dict** on replica 0: a load post-hook (kept out of pickles and copies,
+  :class:`LocalHooks`) copies the whole state to every replica at once.
+
+:meth:`Follow.after_forward` looks at what a forward changed: a parameter it changed in place on
+replica 0 (version counters again) must be the same on every replica afterwards, and what one
+device would hold. Equal everywhere (a change that does not depend on the batch): nothing to do.
+``nn.Embedding(max_norm=...)`` renormalises the rows its part of the batch looked up; one device
+renormalises the rows of the whole batch, so every replica takes, row by row, the renormalised row
+(the one of smaller norm: the same bits wherever it was renormalised). Any other change that
+differs between replicas cannot be made exact and is refused (every replica takes replica 0's
+parameters first, so they stay identical). A change made on some replica j > 0 only (a
+data-dependent write that replica 0's part never triggers) is not seen.
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+import weakref
+from collections import OrderedDict
+from itertools import chain
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from cgdp.engine.core.module_hooks import ModuleHooks, fingerprint, hook_count
+
+_TRAINING = operator.attrgetter("training")
+_GRAD = operator.attrgetter("requires_grad")
+_VERSION = operator.attrgetter("_version")
+_CHILDREN = operator.attrgetter("_modules")
+
+
+class Follow:
+    """What replicas 1..G-1 copy from replica 0 (``replicas[0]``, the user's model).
+
+    ``name``: the face (``"cgdp.DataParallel"``), for messages; ``again``: what the user does to
+    start over (``"close() and wrap the model again"``); ``warn``: how the face warns the user;
+    ``after_load``: called after ``load_state_dict`` gave every replica replica 0's state."""
+
+    def __init__(self, replicas: Sequence[nn.Module], devices: Sequence[torch.device], name: str, again: str,
+                 warn: Callable[[str], None] | None = None, after_load: Callable[[], None] | None = None):
+        self.replicas = list(replicas)
+        self.name, self.again = name, again
+        self.warn = warn or (lambda msg: warnings.warn(msg, UserWarning, stacklevel=4))
+        self.after_load = after_load or (lambda: None)
+        self.modules = [list(r.modules()) for r in replicas]  # same order on every replica
+        self.params = [list(r.parameters()) for r in replicas]
+        """Per replica, all its parameters (trainable or not) in ``parameters()`` order."""
+        self.hooks = ModuleHooks(replicas, self.params, devices)
+        self.wrapped_trainable = list(map(_GRAD, self.params[0]))
+        self.trainable = list(self.wrapped_trainable)
+        self._names = [n for n, _ in replicas[0].named_modules()]
+        self._children = [[(k, id(c)) for k, c in m._modules.items()] for m in self.modules[0]]
+        self._renorm = _max_norm_embeddings(self.modules[0], self.params[0])
+        self._seen = self._look()
+        me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
+        self._load = local_load_post_hook(replicas[0], lambda *_: me() and me().broadcast())
+
+    def close(self) -> None:
+        self._load.remove()
+
+    def _look(self) -> tuple:
+        """Replica 0 now, as one value (lists built in C)."""
+        m0, p0 = self.modules[0], self.params[0]
+        return (list(map(_TRAINING, m0)), list(map(_GRAD, p0)), list(map(_VERSION, p0)),
+                list(map(id, chain.from_iterable(map(dict.values, map(_CHILDREN, m0))))),
+                fingerprint(m0), hook_count())
+
+    def record(self) -> None:
+        """Replica 0 as it is now is every replica's (after an update, a load, a copy)."""
+        self._seen = self._look()
+
+    def before_step(self) -> bool:
+        """Before a step or forward (caller's thread, no replica running): every replica takes what
+        changed on replica 0, or a refusal is raised (and raised again until it is undone).
+        Whether the replicas' buffers were relisted (the face lists them again)."""
+        now = self._look()
+        seen = self._seen
+        if now == seen:
+            return False
+        relisted = False
+        if now[3] != seen[3]:
+            self._refuse_new_children()
+        if now[4] != seen[4] or now[5] != seen[5]:
+            relisted = self.hooks.follow(moved=now[4] != seen[4])
+        if now[0] != seen[0]:
+            self._copy_modes(now[0])
+        if now[1] != seen[1]:
+            self._copy_requires_grad(now[1])
+        if now[2] != seen[2]:
+            self.warn(f"replica 0's parameters were changed outside optimizer.step() (in place under "
+                      f"torch.no_grad(), e.g. p.clamp_ or torch.nn.init); {self.name} copies them to "
+                      f"every replica before it runs them again. Changes through p.data are not seen: "
+                      f"make them on every replica (.replicas)")
+            self._copy_parameters(range(len(self.params[0])))
+        self.record()
+        return relisted
+
+    def _refuse_new_children(self) -> None:
+        for i, (m, before) in enumerate(zip(self.modules[0], self._children)):
+            now = [(k, id(c)) for k, c in m._modules.items()]
+            if now != before:
+                where = f"{self._names[i]}." if self._names[i] else ""
+                names = sorted({k for k, _ in set(now) ^ set(before)})
+                raise RuntimeError(
+                    f"the submodule(s) {', '.join(where + n for n in names)} of the model were replaced, added or "
+                    f"removed after {self.name} was built; it trains the parameters the model had then on every "
+                    f"device (its gradient buffers, hooks and optimizers hold them), so it cannot follow a new "
+                    f"layer. Make such changes before building it (or put the old layer back), or {self.again}")
+
+    def _copy_modes(self, flags: list[bool]) -> None:
+        """``net.eval()`` or a frozen BatchNorm set on replica 0 alone must not leave the others training."""
+        for mods in self.modules[1:]:
+            for m, f in zip(mods, flags):
+                if m.training is not f:
+                    m.training = f
+
+    def _copy_requires_grad(self, now: list[bool]) -> None:
+        names = [n for (n, _), was, r in zip(self.replicas[0].named_parameters(), self.wrapped_trainable, now)
+                 if r and not was]
+        if names:
+            raise RuntimeError(f"parameters frozen when {self.name} was built now require grad "
+                               f"({', '.join(names[:5])}); unfreeze them before building it, or {self.again}")
+        for params in self.params[1:]:
+            for q, r in zip(params, now):
+                if q.requires_grad is not r:
+                    q.requires_grad_(r)
+        self.trainable = now
+
+    def _copy_parameters(self, which: Any) -> None:
+        with torch.no_grad():
+            for params in self.params[1:]:
+                for i in which:
+                    params[i].copy_(self.params[0][i])
+
+    def broadcast(self) -> None:
+        """Every replica ← replica 0's parameters and buffers (after ``load_state_dict``)."""
+        state = self.replicas[0].state_dict()
+        with torch.no_grad():
+            for r in self.replicas[1:]:
+                r.load_state_dict(state)
+        self.record()
+        self.after_load()
+
+    def after_forward(self, used: int) -> None:
+        """After a forward of replicas 0..used-1 (caller's thread, no replica running): a parameter
+        the forward changed in place is made the same on every replica, as one device has it, or
+        refused (see the module)."""
+        versions = list(map(_VERSION, self.params[0]))
+        seen = self._seen[2]
+        if versions == seen:
+            return
+        changed = [i for i, (v, s) in enumerate(zip(versions, seen)) if v != s]
+        refused = []
+        with torch.no_grad():
+            for i in changed:
+                ps = [params[i] for params in self.params]
+                first = ps[0]
+                if all(torch.equal(first, p.to(first.device)) for p in ps[1:used]):
+                    for p in ps[used:]:
+                        p.copy_(first)  # replicas without samples ran no forward
+                elif i in self._renorm:
+                    _merge_rows(ps, self._renorm[i])
+                else:
+                    refused.append(i)
+                    for p in ps[1:]:
+                        p.copy_(first)
+        self._seen = (self._seen[0], self._seen[1], versions, *self._seen[3:])
+        if refused:
+            names = [n for n, _ in self.replicas[0].named_parameters()]
+            raise RuntimeError(
+                f"the model's forward changed parameter(s) {', '.join(names[i] for i in refused[:5])} in place, "
+                f"differently on each device (each replica changes its own copy from its part of the batch), "
+                f"which {self.name} cannot make equal to one device; every replica now holds replica 0's. Make "
+                f"such changes outside the forward (between steps, under torch.no_grad(): they reach every "
+                f"replica), or train on one device")
+
+
+def _max_norm_embeddings(modules: list[nn.Module], params: list[nn.Parameter]) -> dict[int, float]:
+    """Position (in ``params``) of the weight of each ``nn.Embedding``/``nn.EmbeddingBag`` with
+    ``max_norm`` -> its ``norm_type``. Such a weight used by another module too (tied to an output
+    layer) is refused: that module would see the rows this device renormalised only."""
+    pos = {id(p): i for i, p in enumerate(params)}
+    out = {}
+    for m in modules:
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            users = [o for o in modules if any(q is m.weight for q in o._parameters.values())]
+            if len(users) > 1:
+                raise ValueError("an nn.Embedding with max_norm whose weight is shared with another module "
+                                 "(tied) cannot be trained exactly on several devices: each device renormalises "
+                                 "only the rows its part of the batch looks up, and the other module would see "
+                                 "those. Untie the weight, or renormalise outside the forward (max_norm=None)")
+            out[pos[id(m.weight)]] = float(m.norm_type)
+    return out
+
+
+def _merge_rows(ps: list[torch.Tensor], norm_type: float) -> None:
+    """Every replica's rows ← the renormalised row wherever some replica renormalised it (the row
+    of smallest norm: renormalising only ever shrinks a row, to the same bits on every replica)."""
+    first = ps[0]
+    merged = first.detach().clone()
+    norms = torch.linalg.vector_norm(merged, norm_type, dim=1)
+    for p in ps[1:]:
+        q = p.detach().to(first.device)
+        qn = torch.linalg.vector_norm(q, norm_type, dim=1)
+        take = qn < norms
+        merged[take] = q[take]
+        norms = torch.where(take, qn, norms)
+    for p in ps:
+        p.copy_(merged.to(p.device))
+
+
+class LocalHooks(OrderedDict):
+    """A module's hook dictionary whose entries in ``local`` are never pickled or copied.
+
+    ``model.load_state_dict(...)`` must reach every replica, so a load post-hook sits on the user's
+    module while it is wrapped. The user still owns that module: ``torch.save(model)``,
+    ``copy.deepcopy`` and ``pickle`` must work and carry nothing of cgdp. This dictionary replaces
+    the module's own, whose entries it takes over, and pickles and deep-copies as a plain
+    ``OrderedDict`` without cgdp's entries: the saved file names no cgdp object (it loads where cgdp
+    is not installed), and a copy of the module is not tied to this engine. The user's handles of
+    hooks registered before wrapping still point at the old dictionary (``RemovableHandle`` holds a
+    weak reference), so an entry taken over counts only while it is still there."""
+
+    def __init__(self, previous: OrderedDict):
+        super().__init__(previous.items())
+        self.previous = previous
+        self.inherited = set(previous.keys())
+        self.local: set[int] = set()
+
+    def _live(self) -> list[tuple[int, Any]]:
+        return [(k, v) for k, v in super().items() if k not in self.inherited or k in self.previous]
+
+    def values(self):  # what nn.Module.load_state_dict calls
+        return [v for _, v in self._live()]
+
+    def __reduce__(self):
+        # a plain OrderedDict: the file (or the copy) holds the user's hooks only
+        return OrderedDict, (), None, None, iter([(k, v) for k, v in self._live() if k not in self.local])
+
+
+def local_load_post_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
+    """``module.register_load_state_dict_post_hook(hook)``, kept out of pickles and copies."""
+    hooks = module._load_state_dict_post_hooks
+    if not isinstance(hooks, LocalHooks):
+        hooks = LocalHooks(hooks)
+        module._load_state_dict_post_hooks = hooks
+    handle = module.register_load_state_dict_post_hook(hook)
+    hooks.local.add(handle.id)
+    return handle

@@ -1,0 +1,225 @@
+"""The model a user changes between steps, and a forward that changes parameters in place: every
+replica follows replica 0 as one device would (both faces, one mechanism: core/follow.py), or the
+change is refused with a sentence. Each case against a plain one-device autograd reference."""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+import cgdp
+from helpers import assert_params_close, assert_replicas_identical, mlp
+
+DEVS = ["cpu:0", "cpu:1"]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def batches(n, seed=1, width=12, out=5):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, width, generator=g), torch.randn(8, out, generator=g)) for _ in range(n)]
+
+
+def bn_model():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 5))
+
+
+def bn_only_model():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
+
+
+def freeze_bn(m):
+    for mod in m.modules():
+        if isinstance(mod, nn.BatchNorm1d):
+            mod.eval()
+
+
+def clamp(m):
+    with torch.no_grad():
+        for p in m.parameters():
+            p.clamp_(-0.1, 0.1)
+
+
+def load_other(m):
+    m.load_state_dict(mlp(seed=5).state_dict())
+
+
+def freeze_first(m):
+    m[0].requires_grad_(False)
+
+
+def trainer_vs_one_device(model, change, at, n=3):
+    """``model`` trained by a Trainer and a copy by one device, ``change`` made to both before step ``at``."""
+    ref = copy.deepcopy(model)
+    ropt = sgd(ref.parameters())
+    with cgdp.Trainer(model, sgd, DEVS, chunks=2) as tr:
+        for i, (x, y) in enumerate(batches(n)):
+            if i == at:
+                change(model)
+                change(ref)
+            tr.step(x, y, F.mse_loss)
+            ropt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            ropt.step()
+            assert_replicas_identical(tr)
+    assert_params_close(model, ref)
+
+
+@pytest.mark.parametrize("make, change, at", [
+    (bn_model, lambda m: m.eval(), 0),         # eval(): BatchNorm's running statistics, no dropout
+    (bn_only_model, freeze_bn, 0),             # BatchNorm frozen through model.modules()
+    (mlp, clamp, 1),                           # an in-place edit under no_grad
+    (mlp, load_other, 1),                      # model.load_state_dict
+    (mlp, freeze_first, 1),                    # requires_grad_(False) on a layer
+], ids=["eval", "frozen-batchnorm", "clamp", "load_state_dict", "requires_grad"])
+def test_trainer_follows_what_the_user_changes_between_steps(make, change, at):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer_vs_one_device(make(), change, at)
+    edited = [w for w in seen if "changed outside optimizer.step()" in str(w.message)]
+    assert bool(edited) == (change is clamp)  # an in-place edit is said; the rest is silent
+
+
+def test_trainer_refuses_a_replaced_layer_and_goes_on_when_it_is_put_back():
+    model = mlp()
+    ref = copy.deepcopy(model)
+    ropt = sgd(ref.parameters())
+    (x, y), (x2, y2) = batches(2)
+    with cgdp.Trainer(model, sgd, DEVS, chunks=2) as tr:
+        old = model[2]
+        model[2] = nn.Linear(24, 24)
+        with pytest.raises(RuntimeError, match=r"submodule\(s\) 2 of the model were replaced.*create a new Trainer"):
+            tr.step(x, y, F.mse_loss)
+        with pytest.raises(RuntimeError, match="replaced"):  # until it is undone
+            tr.step(x, y, F.mse_loss)
+        model[2] = old
+        for xb, yb in ((x, y), (x2, y2)):
+            tr.step(xb, yb, F.mse_loss)
+            ropt.zero_grad()
+            F.mse_loss(ref(xb), yb).backward()
+            ropt.step()
+        assert_replicas_identical(tr)
+        model[0].weight = nn.Parameter(model[0].weight.detach().clone())  # a new parameter object
+        with pytest.raises(RuntimeError, match="not one the model had when it was wrapped"):
+            tr.step(x, y, F.mse_loss)
+    assert_params_close(model, ref)
+
+
+def test_dataparallel_refuses_a_replaced_layer_with_a_sentence():
+    model = mlp()
+    (x, y), = batches(1)
+    with cgdp.DataParallel(model, DEVS, chunks=2) as dp:
+        dp.module[2] = nn.Linear(24, 24)
+        with pytest.raises(RuntimeError, match=r"submodule\(s\) 2 of the model were replaced.*wrap model.module again"):
+            dp(x)
+        opt = torch.optim.SGD(dp.parameters(), lr=0.1)  # a fresh optimizer: no bare KeyError
+        dp.module[2].weight.grad = torch.zeros(24, 24)
+        with pytest.raises(ValueError, match="replaced after wrapping"):
+            opt.step()
+
+
+class Renorm(nn.Module):
+    """An embedding with max_norm (the forward renormalises the rows it looks up, in place)."""
+    def __init__(self, tied=False):
+        super().__init__()
+        torch.manual_seed(4)
+        self.emb = nn.Embedding(20, 4, max_norm=1.0)
+        with torch.no_grad():
+            self.emb.weight.mul_(3)
+        self.out = nn.Linear(4, 20, bias=False)
+        if tied:
+            self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(self.emb(ids).mean(1))
+
+
+def token_batches(n):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, 20, (8, 3), generator=g), torch.randint(0, 20, (8,), generator=g)) for _ in range(n)]
+
+
+def one_device(model, data):
+    ref = copy.deepcopy(model)
+    opt = sgd(ref.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    return ref
+
+
+def test_embedding_max_norm_trainer_matches_one_device():
+    model, data = Renorm(), token_batches(3)
+    ref = one_device(model, data)
+    with cgdp.Trainer(model, sgd, DEVS, chunks=1) as tr:
+        for x, y in data:
+            tr.step(x, y, F.cross_entropy)
+            assert_replicas_identical(tr)
+    assert_params_close(model, ref)
+
+
+def test_embedding_max_norm_dataparallel_matches_one_device():
+    model, data = Renorm(), token_batches(3)
+    ref = one_device(model, data)
+    with cgdp.DataParallel(model, DEVS, chunks=1) as dp:
+        opt = sgd(dp.parameters())
+        for x, y in data:
+            opt.zero_grad()
+            F.cross_entropy(dp(x), y).backward()
+            opt.step()
+        with torch.no_grad():
+            dp(data[0][0])  # an inference forward renormalises too, on every replica
+        ref(data[0][0])
+        for r in dp.replicas[1:]:
+            assert torch.equal(r.emb.weight, dp.module.emb.weight)
+    assert_params_close(model, ref)
+
+
+def test_a_tied_max_norm_embedding_is_refused():
+    with pytest.raises(ValueError, match="max_norm.*tied"):
+        cgdp.Trainer(Renorm(tied=True), sgd, DEVS)
+    with pytest.raises(ValueError, match="max_norm.*tied"):
+        cgdp.DataParallel(Renorm(tied=True), DEVS)
+
+
+class Drifts(nn.Module):
+    """A forward that changes a parameter in place from its batch (refused) and one by a constant (exact)."""
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(12, 5)
+        self.scale = nn.Parameter(torch.ones(5))
+        self.decay = nn.Parameter(torch.ones(5))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.decay.mul_(0.5)  # the same on every device
+            if self.by_batch:
+                self.scale.add_(x.mean())
+        return self.lin(x) * self.scale * self.decay
+
+
+@pytest.mark.parametrize("face", ["trainer", "dataparallel"])
+def test_a_forward_that_changes_parameters_by_its_batch_is_refused(face):
+    model = Drifts()
+    model.by_batch = False
+    (x, y), = batches(1)
+    if face == "trainer":
+        engine = cgdp.Trainer(model, sgd, DEVS, chunks=1)
+        run = lambda: engine.step(x, y, F.mse_loss)  # noqa: E731
+    else:
+        engine = cgdp.DataParallel(model, DEVS, chunks=1)
+        run = lambda: engine(x)  # noqa: E731
+    with engine:
+        run()  # the same change on every replica: nothing to refuse
+        model.by_batch = True
+        with pytest.raises(RuntimeError, match=r"forward changed parameter\(s\) scale in place"):
+            run()
+        reps = engine.replicas
+        assert all(torch.equal(r.scale, reps[0].scale) and torch.equal(r.decay, reps[0].decay) for r in reps[1:])
