@@ -223,3 +223,52 @@ def test_a_forward_that_changes_parameters_by_its_batch_is_refused(face):
             run()
         reps = engine.replicas
         assert all(torch.equal(r.scale, reps[0].scale) and torch.equal(r.decay, reps[0].decay) for r in reps[1:])
+
+
+def test_deepcopy_and_averaged_model_of_a_dataparallel_copy_the_wrapped_model():
+    """``copy.deepcopy(model)`` is a copy of model.module (no second engine); EMA through
+    ``AveragedModel(model)`` then follows replica 0 as it does one device's model."""
+    from torch.optim import swa_utils
+    model, data = mlp(), batches(3)
+    ref = copy.deepcopy(model)
+    ropt = sgd(ref.parameters())
+    ref_ema = swa_utils.AveragedModel(ref, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9))
+    with cgdp.DataParallel(model, DEVS, chunks=2) as dp:
+        twin = copy.deepcopy(dp)
+        assert type(twin) is nn.Sequential and all(torch.equal(a, b) for a, b in zip(twin.parameters(), model.parameters()))
+        ema = swa_utils.AveragedModel(dp, multi_avg_fn=swa_utils.get_ema_multi_avg_fn(0.9))
+        opt = sgd(dp.parameters())
+        for x, y in data:
+            opt.zero_grad()
+            F.mse_loss(dp(x), y).backward()
+            opt.step()
+            ema.update_parameters(dp)
+            ropt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            ropt.step()
+            ref_ema.update_parameters(ref)
+        assert torch.allclose(ema(data[0][0]), ref_ema(data[0][0]), rtol=1e-5, atol=1e-6)
+    assert_params_close(ema.module, ref_ema.module)
+
+
+def test_a_memory_format_change_on_the_wrapper_is_refused_and_one_before_wrapping_trains():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    x, y = torch.randn(8, 3, 8, 8), torch.randn(8, 5)
+    with cgdp.DataParallel(copy.deepcopy(net), DEVS, chunks=1) as dp:
+        with pytest.raises(RuntimeError, match="cannot change its replicas' memory format.*before wrapping"):
+            dp.to(memory_format=torch.channels_last)
+    net = net.to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(net)
+    ropt = sgd(ref.parameters())
+    with cgdp.DataParallel(net, DEVS, chunks=1) as dp:
+        assert all(r[0].weight.is_contiguous(memory_format=torch.channels_last) for r in dp.replicas)
+        opt = sgd(dp.parameters())
+        for _ in range(2):
+            opt.zero_grad()
+            F.mse_loss(dp(x), y).backward()
+            opt.step()
+            ropt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            ropt.step()
+    assert_params_close(net, ref)

@@ -56,6 +56,7 @@ drops them, and ``optimizer.step()`` refuses to run until the step's backward is
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
@@ -312,9 +313,11 @@ class DataParallel(nn.Module):
         return self
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "DataParallel":
-        """``model.to(...)``, ``.half()``, ``.cuda()``...: nn.Module would convert replica 0 alone (the
-        other replicas are no submodules), so any change of dtype or device is refused; one that
-        changes nothing (``.to`` the device and dtype already in use) is a no-op."""
+        """``model.to(...)``, ``.half()``, ``.cuda()``, ``.to(memory_format=...)``...: nn.Module would
+        convert replica 0 alone (the other replicas are no submodules), and the engine's gradient
+        buffers are laid out for the parameters as wrapped, so any change of dtype, device or
+        memory format is refused; one that changes nothing (``.to`` the device and dtype already in
+        use) is a no-op."""
         for t in [*self.module.parameters(), *self.module.buffers()]:
             out = fn(t)
             if out.dtype != t.dtype or out.device != t.device:
@@ -322,7 +325,20 @@ class DataParallel(nn.Module):
                                    f"{out.device}; they are {t.dtype} on {t.device}): it would change "
                                    f"replica 0 only. Convert the model before wrapping it, e.g. "
                                    f"cgdp.DataParallel(net.to(dtype), devices)")
+            if out.stride() != t.stride():
+                raise RuntimeError("cgdp.DataParallel cannot change its replicas' memory format after wrapping "
+                                   "(it would change replica 0 only): convert the model before wrapping it, e.g. "
+                                   "cgdp.DataParallel(net.to(memory_format=torch.channels_last), devices)")
         return self
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        """A copy of the model it wraps (``model.module``, replica 0, on ``devices[0]``), not a second
+        engine (threads, devices, pinned memory): ``copy.deepcopy(model)`` and
+        ``torch.optim.swa_utils.AveragedModel(model)`` (EMA, SWA) keep a plain module, which
+        ``update_parameters(model)`` updates from replica 0's parameters. Wrap the copy to train it
+        on several devices."""
+        self._life.ops.clean_stale()  # after a step that failed on replica 0: identical again first
+        return copy.deepcopy(self.module, memo)
 
     def close(self) -> None:
         """Remove every hook, stop every thread, free the flat and pinned buffers. Replica 0
