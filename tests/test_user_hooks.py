@@ -143,6 +143,64 @@ def test_gradient_hooks_that_cannot_run_on_the_sum_are_refused():
             loss_of(model(torch.randn(4, 8))).backward()
 
 
+@pytest.mark.parametrize("face", FACES)
+def test_a_gradient_hook_that_raises_once_leaves_the_model_usable(face):
+    """The hook's own error reaches the caller; the failed step does nothing (DataParallel drops
+    that backward's gradients and refuses optimizer.step() until a backward completes); training
+    then goes on as on one device where the user skipped that step."""
+    net, ref = net_and_reference()
+    calls = []
+
+    def hook(g):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("the user's hook failed")
+        return g.clamp(-0.02, 0.02)
+    net[0].weight.register_hook(hook)
+    ref[0].weight.register_hook(lambda g: g.clamp(-0.02, 0.02))
+    xs = batches()
+    with (cgdp.DataParallel(net, ["cpu:0", "cpu:1"], chunks=1) if face == "DataParallel"
+          else cgdp.Trainer(net, sgd, ["cpu:0", "cpu:1"], chunks=1)) as engine:
+        if face == "DataParallel":
+            opt = sgd(engine.parameters())
+
+            def step(x):
+                opt.zero_grad()
+                loss_of(engine(x)).backward()
+                opt.step()
+        else:
+            def step(x):
+                engine.step(x, lambda m, b: loss_of(m(b)))
+        with pytest.raises(ValueError, match="the user's hook failed"):
+            step(xs[0])
+        if face == "DataParallel":
+            with pytest.raises(RuntimeError, match="failed partway"):
+                opt.step()
+        for x in xs[1:]:
+            step(x)
+        assert_replicas_identical(engine)
+    ropt = sgd(ref.parameters())
+    for x in xs[1:]:
+        ropt.zero_grad()
+        loss_of(ref(x)).backward()
+        ropt.step()
+    assert_params_close(net, ref)
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_gradient_hook_returning_another_dtype_raises_as_torch_does(face):
+    net, _ = net_and_reference()
+    net[0].weight.register_hook(lambda g: g.double())
+    x = batches(1)[0]
+    with (cgdp.DataParallel(net, ["cpu:0", "cpu:1"], chunks=1) if face == "DataParallel"
+          else cgdp.Trainer(net, sgd, ["cpu:0", "cpu:1"], chunks=1)) as engine:
+        with pytest.raises(RuntimeError, match="has changed the type of value"):
+            if face == "DataParallel":
+                loss_of(engine(x)).backward()
+            else:
+                engine.step(x, lambda m, b: loss_of(m(b)))
+
+
 # ---------------------------------------------------------------- module hooks
 def add_module_hook(kind):
     def add(m):

@@ -98,6 +98,9 @@ class ParamHooks:
                     raise RuntimeError(f"a gradient hook of parameter {pid} returned "
                                        f"{getattr(out, 'shape', type(out).__name__)}, not a tensor of shape "
                                        f"{tuple(grad.shape)}")
+                if out.dtype != grad.dtype or out.device != grad.device:  # torch's words
+                    raise RuntimeError(f"hook '{getattr(hook, '__name__', hook)}' has changed the type of value "
+                                       f"(was {grad.type()} got {out.type()})")
                 grad = out
         return grad
 

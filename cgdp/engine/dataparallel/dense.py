@@ -33,7 +33,7 @@ from cgdp.comm import Comm
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.stream import GradientStream
-from cgdp.engine.dataparallel.grads import GradPart
+from cgdp.engine.dataparallel.grads import GradPart, HookFailed
 from cgdp.engine.dataparallel.user_warning import warn_user
 
 
@@ -88,7 +88,11 @@ class DenseGrads(GradPart):
             touched = self._comm.allreduce_small(touched + self.has_grad)
         hooked = bool(self.param_hooks.held)
         if hooked:  # the user's gradient hooks, on the sum (the host's norm is of the sum before them)
-            self.apply_hooks(touched)
+            try:
+                self.apply_hooks(touched)
+            except Exception as exc:  # the user's error, after every copy is back: nothing in flight
+                self._aside = {}
+                raise HookFailed(exc) from exc
         self.finish(touched)
         return hooked
 

@@ -47,6 +47,15 @@ import torch
 from cgdp.engine.dataparallel.user_warning import warn_user
 
 
+class HookFailed(Exception):
+    """A user's gradient hook raised (``error``) after every summed gradient was back: nothing is in
+    flight, the gradients are dropped, the model goes on (as one device does)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(repr(error))
+        self.error = error
+
+
 class GradState(enum.Enum):
     SUMMED = "summed"
     EDITED = "edited"
@@ -127,7 +136,12 @@ class Gradients:
     def end(self) -> None:
         """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
         sync = self.state is GradState.SENDING
-        hooked = [part.end(sync) for part in self.parts]  # dense first: the sparse join is not overlapped
+        try:
+            hooked = [part.end(sync) for part in self.parts]  # dense first: the sparse join is not overlapped
+        except HookFailed:  # the backward failed partway, on the user's hook: as one device, it goes on
+            self.after()
+            self.drop()
+            raise
         self.state = (GradState.ACCUMULATING if not sync
                       else GradState.EDITED if any(hooked) else GradState.SUMMED)
 
