@@ -272,3 +272,47 @@ def test_a_memory_format_change_on_the_wrapper_is_refused_and_one_before_wrappin
             F.mse_loss(ref(x), y).backward()
             ropt.step()
     assert_params_close(net, ref)
+
+
+@pytest.mark.parametrize("edit", ["data", "replace"])
+def test_gradients_edited_inside_no_sync_are_refused_and_the_model_goes_on(edit):
+    """Between a backward inside no_sync() and the next one every replica holds its own part:
+    an edit of replica 0's part is not the edit of the sum one device would make. Refused with a
+    sentence (the gradients of that window dropped); training then goes on as on one device."""
+    model, data = mlp(), batches(3)
+    ref = copy.deepcopy(model)
+    (x1, y1), (x2, y2), (x3, y3) = data
+    with cgdp.DataParallel(model, DEVS, chunks=2) as dp:
+        opt = sgd(dp.parameters())
+        opt.zero_grad()
+        with dp.no_sync():
+            F.mse_loss(dp(x1), y1).backward()
+        for p in dp.parameters():
+            if edit == "data":
+                p.grad.data.mul_(0.5)
+            else:
+                p.grad = p.grad * 0.5
+        with pytest.raises(RuntimeError, match="changed between backwards inside model.no_sync"):
+            F.mse_loss(dp(x2), y2).backward()
+        opt.zero_grad()  # the window again, without the edit
+        with dp.no_sync():
+            F.mse_loss(dp(x1), y1).backward()
+        F.mse_loss(dp(x2), y2).backward()
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(dp(x3), y3).backward()
+        for p in dp.parameters():  # after the synced backward, the same edit is the sum's
+            p.grad.data.mul_(0.5)
+        opt.step()
+        assert all(torch.equal(a, b) for r in dp.replicas[1:] for a, b in zip(r.parameters(), model.parameters()))
+    ropt = sgd(ref.parameters())
+    ropt.zero_grad()
+    F.mse_loss(ref(x1), y1).backward()
+    F.mse_loss(ref(x2), y2).backward()
+    ropt.step()
+    ropt.zero_grad()
+    F.mse_loss(ref(x3), y3).backward()
+    for p in ref.parameters():
+        p.grad.data.mul_(0.5)
+    ropt.step()
+    assert_params_close(model, ref)

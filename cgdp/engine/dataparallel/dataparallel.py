@@ -78,7 +78,7 @@ from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
 from cgdp.engine.dataparallel.dense import DenseGrads
-from cgdp.engine.dataparallel.grads import GradPart, Gradients, HookFailed
+from cgdp.engine.dataparallel.grads import GradPart, Gradients, UserFault
 from cgdp.engine.dataparallel.steps import ReplicaSteps
 from cgdp.engine.dataparallel.replica_state import ReplicaState
 from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
@@ -405,7 +405,7 @@ class DataParallel(nn.Module):
         """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
         try:
             self._grads.end()
-        except HookFailed as exc:  # the user's gradient hook raised: the gradients were dropped, nothing broke
+        except UserFault as exc:  # the user's hook raised, or an edit inside no_sync(): gradients dropped, nothing broke
             raise exc.error from None
         except BaseException as exc:
             self._guard.fail(exc)

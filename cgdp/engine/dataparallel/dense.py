@@ -33,7 +33,7 @@ from cgdp.comm import Comm
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.stream import GradientStream
-from cgdp.engine.dataparallel.grads import GradPart, HookFailed
+from cgdp.engine.dataparallel.grads import GradPart, UserFault
 from cgdp.engine.dataparallel.user_warning import warn_user
 
 
@@ -48,6 +48,8 @@ class DenseGrads(GradPart):
         self.has_grad = np.array([g is not None for g in initial], bool)
         self._warned = self._warned_data = False
         self._aside: dict[int, torch.Tensor] = {}  # gradients set aside while hooks run on a sum
+        self._held: torch.Tensor | None = None  # replica 0's bits after a backward inside no_sync()
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (after it, before the next)
         views = stream.hooks[0].views
         with torch.no_grad():
             for pid, g in enumerate(initial):
@@ -86,15 +88,29 @@ class DenseGrads(GradPart):
             self._comm.fence(self._timeout_s)
             # a parameter with a gradient on any rank has one on every rank
             touched = self._comm.allreduce_small(touched + self.has_grad)
+        self._check_held(sync)
         hooked = bool(self.param_hooks.held)
         if hooked:  # the user's gradient hooks, on the sum (the host's norm is of the sum before them)
             try:
                 self.apply_hooks(touched)
             except Exception as exc:  # the user's error, after every copy is back: nothing in flight
                 self._aside = {}
-                raise HookFailed(exc) from exc
+                raise UserFault(exc) from exc
         self.finish(touched)
+        self._held = None if sync else _bit_sum(st.flats[0])  # on the device, not waited for
         return hooked
+
+    def _check_held(self, sync: bool) -> None:
+        """After a synced backward: replica 0's gradients must not have changed between the
+        backwards of a ``no_sync()`` window (an edit through ``.data`` moves no version counter),
+        where every replica holds its own part: the edit of one part is not that of the sum.
+        Compared by the integer sums of their bits, issued on the device as each backward ended
+        and began, read here once (the host already waited for this backward)."""
+        if not sync or not self._pending:
+            return
+        pairs, self._pending = self._pending, []
+        if bool(torch.stack([a != b for a, b in pairs]).any()):
+            raise UserFault(RuntimeError(_EDITED_IN_NO_SYNC))
 
     def after(self) -> None:
         """After the backward, or a failure: the hooks send nothing, the user's hooks are back."""
@@ -112,11 +128,17 @@ class DenseGrads(GradPart):
         early = st.touched() > 0
         self.has_grad |= early
         edited = st.flats[0]._version != self.versions[0]
+        held, self._held = self._held, None
+        if not summed and any(g is not None and g is not v and not e for g, v, e in zip(grads, views0, early)):
+            raise RuntimeError(_EDITED_IN_NO_SYNC)  # p.grad = p.grad * 0.5 inside the window
+        if held is not None and not edited and any(g is not None for g in grads):
+            self._pending.append((held, _bit_sum(st.flats[0])))
         with torch.no_grad():
             if all(g is None for g in grads):  # zero_grad(): a new accumulation from zero
                 for flat in st.flats:
                     flat.zero_()
                 self.has_grad[:] = False
+                self._pending = []
             else:
                 if not summed:  # early gradients that replaced a None .grad: zero_grad
                     for pid in np.flatnonzero(early & (np.frombuffer(st.hooks[0].replaced, np.uint8) > 0)):
@@ -126,9 +148,8 @@ class DenseGrads(GradPart):
                     # inside a no_sync window the other replicas hold their own partial sums; only
                     # zeroing replica 0 (zero_grad(set_to_none=False)) has a meaning for them
                     if bool(st.flats[0].any()):  # note: a CPU-GPU sync point, on this rare path only
-                        raise RuntimeError("replica 0's gradients were changed between backwards inside "
-                                           "model.no_sync(), where every replica holds its own partial "
-                                           "sum; only zero_grad() is supported there")
+                        raise RuntimeError(_EDITED_IN_NO_SYNC)
+                    self._pending = []
                     for flat in st.flats[1:]:
                         flat.zero_()
                 for pid, g in enumerate(grads):
@@ -196,6 +217,7 @@ class DenseGrads(GradPart):
 
     def drop(self) -> None:
         """Every gradient dropped (after a failed backward): all buffers zero, ``.grad`` None."""
+        self._held, self._pending = None, []
         with torch.no_grad():
             for flat in self.stream.flats:
                 flat.zero_()
@@ -291,6 +313,20 @@ class DenseGrads(GradPart):
             for p, view in zip(params, hooks.views):
                 if p.grad is not view:
                     p.grad = view
+
+
+_EDITED_IN_NO_SYNC = (
+    "replica 0's gradients were changed between backwards inside model.no_sync() (p.grad.data.mul_(...), "
+    "p.grad = ..., an in-place edit), where every replica holds its own part of the sum: cgdp cannot make "
+    "that edit of the whole gradient, so this backward's gradients were dropped. Edit the gradients after the "
+    "backward outside no_sync() (they then hold the sum); inside the window only zero_grad() is supported")
+
+
+def _bit_sum(flat: torch.Tensor) -> torch.Tensor:
+    """The integer sum of a flat buffer's bits, on its device (a change of any value changes it,
+    but for collisions that an edit does not make by chance)."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    return flat.view(bits).sum(dtype=torch.int64)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

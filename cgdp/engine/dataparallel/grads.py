@@ -47,9 +47,10 @@ import torch
 from cgdp.engine.dataparallel.user_warning import warn_user
 
 
-class HookFailed(Exception):
-    """A user's gradient hook raised (``error``) after every summed gradient was back: nothing is in
-    flight, the gradients are dropped, the model goes on (as one device does)."""
+class UserFault(Exception):
+    """A backward failed on what the user did (``error``: a gradient hook raised, gradients edited
+    inside ``no_sync()``), found after every summed gradient was back: nothing is in flight, the
+    gradients are dropped, the model goes on (as one device does)."""
 
     def __init__(self, error: BaseException):
         super().__init__(repr(error))
@@ -138,7 +139,7 @@ class Gradients:
         sync = self.state is GradState.SENDING
         try:
             hooked = [part.end(sync) for part in self.parts]  # dense first: the sparse join is not overlapped
-        except HookFailed:  # the backward failed partway, on the user's hook: as one device, it goes on
+        except UserFault:  # the backward failed partway on the user's doing: as one device, it goes on
             self.after()
             self.drop()
             raise
