@@ -6,9 +6,10 @@ The user changes the model between steps (``model.eval()``, a BatchNorm frozen t
 (``nn.Embedding(max_norm=...)``). One device sees every such change at once; here the other
 replicas must take it before they run again. :class:`Follow` is the one owner of that: it holds
 replica 0 *as every replica has it* (:meth:`Follow._look`: modes, ``requires_grad``, parameter
-version counters, the module tree's children, parameters and buffers, torch's hook count), built
-in C in one pass over the modules and one over the parameters, and compared as one value before
-every step or forward (:meth:`Follow.before_step`). Only what differs is looked at:
+version counters, built in C in one pass over the modules and two over the parameters; and two
+counters for the module tree: torch's registrations of modules, parameters and buffers, and of
+hooks), compared as one value before every step or forward (:meth:`Follow.before_step`). Only
+what differs is looked at (the tree itself only when a counter moved):
 
 * **modes** (``training`` of every submodule): every replica takes replica 0's;
 * **requires_grad**: a parameter frozen after wrapping is frozen on every replica (it then gets no
@@ -36,6 +37,7 @@ data-dependent write that replica 0's part never triggers) is not seen.
 from __future__ import annotations
 
 import operator
+import threading
 import warnings
 import weakref
 from collections import OrderedDict
@@ -76,23 +78,39 @@ class Follow:
         self._names = [n for n, _ in replicas[0].named_modules()]
         self._children = [[(k, id(c)) for k, c in m._modules.items()] for m in self.modules[0]]
         self._renorm = _max_norm_embeddings(self.modules[0], self.params[0])
+        _watch_registrations(+1)
+        self._struct = self._structure()
         self._seen = self._look()
         me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
         self._load = local_load_post_hook(replicas[0], lambda *_: me() and me().broadcast())
 
     def close(self) -> None:
-        self._load.remove()
+        if self._load is not None:
+            self._load.remove()
+            self._load = None
+            _watch_registrations(-1)
 
     def _look(self) -> tuple:
-        """Replica 0 now, as one value (lists built in C)."""
+        """Replica 0 now, as one value: lists built in C (one pass over the modules, two over the
+        parameters), and two counters for its structure (torch's registrations, hooks)."""
         m0, p0 = self.modules[0], self.params[0]
-        return (list(map(_TRAINING, m0)), list(map(_GRAD, p0)), list(map(_VERSION, p0)),
-                list(map(id, chain.from_iterable(map(dict.values, map(_CHILDREN, m0))))),
-                fingerprint(m0), hook_count())
+        return (list(map(_TRAINING, m0)), list(map(_GRAD, p0)), list(map(_VERSION, p0)), _registrations,
+                hook_count())
+
+    def _structure(self) -> tuple:
+        """Replica 0's module tree: its children, parameters and buffers (names and objects); read
+        only when torch registered a module, parameter or buffer, or a hook, in this process."""
+        m0 = self.modules[0]
+        return list(map(id, chain.from_iterable(map(dict.values, map(_CHILDREN, m0))))), fingerprint(m0)
 
     def record(self) -> None:
-        """Replica 0 as it is now is every replica's (after an update, a load, a copy)."""
+        """Replica 0 as it is now is every replica's (after a load, a copy)."""
         self._seen = self._look()
+
+    def stepped(self) -> None:
+        """After an update that stepped every replica alike: their parameters' versions moved."""
+        s = self._seen
+        self._seen = (s[0], s[1], list(map(_VERSION, self.params[0])), *s[3:])
 
     def before_step(self) -> bool:
         """Before a step or forward (caller's thread, no replica running): every replica takes what
@@ -103,10 +121,12 @@ class Follow:
         if now == seen:
             return False
         relisted = False
-        if now[3] != seen[3]:
-            self._refuse_new_children()
-        if now[4] != seen[4] or now[5] != seen[5]:
-            relisted = self.hooks.follow(moved=now[4] != seen[4])
+        if now[3] != seen[3] or now[4] != seen[4]:
+            struct = self._structure()
+            if struct[0] != self._struct[0]:
+                self._refuse_new_children()
+            relisted = self.hooks.follow(moved=struct[1] != self._struct[1])
+            self._struct = struct
         if now[0] != seen[0]:
             self._copy_modes(now[0])
         if now[1] != seen[1]:
@@ -189,7 +209,8 @@ class Follow:
                     refused.append(i)
                     for p in ps[1:]:
                         p.copy_(first)
-        self._seen = (self._seen[0], self._seen[1], versions, *self._seen[3:])
+        s = self._seen
+        self._seen = (s[0], s[1], versions, *s[3:])
         if refused:
             names = [n for n, _ in self.replicas[0].named_parameters()]
             raise RuntimeError(
@@ -198,6 +219,37 @@ class Follow:
                 f"which {self.name} cannot make equal to one device; every replica now holds replica 0's. Make "
                 f"such changes outside the forward (between steps, under torch.no_grad(): they reach every "
                 f"replica), or train on one device")
+
+
+_registrations = 0
+"""How many modules, parameters and buffers torch registered in this process (counted while a
+:class:`Follow` lives): a layer replaced (``model.fc = nn.Linear(...)``, ``model[2] = ...``) or a
+parameter replaced registers one. Deleting one (``del model.fc``) or assigning a buffer that exists
+registers nothing and is not seen."""
+_watchers = 0
+_handles: list = []
+_lock = threading.Lock()
+
+
+def _count(*_: Any) -> None:
+    global _registrations
+    _registrations += 1  # a lost increment of two threads at once still changes the count
+
+
+def _watch_registrations(delta: int) -> None:
+    """torch's global registration hooks, while some :class:`Follow` lives."""
+    global _watchers
+    with _lock:
+        _watchers += delta
+        if _watchers == 1 and not _handles:
+            _handles[:] = [register(_count) for register in (
+                nn.modules.module.register_module_module_registration_hook,
+                nn.modules.module.register_module_parameter_registration_hook,
+                nn.modules.module.register_module_buffer_registration_hook)]
+        elif _watchers == 0:
+            for h in _handles:
+                h.remove()
+            _handles.clear()
 
 
 def _max_norm_embeddings(modules: list[nn.Module], params: list[nn.Parameter]) -> dict[int, float]:

@@ -50,7 +50,7 @@ class ReplicaState:
 
     def record_parameters(self) -> None:
         """Replica 0's parameters as they are now are every replica's (version counters)."""
-        self.follow.record()
+        self.follow.stepped()
 
     def _loaded(self) -> None:
         self.buffer_watch.synced()  # every replica's buffers are the same again

@@ -415,7 +415,7 @@ class Trainer:
         # their random streams take turns
         self._buffer_watch.synced(changed, others=not (self._devs[0].is_cuda or self._rng.turns))
         self._schedulers.step(only_first_stepped=self._update.only_first_stepped)
-        self._follow.record()  # the replicas' parameters as the update left them
+        self._follow.stepped()  # the replicas' parameters as the update left them
         return up
 
     def _account(self, fw: list, bw: list, up: list, times: tuple[float, float, float, float], samples: int,
