@@ -224,8 +224,8 @@ class Follow:
 _registrations = 0
 """How many modules, parameters and buffers torch registered in this process (counted while a
 :class:`Follow` lives): a layer replaced (``model.fc = nn.Linear(...)``, ``model[2] = ...``) or a
-parameter replaced registers one. Deleting one (``del model.fc``) or assigning a buffer that exists
-registers nothing and is not seen."""
+parameter or buffer assigned anew registers one. Deleting one (``del model.fc``) registers nothing
+and is not seen."""
 _watchers = 0
 _handles: list = []
 _lock = threading.Lock()
