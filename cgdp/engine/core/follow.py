@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import operator
 import threading
-import warnings
 import weakref
 from collections import OrderedDict
 from itertools import chain
@@ -49,6 +48,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from cgdp.engine.core.module_hooks import ModuleHooks, fingerprint, hook_count
+from cgdp.engine.core.user_warning import warn_user
 
 _TRAINING = operator.attrgetter("training")
 _GRAD = operator.attrgetter("requires_grad")
@@ -67,7 +67,7 @@ class Follow:
                  warn: Callable[[str], None] | None = None, after_load: Callable[[], None] | None = None):
         self.replicas = list(replicas)
         self.name, self.again = name, again
-        self.warn = warn or (lambda msg: warnings.warn(msg, UserWarning, stacklevel=4))
+        self.warn = warn or warn_user
         self.after_load = after_load or (lambda: None)
         self.modules = [list(r.modules()) for r in replicas]  # same order on every replica
         self.params = [list(r.parameters()) for r in replicas]

@@ -34,7 +34,7 @@ from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.dataparallel.grads import GradPart, UserFault
-from cgdp.engine.dataparallel.user_warning import warn_user
+from cgdp.engine.core.user_warning import warn_user
 
 
 class DenseGrads(GradPart):

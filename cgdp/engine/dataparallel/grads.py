@@ -44,7 +44,7 @@ import enum
 
 import torch
 
-from cgdp.engine.dataparallel.user_warning import warn_user
+from cgdp.engine.core.user_warning import warn_user
 
 
 class UserFault(Exception):

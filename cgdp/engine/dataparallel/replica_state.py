@@ -21,14 +21,13 @@ from torch import nn
 from cgdp.engine.core.buffers import BufferWatch, sync_buffers
 from cgdp.engine.core.follow import Follow
 from cgdp.engine.core.replicas import batch_weights
-from cgdp.engine.dataparallel.user_warning import warn_user
 
 
 class ReplicaState:
     def __init__(self, replicas: list[nn.Module], devices: list[torch.device]):
         self.replicas = replicas
         self.follow = Follow(replicas, devices, "cgdp.DataParallel", "close() and wrap model.module again",
-                             warn_user, self._loaded)
+                             after_load=self._loaded)
         self.params = self.follow.params
         """Per replica, all its parameters (trainable or not) in ``parameters()`` order."""
         self.rebuild_buffers()

@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from cgdp.engine.dataparallel.user_warning import warn_user
+from cgdp.engine.core.user_warning import warn_user
 
 _LEAF = "leaf"
 

@@ -1,4 +1,4 @@
-"""Warnings of ``DataParallel`` that point at the user's line, not into torch or cgdp.
+"""Warnings of both faces that point at the user's line, not into torch or cgdp.
 
 They are raised from deep inside calls the user made (``optimizer.step()`` through torch's step
 hooks, ``model(x)`` through ``nn.Module.__call__``), at a depth that depends on the path taken,
@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-_SKIP = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # cgdp/
+_SKIP = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # cgdp/engine/
          os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 
 
