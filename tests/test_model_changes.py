@@ -112,6 +112,17 @@ def test_trainer_refuses_a_replaced_layer_and_goes_on_when_it_is_put_back():
     assert_params_close(model, ref)
 
 
+def test_trainer_refuses_to_unfreeze_what_was_frozen_when_built():
+    model = mlp()
+    model[0].requires_grad_(False)
+    (x, y), = batches(1)
+    with cgdp.Trainer(model, sgd, DEVS, chunks=1) as tr:
+        tr.step(x, y, F.mse_loss)
+        model[0].requires_grad_(True)
+        with pytest.raises(RuntimeError, match=r"frozen when cgdp.Trainer was built now require grad \(0.weight, 0.bias\)"):
+            tr.step(x, y, F.mse_loss)
+
+
 def test_dataparallel_refuses_a_replaced_layer_with_a_sentence():
     model = mlp()
     (x, y), = batches(1)
