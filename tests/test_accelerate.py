@@ -1,7 +1,6 @@
 """cgdp.integrations.accelerate.Accelerator: the user's Accelerate loop on 2 CPU-emulated devices
 equals the same loop with accelerate.Accelerator on one device; save_state/load_state resume
 bitwise, dropout included."""
-import copy
 import warnings
 
 import pytest
