@@ -50,7 +50,7 @@ def loader(n=70, batch=8):
     return torch.utils.data.DataLoader(data, batch_size=batch)
 
 
-def train(accelerator, net, epochs=2, clip=0.5):
+def train(accelerator, net, epochs=2, clip=0.5):  # 2 epochs of 9 batches, the last uneven
     """The documented Accelerate loop, unchanged."""
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
@@ -103,13 +103,13 @@ def test_bf16_equals_one_device():
     device on the whole batch in bf16 no farther than that is from float32 (AdamW turns bf16's
     rounding of near-zero gradients into steps of the learning rate)."""
     parts, two, whole, f32 = PartsBF16(network()), network(), network(), network()
-    train(accelerate.Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2), parts)
+    train(accelerate.Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2), parts, epochs=1)
     AcceleratorState._reset_state(reset_partial_state=True)
-    train(Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2), two)
+    train(Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2), two, epochs=1)
     AcceleratorState._reset_state(reset_partial_state=True)
-    train(accelerate.Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2), whole)
+    train(accelerate.Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2), whole, epochs=1)
     AcceleratorState._reset_state(reset_partial_state=True)
-    train(accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2), f32)
+    train(accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2), f32, epochs=1)
     assert_params(parts.net, two)
     for p, q, r in zip(two.parameters(), whole.parameters(), f32.parameters()):
         assert (p - q).abs().max() <= (q - r).abs().max()

@@ -86,37 +86,39 @@ def logs(trainer, key):
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
-def test_trained_model_equals_one_device(tmp_path):
-    """test_trainer_works / test_reproducible_training: the trained a and b."""
-    one, two = make(tmp_path, cgdp=False), make(tmp_path)
-    one.train()
-    two.train()
-    assert trained(two) == pytest.approx(trained(one), rel=1e-5)
-    assert trained(two)[0] > 0.5 and trained(two)[1] > 0.5  # on its way to a = 2, b = 3
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """Hugging Face's regression run (3 epochs of 64 samples, 8 per device) on one device with the
+    global batch and on 2 devices through cgdp."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    one, two = make(tmp, cgdp=False), make(tmp)
+    outputs = one.train(), two.train()
+    yield one, two, outputs
     two.close()
 
 
-def test_number_of_steps(tmp_path):
-    """test_number_of_steps_in_training: epochs x len / (per device x n_gpu), max_steps."""
-    t = make(tmp_path)
-    assert t.train().global_step == 3 * 64 / (8 * G)
-    t.close()
-    t = make(tmp_path, max_steps=5)
-    assert t.train().global_step == 5
-    t.close()
+def test_trained_model_equals_one_device(baseline):
+    """test_trainer_works / test_reproducible_training: the trained a and b."""
+    one, two, _ = baseline
+    assert trained(two) == pytest.approx(trained(one), rel=1e-5)
+    assert trained(two)[0] > 0.5 and trained(two)[1] > 0.5  # on its way to a = 2, b = 3
 
 
-def test_batch_size_arithmetic(tmp_path):
+def test_number_of_steps(baseline):
+    """test_number_of_steps_in_training: epochs x len / (per device x n_gpu)."""
+    assert baseline[2][1].global_step == 3 * 64 / (8 * G) == baseline[2][0].global_step
+
+
+def test_batch_size_arithmetic(baseline, tmp_path):
     """args.n_gpu, train_batch_size and eval_batch_size as Hugging Face computes them for n_gpu
     GPUs in one process; nothing is an nn.DataParallel."""
+    two = baseline[1]
+    assert two.args.n_gpu == G
+    assert two.args.train_batch_size == 8 * G and two.args.eval_batch_size == 8 * G
+    assert two.state.train_batch_size == 8 * G
+    assert not any(isinstance(m, nn.DataParallel) for m in (two.model, two.model_wrapped))
     t = make(tmp_path, per_device_train_batch_size=4, per_device_eval_batch_size=3)
-    assert t.args.n_gpu == G
-    assert t.args.train_batch_size == 4 * G and t.args.eval_batch_size == 3 * G
-    assert t._train_batch_size == 4 * G
-    t.train()
-    assert t.state.train_batch_size == 4 * G
-    assert not any(isinstance(m, nn.DataParallel) for m in (t.model, t.model_wrapped))
-    t.close()
+    assert t.args.train_batch_size == 4 * G and t.args.eval_batch_size == 3 * G and t._train_batch_size == 4 * G
 
 
 def test_train_and_eval_dataloaders(tmp_path):
@@ -134,13 +136,11 @@ def test_train_and_eval_dataloaders(tmp_path):
     assert len(t.get_eval_dataloader(Regression(length=78))) == 78 // (32 * G)
 
 
-def test_gradient_accumulation(tmp_path):
+def test_gradient_accumulation(baseline, tmp_path):
     """test_gradient_accumulation: 2 micro-batches of 4 per device train as batches of 8."""
-    full, accumulated = make(tmp_path), make(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    full.train()
+    accumulated = make(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2)
     accumulated.train()
-    assert trained(accumulated) == pytest.approx(trained(full), rel=1e-5)
-    full.close()
+    assert trained(accumulated) == pytest.approx(trained(baseline[0]), rel=1e-5)
     accumulated.close()
 
 
@@ -182,36 +182,27 @@ def test_predict(tmp_path):
 def test_save_and_resume_from_checkpoint(tmp_path):
     """test_resume_training: resumed from the checkpoint of step 5, the run ends where the
     uninterrupted one did, with the same log; resuming with the batch size unchanged does not warn
-    of a changed batch size (trainer_state.json holds per device x n_gpu)."""
+    of a changed batch size (trainer_state.json holds per device x n_gpu), resuming with another
+    one does, as on n_gpu GPUs."""
     kw = dict(save_strategy="steps", save_steps=5, logging_steps=5, learning_rate=0.1, max_steps=12)
     whole = make(tmp_path, **kw)
-    whole.train()
+    assert whole.train().global_step == 12
+    whole.close()
     ckpt = tmp_path / "cgdp" / "checkpoint-5"
     state = transformers.TrainerState.load_from_json(str(ckpt / "trainer_state.json"))
     assert state.train_batch_size == 8 * G
-    resumed = make(tmp_path, **kw)
-    logger = transformers.utils.logging.get_logger("transformers.trainer_utils")
-    with CaptureLogger(logger) as cl:
-        resumed.train(resume_from_checkpoint=str(ckpt))
-    assert "per_device_train_batch_size" not in cl.out
-    assert trained(resumed) == trained(whole)
-    assert logs(resumed, "loss") == logs(whole, "loss")
-    whole.close()
-    resumed.close()
-
-
-def test_resume_with_another_batch_size_warns(tmp_path):
-    """Resuming with another per-device batch size is said, as on n_gpu GPUs."""
-    kw = dict(save_strategy="steps", save_steps=5, max_steps=6)
-    first = make(tmp_path, **kw)
-    first.train()
-    first.close()
-    other = make(tmp_path, per_device_train_batch_size=4, **kw)
-    transformers.utils.logging.get_logger("transformers.trainer_utils")
-    with CaptureLogger(transformers.utils.logging.get_logger("transformers.trainer_utils")) as cl:
-        other.train(resume_from_checkpoint=str(tmp_path / "cgdp" / "checkpoint-5"))
-    assert "per_device_train_batch_size: 4 (from args) != 8 (from trainer_state.json)" in cl.out
-    other.close()
+    said = transformers.utils.logging.get_logger("transformers.trainer_utils")
+    for per_device in (8, 4):
+        resumed = make(tmp_path, per_device_train_batch_size=per_device, **kw)
+        with CaptureLogger(said) as cl:
+            resumed.train(resume_from_checkpoint=str(ckpt))
+        resumed.close()
+        if per_device == 8:
+            assert "per_device_train_batch_size" not in cl.out
+            assert trained(resumed) == trained(whole)
+            assert logs(resumed, "loss") == logs(whole, "loss")
+        else:
+            assert "per_device_train_batch_size: 4 (from args) != 8 (from trainer_state.json)" in cl.out
 
 
 class OutOfMemoryAbove(transformers.TrainerCallback):

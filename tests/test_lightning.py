@@ -140,7 +140,7 @@ def test_bf16_mixed_equals_one_device():
     net = Model()
     parts, two, whole = PartsBF16(), copy.deepcopy(net), copy.deepcopy(net)
     parts.load_state_dict(net.state_dict())
-    opts = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5, "precision": "bf16-mixed"}
+    opts = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5, "precision": "bf16-mixed", "max_epochs": 1}
     fit(parts, devices=1, **opts)
     fit(two, devices=2, strategy="cgdp", **opts)
     fit(whole, devices=1, **opts)
