@@ -168,6 +168,34 @@ def test_resume_from_checkpoint_is_bitwise(tmp_path):
         assert torch.equal(p, q)
 
 
+class Manual(Model):
+    """Manual optimization: manual_backward, clip_gradients and opt.step() in training_step."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, i):
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        self.manual_backward(nn.functional.cross_entropy(self.net(x), y))
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+
+
+def test_manual_optimization_equals_one_device():
+    torch.manual_seed(0)
+    one = Manual()
+    two = copy.deepcopy(one)
+    fit(one, devices=1, max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(two, devices=2, strategy="cgdp", max_epochs=1)
+    assert not [w for w in caught if "cgdp" in str(w.message)]
+    assert_params(one, two)
+
+
 class TwoNets(Model):
     def __init__(self):
         super().__init__()

@@ -68,8 +68,12 @@ class _StepAfterClosure:
         self.optimizer.step(**kwargs)
         return result
 
-    def __getattr__(self, name: str) -> Any:  # param_groups, state... for the plugin's checks
+    def __getattr__(self, name: str) -> Any:  # param_groups, state... for the hooks that see it
         return getattr(self.optimizer, name)
+
+    @property
+    def __class__(self) -> type:  # isinstance(optimizer, torch.optim.AdamW) in the user's hooks
+        return type(self.optimizer)
 
 
 class CGDPStrategy(ParallelStrategy):
