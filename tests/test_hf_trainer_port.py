@@ -29,12 +29,30 @@ DEVICES = [f"cpu:{j}" for j in range(G)]
 
 
 class Regression(torch.utils.data.Dataset):
-    """y = a x + b + noise, one feature per sample (label_names: several targets)."""
+    """y = a x + b + noise, one feature per sample; label_names: one noisy target each."""
 
-    def __init__(self, a=2.0, b=3.0, length=64, seed=42):
+    def __init__(self, a=2.0, b=3.0, length=64, seed=42, label_names=("labels",)):
         rng = np.random.default_rng(seed)
         self.x = rng.normal(size=length).astype(np.float32)
-        self.y = (a * self.x + b + rng.normal(scale=0.1, size=length)).astype(np.float32)
+        self.ys = {name: (a * self.x + b + rng.normal(scale=0.1, size=length)).astype(np.float32)
+                   for name in label_names}
+        self.y = self.ys[label_names[0]]
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_x": self.x[i], **{name: y[i] for name, y in self.ys.items()}}
+
+
+class Shapes(torch.utils.data.Dataset):
+    """test_dynamic_shapes' data: every `batch` consecutive samples have one length, batches differ."""
+
+    def __init__(self, length=64, batch=16, seed=42):
+        rng = np.random.default_rng(seed)
+        sizes = rng.integers(1, 20, length // batch).repeat(batch)
+        self.x = [rng.normal(size=s).astype(np.float32) for s in sizes]
+        self.y = [rng.normal(size=s).astype(np.float32) for s in sizes]
 
     def __len__(self):
         return len(self.x)
@@ -44,25 +62,28 @@ class Regression(torch.utils.data.Dataset):
 
 
 class RegressionModel(nn.Module):
-    """y = a x + b; with labels, the mean squared error first. Its forward takes **kwargs: the
-    Trainer passes it num_items_in_batch, which it ignores (a per-sample mean)."""
+    """y = a x + b; with labels, the mean squared error first (double_output: y twice). Its forward
+    takes **kwargs: the Trainer passes it num_items_in_batch, which it ignores (a per-sample mean)."""
 
-    def __init__(self, a=0.0, b=0.0):
+    def __init__(self, a=0.0, b=0.0, double_output=False):
         super().__init__()
         self.a = nn.Parameter(torch.tensor(a))
         self.b = nn.Parameter(torch.tensor(b))
+        self.double_output = double_output
         self.config = None
 
     def forward(self, input_x, labels=None, **kwargs):
         y = input_x * self.a + self.b
-        return (y,) if labels is None else (nn.functional.mse_loss(y, labels), y)
+        out = (y, y) if self.double_output else (y,)
+        return out if labels is None else (nn.functional.mse_loss(y, labels), *out)
 
 
 def almost_accuracy(pred):
     return {"accuracy": float((np.abs(pred.predictions - pred.label_ids) <= 0.25).mean())}
 
 
-def make(tmp_path, cgdp=True, train_len=64, eval_len=64, a=0.0, b=0.0, model=None, **kw):
+def make(tmp_path, cgdp=True, train_len=64, eval_len=64, a=0.0, b=0.0, model=None, double_output=False,
+         label_names=("labels",), **kw):
     """Hugging Face's get_regression_trainer: on 2 devices through cgdp, or (cgdp=False) plain
     transformers.Trainer on one device with the global batch of 2 devices."""
     per_train = kw.pop("per_device_train_batch_size", 8)
@@ -71,11 +92,12 @@ def make(tmp_path, cgdp=True, train_len=64, eval_len=64, a=0.0, b=0.0, model=Non
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / ("cgdp" if cgdp else "one")), use_cpu=True, report_to="none", disable_tqdm=True,
         save_strategy=kw.pop("save_strategy", "no"), per_device_train_batch_size=per_train * scale,
-        per_device_eval_batch_size=per_eval * scale, **{"learning_rate": 0.1, **kw})
+        per_device_eval_batch_size=per_eval * scale, label_names=list(label_names), **{"learning_rate": 0.1, **kw})
     extra = {"devices": DEVICES} if cgdp else {}
     cls = CgdpTrainer if cgdp else transformers.Trainer
-    return cls(model=model or RegressionModel(a, b), args=args, train_dataset=Regression(length=train_len),
-               eval_dataset=Regression(length=eval_len, seed=7), compute_metrics=almost_accuracy, **extra)
+    return cls(model=model or RegressionModel(a, b, double_output), args=args, train_dataset=Regression(length=train_len),
+               eval_dataset=Regression(length=eval_len, seed=7, label_names=label_names),
+               compute_metrics=almost_accuracy if len(label_names) == 1 and not double_output else None, **extra)
 
 
 def trained(trainer):
@@ -92,7 +114,9 @@ def baseline(tmp_path_factory):
     global batch and on 2 devices through cgdp."""
     tmp = tmp_path_factory.mktemp("baseline")
     one, two = make(tmp, cgdp=False), make(tmp)
+    before = two.args.to_dict()
     outputs = one.train(), two.train()
+    assert two.args.to_dict() == before  # test_training_arguments_are_left_untouched
     yield one, two, outputs
     two.close()
 
@@ -176,6 +200,49 @@ def test_predict(tmp_path):
     out = t.predict(t.eval_dataset)
     np.testing.assert_allclose(out.predictions, 1.5 * t.eval_dataset.x + 2.5, rtol=1e-6)
     np.testing.assert_array_equal(out.label_ids, t.eval_dataset.y)
+    t.close()
+
+
+def test_predict_double_output_and_several_labels(tmp_path):
+    """test_predict: a model with two outputs, a dataset with two targets (label_names)."""
+    t = make(tmp_path, a=1.5, b=2.5, eval_len=66, double_output=True, label_names=("labels", "labels_2"))
+    out = t.predict(t.eval_dataset)
+    x = t.eval_dataset.x
+    assert len(out.predictions) == 2 and len(out.label_ids) == 2
+    for p in out.predictions:
+        np.testing.assert_allclose(p, 1.5 * x + 2.5, rtol=1e-6)
+    np.testing.assert_array_equal(out.label_ids[1], t.eval_dataset.ys["labels_2"])
+    t.close()
+
+
+def test_dynamic_shapes_and_eval_accumulation(tmp_path):
+    """test_dynamic_shapes (and eval_accumulation_steps): batches of different lengths, padded
+    with -100 across batches in the gathered predictions; each sample's own values first."""
+    for accumulate in (None, 2):
+        t = make(tmp_path, a=1.0, b=1.0, eval_accumulation_steps=accumulate)
+        t.eval_dataset = Shapes()
+        t.compute_metrics = None
+        out = t.predict(t.eval_dataset)
+        for i, (x, y) in enumerate(zip(t.eval_dataset.x, t.eval_dataset.y)):
+            np.testing.assert_allclose(out.predictions[i, :len(x)], x + 1.0, rtol=1e-6)
+            assert (out.predictions[i, len(x):] == -100).all()
+            np.testing.assert_array_equal(out.label_ids[i, :len(y)], y)
+        t.close()
+
+
+def test_evaluate_iterable_dataset(tmp_path):
+    """test_evaluate_with_iterable_dataset: no length, batches of per device x n_gpu."""
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            data = Regression(length=66, seed=7)
+            return (data[i] for i in range(len(data)))
+
+    t = make(tmp_path, a=1.5, b=2.5)
+    assert t.get_eval_dataloader(Stream()).batch_size == 8 * G
+    x, y = Regression(length=66, seed=7).x, Regression(length=66, seed=7).y
+    result = t.evaluate(Stream())
+    assert result["eval_loss"] == pytest.approx(float(((1.5 * x + 2.5 - y) ** 2).mean()), rel=1e-5)
     t.close()
 
 
