@@ -210,3 +210,8 @@ class TwoNets(Model):
 def test_refused_with_a_sentence(kw, model, match):
     with pytest.raises(ValueError, match=match):
         fit(model(), devices=2, strategy=CGDPStrategy(), **kw)
+
+
+def test_several_machines_refused_with_a_sentence():
+    with pytest.raises(NotImplementedError, match="comm='mpi'"):
+        CGDPStrategy(comm="mpi")
