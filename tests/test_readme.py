@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(python|py|python3)\b([^\n]*)\n(.*?)^```", re.S | re.M)
-NEEDS = ("transformers", "accelerate", "mpi4py")
+NEEDS = ("transformers", "accelerate", "mpi4py", "lightning")
 """Optional packages: a block that imports one is skipped when it is not installed."""
 
 
@@ -39,6 +39,10 @@ def _missing(code: str) -> str | None:
     needs = re.findall(r"^\s*(?:import|from)\s+(\w+)", code, re.M)
     if "cgdp.integrations.transformers" in code:
         needs += ["transformers", "accelerate"]  # the hf extra
+    if "cgdp.integrations.lightning" in code:
+        needs += ["lightning"]
+    if "cgdp.integrations.accelerate" in code:
+        needs += ["accelerate"]
     for module in needs:
         if module in NEEDS and importlib.util.find_spec(module) is None:
             return module

@@ -14,10 +14,13 @@ the global batch:
 * **Batch size.** ``per_device_train_batch_size`` (and ``per_device_eval_batch_size``) is per
   device, as in Hugging Face: the loader yields ``per_device × len(devices)`` samples, which
   ``cgdp.DataParallel`` splits in device order (an uneven last batch included).
-* **n_gpu.** ``args._n_gpu`` is set to 1 when it is larger (as Hugging Face does for model
-  parallelism): the Trainer's own ``nn.DataParallel`` path (``loss.mean()`` over a vector of
-  per-GPU losses, ``num_items_in_batch`` divided by ``n_gpu`` and expanded to one row per GPU)
-  must not run; cgdp returns one loss, the global one.
+* **n_gpu.** ``args.n_gpu`` is ``len(devices)``, as Hugging Face sets it for as many GPUs in one
+  process: its batch arithmetic (``args.train_batch_size``, ``args.eval_batch_size``, the batch
+  size saved in ``trainer_state.json`` and checked on resume, ``group_by_length``, auto batch
+  size) is the one it does for ``nn.DataParallel``, but nothing is wrapped in ``nn.DataParallel``.
+  Its per-GPU loss arithmetic (``num_items_in_batch`` divided by ``n_gpu`` or expanded to one row
+  per GPU, the loss scaled by ``n_gpu``) sees one device instead (``compute_loss`` and
+  ``_get_num_items_in_batch``): cgdp returns one loss, the global one.
 * **num_items_in_batch.** The Trainer counts the tokens of the whole accumulated batch and the
   model divides its token sum by that count. ``cgdp.DataParallel`` sees ``num_items_in_batch`` in
   the call and sums the replicas' losses (``scalar_outputs="auto"``): the exact token mean over all
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -74,6 +77,7 @@ class Trainer(transformers.Trainer):
         self.devices = list(devices)
         """The devices the model trains on; ``trainer.model`` is replica 0, on ``devices[0]``."""
         self._one_process_view()
+        self._train_batch_size = self.args.train_batch_size  # set by Hugging Face with its own n_gpu
         unwrap = self.accelerator.unwrap_model
 
         def unwrap_cgdp(model: torch.nn.Module, *a: Any, **kw: Any) -> torch.nn.Module:
@@ -81,10 +85,27 @@ class Trainer(transformers.Trainer):
         self.accelerator.unwrap_model = unwrap_cgdp  # as it sees through nn.DataParallel
 
     def _one_process_view(self) -> None:
-        """What the Trainer must see: no nn.DataParallel of its own, a global batch over all devices."""
-        if self.args.n_gpu > 1:
-            self.args._n_gpu = 1
-        self._train_batch_size = self.args.per_device_train_batch_size * len(self.devices)
+        """Hugging Face's batch arithmetic for len(devices) GPUs in one process (args.n_gpu): the
+        global batch is per device x devices, wherever it is computed or saved."""
+        self.args._n_gpu = len(self.devices)
+
+    @contextlib.contextmanager
+    def _one_loss(self) -> Iterator[None]:
+        """cgdp returns one loss, exact over every device: Hugging Face's per-GPU loss arithmetic
+        for nn.DataParallel (a count per GPU, a vector of losses) must see one device."""
+        n_gpu, self.args._n_gpu = self.args._n_gpu, 1
+        try:
+            yield
+        finally:
+            self.args._n_gpu = n_gpu
+
+    def compute_loss(self, *args: Any, **kwargs: Any):
+        with self._one_loss():  # not loss * n_gpu (average_tokens_across_devices)
+            return super().compute_loss(*args, **kwargs)
+
+    def _get_num_items_in_batch(self, *args: Any, **kwargs: Any):
+        with self._one_loss():  # the whole batch's count, neither divided nor expanded per GPU
+            return super()._get_num_items_in_batch(*args, **kwargs)
 
     @property
     def replicas(self) -> list[torch.nn.Module]:
@@ -108,6 +129,7 @@ class Trainer(transformers.Trainer):
     def _hp_search_setup(self, trial: Any) -> None:
         super()._hp_search_setup(trial)  # a trial sets _train_batch_size from args again
         self._one_process_view()
+        self._train_batch_size = self.args.train_batch_size
 
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
         """cgdp.DataParallel where the Trainer would use nn.DataParallel; the same wrapper for
@@ -163,18 +185,3 @@ class Trainer(transformers.Trainer):
         path = None if checkpoint is None else os.path.join(checkpoint, RNG_FILE)
         if self._cgdp is not None and path is not None and os.path.isfile(path):
             self._cgdp.set_rng_state(torch.load(path, weights_only=True))
-
-    def _get_dataloader(self, dataset: Any, description: str, batch_size: int, *args: Any, **kwargs: Any):
-        if description != "Training":  # evaluation and prediction: per device, as with n_gpu GPUs
-            batch_size = self.args.per_device_eval_batch_size * len(self.devices)
-        return super()._get_dataloader(dataset, description, batch_size, *args, **kwargs)
-
-    def evaluation_loop(self, *args: Any, **kwargs: Any):
-        # the loop weights each batch's loss by args.eval_batch_size (per device x n_gpu), which
-        # must be the global batch: for this loop only, as Hugging Face sees it with n_gpu GPUs
-        per_device = self.args.per_device_eval_batch_size
-        self.args.per_device_eval_batch_size = per_device * len(self.devices)
-        try:
-            return super().evaluation_loop(*args, **kwargs)
-        finally:
-            self.args.per_device_eval_batch_size = per_device

@@ -1,0 +1,137 @@
+"""Accelerate through cgdp: ``from cgdp.integrations.accelerate import Accelerator``.
+
+The user's Accelerate loop stays as it is (``accelerator.prepare(...)``, ``with
+accelerator.accumulate(model):``, ``accelerator.backward(loss)``, ``optimizer.step()``); the
+batch a prepared loader yields is the global batch, which the model splits across ``devices``.
+Plain Accelerate runs one process on one device (``DistributedType.NO``); this one process drives
+every device, equal to Accelerate on one device with the same batches:
+
+* ``prepare`` wraps each model in :class:`cgdp.DataParallel` (``net`` is replica 0, on
+  ``devices[0]``, which is ``accelerator.device``: batches and targets land where the outputs
+  are gathered), instead of moving it with ``.to(accelerator.device)``. ``mixed_precision="bf16"``
+  autocasts the wrapper's forward (every replica, through cgdp's caller context), as Accelerate
+  autocasts a model's; ``"fp16"`` is refused (its gradient scaler would unscale replica 0 only).
+* ``accumulate()`` runs every micro-batch but the last of a step inside ``model.no_sync()``
+  (plain Accelerate enters ``no_sync`` only with several processes): one transfer per step.
+* ``clip_grad_norm_(model.parameters(), ...)`` uses the norm the host summed during backward,
+  every replica clipped alike (other parameter lists: Accelerate's own clipping of replica 0,
+  which cgdp copies to every replica with a warning).
+* ``unwrap_model`` and ``get_state_dict`` give the user's module and its keys.
+* ``save_state`` / ``load_state`` also keep the replicas' random streams (:data:`RNG_FILE`), so that
+  a resumed run with dropout is bitwise the uninterrupted one (on as many devices). The model file
+  ``save_state`` writes has the wrapper's ``module.`` keys, as with DDP in Accelerate.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+try:
+    import accelerate
+except ImportError as exc:  # pragma: no cover - the accelerate extra is installed where this is tested
+    raise ImportError("cgdp.integrations.accelerate needs Accelerate: pip install -e \".[accelerate]\" "
+                      "(or pip install accelerate)") from exc
+
+from cgdp.engine.backend import default_devices
+from cgdp.engine.dataparallel.dataparallel import DataParallel
+
+__all__ = ["Accelerator", "RNG_FILE"]
+
+RNG_FILE = "cgdp_rng_state.pth"
+"""Beside Accelerate's files in a ``save_state`` folder: the replicas' random streams."""
+
+
+class Accelerator(accelerate.Accelerator):
+    """``accelerate.Accelerator`` whose ``prepare`` trains each model on ``devices`` through cgdp.
+
+    Args:
+        devices: cgdp device strings; ``None``: every GPU, or two CPU-emulated devices without one
+            (and with ``cpu=True``).
+        cgdp_options: :class:`cgdp.DataParallel`'s options (``chunks``, ``timeout_s``, ...).
+        **accelerate_kwargs: ``accelerate.Accelerator``'s arguments.
+    """
+
+    def __init__(self, devices: Sequence[str] | None = None, *, cgdp_options: dict[str, Any] | None = None,
+                 **accelerate_kwargs: Any):
+        if accelerate_kwargs.get("mixed_precision") == "fp16":
+            raise ValueError(_FP16)
+        if devices is None:
+            devices = ["cpu:0", "cpu:1"] if accelerate_kwargs.get("cpu") else default_devices()
+        self.devices = [str(d) for d in devices]
+        """The devices every prepared model trains on; ``accelerator.device`` is ``devices[0]``."""
+        self._cgdp_options = dict(cgdp_options or {})
+        first = self.devices[0]
+        self._first_device = torch.device("cpu") if first.startswith("cpu") else torch.device(first)
+        super().__init__(**accelerate_kwargs)
+        if self.mixed_precision == "fp16":  # from the environment or a config file
+            raise ValueError(_FP16)
+        if self.num_processes > 1:
+            raise RuntimeError("cgdp.integrations.accelerate.Accelerator drives every device from one process: "
+                               "run the script with python, not with several processes of accelerate launch")
+        self.register_save_state_pre_hook(_save_replica_rng)
+        self.register_load_state_pre_hook(_load_replica_rng)
+
+    @property
+    def device(self) -> torch.device:
+        """``devices[0]``, where the replicas' outputs are gathered (batches are put there)."""
+        return self._first_device
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        if (isinstance(model, nn.Module) and not isinstance(model, DataParallel)
+                and not getattr(model, "_is_accelerate_prepared", False)):
+            model = DataParallel(model, self.devices, **self._cgdp_options)
+        # the wrapper places every replica; Accelerate's autocast goes on the wrapper's forward
+        return super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """For a cgdp model, its ``no_sync()`` (accumulation without communication)."""
+        if isinstance(model, DataParallel):
+            with model.no_sync():
+                yield
+        else:
+            with super().no_sync(model):
+                yield
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2):
+        parameters = list(parameters)
+        for model in self._models:
+            if isinstance(model, DataParallel) and parameters == list(model.parameters()):
+                return model.clip_grad_norm_(max_norm, norm_type)  # the host norm, every replica alike
+        return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        if isinstance(model, DataParallel):
+            return model.module  # the user's module: Accelerate's autocast is on the wrapper
+        return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
+
+    def free_memory(self, *objects: Any) -> Any:
+        for model in self._models:  # the replicas, threads and host buffers go with the models
+            if isinstance(model, DataParallel):
+                model.close()
+        return super().free_memory(*objects)
+
+
+_FP16 = ("cgdp.integrations.accelerate.Accelerator trains with mixed_precision='bf16' or in float32; "
+         "'fp16' needs a gradient scaler, which would unscale replica 0 only: use 'bf16'")
+
+
+def _save_replica_rng(models: list[nn.Module], weights: list, output_dir: str) -> None:
+    states = {i: m.rng_state() for i, m in enumerate(models) if isinstance(m, DataParallel)}
+    if states:
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(states, os.path.join(output_dir, RNG_FILE))
+
+
+def _load_replica_rng(models: list[nn.Module], input_dir: str) -> None:
+    path = os.path.join(input_dir, RNG_FILE)
+    if not os.path.isfile(path):
+        return
+    for i, state in torch.load(path, weights_only=True).items():
+        if i < len(models) and isinstance(models[i], DataParallel):
+            models[i].set_rng_state(state)

@@ -1,0 +1,217 @@
+"""cgdp.integrations.lightning.CGDPStrategy: the user's LightningModule on 2 CPU-emulated devices
+equals Lightning on one device with the same batches (parameters, logged values, validation, test
+and predict), and a resumed fit is bitwise the uninterrupted one."""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+L = pytest.importorskip("lightning.pytorch")
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+
+import cgdp  # noqa: E402
+from cgdp.integrations.lightning import RNG_KEY, CGDPStrategy  # noqa: E402
+
+
+class Model(L.LightningModule):
+    """An ordinary LightningModule: its network in self.net, the loss and logging around it."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 3))
+
+    def training_step(self, batch, i):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, i):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+    def test_step(self, batch, i):
+        x, y = batch
+        self.log("test_acc", (self.net(x).argmax(1) == y).float().mean())
+
+    def predict_step(self, batch, i):
+        return self.net(batch[0]).softmax(1)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)]
+
+
+class PartsBF16(Model):
+    """One device computing each of 2 devices' parts in its own autocast region: the arithmetic of
+    bf16-mixed on 2 devices (bf16 gradients per part, summed in float32)."""
+
+    def training_step(self, batch, i):
+        x, y = batch
+        outs = []
+        for part in torch.tensor_split(x, 2):
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                outs.append(self.net(part))
+        return nn.functional.cross_entropy(torch.cat(outs), y)
+
+
+class Recorder(Logger):
+    """Every value self.log sent, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    name, version = "recorder", 0
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+
+def loader(n=64, batch=10, seed=1):
+    g = torch.Generator().manual_seed(seed)  # 64 samples, batches of 10: an uneven last batch
+    data = torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=batch)
+
+
+def trainer(**kw):
+    kw = {"accelerator": "cpu", "max_epochs": 2, "enable_progress_bar": False, "enable_model_summary": False,
+          "enable_checkpointing": False, "logger": False, "log_every_n_steps": 1, **kw}
+    return L.Trainer(**kw)
+
+
+def fit(model, **kw):
+    t = trainer(**kw)
+    t.fit(model, loader(), loader(24, seed=2))
+    return t
+
+
+def assert_params(a, b, rtol=1e-5, atol=1e-7):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=name)
+
+
+def test_fit_validate_test_predict_equal_one_device(monkeypatch):
+    """AdamW with a scheduler, accumulation 2, clipping by norm, an uneven last batch: the
+    parameters, every logged value and the validation, test and predict results equal one device's;
+    every micro-batch but the last of a step runs inside no_sync."""
+    torch.manual_seed(0)
+    net = Model()
+    one, two = net, copy.deepcopy(net)
+    quiet = []
+    no_sync = cgdp.DataParallel.no_sync
+    monkeypatch.setattr(cgdp.DataParallel, "no_sync", lambda self: quiet.append(1) or no_sync(self))
+    opts = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+    logs1, logs2 = Recorder(), Recorder()
+    t1 = fit(one, devices=1, logger=logs1, **opts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t2 = fit(two, devices=2, strategy=CGDPStrategy(), logger=logs2, **opts)
+    assert not [w for w in caught if "cgdp" in str(w.message)]  # clipped by the host norm, no copies
+    assert len(quiet) == 6  # 7 batches an epoch, steps after batches 2, 4, 6 and 7
+    assert_params(one, two)
+    assert type(two.net) is nn.Sequential  # the user's module is back in place, trained
+    assert [s for s, _ in logs2.rows] == [s for s, _ in logs1.rows] and logs2.rows
+    for (_, a), (_, b) in zip(logs1.rows, logs2.rows):
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(torch.tensor(b[k]), torch.tensor(a[k]), rtol=1e-5, atol=1e-6)
+    data = loader(24, seed=3)
+    for stage in ("validate", "test"):
+        r1, r2 = getattr(t1, stage)(one, data, verbose=False), getattr(t2, stage)(two, data, verbose=False)
+        assert r1[0].keys() == r2[0].keys()
+        for k in r1[0]:
+            assert r2[0][k] == pytest.approx(r1[0][k], rel=1e-5)
+    p1, p2 = t1.predict(one, data), t2.predict(two, data)
+    torch.testing.assert_close(torch.cat(p2), torch.cat(p1), rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_mixed_equals_one_device():
+    """strategy="cgdp", precision="bf16-mixed": autocast on every replica; equal to one device
+    computing the same two parts in bf16, and close to one device on the whole batch."""
+    torch.manual_seed(0)
+    net = Model()
+    parts, two, whole = PartsBF16(), copy.deepcopy(net), copy.deepcopy(net)
+    parts.load_state_dict(net.state_dict())
+    opts = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5, "precision": "bf16-mixed", "max_epochs": 1}
+    fit(parts, devices=1, **opts)
+    fit(two, devices=2, strategy="cgdp", **opts)
+    fit(whole, devices=1, **opts)
+    assert_params(parts, two)
+    assert_params(whole, two, rtol=0, atol=1e-3)
+
+
+def test_resume_from_checkpoint_is_bitwise(tmp_path):
+    """ModelCheckpoint's file has the user's keys and the replicas' random streams; fit(ckpt_path=)
+    from the first epoch's checkpoint ends bitwise where the uninterrupted run did, dropout included."""
+    torch.manual_seed(0)
+    start = Model(dropout=0.3)
+    whole, resumed = start, copy.deepcopy(start)
+    keep = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    fit(whole, devices=2, strategy=CGDPStrategy(), enable_checkpointing=True, callbacks=[keep])
+    saved = torch.load(tmp_path / "epoch=0.ckpt", weights_only=False)
+    assert list(saved["state_dict"]) == list(Model().state_dict())
+    assert len(saved[RNG_KEY]["states"]) == 2
+    t = trainer(devices=2, strategy=CGDPStrategy())
+    t.fit(resumed, loader(), loader(24, seed=2), ckpt_path=tmp_path / "epoch=0.ckpt")
+    for p, q in zip(whole.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    plain = Model.load_from_checkpoint(tmp_path / "epoch=1.ckpt", dropout=0.3)  # a plain Lightning module
+    for p, q in zip(whole.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+
+
+class Manual(Model):
+    """Manual optimization: manual_backward, clip_gradients and opt.step() in training_step."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, i):
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        self.manual_backward(nn.functional.cross_entropy(self.net(x), y))
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+
+
+def test_manual_optimization_equals_one_device():
+    torch.manual_seed(0)
+    one = Manual()
+    two = copy.deepcopy(one)
+    fit(one, devices=1, max_epochs=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(two, devices=2, strategy="cgdp", max_epochs=1)
+    assert not [w for w in caught if "cgdp" in str(w.message)]
+    assert_params(one, two)
+
+
+class TwoNets(Model):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 3)
+
+
+@pytest.mark.parametrize("kw, model, match", [
+    ({"plugins": [MixedPrecision("16-mixed", "cpu")]}, Model, "unscale replica 0 only"),
+    ({"precision": "bf16-true"}, Model, "convert the model before fit"),
+    ({}, TwoNets, r"\['net', 'head'\] all do"),
+])
+def test_refused_with_a_sentence(kw, model, match):
+    with pytest.raises(ValueError, match=match):
+        fit(model(), devices=2, strategy=CGDPStrategy(), **kw)
+
+
+def test_several_machines_refused_with_a_sentence():
+    with pytest.raises(NotImplementedError, match="comm='mpi'"):
+        CGDPStrategy(comm="mpi")
