@@ -54,6 +54,7 @@ from cgdp.engine.core.clip import clip_coefficient, device_norm
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, number_params
 from cgdp.engine.core.lifetime import Lifetime, operation
+from cgdp.engine.core.memory_report import memory_report
 from cgdp.engine.core.module_hooks import ModuleHooks
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan, tuned_plan
@@ -65,7 +66,7 @@ from cgdp.engine.trainer.batch import micro_rounds
 from cgdp.engine.trainer.hyperparameters import (HyperparameterMismatchError, Schedulers, agree_on_step,
                                                  check_hyperparameters)
 from cgdp.engine.trainer.losses import loss_weights, parse_step
-from cgdp.engine.trainer.options import UPDATES, check_arguments
+from cgdp.engine.trainer.options import check_arguments, make_update
 from cgdp.engine.trainer.passes import DevicePasses
 from cgdp.engine.trainer.state import check_state
 from cgdp.engine.trainer.timing import Timing, step_stats
@@ -116,6 +117,10 @@ class Trainer:
             ``segment_bytes`` slots that does not grow with the model, with back-pressure when it
             is full (:mod:`cgdp.engine.core.host`); results are bitwise those of full-size slots.
             ``None``: (G + 1) x the gradient bytes, one place per segment.
+        update: ``"devices"`` (each device steps its own optimizer) or ``"host"``: one optimizer,
+            ``optimizer(params)`` over float32 masters in host memory, steps after backward; the
+            parameters go back to every device instead of the gradients, and no device holds
+            optimizer state (``.optimizers`` is that one optimizer; :mod:`cgdp.engine.core.host_update`).
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
@@ -125,10 +130,11 @@ class Trainer:
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  clip_grad_norm: float | None = None, micro_batches: int = 1,
                  share_devices: bool = False, grad_transfer: str | None = None,
-                 host_memory: int | None = None):
+                 host_memory: int | None = None, update: str = "devices"):
         checked = check_arguments(model, optimizer, devices, mode=mode, share_devices=share_devices,
                                   grad_transfer=grad_transfer, timeout_s=timeout_s, segment_bytes=segment_bytes,
-                                  clip_grad_norm=clip_grad_norm, micro_batches=micro_batches)
+                                  clip_grad_norm=clip_grad_norm, micro_batches=micro_batches, update=update)
+        self._host_update = checked.host_update
         self._dtype, self._transfer = checked.dtype, checked.transfer
         self._segment = segment_bytes
         self._host_memory = host_memory
@@ -176,7 +182,9 @@ class Trainer:
         self._module_hooks = ModuleHooks(reps.modules, [list(r.parameters()) for r in reps.modules],
                                          [d.torch_device for d in self._devs])
         self._param_hooks = ParamHooks(reps.params)
-        self._update = UPDATES[self.mode](self._devs, reps.optimizers, reps.params)
+        self._update = make_update(self.mode, self._host_update, self._devs, reps.optimizers, reps.params, optimizer)
+        if self._host_update:  # the one optimizer, on the host; the replicas' are never stepped
+            self.optimizers = [self._update.optimizer]
 
         self._comm = make_comm(comm, timeout_s=self._timeout_s)
         if self._comm is not None:
@@ -202,6 +210,8 @@ class Trainer:
             host_threads=host_threads(self._devs), transfer=self._transfer, host_memory=self._host_memory)
         res.push(self._stream.close)
         self._stream.set_plan(plan)
+        if self._host_update:
+            self._update.attach(self._stream)
         self._stream.want_norm = self._max_norm is not None
         self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._guard,
                                     self._timing)
@@ -305,8 +315,9 @@ class Trainer:
         for d in self._devs:
             d.check_caller("Trainer.load_state_dict()")
         check_state(state, self.replicas[0], self.optimizers[0], len(self.layers), self.tuner)
-        for r, opt in zip(self.replicas, self.optimizers):
+        for r in self.replicas:
             r.load_state_dict(state["model"])
+        for opt in self.optimizers:
             # each replica needs its own copy: load_state_dict keeps tensors that already have
             # the right dtype and device, and two optimizers sharing one state corrupt each other
             opt.load_state_dict(copy.deepcopy(state["optimizer"]))
@@ -334,6 +345,13 @@ class Trainer:
     @property
     def closed(self) -> bool:
         return self._life.closed
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Bytes of parameters, gradients, optimizer state and transfer buffers per device and on
+        the host (:mod:`cgdp.engine.core.memory_report`)."""
+        host = self._update.masters if self._host_update else None
+        return memory_report(self.devices, self._params, [[o] for o in self._update.optimizers], self._stream,
+                             None if host is None else (host, self.optimizers))
 
     def __enter__(self) -> "Trainer":
         return self

@@ -1,0 +1,151 @@
+"""``Trainer(update="host")``: one optimizer over float32 masters in host memory, equal to one device."""
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cgdp
+from cgdp.comm.inproc import InProcGroup
+from helpers import assert_params_close, assert_replicas_identical, mlp, reference
+
+OPTIMIZERS = {
+    "adamw": partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+    "sgd_momentum": partial(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "rmsprop": partial(torch.optim.RMSprop, lr=1e-3, momentum=0.5),
+    "adamw_fused": partial(torch.optim.AdamW, lr=1e-2, fused=True),
+}
+
+
+def batches(n_steps=3, n=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)) for _ in range(n_steps)]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_host_update_equals_one_device(name):
+    make = OPTIMIZERS[name]
+    model, data = mlp(), batches()
+    ref, ref_losses = reference(model, make, data, F.cross_entropy)
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=2, update="host") as tr:
+        losses = []
+        for x, y in data:
+            losses.append(tr.step(x, y, F.cross_entropy))
+            assert_replicas_identical(tr)
+        assert len(tr.optimizers) == 1 and type(tr.optimizers[0]) is type(make([torch.zeros(1)]))
+        assert all(p.device.type == "cpu" for s in tr.optimizers[0].state.values() for p in s.values()
+                   if isinstance(p, torch.Tensor))
+        report = tr.memory_report()
+        assert set(report) == {"cpu:0", "cpu:1", "host"}
+        assert all(report[d]["optimizer_state"] == 0 for d in ("cpu:0", "cpu:1"))
+        assert report["host"]["optimizer_state"] > 0
+        assert_params_close(tr.replicas[0], ref)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_clipping_scheduler_uneven_split_and_state_dict_round_trip():
+    make = partial(torch.optim.AdamW, lr=2e-2)
+    sched = partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+    model, data = mlp(), batches(4, n=7)
+    ref = copy.deepcopy(model)
+    opt = make(ref.parameters())
+    s = sched(opt)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+        s.step()
+    kw = dict(chunks=1, update="host", clip_grad_norm=0.05, scheduler=sched)
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1", "cpu:2"], **kw) as tr:
+        for x, y in data[:2]:
+            tr.step(x, y, F.cross_entropy)
+        saved = copy.deepcopy(tr.state_dict())
+    # a fresh trainer restores the masters and the host optimizer's state, and goes on exactly
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], **kw) as tr:
+        tr.load_state_dict(saved)
+        for x, y in data[2:]:
+            tr.step(x, y, F.cross_entropy)
+            assert_replicas_identical(tr)
+        assert_params_close(tr.replicas[0], ref)
+        assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(s.get_last_lr()[0])
+
+
+@pytest.mark.parametrize("kw", [dict(grad_transfer="bf16"), dict(host_memory=1 << 16, segment_bytes=1024)])
+def test_bf16_wire_and_host_slot_ring_read_the_gradient_from_replica_0(kw):
+    """Without a float32 sum row to read in place, the host copies replica 0's averaged gradient:
+    the same as update='devices' with the same wire."""
+    make = partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    model, data = mlp(), batches()
+    out = []
+    for update in ("devices", "host"):
+        with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=2, update=update, **kw) as tr:
+            for x, y in data:
+                tr.step(x, y, F.cross_entropy)
+                assert_replicas_identical(tr)
+            out.append(copy.deepcopy(tr.replicas[0]))
+    assert_params_close(out[1], out[0])
+
+
+def test_two_ranks_hold_the_whole_state_and_stay_identical():
+    make = OPTIMIZERS["adamw"]
+    model, data = mlp(), batches(3, n=12)
+    ref, _ = reference(model, make, data, F.cross_entropy)
+    group = InProcGroup(2, timeout_s=30)
+
+    def rank(comm):
+        with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], comm=comm, chunks=2, update="host",
+                          timeout_s=30) as tr:
+            for x, y in data:
+                tr.step(torch.tensor_split(x, 2)[comm.rank], torch.tensor_split(y, 2)[comm.rank], F.cross_entropy)
+                assert_replicas_identical(tr)
+            return copy.deepcopy(tr.replicas[0]).state_dict()
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:
+        sd0, sd1 = [f.result(timeout=60) for f in [pool.submit(rank, c) for c in group.comms()]]
+    for c in group.comms():
+        c.close()
+    for k in sd0:
+        assert torch.equal(sd0[k], sd1[k]), f"ranks differ in {k}"
+    got = mlp()
+    got.load_state_dict(sd0)
+    assert_params_close(got, ref)
+
+
+def test_parameters_unused_in_a_step_keep_no_update_as_on_one_device():
+    """A parameter with no gradient anywhere is skipped by AdamW on one device; so on the host."""
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.body, self.a, self.b = torch.nn.Linear(12, 8), torch.nn.Linear(8, 5), torch.nn.Linear(8, 5)
+
+        def forward(self, x, head="a"):
+            return getattr(self, head)(torch.tanh(self.body(x)))
+
+    make = OPTIMIZERS["adamw"]
+    model, data = TwoHeads(), batches(3)
+    ref = copy.deepcopy(model)
+    opt = make(ref.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], update="host", chunks=1) as tr:
+        for x, y in data:
+            tr.step(x, y, F.cross_entropy)
+        assert_params_close(tr.replicas[0], ref)
+        assert torch.equal(tr.replicas[0].b.weight, model.b.weight)
+
+
+def test_unsupported_combinations_are_refused_with_a_sentence():
+    with pytest.raises(ValueError, match="mode='cgdp'"):
+        cgdp.Trainer(mlp(), OPTIMIZERS["adamw"], ["cpu:0", "cpu:1"], mode="typical", update="host")
+    with pytest.raises(ValueError, match="update must be"):
+        cgdp.Trainer(mlp(), OPTIMIZERS["adamw"], ["cpu:0"], update="cpu")
+    with pytest.raises(ValueError, match="float32"):
+        cgdp.Trainer(mlp().to(torch.bfloat16), OPTIMIZERS["adamw"], ["cpu:0"], update="host")
