@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import cgdp
-from cgdp.comm.inproc import InProcGroup
-from helpers import assert_params_close, assert_replicas_identical, mlp, reference
+from test_comm_inproc import on_ranks
+from helpers import assert_params_close, assert_ranks_equal_reference, assert_replicas_identical, mlp, reference
 
 OPTIMIZERS = {
     "adamw": partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
@@ -94,7 +94,6 @@ def test_two_ranks_hold_the_whole_state_and_stay_identical():
     make = OPTIMIZERS["adamw"]
     model, data = mlp(), batches(3, n=12)
     ref, _ = reference(model, make, data, F.cross_entropy)
-    group = InProcGroup(2, timeout_s=30)
 
     def rank(comm):
         with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], comm=comm, chunks=2, update="host",
@@ -104,16 +103,7 @@ def test_two_ranks_hold_the_whole_state_and_stay_identical():
                 assert_replicas_identical(tr)
             return copy.deepcopy(tr.replicas[0]).state_dict()
 
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(2) as pool:
-        sd0, sd1 = [f.result(timeout=60) for f in [pool.submit(rank, c) for c in group.comms()]]
-    for c in group.comms():
-        c.close()
-    for k in sd0:
-        assert torch.equal(sd0[k], sd1[k]), f"ranks differ in {k}"
-    got = mlp()
-    got.load_state_dict(sd0)
-    assert_params_close(got, ref)
+    assert_ranks_equal_reference(on_ranks(2, rank, timeout_s=30), ref, mlp())
 
 
 def test_parameters_unused_in_a_step_keep_no_update_as_on_one_device():
