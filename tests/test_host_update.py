@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from functools import partial
 
 import pytest
@@ -139,3 +140,68 @@ def test_unsupported_combinations_are_refused_with_a_sentence():
         cgdp.Trainer(mlp(), OPTIMIZERS["adamw"], ["cpu:0"], update="cpu")
     with pytest.raises(ValueError, match="float32"):
         cgdp.Trainer(mlp().to(torch.bfloat16), OPTIMIZERS["adamw"], ["cpu:0"], update="host")
+
+
+def _step_threads(tr):
+    """The threads the host optimizer's step() ran on, per call."""
+    seen = []
+    tr.optimizers[0].register_step_post_hook(lambda *_: seen.append(threading.current_thread().name))
+    return seen
+
+
+def test_per_parameter_optimizer_updates_each_chunk_on_the_host_thread_without_clipping():
+    model, data = mlp(), batches(2)
+    with cgdp.Trainer(copy.deepcopy(model), OPTIMIZERS["adamw"], ["cpu:0", "cpu:1"], chunks=1, update="host") as tr:
+        seen = _step_threads(tr)
+        tr.step(*data[0], F.cross_entropy)
+        assert tr.stats["host_update_overlapped"] == 1.0
+        assert len(seen) == len(tr.plan) and all(n.startswith("cgdp-host") for n in seen)  # one step per chunk
+    with cgdp.Trainer(copy.deepcopy(model), OPTIMIZERS["adamw"], ["cpu:0", "cpu:1"], chunks=1, update="host",
+                      clip_grad_norm=1.0) as tr:
+        seen = _step_threads(tr)
+        tr.step(*data[0], F.cross_entropy)
+        assert tr.stats["host_update_overlapped"] == 0.0 and seen == [threading.current_thread().name]
+
+
+class _Poison(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w):
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+class _FirstLayerPoisoned(torch.nn.Module):
+    """The first layer's weight gradient is NaN when ``poison`` is set: the last chunk to arrive."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+        self.poison = False
+
+    def forward(self, x):
+        first = self.net[0]
+        w = _Poison.apply(first.weight) if self.poison else first.weight
+        return self.net[1:](F.linear(x, w, first.bias))
+
+
+def test_nan_in_a_late_chunk_rejects_the_step_and_leaves_parameters_as_they_were():
+    torch.manual_seed(0)
+    model, data = _FirstLayerPoisoned(), batches(2)
+    with cgdp.Trainer(model, OPTIMIZERS["adamw"], ["cpu:0", "cpu:1"], chunks=1, update="host") as tr:
+        tr.step(*data[0], F.cross_entropy)
+        before = copy.deepcopy(model.state_dict())
+        for r in tr.replicas:
+            r.poison = True
+        with pytest.warns(RuntimeWarning, match="advanced by one step"), pytest.raises(cgdp.NonFiniteGradientError):
+            tr.step(*data[1], F.cross_entropy)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k])
+        assert_replicas_identical(tr)
+        for r in tr.replicas:
+            r.poison = False
+        tr.step(*data[1], F.cross_entropy)  # training goes on
+        assert_replicas_identical(tr)
+        assert not torch.equal(model.net[0].weight, before["net.0.weight"])

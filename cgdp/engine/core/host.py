@@ -44,6 +44,7 @@ import queue
 import threading
 import time
 from functools import partial
+from typing import Callable
 
 import torch
 
@@ -109,6 +110,9 @@ class HostAccumulator:
         self.send_back = True
         """Whether each segment's sum is copied back to the devices (False: the host optimizer
         reads it here, :mod:`cgdp.engine.core.host_update`, and the parameters go back instead)."""
+        self.on_summed: Callable[[int], None] | None = None
+        """Called with each segment once its sum is final (after the allreduce with a comm), on the
+        thread that made it so, before the step counts it returned: the host update of its chunk."""
         self.units: list[range] = []
         self._nseg = self._elems = 0
 
@@ -269,6 +273,8 @@ class HostAccumulator:
         if self.send_back:
             for dev in self.devices:
                 dev.give_back(s)
+        if self.on_summed is not None:
+            self.on_summed(s)
         self._given.advance()
         if self._given.done == self._nseg:
             self.returned.set()

@@ -24,13 +24,15 @@ whose copies run on each device's thread (a GPU's copies are issued by the threa
 from __future__ import annotations
 
 import time
+import warnings
 from collections import defaultdict
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from cgdp.engine.backend.base import Device
+from cgdp.engine.core.lifetime import weak_call
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.core.update import Stamps, Update
@@ -133,16 +135,27 @@ class HostMasters:
         return stamps
 
 
+PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+                 torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD)
+"""Optimizers whose update of a parameter reads only that parameter, its gradient and its state:
+stepping them chunk by chunk is bitwise stepping them once (exactly these classes, not subclasses,
+whose ``step`` may look at every gradient)."""
+
+
 class HostUpdate(Update):
     """``Trainer(update="host")``: one optimizer (the user's factory over the masters) on the host.
 
-    Runs after backward (the global view is complete then: clipping's norm, the step's NaN check
-    across ranks); the gradient is the host's sum row itself where it can be (see the module)."""
+    The gradient is the host's sum row itself where it can be (see the module). When it is, with
+    a per-parameter optimizer (:data:`PER_PARAMETER`) and no clipping, a chunk's update runs as
+    soon as its sum is final, on the host thread, while the devices compute the layers below
+    (``overlap == "with backward"``): the optimizer is lent the chunk's masters for one ``step()``.
+    Otherwise the whole update runs after backward, once the global view is complete (clipping's
+    norm). A chunk whose sum holds NaN/Inf stops the overlapped updates of the step; the step is
+    then rejected by the engine as usual, the masters retake the replicas' parameters (no replica
+    was changed), and a warning names the optimizer state of the chunks already stepped."""
 
     streams = True
     sums = True
-    overlap = "after backward"
-    """When the host update runs (for the profile): this strategy always after backward."""
 
     def __init__(self, devs: Sequence[Device], optimizers: Sequence[torch.optim.Optimizer],
                  params: Sequence[Sequence[nn.Parameter]], factory: Callable[..., torch.optim.Optimizer]):
@@ -152,15 +165,83 @@ class HostUpdate(Update):
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer, got {type(opt).__name__}")
         self.optimizer = opt
-        self.host_seconds = 0.0
-        """The host optimizer's time in the last step."""
+        self.overlap = "after backward"
+        """When the host update runs: ``"with backward"`` (chunk by chunk) or ``"after backward"``."""
+        self.figures: dict[str, float] = {}
+        self._stream: GradientStream | None = None
+        self._layout: Any = None
+        self._open = False  # an overlapped step began and was not finished (masters maybe ahead)
+        self._seconds = 0.0
 
-    def attach(self, stream: GradientStream) -> None:
+    def attach(self, stream: GradientStream, clipping: bool) -> None:
         """Once the stream exists: read the host's sum row in place if it can, and then send no
-        gradient back during backward (only the parameters travel back)."""
+        gradient back during backward (only the parameters travel back); overlap if allowed."""
+        self._stream = stream
         host = stream.host
-        if host is not None and host.sum_row() is not None:
-            host.send_back = False
+        if host is None or host.sum_row() is None:
+            return
+        host.send_back = False
+        if not clipping and type(self.optimizer) in PER_PARAMETER:
+            self.overlap = "with backward"
+            host.on_summed = weak_call(self._summed)
+
+    def begin_step(self) -> None:
+        """Before the step's first forward (the caller's thread, nothing in flight)."""
+        m = self.masters
+        if self._open:  # the last overlapped step failed after updating some masters
+            m.refresh()
+        m.follow()
+        self._seconds = 0.0
+        if self.overlap != "with backward":
+            return
+        lay = self._stream.layout
+        if lay is not self._layout:  # a plan switch: the chunks' parameters and the row's views
+            self._layout = lay
+            self._chunk_pids = [[] for _ in lay.plan]
+            for pid, c in enumerate(lay.param_chunk):
+                self._chunk_pids[c].append(pid)
+            where = {id(p): k for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
+            self._group = [where.get(id(p)) for p in m.masters]
+            m.grads_from_row(self._stream.host.sum_row(), lay.offsets, ())
+        self._left = [len(r) for r in lay.chunk_segments]
+        self._stepped: list[int] = []
+        self._poisoned: int | None = None
+        self._open = True
+
+    def _summed(self, s: int) -> None:
+        """Host thread: segment ``s`` is final; when its chunk is complete, step the chunk."""
+        lay, st = self._layout, self._stream
+        c = lay.segment_chunk[s]
+        self._left[c] -= 1
+        if self._left[c] or self._poisoned is not None:
+            return
+        host = st.host
+        if st.host.comm is None:
+            bad = any(host.bad[t] for t in lay.chunk_segments[c])
+        else:  # another rank's NaN arrives through the allreduce: look at the global sum
+            lo, hi = lay.chunk_bounds[c]
+            bad = not bool(torch.isfinite(host.sum_row()[lo:hi]).all())
+        if bad:
+            self._poisoned = c
+            return
+        t0 = time.perf_counter()
+        groups = self.optimizer.param_groups
+        lent = [[] for _ in groups]
+        masters = self.masters.masters
+        for pid in self._chunk_pids[c]:
+            k = self._group[pid]
+            if k is not None and any(h.touched[pid] for h in st.hooks):  # untouched: skipped, as on one device
+                lent[k].append(masters[pid])
+        own = [g["params"] for g in groups]
+        try:
+            for g, ps in zip(groups, lent):
+                g["params"] = ps
+            self.optimizer.step()
+        finally:
+            for g, ps in zip(groups, own):
+                g["params"] = ps
+        self._stepped.append(c)
+        self._seconds += time.perf_counter() - t0
 
     def hook_views(self, views: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         raise NotImplementedError("update='host' steps on the host's gradient, so gradient hooks registered on "
@@ -168,31 +249,39 @@ class HostUpdate(Update):
                                   "update='devices'")
 
     def reduce(self, stream: GradientStream) -> float:
-        return stream.bad_count()
+        bad = stream.bad_count()
+        if self._open and self._poisoned is not None:
+            self._open = False
+            if self._stepped:
+                self.masters.refresh()  # no replica was changed: the masters take their parameters back
+                warnings.warn(f"the averaged gradient holds NaN/Inf in chunk {self._poisoned}; the step is "
+                              f"rejected and no parameter changed, but the host optimizer's state of chunk(s) "
+                              f"{self._stepped}, updated while backward ran, advanced by one step. Clip "
+                              f"gradients (clip_grad_norm: no overlap) if this recurs", RuntimeWarning, stacklevel=2)
+            return max(bad, 1.0)
+        return bad
 
     def step(self, coef: torch.Tensor | None, stream: GradientStream,
              threads: DeviceThreads) -> list[Stamps | None]:
         m = self.masters
-        m.follow()
-        t0 = time.perf_counter()
-        host = stream.host
-        row = host.sum_row() if host is not None and not host.send_back else None
-        if row is not None:
-            m.grads_from_row(row, stream.layout.offsets, stream.none_pids)
-        else:  # replica 0 holds the averaged gradient (a bf16 wire, a ring of host slots)
-            m.grads_from([p.grad for p in self.params[0]])
-        if coef is not None:
-            grads = [g.grad for g in m.masters if g.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, coef.to(torch.float32).cpu())
-        self.optimizer.step()
-        self.host_seconds = time.perf_counter() - t0
+        overlapped = self.overlap == "with backward"
+        if not overlapped:
+            t0 = time.perf_counter()
+            host = stream.host
+            row = host.sum_row() if host is not None and not host.send_back else None
+            if row is not None:
+                m.grads_from_row(row, stream.layout.offsets, stream.none_pids)
+            else:  # replica 0 holds the averaged gradient (a bf16 wire, a ring of host slots)
+                m.grads_from([p.grad for p in self.params[0]])
+            if coef is not None:
+                grads = [g.grad for g in m.masters if g.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, coef.to(torch.float32).cpu())
+            self.optimizer.step()
+            self._seconds = time.perf_counter() - t0
+        self._open = False
+        self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped)}
         return m.to_devices(threads)
-
-    def reloaded(self) -> None:
-        """After ``Trainer.load_state_dict``: the masters take replica 0's loaded parameters, and
-        every replica the masters."""
-        self.masters.refresh()
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer, device: torch.device | None = None) -> int:

@@ -211,7 +211,7 @@ class Trainer:
         res.push(self._stream.close)
         self._stream.set_plan(plan)
         if self._host_update:
-            self._update.attach(self._stream)
+            self._update.attach(self._stream, clipping=self._max_norm is not None)
         self._stream.want_norm = self._max_norm is not None
         self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._guard,
                                     self._timing)
@@ -394,6 +394,7 @@ class Trainer:
         self._timing.start(self._devs, self._stream)
         if self._update.sums:  # the user's gradient hooks wait for the sum (_finish_backward)
             self._param_hooks.take()
+        self._update.begin_step()
 
     def _finish_backward(self, losses: list[float], weights: list[float]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""
@@ -437,6 +438,7 @@ class Trainer:
         Phase times come from the devices' own clocks in timed steps (CUDA: resolved device events)."""
         self.stats = step_stats(self._devs, fw, bw, up, *times, samples)
         self.stats["forward_s"] += held_s
+        self.stats.update(self._update.figures)
         if coef is not None:
             self.stats["grad_norm"] = self._grad_norm
         self._timing.finish(self._devs, fw, bw, up, times[0], self._profile_inputs)
