@@ -66,6 +66,7 @@ def test_users_optimizer_steps_on_the_host_and_equals_one_device(name):
         # the user's object: its groups hold the model's parameters, its state their keys, on the host
         assert [p for g in opt.param_groups for p in g["params"]] == list(dp.module.parameters())
         assert set(opt.state) == set(dp.module.parameters())
+        assert all(g.get("fused") is None for g in opt.param_groups)  # fused on the host for the step only
         report = dp.memory_report()
         assert all(report[d]["optimizer_state"] == 0 for d in DEVS)
         assert report["host"]["optimizer_state"] == sum(

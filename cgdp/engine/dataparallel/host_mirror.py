@@ -11,7 +11,8 @@ the optimizer's own step body:
    lends the optimizer the masters: every group's ``"params"`` list and ``optimizer.state`` are
    swapped for the masters' (the same per-parameter state dicts, keyed by the masters);
 2. the optimizer's own ``step()`` then runs on the host, unchanged (its class, groups,
-   hyperparameters, schedulers, ``fused=True``);
+   hyperparameters, schedulers), with torch's fused CPU kernel for Adam, AdamW and SGD where the
+   user chose no implementation (:func:`~cgdp.engine.core.host_update.prefer_fused`);
 3. after it (the post-hook): the swap is undone and every replica's parameters are copied from
    the masters (:meth:`HostMasters.to_devices`): bitwise identical replicas, no device state.
 
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from cgdp.engine.core.host_update import keyed_state
+from cgdp.engine.core.host_update import keyed_state, prefer_fused
 from cgdp.engine.dataparallel.mirror import _ATTR, _install_outermost, _remove_outermost
 
 
@@ -49,6 +50,7 @@ class HostMirror:
         self._user_state = opt.state
         self._host_state = self._rekey()
         self._lent: list | None = None
+        self._fused: list[int] = []
         self._load_hook = opt.register_load_state_dict_post_hook(self._reload)
         if "_cgdp_step" not in opt.__dict__:
             _install_outermost(opt)
@@ -93,6 +95,7 @@ class HostMirror:
             for g, ps in zip(groups, pids):
                 g["params"] = [masters[pid] for pid in ps]
             self.opt.state = self._host_state
+            self._fused = prefer_fused(self.opt)  # for this step only: the user's groups keep their choice
         except BaseException:
             self._give_back()
             dp.end()
@@ -105,6 +108,9 @@ class HostMirror:
             return
         for g, ps in zip(self.opt.param_groups, self._lent):
             g["params"] = ps
+        for k in self._fused:
+            self.opt.param_groups[k]["fused"] = None
+        self._fused = []
         self._lent = None
         self.opt.state = self._user_state
         if len(self._host_state) != len(self._user_state):  # the first step made the state
