@@ -22,7 +22,6 @@ ratio here says what moving G optimizer steps to one host step costs in CPU, not
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 

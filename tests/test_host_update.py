@@ -28,9 +28,10 @@ def batches(n_steps=3, n=11, seed=1):
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_host_update_equals_one_device(name):
     make = OPTIMIZERS[name]
-    model, data = mlp(), batches()
+    model, data = mlp(), batches(4)
     ref, ref_losses = reference(model, make, data, F.cross_entropy)
-    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=2, update="host") as tr:
+    # chunks="auto": the tuner switches plans between steps, and the host's views follow
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks="auto", update="host") as tr:
         losses = []
         for x, y in data:
             losses.append(tr.step(x, y, F.cross_entropy))
