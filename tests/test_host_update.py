@@ -208,3 +208,30 @@ def test_nan_in_a_late_chunk_rejects_the_step_and_leaves_parameters_as_they_were
         tr.step(*data[1], F.cross_entropy)  # training goes on
         assert_replicas_identical(tr)
         assert not torch.equal(model.net[0].weight, before["net.0.weight"])
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_cuda_backend_on_the_strict_simulator_sends_no_gradient_back(clip):
+    """The CUDA backend (pinned masters, asynchronous copies to the devices) on the simulated
+    runtime, whose stream checker reports any unordered access; with and without overlap."""
+    from cgdp.testing import simulated_cuda
+    make = OPTIMIZERS["adamw"]
+    model, data = mlp(), batches()
+    ref = copy.deepcopy(model)
+    opt = make(ref.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+    with simulated_cuda(2, seed=1) as sim:
+        with cgdp.Trainer(copy.deepcopy(model), make, ["cuda:0", "cuda:1"], update="host", chunks=1,
+                          segment_bytes=1024, clip_grad_norm=clip) as tr:
+            for x, y in data:
+                tr.step(x, y, F.cross_entropy)
+                assert_replicas_identical(tr)
+            assert tr.stats["host_update_overlapped"] == (clip is None)
+            assert_params_close(tr.replicas[0], ref)
+    assert not sim.errors
+    assert sim.copied_bytes["d2h"] > 0 and sim.copied_bytes["h2d"] == 0  # no gradient comes back

@@ -158,3 +158,18 @@ def test_refusals():
         assert_identical(dp)
     with pytest.raises(ValueError, match="update must be"):
         cgdp.DataParallel(mlp(), DEVS, update="everywhere")
+
+
+def test_cuda_backend_on_the_strict_simulator():
+    from cgdp.testing import simulated_cuda
+    make = OPTIMIZERS["adamw"]
+    model, data = mlp(), batches()
+    ref = copy.deepcopy(model)
+    run(ref, make, data, clip=0.5)
+    with simulated_cuda(2, seed=1) as sim:
+        with cgdp.DataParallel(copy.deepcopy(model), ["cuda:0", "cuda:1"], update="host", chunks=1,
+                               segment_bytes=1024) as dp:
+            run(dp, make, data, clip=0.5)
+            assert_identical(dp)
+            assert_params_close(dp.module, ref)
+    assert not sim.errors

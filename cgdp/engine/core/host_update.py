@@ -19,12 +19,19 @@ after backward on the caller's thread, and with the sum row in place the host se
 back during backward (:attr:`HostAccumulator.send_back`): the parameters travel instead.
 
 Threads: everything here runs on the caller's thread, except :meth:`HostMasters.to_devices`,
-whose copies run on each device's thread (a GPU's copies are issued by the thread that owns it).
+whose copies run on each device's thread (a GPU's copies are issued by the thread that owns it),
+and the overlapped updates: the thread that finalises a segment's sum (accumulator, or comm)
+queues each complete chunk to ``cgdp-host-update``, a thread bound to no device that steps it
+(CPU kernels on host memory, no CUDA call), so the sums of later chunks do not wait for it;
+:meth:`HostUpdate.reduce` waits for every chunk's update before the step goes on.
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, Sequence
 
@@ -36,6 +43,7 @@ from cgdp.engine.core.lifetime import weak_call
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.core.update import Stamps, Update
+from cgdp.engine.sync import Guard, Progress
 
 
 def check_host_update(update: str, dtype: torch.dtype | None) -> bool:
@@ -165,7 +173,7 @@ class HostUpdate(Update):
 
     The gradient is the host's sum row itself where it can be (see the module). When it is, with
     a per-parameter optimizer (:data:`PER_PARAMETER`) and no clipping, a chunk's update runs as
-    soon as its sum is final, on the host thread, while the devices compute the layers below
+    soon as its sum is final, on a host update thread of its own, while the devices compute the layers below
     (``overlap == "with backward"``): the optimizer is lent the chunk's masters for one ``step()``.
     Otherwise the whole update runs after backward, once the global view is complete (clipping's
     norm). A chunk whose sum holds NaN/Inf stops the overlapped updates of the step; the step is
@@ -192,22 +200,33 @@ class HostUpdate(Update):
         self._open = False  # an overlapped step began and was not finished (masters maybe ahead)
         self._seconds = 0.0
 
-    def attach(self, stream: GradientStream, clipping: bool) -> None:
+    def attach(self, stream: GradientStream, clipping: bool, guard: Guard) -> None:
         """Once the stream exists: read the host's sum row in place if it can, and then send no
         gradient back during backward (only the parameters travel back); overlap if allowed."""
-        self._stream = stream
+        self._stream, self._guard = stream, guard
         host = stream.host
         if host is None or host.sum_row() is None:
             return
         host.send_back = False
         if not clipping and type(self.optimizer) in PER_PARAMETER:
             self.overlap = "with backward"
+            self._queue: queue.SimpleQueue = queue.SimpleQueue()
+            self._updated = Progress()
+            # its own thread, bound to no device: the accumulator goes on summing the next chunks
+            # while this one steps the last (CPU work on host memory only: no CUDA call)
+            threading.Thread(target=_update_loop, args=(self._queue, weak_call(self._update_chunk), guard.fail),
+                             name="cgdp-host-update", daemon=True).start()
+            weakref.finalize(self, self._queue.put, None)
             host.on_summed = weak_call(self._summed)
 
     def begin_step(self) -> None:
         """Before the step's first forward (the caller's thread, nothing in flight)."""
         m = self.masters
-        if self._open:  # the last overlapped step failed after updating some masters
+        if self._open:  # the last overlapped step failed: let its updates finish, undo them
+            if self.overlap == "with backward":
+                done = threading.Event()
+                self._queue.put(done.set)
+                self._guard.wait(done, "the host update thread to finish a failed step's updates")
             m.refresh()
         m.follow()
         self._seconds = 0.0
@@ -225,42 +244,51 @@ class HostUpdate(Update):
         self._left = [len(r) for r in lay.chunk_segments]
         self._stepped: list[int] = []
         self._poisoned: int | None = None
+        self._updated.reset()
         self._open = True
 
     def _summed(self, s: int) -> None:
-        """Host thread: segment ``s`` is final; when its chunk is complete, step the chunk."""
-        lay, st = self._layout, self._stream
-        c = lay.segment_chunk[s]
+        """The thread that made segment ``s`` final: when its chunk is complete, queue its update."""
+        c = self._layout.segment_chunk[s]
         self._left[c] -= 1
-        if self._left[c] or self._poisoned is not None:
-            return
-        host = st.host
-        if st.host.comm is None:
-            bad = any(host.bad[t] for t in lay.chunk_segments[c])
-        else:  # another rank's NaN arrives through the allreduce: look at the global sum
-            lo, hi = lay.chunk_bounds[c]
-            bad = not bool(torch.isfinite(host.sum_row()[lo:hi]).all())
-        if bad:
-            self._poisoned = c
-            return
-        t0 = time.perf_counter()
-        groups = self.optimizer.param_groups
-        lent = [[] for _ in groups]
-        masters = self.masters.masters
-        for pid in self._chunk_pids[c]:
-            k = self._group[pid]
-            if k is not None and any(h.touched[pid] for h in st.hooks):  # untouched: skipped, as on one device
-                lent[k].append(masters[pid])
-        own = [g["params"] for g in groups]
+        if not self._left[c]:
+            self._queue.put(c)
+
+    def _update_chunk(self, c: int) -> None:
+        """The host update thread: step chunk ``c``'s masters (chunks arrive in the order summed)."""
+        lay, st = self._layout, self._stream
         try:
-            for g, ps in zip(groups, lent):
-                g["params"] = ps
-            self.optimizer.step()
+            if self._poisoned is not None:
+                return
+            host = st.host
+            if host.comm is None:
+                bad = any(host.bad[t] for t in lay.chunk_segments[c])
+            else:  # another rank's NaN arrives through the allreduce: look at the global sum
+                lo, hi = lay.chunk_bounds[c]
+                bad = not bool(torch.isfinite(host.sum_row()[lo:hi]).all())
+            if bad:
+                self._poisoned = c
+                return
+            t0 = time.perf_counter()
+            groups = self.optimizer.param_groups
+            lent = [[] for _ in groups]
+            masters = self.masters.masters
+            for pid in self._chunk_pids[c]:
+                k = self._group[pid]
+                if k is not None and any(h.touched[pid] for h in st.hooks):  # untouched: skipped, as on one device
+                    lent[k].append(masters[pid])
+            own = [g["params"] for g in groups]
+            try:
+                for g, ps in zip(groups, lent):
+                    g["params"] = ps
+                self.optimizer.step()
+            finally:
+                for g, ps in zip(groups, own):
+                    g["params"] = ps
+            self._stepped.append(c)
+            self._seconds += time.perf_counter() - t0
         finally:
-            for g, ps in zip(groups, own):
-                g["params"] = ps
-        self._stepped.append(c)
-        self._seconds += time.perf_counter() - t0
+            self._updated.advance()
 
     def hook_views(self, views: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         raise NotImplementedError("update='host' steps on the host's gradient, so gradient hooks registered on "
@@ -269,6 +297,9 @@ class HostUpdate(Update):
 
     def reduce(self, stream: GradientStream) -> float:
         bad = stream.bad_count()
+        if self._open and self.overlap == "with backward":
+            # note: host waits for the host update thread to step every chunk
+            self._updated.wait(len(self._layout.plan), self._guard, "the host's update of every chunk")
         if self._open and self._poisoned is not None:
             self._open = False
             if self._stepped:
@@ -301,6 +332,18 @@ class HostUpdate(Update):
         self._open = False
         self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped)}
         return m.to_devices(threads)
+
+
+def _update_loop(q: queue.SimpleQueue, update: Callable[[int], None], fail: Callable[[BaseException], None]) -> None:
+    """The host update thread: chunk numbers in, updates out, until None (the update is gone)."""
+    while True:
+        c = q.get()
+        if c is None:
+            return
+        try:
+            c() if callable(c) else update(c)
+        except BaseException as exc:
+            fail(exc)
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer, device: torch.device | None = None) -> int:
