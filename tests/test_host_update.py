@@ -143,6 +143,15 @@ def test_unsupported_combinations_are_refused_with_a_sentence():
         cgdp.Trainer(mlp(), OPTIMIZERS["adamw"], ["cpu:0"], update="cpu")
     with pytest.raises(ValueError, match="float32"):
         cgdp.Trainer(mlp().to(torch.bfloat16), OPTIMIZERS["adamw"], ["cpu:0"], update="host")
+    model = mlp()
+    handle = model[0].weight.register_hook(lambda g: 2 * g)
+    with cgdp.Trainer(model, OPTIMIZERS["sgd_momentum"], ["cpu:0", "cpu:1"], update="host") as tr:
+        x, y = batches(1)[0]
+        with pytest.raises(NotImplementedError, match="register_hook"):
+            tr.step(x, y, F.cross_entropy)
+        handle.remove()
+        tr.step(x, y, F.cross_entropy)  # usable again without the hook
+        assert_replicas_identical(tr)
 
 
 def _step_threads(tr):

@@ -173,3 +173,30 @@ def test_cuda_backend_on_the_strict_simulator():
             assert_identical(dp)
             assert_params_close(dp.module, ref)
     assert not sim.errors
+
+
+class _FailsOnce(torch.optim.SGD):
+    failed = False
+
+    def step(self, closure=None):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("boom")
+        return super().step(closure)
+
+
+def test_a_step_that_raises_gives_the_optimizer_its_parameters_back():
+    model, data = mlp(), batches(2)
+    with cgdp.DataParallel(copy.deepcopy(model), DEVS, update="host") as dp:
+        opt = _FailsOnce(dp.parameters(), lr=0.1, momentum=0.9)
+        x, y = data[0]
+        F.cross_entropy(dp(x), y).backward()
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+        before = copy.deepcopy(dp.module.state_dict())
+        opt.zero_grad()
+        F.cross_entropy(dp(*data[1][:1]), data[1][1]).backward()  # the model's next operation cleans up
+        assert [p for g in opt.param_groups for p in g["params"]] == list(dp.module.parameters())
+        opt.step()
+        assert_identical(dp)
+        assert not torch.equal(dp.module[0].weight, before["0.weight"])
