@@ -27,6 +27,7 @@ queues each complete chunk to ``cgdp-host-update``, a thread bound to no device 
 """
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -66,7 +67,7 @@ class HostMasters:
         self.devs = list(devs)
         self.params = [list(p) for p in params]
         numels = [p.numel() for p in self.params[0]]
-        self.offsets = [sum(numels[:i]) for i in range(len(numels))]
+        self.offsets = [0, *itertools.accumulate(numels)][:len(numels)]
         total = max(sum(numels), 1)
         self.flat = self.devs[0].host_empty((total,), torch.float32)
         self.masters = [nn.Parameter(self.flat[o:o + n].view(p.shape))
