@@ -244,3 +244,18 @@ def test_cuda_backend_on_the_strict_simulator_sends_no_gradient_back(clip):
             assert_params_close(tr.replicas[0], ref)
     assert not sim.errors
     assert sim.copied_bytes["d2h"] > 0 and sim.copied_bytes["h2d"] == 0  # no gradient comes back
+
+
+def test_micro_batches_overlap_only_the_last_backward():
+    """Micro-batches before the last keep their gradients on the device; the host update of each
+    chunk starts during the last one's backward, and the result is that of update='devices'."""
+    make, model, data = OPTIMIZERS["adamw"], mlp(), batches(2, n=12)
+    out = []
+    for update in ("devices", "host"):
+        with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=1, micro_batches=2,
+                          update=update) as tr:
+            for x, y in data:
+                tr.step(x, y, F.cross_entropy)
+            assert tr.stats.get("host_update_overlapped", 1.0) == 1.0
+            out.append(copy.deepcopy(tr.replicas[0]))
+    assert_params_close(out[1], out[0])
