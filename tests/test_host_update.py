@@ -259,3 +259,17 @@ def test_micro_batches_overlap_only_the_last_backward():
             assert tr.stats.get("host_update_overlapped", 1.0) == 1.0
             out.append(copy.deepcopy(tr.replicas[0]))
     assert_params_close(out[1], out[0])
+
+
+def test_zero_grad_on_the_host_optimizer_between_steps_changes_nothing():
+    """The masters' gradients are views of the host's sum row; an optimizer.zero_grad() drops
+    them, and the next step attaches them again (as one device's loop would zero and refill)."""
+    make, model, data = OPTIMIZERS["sgd_momentum"], mlp(), batches(3)
+    ref, _ = reference(model, make, data, F.cross_entropy)
+    for clip in (None, 1e9):  # overlapped, and after backward
+        with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=2, update="host",
+                          clip_grad_norm=clip) as tr:
+            for x, y in data:
+                tr.optimizers[0].zero_grad()
+                tr.step(x, y, F.cross_entropy)
+            assert_params_close(tr.replicas[0], ref)

@@ -72,6 +72,7 @@ def test_users_optimizer_steps_on_the_host_and_equals_one_device(name):
         assert report["host"]["optimizer_state"] == sum(
             t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
         assert report["host"]["parameters"] == 4 * sum(p.numel() for p in model.parameters())
+        assert report["host"]["gradients"] == 0  # the host's sum row read in place: no copy of replica 0's
         sd = opt.state_dict()
     ref_sd = ref_opt.state_dict()
     for k, s in ref_sd["state"].items():
@@ -93,6 +94,7 @@ def test_clipping_a_scheduler_and_load_state_dict_keep_working():
         ref_opt.step()
     with cgdp.DataParallel(copy.deepcopy(model), DEVS, update="host", chunks=1) as dp:
         opt = run(dp, make, data[:2], clip=0.05, sched=sched)
+        assert dp.memory_report()["host"]["gradients"] > 0  # clipped: replica 0's gradients, copied
         opt.load_state_dict(copy.deepcopy(saved))
         assert all(t.device.type == "cpu" for s in opt.state.values() for t in s.values())
         run_opt = opt

@@ -75,6 +75,7 @@ class HostMasters:
         self._grad_buf: torch.Tensor | None = None
         """Host gradients when the accumulator's sum row cannot be read in place (allocated once)."""
         self._attached: tuple | None = None
+        self._viewed: list[nn.Parameter] = []
         self.refresh()
 
     @property
@@ -100,11 +101,13 @@ class HostMasters:
     def grads_from_row(self, row: torch.Tensor, offsets: Sequence[int], none: Sequence[int]) -> None:
         """Every master's gradient: a view of ``row`` (the flat layout's ``offsets``); None for ``none``."""
         key = (row.data_ptr(), tuple(offsets), tuple(none))
-        if key == self._attached:  # views still in place: no per-step loop
+        # views still in place (an optimizer's zero_grad() drops them): no slicing per parameter
+        if key == self._attached and all(m.grad is not None for m in self._viewed):
             return
         skip = set(none)
         for pid, m in enumerate(self.masters):
             m.grad = None if pid in skip else row[offsets[pid]:offsets[pid] + m.numel()].view(m.shape)
+        self._viewed = [m for m in self.masters if m.grad is not None]
         self._attached = key
 
     def grads_from(self, grads: Sequence[torch.Tensor | None], pids: Sequence[int] | None = None) -> None:
@@ -241,7 +244,7 @@ class HostUpdate(Update):
                 self._chunk_pids[c].append(pid)
             where = {id(p): k for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
             self._group = [where.get(id(p)) for p in m.masters]
-            m.grads_from_row(self._stream.host.sum_row(), lay.offsets, ())
+        m.grads_from_row(self._stream.host.sum_row(), lay.offsets, ())  # again if zero_grad() dropped them
         self._left = [len(r) for r in lay.chunk_segments]
         self._stepped: list[int] = []
         self._poisoned: int | None = None

@@ -6,8 +6,9 @@ global step hooks (:mod:`cgdp.engine.dataparallel.mirror`) hand its ``step()`` t
 the optimizer's own step body:
 
 1. before it (the pre-hook): takes the model's operation lock and checks the gradients
-   (``ReplicaSteps.begin``; a step on the parts of ``no_sync()`` is refused), copies replica 0's
-   gradients (the total, as every replica holds it) into the masters' gradients on the host, and
+   (``ReplicaSteps.begin``; a step on the parts of ``no_sync()`` is refused), gives the masters
+   their gradients: views of the host's sum row when every replica holds it unchanged (one
+   machine, nothing clipped or edited since backward), else copies of replica 0's, and
    lends the optimizer the masters: every group's ``"params"`` list and ``optimizer.state`` are
    swapped for the masters' (the same per-parameter state dicts, keyed by the masters);
 2. the optimizer's own ``step()`` then runs on the host, unchanged (its class, groups,
@@ -87,7 +88,13 @@ class HostMirror:
                 self._check(g["params"])
                 pids.append([self._pid[id(p)] for p in g["params"]])
             flat = [pid for ps in pids for pid in ps]
-            self.host.grads_from([self.host.params[0][pid].grad for pid in flat], flat)
+            grads = [self.host.params[0][pid].grad for pid in flat]
+            summed = dp.host_sum()
+            if summed is not None:  # the host's sum as is: read in place, no copy from the device
+                none = [pid for pid, g in zip(flat, grads) if g is None]
+                self.host.grads_from_row(summed[0], summed[1], none)
+            else:
+                self.host.grads_from(grads, flat)
             if self.opt.state is not self._user_state:  # replaced without load_state_dict
                 self._reload(self.opt)
             masters = self.host.masters

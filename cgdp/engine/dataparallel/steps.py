@@ -30,7 +30,7 @@ from cgdp.engine.core.host_update import HostMasters
 from cgdp.engine.core.lifetime import Lifetime
 from cgdp.engine.core.plan import tuned_plan
 from cgdp.engine.core.threads import DeviceThreads
-from cgdp.engine.dataparallel.grads import Gradients
+from cgdp.engine.dataparallel.grads import Gradients, GradState
 from cgdp.engine.dataparallel.host_mirror import HostMirror
 from cgdp.engine.dataparallel.mirror import Mirror
 from cgdp.engine.dataparallel.replica_state import ReplicaState
@@ -97,6 +97,16 @@ class ReplicaSteps:
             raise RuntimeError("update='host' steps on the summed gradient, and this one is still in parts "
                                "(backwards inside model.no_sync()): run the last backward of the step outside "
                                "no_sync() before optimizer.step()")
+
+    def host_sum(self) -> tuple[Any, list[int]] | None:
+        """The host's sum row and the flat layout's offsets, when every replica holds that sum as
+        is (``SUMMED``: nothing edited since) and it is the total (one machine): the host step reads
+        it in place instead of copying replica 0's gradients back to the host."""
+        st = self._stream
+        if self._grads.state is not GradState.SUMMED or self._comm is not None or st is None or st.host is None:
+            return None
+        row = st.host.sum_row()
+        return None if row is None else (row, st.layout.offsets)
 
     def host_copy_back(self) -> None:
         """Every replica's parameters ← the masters (after the host step)."""
