@@ -175,3 +175,12 @@ def assert_replicas_identical(trainer):
     for r in trainer.replicas[1:]:
         for k, v in r.state_dict().items():
             assert torch.equal(v, first[k]), f"replicas differ in {k}"
+
+
+def assert_ranks_equal_reference(states, ref: nn.Module, model: nn.Module):
+    """Every rank's state_dict bitwise rank 0's, and ``model`` loaded with it close to ``ref``."""
+    for sd in states[1:]:
+        for k in states[0]:
+            assert torch.equal(states[0][k], sd[k]), f"ranks differ in {k}"
+    model.load_state_dict(states[0])
+    assert_params_close(model, ref)

@@ -92,6 +92,9 @@ class TrainConfig:
     """``cgdp`` (host averages during backward), ``typical`` (the paper's baseline) or ``single`` (one device)."""
     chunks: str = "auto"
     """Chunk plan: ``auto`` (tuned while training), ``paper`` (Algorithm 1), a chunk size k, or a plan file."""
+    update: str = "devices"
+    """``devices`` (each device steps its replica) or ``host`` (one optimizer over float32 masters in host
+    memory: no optimizer state on the devices; mode cgdp)."""
     batch: int = 32
     """Samples per device per step (the global batch is batch x devices)."""
     steps: int = 300
@@ -121,6 +124,10 @@ class TrainConfig:
         _check_types(self, "train")
         _choice(self.mode, "train.mode", ("cgdp", "typical", "single"))
         _choice(self.optimizer, "train.optimizer", ("sgd", "adam", "adamw"))
+        _choice(self.update, "train.update", ("devices", "host"))
+        _check(self.update == "devices" or self.mode == "cgdp",
+               f"train.update=host steps on the gradient the host sums, which mode {self.mode} does not stream; "
+               f"use --mode cgdp")
         _choice(self.schedule, "train.schedule", ("constant", "cosine"))
         _choice(self.comm, "train.comm", ("auto", "mpi", "none"))
         _check(bool(self.devices.strip()), "train.devices is empty; use auto, a count, or device names")

@@ -11,6 +11,7 @@ Examples::
     python -m cgdp.plan --model vgg16 --hardware pcie4-8gpu-switch --nodes 2 --network-gbps 100
     python -m cgdp.plan --model runs/profile.json --hardware pcie3-4gpu --timeline step.png
     python -m cgdp.plan --model runs/job/metrics.jsonl   # the profile lines cgdp.train wrote
+    python -m cgdp.plan --update host --params 1.5e9 --gpus 4 --gpu-memory-gb 24   # per preset
 
 Every user error (a bad number, a missing file) is one line on stderr and exit code 2.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from cgdp.planning.chunks import paper_plan
 from cgdp.planning.hardware import PRESETS, Hardware, host_traffic, preset, stage_costs
+from cgdp.planning.host_update import UPDATE_BYTES, estimate
 from cgdp.planning.paper_profiles import PAPER_MODELS, paper_model
 from cgdp.planning.planner import choose_plan
 from cgdp.planning.simulator import ModelCosts, SimResult, StageCosts, simulate
@@ -188,6 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", default="auto", help="'auto' (planner) or a uniform chunk size k")
     ap.add_argument("--timeline", help="write the CGDP timeline to this PNG (needs matplotlib)")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--update", choices=("devices", "host"), default="devices",
+                    help="host: also say, per preset, whether the host optimizer fits under backward and what it frees")
+    ap.add_argument("--optimizer", choices=sorted(UPDATE_BYTES), default="adamw", help="for --update host")
+    ap.add_argument("--params", type=pos_float, help="float32 parameters (default: the model's gradient bytes / 4)")
+    ap.add_argument("--backward-ms", dest="backward_ms", type=pos_float,
+                    help="backward compute per step for --update host (default: the model's)")
+    ap.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", type=pos_float, default=24.0,
+                    help="GPU memory per device, for --update host (default 24)")
     args = ap.parse_args(argv)  # exits with 2 and a usage line on a malformed option
     for name in ("sync", "hook", "segment"):
         us = getattr(args, f"{name}_us")
@@ -218,10 +228,12 @@ def _run(args: argparse.Namespace) -> int:
     floor = model.forward_s + sum(model.backward_s) + model.update_s
     host = host_budget(model, hw, costs, plan)
     if args.json:
-        print(json.dumps({"hardware": hw.to_dict(), "plan": plan, "method": how,
-                          "step_s": {m: r.step_s for m, r in res.items()},
-                          "binding": {m: r.binding for m, r in res.items()}, "compute_floor_s": floor,
-                          "host": host}, indent=1))
+        out = {"hardware": hw.to_dict(), "plan": plan, "method": how,
+               "step_s": {m: r.step_s for m, r in res.items()},
+               "binding": {m: r.binding for m, r in res.items()}, "compute_floor_s": floor, "host": host}
+        if args.update == "host":
+            out["host_update"] = {n: vars(e) for n, _, e in _host_update_rows(args, model)}
+        print(json.dumps(out, indent=1))
     else:
         total = sum(model.layer_bytes)
         note = f" ({LAYER_NOTE})" if args.model.lower() in PAPER_MODELS else ""
@@ -249,7 +261,43 @@ def _run(args: argparse.Namespace) -> int:
                  if host["host_cpu_s"] > sum(model.backward_s) else ""))
         if args.timeline:
             print(save_timeline(res["cgdp"], args.timeline))
+        if args.update == "host":
+            _host_update_table(args, model)
     return 0
+
+
+def _host_update_rows(args: argparse.Namespace, model: ModelCosts) -> list:
+    """Per preset (with this run's --gpus): (name, hardware, the host update's estimate)."""
+    params = args.params or sum(model.layer_bytes) / 4
+    backward = args.backward_ms / 1e3 if args.backward_ms else sum(model.backward_s)
+    rows = []
+    for name in PRESETS:
+        p = preset(name)
+        if args.gpus:
+            p.gpus = args.gpus
+        rows.append((name, p, estimate(p, params, backward, args.optimizer,
+                                       last_chunk_share=1 / max(model.num_layers, 1))))
+    return rows
+
+
+def _host_update_table(args: argparse.Namespace, model: ModelCosts) -> None:
+    """The host optimizer's time against backward per preset, and the GPU memory it frees."""
+    rows = _host_update_rows(args, model)
+    params = args.params or sum(model.layer_bytes) / 4
+    backward = args.backward_ms / 1e3 if args.backward_ms else sum(model.backward_s)
+    cap = args.gpu_memory_gb * 1e9
+    e0 = rows[0][2]
+    print(f"\nupdate='host' ({args.optimizer}, {UPDATE_BYTES[args.optimizer]} B of host DRAM per element, "
+          f"{params / 1e9:.2f} B parameters, backward {backward * 1e3:.1f} ms per step): GPU memory per device for "
+          f"parameters + gradients + optimizer state {e0.gpu_bytes['devices'] / 1e9:.1f} GB -> "
+          f"{e0.gpu_bytes['host'] / 1e9:.1f} GB ({e0.freed_per_gpu_bytes / 1e9:.1f} GB freed; activations not "
+          f"counted); of {args.gpu_memory_gb:g} GB that leaves {(cap - e0.gpu_bytes['devices']) / 1e9:.1f} GB -> "
+          f"{(cap - e0.gpu_bytes['host']) / 1e9:.1f} GB for activations and workspace")
+    print(f"  {'preset':22s} {'G':>2s} {'DRAM GB/s':>9s} {'update ms':>10s} {'step DRAM ms':>12s} "
+          f"{'hidden':>6s} {'exposed ms':>10s} {'host GB':>8s}")
+    for name, p, e in rows:
+        print(f"  {name:22s} {p.gpus:2d} {p.host_mem_gbps:9.0f} {e.update_s * 1e3:10.2f} {e.dram_s * 1e3:12.2f} "
+              f"{'yes' if e.hidden else 'no':>6s} {e.exposed_s * 1e3:10.2f} {e.host_bytes / 1e9:8.1f}")
 
 
 if __name__ == "__main__":

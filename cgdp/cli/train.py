@@ -400,7 +400,7 @@ def train(job: Job) -> dict:
     metrics.kept = lambda: _kept(job)
     wall0 = time.perf_counter()
     with cgdp.Trainer(job.model, make_optimizer(t), job.devices, mode=t.mode, chunks=job.chunks,
-                      timeout_s=t.timeout_s, comm=_comm(job)) as trainer, metrics, \
+                      timeout_s=t.timeout_s, comm=_comm(job), update=t.update) as trainer, metrics, \
             GracefulStop(job.ranks == 1) as interrupt:
         start = 0
         if job.resume is not None:

@@ -69,8 +69,9 @@ RNG_FILE = "cgdp_rng_state.pth"
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` training on ``devices`` through :class:`cgdp.DataParallel`."""
 
-    def __init__(self, *args: Any, devices: Sequence[str] | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, devices: Sequence[str] | None = None, update: str = "devices", **kwargs: Any):
         self._cgdp: DataParallel | None = None
+        self._cgdp_update = update  # "host": the optimizer steps float32 masters in host memory
         super().__init__(*args, **kwargs)
         if devices is None:
             devices = ["cpu:0", "cpu:1"] if self.args.use_cpu else default_devices()
@@ -145,7 +146,7 @@ class Trainer(transformers.Trainer):
         other = holder(model)
         if getattr(other, "hugging_face", False):  # another of these Trainers wrapped it: this one trains it now
             other.close()
-        self._cgdp = DataParallel(model, self.devices)
+        self._cgdp = DataParallel(model, self.devices, update=self._cgdp_update)
         self._cgdp.hugging_face = True
         return self._cgdp
 

@@ -44,6 +44,7 @@ import queue
 import threading
 import time
 from functools import partial
+from typing import Callable
 
 import torch
 
@@ -106,6 +107,12 @@ class HostAccumulator:
         self.want_sumsq = False
         """Whether this step's segments' sums of squares are computed (``sumsq``)."""
         self.sumsq: list[float] = []
+        self.send_back = True
+        """Whether each segment's sum is copied back to the devices (False: the host optimizer
+        reads it here, :mod:`cgdp.engine.core.host_update`, and the parameters go back instead)."""
+        self.on_summed: Callable[[int], None] | None = None
+        """Called with each segment once its sum is final (after the allreduce with a comm), on the
+        thread that made it so, before the step counts it returned: the host update of its chunk."""
         self.units: list[range] = []
         self._nseg = self._elems = 0
 
@@ -263,11 +270,21 @@ class HostAccumulator:
         self._give_back(s)
 
     def _give_back(self, s: int) -> None:
-        for dev in self.devices:
-            dev.give_back(s)
+        if self.send_back:
+            for dev in self.devices:
+                dev.give_back(s)
+        if self.on_summed is not None:
+            self.on_summed(s)
         self._given.advance()
         if self._given.done == self._nseg:
             self.returned.set()
+
+    def sum_row(self) -> torch.Tensor | None:
+        """The row that holds every segment's sum in place, in the flat layout (full-size rows and
+        a float32 or float64 wire), once the step's segments are summed; None otherwise."""
+        if self.ring or self._host is None or sum_dtype(self.dtype) != self.dtype:
+            return None
+        return self._host[len(self.devices)]
 
     def sum_of_squares(self) -> float:
         """Of this step's averaged gradient, once every segment is back (segment order)."""

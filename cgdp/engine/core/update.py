@@ -24,12 +24,17 @@ What a third strategy (the host-side optimizer, ``update="host"``) must provide:
   (only optimizer 0 steps, so the other replicas' schedulers step without their optimizer);
 * :meth:`~Update.hook_views`: the replicas' gradient views into which the result of a user's
   gradient hook is written (those whose gradient the update reads);
+* :meth:`~Update.begin_step`: before each step's first forward (the host update refreshes its
+  masters there and readies its per-chunk updates);
 * :meth:`~Update.reduce`: after backward, on the caller's thread, the gradient the update reads
   in place; its NaN/Inf count on this rank (the engine agrees on it across ranks and rejects the
   step before :meth:`~Update.step` if it is not zero);
 * :meth:`~Update.step`: scale that gradient by the clipping coefficient, apply the update, and
   leave every replica's parameters bitwise identical to replica 0's; per device, the stamps
-  (``Device.stamp``) around its update, None where it ran none (``Trainer.stats``, traces).
+  (``Device.stamp``) around its update, None where it ran none (``Trainer.stats``, traces);
+  :attr:`~Update.figures` for ``Trainer.stats``.
+
+:class:`~cgdp.engine.core.host_update.HostUpdate` (``update="host"``) is that third strategy.
 
 Which thread runs what: :meth:`~Update.reduce` runs on the caller's thread; :meth:`PerReplica.step`
 runs each device's update on that device's host thread (``DeviceThreads.run_all``), so a GPU's
@@ -70,6 +75,12 @@ class Update(ABC):
         self.devs = list(devs)
         self.optimizers = list(optimizers)
         self.params = [list(p) for p in params]
+
+    figures: dict[str, float] = {}
+    """Figures of the last step for ``Trainer.stats`` (the host update's time, whether it overlapped)."""
+
+    def begin_step(self) -> None:
+        """Before a step's first forward, on the caller's thread (nothing in flight)."""
 
     def hook_views(self, views: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """Of every replica's gradient views (``views[j]``), those a user's gradient hook writes."""

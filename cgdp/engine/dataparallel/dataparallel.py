@@ -68,7 +68,9 @@ from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import default_devices, host_threads, make_devices, make_rng, parse_devices
 from cgdp.engine.core.claims import claim
 from cgdp.engine.core.drain import drain_after_failure
+from cgdp.engine.core.host_update import HostMasters, check_host_update
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
+from cgdp.engine.core.memory_report import memory_report
 from cgdp.engine.core.layers import find_layers, number_params, trainable_dtype
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan
@@ -115,13 +117,17 @@ class DataParallel(nn.Module):
             for a share of a global sum, a loss divided by a count of the whole batch); or
             ``"auto"``: ``"sum"`` in a call that passes ``num_items_in_batch`` (Hugging Face's
             global normaliser) which the model's forward then uses, ``"mean"`` otherwise.
+        update: ``"devices"`` (every replica steps a copy of your optimizer) or ``"host"``: your
+            optimizer steps float32 masters in host memory and every replica takes the updated
+            parameters; no device holds optimizer state (:mod:`cgdp.engine.dataparallel.host_mirror`).
     """
 
     cgdp_engine = True  # not a model to replicate (core/claims.py)
 
     def __init__(self, module: nn.Module, devices: Sequence[str] | None = None, *,
                  chunks: int | Plan | str = "auto", comm: Any = None, timeout_s: float | None = 300.0,
-                 segment_bytes: int = 4 << 20, host_memory: int | None = None, scalar_outputs: str = "auto"):
+                 segment_bytes: int = 4 << 20, host_memory: int | None = None, scalar_outputs: str = "auto",
+                 update: str = "devices"):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -142,6 +148,7 @@ class DataParallel(nn.Module):
                                       "sparse gradients (nn.Embedding(sparse=True)): use sparse=False")
         infos, layer_params = find_layers(module, skip={id(p) for p in sparse})
         dtype = trainable_dtype(layer_params) if any(layer_params) else None
+        self._host_update = check_host_update(update, dtype)
         self.devices = list(devices)
         self._scalar_outputs = scalar_outputs
         self._no_sync = False
@@ -201,9 +208,10 @@ class DataParallel(nn.Module):
         torch_devices = [d.torch_device for d in devs]
         self._grads = Gradients(dense, SparseGrads(sparse, torch_devices) if sparse[0] else None, torch_devices)
         # the user's optimizer steps every replica (mirror.py asks this, not the module)
+        self._params = params
         self._steps = steps = ReplicaSteps(self._life, devs, self._threads, self._grads, self._state,
                                            weak_call(self._parameter_maps), self._stream, self._comm, tuner,
-                                           self._guard.timeout_s)
+                                           self._guard.timeout_s, HostMasters(devs, params) if self._host_update else None)
         registered = list(module.parameters()) + self._grad_buffers.current(0)
         owner = mirror.register(steps, registered)
         res.push(lambda: mirror.unregister(registered, owner))
@@ -350,6 +358,14 @@ class DataParallel(nn.Module):
         :data:`~cgdp.engine.core.lifetime.CLOSE_WAIT_S` for it; one still running then releases
         everything when it ends (:mod:`cgdp.engine.core.lifetime`)."""
         self._life.close()
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Bytes of parameters, gradients, optimizer state and transfer buffers per device and on
+        the host (:mod:`cgdp.engine.core.memory_report`)."""
+        per, host = self._steps.optimizers()
+        masters = self._steps.host_masters
+        return memory_report(self.devices, self._params, per, self._stream,
+                             None if masters is None else (masters, host))
 
     def __enter__(self) -> "DataParallel":
         return self

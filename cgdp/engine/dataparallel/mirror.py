@@ -65,6 +65,7 @@ class Owner(Protocol):
     def end(self) -> None: ...
     def resynced(self) -> None: ...
     def kept(self) -> bool: ...
+    def make_mirror(self, opt: torch.optim.Optimizer) -> "Mirror": ...
 
 
 _OWNERS: dict[int, weakref.ref] = {}
@@ -141,7 +142,7 @@ def _pre_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         dp = _owner(opt)
         if dp is None:
             return
-        mirror = Mirror(opt, dp)
+        mirror = dp.make_mirror(opt)  # a Mirror, or a HostMirror (update="host")
         opt.__dict__[_ATTR] = mirror
     mirror.before(args, kwargs)
 

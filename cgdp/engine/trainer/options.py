@@ -4,7 +4,9 @@ A mode is its update strategy (:mod:`cgdp.engine.core.update`), which says every
 mode changes on the data path: whether gradients stream through the host during backward (and
 the chunk plan is tuned), whether the user's gradient hooks wait for the summed gradient, which
 replicas step an optimizer. :data:`UPDATES` maps each mode to it; nothing else in the face looks at
-the mode's name.
+the mode's name. ``update="host"`` (mode ``"cgdp"`` only) replaces the mode's strategy by
+:class:`~cgdp.engine.core.host_update.HostUpdate`: one optimizer, built by the user's factory over
+float32 masters in host memory (:func:`make_update`).
 
 :func:`check_arguments` checks every argument of ``Trainer(...)`` that can be checked without a
 device, in a fixed order (the first wrong one is reported, in the user's words), before a device,
@@ -21,6 +23,7 @@ from torch import nn
 
 from cgdp.engine.backend import parse_devices
 from cgdp.engine.core.clip import check_max_norm
+from cgdp.engine.core.host_update import HostUpdate, check_host_update
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
 from cgdp.engine.core.stream import wire_dtype
 from cgdp.engine.core.update import PerReplica, Typical, Update
@@ -32,6 +35,14 @@ UPDATES: dict[str, Callable[..., Update]] = {
     "single": partial(PerReplica, streams=False),  # one device, nothing leaves it
 }
 MODES = tuple(UPDATES)
+
+
+def make_update(mode: str, host: bool, devs: Sequence[Any], optimizers: Sequence[torch.optim.Optimizer],
+                params: Sequence[Sequence[nn.Parameter]], factory: Callable[..., torch.optim.Optimizer]) -> Update:
+    """The strategy of ``mode``, or the host optimizer (``update="host"``) over the factory's optimizer."""
+    if host:
+        return HostUpdate(devs, optimizers, params, factory)
+    return UPDATES[mode](devs, optimizers, params)
 
 
 @dataclass(frozen=True)
@@ -49,11 +60,13 @@ class Checked:
     max_norm: float | None
     """``clip_grad_norm``, as a float."""
     micro_batches: int
+    host_update: bool = False
+    """``update="host"``: one optimizer over float32 masters in host memory."""
 
 
 def check_arguments(model: Any, optimizer: Any, devices: Sequence[str], *, mode: str, share_devices: bool,
                     grad_transfer: str | None, timeout_s: float | None, segment_bytes: int,
-                    clip_grad_norm: float | None, micro_batches: int) -> Checked:
+                    clip_grad_norm: float | None, micro_batches: int, update: str = "devices") -> Checked:
     """Raise ``ValueError`` or ``TypeError`` for the first argument of ``Trainer(...)`` that is wrong."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -73,9 +86,13 @@ def check_arguments(model: Any, optimizer: Any, devices: Sequence[str], *, mode:
                          "there is nothing to train")
     dtype = trainable_dtype(layer_params)
     transfer = wire_dtype(grad_transfer, dtype, mode)
+    host_update = check_host_update(update, dtype)
+    if host_update and mode != "cgdp":
+        raise ValueError(f"update='host' steps on the gradient the host sums during backward, which "
+                         f"mode={mode!r} does not stream: use mode='cgdp' (one device or several)")
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
     if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1024:
         raise ValueError(f"segment_bytes must be an int >= 1024, got {segment_bytes!r}")
     return Checked(infos, layer_params, dtype, transfer, check_max_norm(clip_grad_norm),
-                   check_micro_batches(micro_batches))
+                   check_micro_batches(micro_batches), host_update)

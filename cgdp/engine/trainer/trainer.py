@@ -55,6 +55,7 @@ from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, number_params
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.follow import Follow
+from cgdp.engine.core.memory_report import memory_report
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan, tuned_plan
 from cgdp.engine.core.replicas import Replicas, batch_weights, signature, split_buffers
@@ -65,7 +66,7 @@ from cgdp.engine.trainer.batch import micro_rounds
 from cgdp.engine.trainer.hyperparameters import (HyperparameterMismatchError, Schedulers, agree_on_step,
                                                  check_hyperparameters)
 from cgdp.engine.trainer.losses import loss_weights, parse_step
-from cgdp.engine.trainer.options import UPDATES, check_arguments
+from cgdp.engine.trainer.options import check_arguments, make_update
 from cgdp.engine.trainer.passes import DevicePasses
 from cgdp.engine.trainer.state import check_state
 from cgdp.engine.trainer.timing import Timing, step_stats
@@ -116,6 +117,10 @@ class Trainer:
             ``segment_bytes`` slots that does not grow with the model, with back-pressure when it
             is full (:mod:`cgdp.engine.core.host`); results are bitwise those of full-size slots.
             ``None``: (G + 1) x the gradient bytes, one place per segment.
+        update: ``"devices"`` (each device steps its own optimizer) or ``"host"``: one optimizer,
+            ``optimizer(params)`` over float32 masters in host memory, steps after backward; the
+            parameters go back to every device instead of the gradients, and no device holds
+            optimizer state (``.optimizers`` is that one optimizer; :mod:`cgdp.engine.core.host_update`).
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
@@ -125,10 +130,11 @@ class Trainer:
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  clip_grad_norm: float | None = None, micro_batches: int = 1,
                  share_devices: bool = False, grad_transfer: str | None = None,
-                 host_memory: int | None = None):
+                 host_memory: int | None = None, update: str = "devices"):
         checked = check_arguments(model, optimizer, devices, mode=mode, share_devices=share_devices,
                                   grad_transfer=grad_transfer, timeout_s=timeout_s, segment_bytes=segment_bytes,
-                                  clip_grad_norm=clip_grad_norm, micro_batches=micro_batches)
+                                  clip_grad_norm=clip_grad_norm, micro_batches=micro_batches, update=update)
+        self._host_update = checked.host_update
         self._dtype, self._transfer = checked.dtype, checked.transfer
         self._segment = segment_bytes
         self._host_memory = host_memory
@@ -178,7 +184,9 @@ class Trainer:
                               "close() it and create a new Trainer", after_load=weak_call(self._loaded))
         self._life.resources.push(self._follow.close)
         self._param_hooks = ParamHooks(reps.params)
-        self._update = UPDATES[self.mode](self._devs, reps.optimizers, reps.params)
+        self._update = make_update(self.mode, self._host_update, self._devs, reps.optimizers, reps.params, optimizer)
+        if self._host_update:  # the one optimizer, on the host; the replicas' are never stepped
+            self.optimizers = [self._update.optimizer]
 
         self._comm = make_comm(comm, timeout_s=self._timeout_s)
         if self._comm is not None:
@@ -204,6 +212,8 @@ class Trainer:
             host_threads=host_threads(self._devs), transfer=self._transfer, host_memory=self._host_memory)
         res.push(self._stream.close)
         self._stream.set_plan(plan)
+        if self._host_update:
+            self._update.attach(self._stream, self._max_norm is not None, self._guard)
         self._stream.want_norm = self._max_norm is not None
         self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._guard,
                                     self._timing, self._follow.after_forward)
@@ -339,6 +349,13 @@ class Trainer:
     def closed(self) -> bool:
         return self._life.closed
 
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Bytes of parameters, gradients, optimizer state and transfer buffers per device and on
+        the host (:mod:`cgdp.engine.core.memory_report`)."""
+        host = self._update.masters if self._host_update else None
+        return memory_report(self.devices, self._params, [[o] for o in self._update.optimizers], self._stream,
+                             None if host is None else (host, self.optimizers))
+
     def __enter__(self) -> "Trainer":
         return self
 
@@ -380,6 +397,7 @@ class Trainer:
         self._timing.start(self._devs, self._stream)
         if self._update.sums:  # the user's gradient hooks wait for the sum (_finish_backward)
             self._param_hooks.take()
+        self._update.begin_step()
 
     def _finish_backward(self, losses: list[float], weights: list[float]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""
@@ -424,6 +442,7 @@ class Trainer:
         Phase times come from the devices' own clocks in timed steps (CUDA: resolved device events)."""
         self.stats = step_stats(self._devs, fw, bw, up, *times, samples)
         self.stats["forward_s"] += held_s
+        self.stats.update(self._update.figures)
         if coef is not None:
             self.stats["grad_norm"] = self._grad_norm
         self._timing.finish(self._devs, fw, bw, up, times[0], self._profile_inputs)

@@ -1,0 +1,165 @@
+"""``update="host"`` against ``update="devices"``: step time, the host optimizer's bandwidth, overlap.
+
+    python bench/bench_host_update.py                  # ~2-3 min on 2 cores
+    python bench/bench_host_update.py --quick          # fewer rounds (smoke test)
+
+Three measurements, each checked before it is timed:
+
+1. **The host optimizer against memcpy**: one AdamW / SGD(momentum) step over one float32 tensor
+   of N elements on the host, ``fused=True`` against not, as GB/s of the DRAM traffic it implies
+   (AdamW 28 B/elem, SGD with momentum 20 B/elem: :mod:`cgdp.planning.host_update`), next to the
+   same machine's memcpy (``dst.copy_(src)``: 8 B/elem). Checked: fused and unfused agree (rtol 1e-5).
+2. **Step time** of ``Trainer(update="host")`` against ``update="devices"`` on emulated devices
+   (G = 2, 4; the 4x2048 MLP and the GPT-2-small structure at width 32; AdamW and SGD with
+   momentum): the median over interleaved rounds, their ratio, the host optimizer's own time
+   (``stats["host_update_s"]``) and whether it ran with backward (chunk by chunk) or after it.
+   Checked: after two steps, both updates hold the same parameters (rtol 1e-5).
+3. The cost model's rate, learned from measurement 1 (:class:`HostUpdateCost.observe`).
+
+On emulated devices the "devices" run G optimizers on the same 2 cores the host uses, so the
+ratio here says what moving G optimizer steps to one host step costs in CPU, not a GPU figure.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import command_line, fmt, interleaved, machine, machine_md, median, table, write_results  # noqa: E402
+
+import cgdp  # noqa: E402
+from cgdp.planning.host_update import UPDATE_BYTES, HostUpdateCost  # noqa: E402
+
+OPTS = {"adamw": lambda p, **kw: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, **kw),
+        "sgd_momentum": lambda p, **kw: torch.optim.SGD(p, lr=1e-2, momentum=0.9, **kw)}
+
+
+def mlp4x2048() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                         nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+
+
+def gpt2_structure() -> nn.Module:
+    """GPT-2 small's layer structure (12 blocks, 148 parameter tensors) at width 32."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=12, n_head=2, bos_token_id=0, eos_token_id=0))
+
+
+def mlp_batch(n: int):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def gpt2_batch(n: int):
+    return {"ids": torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(1))}
+
+
+def gpt2_loss(m, b):
+    return m(input_ids=b["ids"], labels=b["ids"]).loss
+
+
+# ---------------------------------------------------------------------------- 1. the host optimizer
+def optimizer_bandwidth(n: int, rounds: int) -> list[dict]:
+    src, dst = torch.randn(n), torch.empty(n)
+    t = median(interleaved({"memcpy": lambda: dst.copy_(src)}, rounds)["memcpy"])
+    rows = [{"what": "memcpy", "bytes_per_elem": 8, "s": t, "gbps": 8 * n / t / 1e9}]
+    for name, make in OPTS.items():
+        variants = {}
+        for fused in (False, True):
+            p = nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(2)))
+            p.grad = torch.randn(n, generator=torch.Generator().manual_seed(3))
+            variants[fused] = (p, make([p], fused=fused))
+        for p, opt in variants.values():  # check: one step each from the same start, the same result
+            opt.step()
+        torch.testing.assert_close(variants[True][0], variants[False][0], rtol=1e-5, atol=1e-7)
+        times = interleaved({f: v[1].step for f, v in variants.items()}, rounds)
+        for fused, ts in times.items():
+            t = median(ts)
+            rows.append({"what": f"{name} fused={fused}", "bytes_per_elem": UPDATE_BYTES[name], "s": t,
+                         "gbps": UPDATE_BYTES[name] * n / t / 1e9})
+    return rows
+
+
+# ---------------------------------------------------------------------------- 2. step time
+def step_times(rounds: int, gs: list[int]) -> list[dict]:
+    cases = {"mlp4x2048": (mlp4x2048, lambda g: mlp_batch(16 * g), F.cross_entropy),
+             "gpt2-structure": (gpt2_structure, lambda g: gpt2_batch(2 * g), None)}
+    rows = []
+    for model_name, (build, batch, loss) in cases.items():
+        for g in gs:
+            devices = [f"cpu:{i}" for i in range(g)]
+            for opt_name, make in OPTS.items():
+                b = batch(g)
+                args = (*b, loss) if loss is not None else (b, gpt2_loss)
+                trainers = {u: cgdp.Trainer(build(), make, devices, update=u, chunks=2) for u in ("devices", "host")}
+                try:
+                    for tr in trainers.values():  # check: the same parameters after two steps
+                        tr.step(*args)
+                        tr.step(*args)
+                    for (_, p), q in zip(trainers["devices"].replicas[0].named_parameters(),
+                                         trainers["host"].replicas[0].parameters()):
+                        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+                    times = interleaved({u: (lambda tr=tr: tr.step(*args)) for u, tr in trainers.items()}, rounds,
+                                        warmup=1)
+                    st = trainers["host"].stats
+                    n = sum(p.numel() for p in trainers["host"].replicas[0].parameters())
+                    rows.append({"model": model_name, "G": g, "optimizer": opt_name, "params": n,
+                                 "devices_s": median(times["devices"]), "host_s": median(times["host"]),
+                                 "host_update_s": st["host_update_s"],
+                                 "overlapped": bool(st["host_update_overlapped"]),
+                                 "exposed_update_s": st["update_s"]})
+                finally:
+                    for tr in trainers.values():
+                        tr.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--elements", type=int, default=8 << 20, help="elements for the optimizer bandwidth")
+    ap.add_argument("--md")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rounds = 3 if args.quick else 5
+    info = machine()
+    bw = optimizer_bandwidth(args.elements if not args.quick else 1 << 20, rounds)
+    steps = step_times(3 if args.quick else 4, [2] if args.quick else [2, 4])
+    best = {}
+    for r in bw[1:]:
+        name = r["what"].split()[0]
+        best[name] = max(best.get(name, 0.0), r["gbps"])
+    cost = HostUpdateCost("adamw")
+    adamw = min((r for r in bw if r["what"].startswith("adamw")), key=lambda r: r["s"])
+    cost.observe(args.elements if not args.quick else 1 << 20, adamw["s"])
+    md = [f"# update='host' against update='devices' (emulated devices)\n\n{machine_md(info)}\n\n"
+          f"Command: `{command_line()}`\n",
+          "## 1. The host optimizer against memcpy (one step over one float32 tensor)\n",
+          table(["step", "B/elem", "ms", "GB/s", "of memcpy"],
+                [[r["what"], r["bytes_per_elem"], fmt(r["s"] * 1e3, 2), fmt(r["gbps"], 2),
+                  fmt(r["gbps"] / bw[0]["gbps"], 2)] for r in bw]),
+          f"\nThe cost model's learned rate for AdamW (the faster variant): {cost.gbps:.2f} GB/s.\n",
+          "## 2. Step time, update='host' against update='devices'\n",
+          table(["model", "G", "optimizer", "params", "devices ms", "host ms", "host/devices",
+                 "host optimizer ms", "when", "update phase ms (host)"],
+                [[r["model"], r["G"], r["optimizer"], r["params"], fmt(r["devices_s"] * 1e3, 1),
+                  fmt(r["host_s"] * 1e3, 1), fmt(r["host_s"] / r["devices_s"], 2), fmt(r["host_update_s"] * 1e3, 1),
+                  "with backward" if r["overlapped"] else "after backward", fmt(r["exposed_update_s"] * 1e3, 1)]
+                 for r in steps]),
+          "\n'update phase ms (host)': what is left after backward with update='host' (the copy of the "
+          "masters to every device, and the optimizer itself when it ran after backward).\n"]
+    write_results("\n".join(md), {"bandwidth": bw, "steps": steps, "learned_gbps": cost.gbps}, info,
+                  command_line(), args.md, args.json)
+
+
+if __name__ == "__main__":
+    main()

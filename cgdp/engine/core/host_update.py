@@ -1,0 +1,373 @@
+"""The optimizer steps on the host (``update="host"``): its state once, in host memory.
+
+Shared by both faces. :class:`HostMasters` holds float32 *master* copies of replica 0's trainable
+parameters in one host allocation (pinned on CUDA: ``Device.host_empty``), each master a view into
+it, and the gradient every master reads: a view into the host accumulator's sum row when that row
+holds the averaged gradient as is (full-size rows, float32 on the wire: no copy at all), otherwise
+a host buffer filled from replica 0's gradients (one copy per step). One ``torch.optim`` optimizer
+steps the masters; then every device copies the masters into its replica's parameters, so the
+replicas are bitwise identical (the same float32 values on every device) and no device holds
+optimizer state.
+
+Invariants: masters equal replica 0's parameters between steps (the masters are refreshed from
+replica 0 whenever a parameter's version counter moved, i.e. something other than the engine wrote
+it: a ``load_state_dict``, a user's edit); float32 parameters only (masters of 16-bit parameters
+would make training differ from one device: refused).
+
+:class:`HostUpdate` is ``cgdp.Trainer``'s strategy (:mod:`cgdp.engine.core.update`): it runs
+after backward on the caller's thread, and with the sum row in place the host sends no gradient
+back during backward (:attr:`HostAccumulator.send_back`): the parameters travel instead.
+
+Threads: everything here runs on the caller's thread, except :meth:`HostMasters.to_devices`,
+whose copies run on each device's thread (a GPU's copies are issued by the thread that owns it),
+and the overlapped updates: the thread that finalises a segment's sum (accumulator, or comm)
+queues each complete chunk to ``cgdp-host-update``, a thread bound to no device that steps it
+(CPU kernels on host memory, no CUDA call), so the sums of later chunks do not wait for it;
+:meth:`HostUpdate.reduce` waits for every chunk's update before the step goes on.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import warnings
+import weakref
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from cgdp.engine.backend.base import Device
+from cgdp.engine.core.lifetime import weak_call
+from cgdp.engine.core.stream import GradientStream
+from cgdp.engine.core.threads import DeviceThreads
+from cgdp.engine.core.update import Stamps, Update
+from cgdp.engine.sync import Guard, Progress
+
+
+def check_host_update(update: str, dtype: torch.dtype | None) -> bool:
+    """Whether ``update`` asks for the host optimizer; a sentence for what is not supported."""
+    if update not in ("devices", "host"):
+        raise ValueError(f"update must be 'devices' (each device steps its replica) or 'host' (one "
+                         f"optimizer over float32 masters in host memory), got {update!r}")
+    if update == "host" and dtype is not None and dtype != torch.float32:
+        raise ValueError(f"update='host' steps float32 masters and copies them back; these parameters are "
+                         f"{dtype}, whose replicas would then differ from one device's training: keep "
+                         f"update='devices', or train in float32 (with torch.autocast for 16-bit compute)")
+    return update == "host"
+
+
+class HostMasters:
+    """Float32 masters of ``params[0]`` in host memory, their gradients, and the copy back."""
+
+    def __init__(self, devs: Sequence[Device], params: Sequence[Sequence[torch.Tensor]]):
+        """``params[j]``: replica j's parameters (the same order on every replica)."""
+        self.devs = list(devs)
+        self.params = [list(p) for p in params]
+        numels = [p.numel() for p in self.params[0]]
+        self.offsets = [0, *itertools.accumulate(numels)][:len(numels)]
+        total = max(sum(numels), 1)
+        self.flat = self.devs[0].host_empty((total,), torch.float32)
+        self.masters = [nn.Parameter(self.flat[o:o + n].view(p.shape))
+                        for o, n, p in zip(self.offsets, numels, self.params[0])]
+        self._grad_buf: torch.Tensor | None = None
+        """Host gradients when the accumulator's sum row cannot be read in place (allocated once)."""
+        self._attached: tuple | None = None
+        self._viewed: list[nn.Parameter] = []
+        self.refresh()
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * 4
+
+    @property
+    def grad_bytes(self) -> int:
+        """Host bytes held for gradients besides the accumulator's rows."""
+        return 0 if self._grad_buf is None else self._grad_buf.numel() * 4
+
+    def refresh(self) -> None:
+        """Masters ← replica 0's parameters (at start, after a load or a user's edit)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.masters, [p.detach() for p in self.params[0]])
+        self._versions = [p._version for p in self.params[0]]
+
+    def follow(self) -> None:
+        """Refresh the masters if anything but the engine wrote replica 0's parameters since."""
+        if [p._version for p in self.params[0]] != self._versions:
+            self.refresh()
+
+    def grads_from_row(self, row: torch.Tensor, offsets: Sequence[int], none: Sequence[int]) -> None:
+        """Every master's gradient: a view of ``row`` (the flat layout's ``offsets``); None for ``none``."""
+        key = (row.data_ptr(), tuple(offsets), tuple(none))
+        # views still in place (an optimizer's zero_grad() drops them): no slicing per parameter
+        if key == self._attached and all(m.grad is not None for m in self._viewed):
+            return
+        skip = set(none)
+        for pid, m in enumerate(self.masters):
+            m.grad = None if pid in skip else row[offsets[pid]:offsets[pid] + m.numel()].view(m.shape)
+        self._viewed = [m for m in self.masters if m.grad is not None]
+        self._attached = key
+
+    def grads_from(self, grads: Sequence[torch.Tensor | None], pids: Sequence[int] | None = None) -> None:
+        """Masters' gradients ← copies of ``grads`` (replica 0's ``.grad``, None where it has none)."""
+        if self._grad_buf is None:
+            self._grad_buf = torch.empty_like(self.flat)
+        self._attached = None
+        dst, src = [], []
+        for pid, g in zip(range(len(self.masters)) if pids is None else pids, grads):
+            m = self.masters[pid]
+            if g is None:
+                m.grad = None
+                continue
+            if g.is_sparse:
+                raise NotImplementedError("update='host' steps dense gradients; this parameter has a sparse "
+                                          "one (nn.Embedding(sparse=True)): use sparse=False, or update='devices'")
+            o = self.offsets[pid]
+            m.grad = self._grad_buf[o:o + m.numel()].view(m.shape)
+            dst.append(m.grad)
+            src.append(g)
+        if dst:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)  # note: host waits for the device's gradients (D2H)
+
+    def to_devices(self, threads: DeviceThreads) -> list[Stamps]:
+        """Every replica's parameters ← the masters, on each device's thread; per device the stamps."""
+        def copy(j: int) -> Stamps:
+            dev = self.devs[j]
+            t0 = dev.stamp()
+            with torch.no_grad():
+                # pinned masters: asynchronous on a GPU; the host writes them again only after the
+                # next backward, which runs after this copy on the same stream
+                torch._foreach_copy_(self.params[j], self.masters, non_blocking=dev.is_cuda)
+            return t0, dev.stamp()
+        stamps = threads.run_all(copy, computing=True)
+        self._versions = [p._version for p in self.params[0]]
+        return stamps
+
+
+FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+"""Optimizers whose ``fused=True`` CPU kernel the host uses when the user chose no implementation:
+measured 3-9x faster than the default single-tensor loop on CPU (``bench/bench_host_update.py``)."""
+
+
+def prefer_fused(opt: torch.optim.Optimizer) -> list[int]:
+    """Set ``fused=True`` in the groups of ``opt`` that chose neither ``fused`` nor ``foreach``
+    (results agree with the default to float32 rounding); the indices of the groups changed."""
+    if type(opt) not in FUSED_CPU:
+        return []
+    changed = []
+    for k, g in enumerate(opt.param_groups):
+        if g.get("fused") is None and not g.get("foreach") and not g.get("differentiable"):
+            g["fused"] = True
+            changed.append(k)
+    return changed
+
+
+PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+                 torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD)
+"""Optimizers whose update of a parameter reads only that parameter, its gradient and its state:
+stepping them chunk by chunk is bitwise stepping them once (exactly these classes, not subclasses,
+whose ``step`` may look at every gradient)."""
+
+
+class HostUpdate(Update):
+    """``Trainer(update="host")``: one optimizer (the user's factory over the masters) on the host.
+
+    The gradient is the host's sum row itself where it can be (see the module). When it is, with
+    a per-parameter optimizer (:data:`PER_PARAMETER`) and no clipping, a chunk's update runs as
+    soon as its sum is final, on a host update thread of its own, while the devices compute the layers below
+    (``overlap == "with backward"``): the optimizer is lent the chunk's masters for one ``step()``.
+    Otherwise the whole update runs after backward, once the global view is complete (clipping's
+    norm). A chunk whose sum holds NaN/Inf stops the overlapped updates of the step; the step is
+    then rejected by the engine as usual, the masters retake the replicas' parameters (no replica
+    was changed), and a warning names the optimizer state of the chunks already stepped."""
+
+    streams = True
+    sums = True
+
+    def __init__(self, devs: Sequence[Device], optimizers: Sequence[torch.optim.Optimizer],
+                 params: Sequence[Sequence[nn.Parameter]], factory: Callable[..., torch.optim.Optimizer]):
+        super().__init__(devs, optimizers, params)
+        self.masters = HostMasters(devs, params)
+        opt = factory(iter(self.masters.masters))
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer, got {type(opt).__name__}")
+        prefer_fused(opt)
+        self.optimizer = opt
+        self.overlap = "after backward"
+        """When the host update runs: ``"with backward"`` (chunk by chunk) or ``"after backward"``."""
+        self.figures: dict[str, float] = {}
+        self._stream: GradientStream | None = None
+        self._layout: Any = None
+        self._open = False  # an overlapped step began and was not finished (masters maybe ahead)
+        self._seconds = 0.0
+
+    def attach(self, stream: GradientStream, clipping: bool, guard: Guard) -> None:
+        """Once the stream exists: read the host's sum row in place if it can, and then send no
+        gradient back during backward (only the parameters travel back); overlap if allowed."""
+        self._stream, self._guard = stream, guard
+        host = stream.host
+        if host is None or host.sum_row() is None:
+            return
+        host.send_back = False
+        if not clipping and type(self.optimizer) in PER_PARAMETER:
+            self.overlap = "with backward"
+            self._queue: queue.SimpleQueue = queue.SimpleQueue()
+            self._updated = Progress()
+            # its own thread, bound to no device: the accumulator goes on summing the next chunks
+            # while this one steps the last (CPU work on host memory only: no CUDA call)
+            threading.Thread(target=_update_loop, args=(self._queue, weak_call(self._update_chunk), guard.fail),
+                             name="cgdp-host-update", daemon=True).start()
+            weakref.finalize(self, self._queue.put, None)
+            host.on_summed = weak_call(self._summed)
+
+    def begin_step(self) -> None:
+        """Before the step's first forward (the caller's thread, nothing in flight)."""
+        m = self.masters
+        if self._open:  # the last overlapped step failed: let its updates finish, undo them
+            if self.overlap == "with backward":
+                done = threading.Event()
+                self._queue.put(done.set)
+                self._guard.wait(done, "the host update thread to finish a failed step's updates")
+            m.refresh()
+        m.follow()
+        self._seconds = 0.0
+        if self.overlap != "with backward":
+            return
+        lay = self._stream.layout
+        if lay is not self._layout:  # a plan switch: the chunks' parameters and the row's views
+            self._layout = lay
+            self._chunk_pids = [[] for _ in lay.plan]
+            for pid, c in enumerate(lay.param_chunk):
+                self._chunk_pids[c].append(pid)
+            where = {id(p): k for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
+            self._group = [where.get(id(p)) for p in m.masters]
+        m.grads_from_row(self._stream.host.sum_row(), lay.offsets, ())  # again if zero_grad() dropped them
+        self._left = [len(r) for r in lay.chunk_segments]
+        self._stepped: list[int] = []
+        self._poisoned: int | None = None
+        self._updated.reset()
+        self._open = True
+
+    def _summed(self, s: int) -> None:
+        """The thread that made segment ``s`` final: when its chunk is complete, queue its update."""
+        c = self._layout.segment_chunk[s]
+        self._left[c] -= 1
+        if not self._left[c]:
+            self._queue.put(c)
+
+    def _update_chunk(self, c: int) -> None:
+        """The host update thread: step chunk ``c``'s masters (chunks arrive in the order summed)."""
+        lay, st = self._layout, self._stream
+        try:
+            if self._poisoned is not None:
+                return
+            host = st.host
+            if host.comm is None:
+                bad = any(host.bad[t] for t in lay.chunk_segments[c])
+            else:  # another rank's NaN arrives through the allreduce: look at the global sum
+                lo, hi = lay.chunk_bounds[c]
+                bad = not bool(torch.isfinite(host.sum_row()[lo:hi]).all())
+            if bad:
+                self._poisoned = c
+                return
+            t0 = time.perf_counter()
+            groups = self.optimizer.param_groups
+            lent = [[] for _ in groups]
+            masters = self.masters.masters
+            for pid in self._chunk_pids[c]:
+                k = self._group[pid]
+                if k is not None and any(h.touched[pid] for h in st.hooks):  # untouched: skipped, as on one device
+                    lent[k].append(masters[pid])
+            own = [g["params"] for g in groups]
+            try:
+                for g, ps in zip(groups, lent):
+                    g["params"] = ps
+                self.optimizer.step()
+            finally:
+                for g, ps in zip(groups, own):
+                    g["params"] = ps
+            self._stepped.append(c)
+            self._seconds += time.perf_counter() - t0
+        finally:
+            self._updated.advance()
+
+    def hook_views(self, views: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        raise NotImplementedError("update='host' steps on the host's gradient, so gradient hooks registered on "
+                                  "the parameters (register_hook) do not run there: remove them, or use "
+                                  "update='devices'")
+
+    def reduce(self, stream: GradientStream) -> float:
+        bad = stream.bad_count()
+        if self._open and self.overlap == "with backward":
+            # note: host waits for the host update thread to step every chunk
+            self._updated.wait(len(self._layout.plan), self._guard, "the host's update of every chunk")
+        if self._open and self._poisoned is not None:
+            self._open = False
+            if self._stepped:
+                self.masters.refresh()  # no replica was changed: the masters take their parameters back
+                warnings.warn(f"the averaged gradient holds NaN/Inf in chunk {self._poisoned}; the step is "
+                              f"rejected and no parameter changed, but the host optimizer's state of chunk(s) "
+                              f"{self._stepped}, updated while backward ran, advanced by one step. Clip "
+                              f"gradients (clip_grad_norm: no overlap) if this recurs", RuntimeWarning, stacklevel=2)
+            return max(bad, 1.0)
+        return bad
+
+    def step(self, coef: torch.Tensor | None, stream: GradientStream,
+             threads: DeviceThreads) -> list[Stamps | None]:
+        m = self.masters
+        overlapped = self.overlap == "with backward"
+        if not overlapped:
+            t0 = time.perf_counter()
+            host = stream.host
+            row = host.sum_row() if host is not None and not host.send_back else None
+            if row is not None:
+                m.grads_from_row(row, stream.layout.offsets, stream.none_pids)
+            else:  # replica 0 holds the averaged gradient (a bf16 wire, a ring of host slots)
+                m.grads_from([p.grad for p in self.params[0]])
+            if coef is not None:
+                grads = [g.grad for g in m.masters if g.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, coef.to(torch.float32).cpu())
+            self.optimizer.step()
+            self._seconds = time.perf_counter() - t0
+        self._open = False
+        self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped)}
+        return m.to_devices(threads)
+
+
+def _update_loop(q: queue.SimpleQueue, update: Callable[[int], None], fail: Callable[[BaseException], None]) -> None:
+    """The host update thread: chunk numbers in, updates out, until None (the update is gone)."""
+    while True:
+        c = q.get()
+        if c is None:
+            return
+        try:
+            c() if callable(c) else update(c)
+        except BaseException as exc:
+            fail(exc)
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer, device: torch.device | None = None) -> int:
+    """Bytes of ``opt``'s state tensors (on ``device``, or all)."""
+    total = 0
+    for s in opt.state.values():
+        for v in s.values():
+            if isinstance(v, torch.Tensor) and (device is None or v.device == device):
+                total += v.numel() * v.element_size()
+    return total
+
+
+def keyed_state(state: dict, keys: dict[int, torch.Tensor]) -> defaultdict:
+    """``state`` (an optimizer's, keyed by parameter) re-keyed by ``keys[id(param)]``, the same
+    per-parameter dicts (shared, not copied), tensors moved to the host."""
+    out: defaultdict = defaultdict(dict)
+    for p, s in state.items():
+        for k, v in list(s.items()):
+            if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+                s[k] = v.to("cpu")
+        out[keys[id(p)]] = s
+    return out
+

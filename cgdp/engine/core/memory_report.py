@@ -1,0 +1,70 @@
+"""``memory_report()`` of both faces: what each device, and the host, holds for training.
+
+Bytes by what holds them, from the tensors themselves (their sizes: the same on GPUs and on
+emulated devices, where everything lives in host memory and ``torch.cuda.memory_allocated`` would
+say nothing):
+
+* ``"parameters"``: the replica's trainable parameters (on the host: the float32 masters of
+  ``update="host"``);
+* ``"gradients"``: the flat gradient buffer (``param.grad`` are views into it) and gradients held
+  outside it (sparse ones); on the host, gradient buffers besides the accumulator's rows;
+* ``"optimizer_state"``: the state tensors of the optimizers that step this device's replica (on
+  the host: the host optimizer's);
+* ``"transfer"``: cgdp's buffers for the round trip: the bf16 stage of ``grad_transfer="bf16"`` on
+  a device; the registered slots and sum row on the host.
+
+Keys: the device strings as given to the face, and ``"host"``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from cgdp.engine.core.host_update import optimizer_state_bytes
+
+
+def _nbytes(ts: Sequence[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def grad_bytes(params: Sequence[torch.Tensor], flat: torch.Tensor | None) -> int:
+    """The flat buffer, and every ``.grad`` that is not a view into it."""
+    total = _nbytes([flat])
+    ptr = flat.untyped_storage().data_ptr() if flat is not None and flat.numel() else None
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse:
+            total += _nbytes([g.coalesce()._values(), g.coalesce()._indices()])
+        elif ptr is None or g.untyped_storage().data_ptr() != ptr:
+            total += _nbytes([g])
+    return total
+
+
+def memory_report(devices: Sequence[str], params: Sequence[Sequence[torch.Tensor]],
+                  optimizers: Sequence[Sequence[torch.optim.Optimizer]], stream: Any,
+                  host_update: Any = None) -> dict[str, dict[str, int]]:
+    """``params[j]`` and ``optimizers[j]``: replica j's trainable parameters and the optimizers that
+    step them; ``stream``: the :class:`~cgdp.engine.core.stream.GradientStream` (None: none);
+    ``host_update``: ``(HostMasters, host optimizers)`` with ``update="host"``."""
+    flats = stream.flats if stream is not None and stream.flats else [None] * len(devices)
+    stages = stream.stages if stream is not None and stream.stages else [None] * len(devices)
+    out: dict[str, dict[str, int]] = {}
+    for j, name in enumerate(devices):
+        out[str(name)] = {
+            "parameters": _nbytes(list(params[j])),
+            "gradients": grad_bytes(params[j], flats[j]),
+            "optimizer_state": sum(optimizer_state_bytes(o) for o in optimizers[j]),
+            "transfer": _nbytes([stages[j]]),
+        }
+    host = {"parameters": 0, "gradients": 0, "optimizer_state": 0,
+            "transfer": stream.host.registered_bytes if stream is not None and stream.host is not None else 0}
+    if host_update is not None:
+        masters, opts = host_update
+        host["parameters"] = masters.nbytes
+        host["gradients"] = masters.grad_bytes
+        host["optimizer_state"] = sum(optimizer_state_bytes(o) for o in opts)
+    out["host"] = host
+    return out

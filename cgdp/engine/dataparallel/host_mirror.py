@@ -1,0 +1,153 @@
+"""``DataParallel(update="host")``: the user's own optimizer steps float32 masters on the host.
+
+The user builds one optimizer on ``model.parameters()`` as with ``update="devices"``; torch's
+global step hooks (:mod:`cgdp.engine.dataparallel.mirror`) hand its ``step()`` to a
+:class:`HostMirror` instead of a :class:`~cgdp.engine.dataparallel.mirror.Mirror`, which, around
+the optimizer's own step body:
+
+1. before it (the pre-hook): takes the model's operation lock and checks the gradients
+   (``ReplicaSteps.begin``; a step on the parts of ``no_sync()`` is refused), gives the masters
+   their gradients: views of the host's sum row when every replica holds it unchanged (one
+   machine, nothing clipped or edited since backward), else copies of replica 0's, and
+   lends the optimizer the masters: every group's ``"params"`` list and ``optimizer.state`` are
+   swapped for the masters' (the same per-parameter state dicts, keyed by the masters);
+2. the optimizer's own ``step()`` then runs on the host, unchanged (its class, groups,
+   hyperparameters, schedulers), with torch's fused CPU kernel for Adam, AdamW and SGD where the
+   user chose no implementation (:func:`~cgdp.engine.core.host_update.prefer_fused`);
+3. after it (the post-hook): the swap is undone and every replica's parameters are copied from
+   the masters (:meth:`HostMasters.to_devices`): bitwise identical replicas, no device state.
+
+The user's object keeps working: ``param_groups`` hold the model's parameters between steps,
+``state_dict()`` is keyed by them and holds host tensors, ``load_state_dict()`` brings the loaded
+state to the host (a load post-hook), and ``close()`` gives the optimizer its state back on the
+parameters' device, so it steps replica 0 alone as before wrapping. A step whose body raised
+(torch runs no post-hook) is undone by the model's next operation: the swap is reverted and the
+masters retake replica 0's parameters (the replicas were never changed).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from cgdp.engine.core.host_update import keyed_state, prefer_fused
+from cgdp.engine.dataparallel.mirror import _ATTR, _install_outermost, _remove_outermost
+
+
+class HostMirror:
+    """Lends the user's optimizer the host masters for the body of each of its steps."""
+
+    def __init__(self, opt: torch.optim.Optimizer, dp: Any):
+        self.opt = opt
+        self.dp = weakref.ref(dp)
+        self.host = dp.host_masters
+        self.depth = 0
+        self.thread: threading.Thread | None = None
+        self._pid = {id(p): pid for pid, p in enumerate(self.host.params[0])}
+        for g in opt.param_groups:
+            self._check(g["params"])
+        self._user_state = opt.state
+        self._host_state = self._rekey()
+        self._lent: list | None = None
+        self._fused: list[int] = []
+        self._load_hook = opt.register_load_state_dict_post_hook(self._reload)
+        if "_cgdp_step" not in opt.__dict__:
+            _install_outermost(opt)
+        dp.mirrors.add(self)
+
+    def _check(self, params: list) -> None:
+        for p in params:
+            if id(p) not in self._pid:
+                raise NotImplementedError("update='host' steps the model's dense trainable parameters; this "
+                                          "optimizer holds another one (a sparse embedding's, or one that does not "
+                                          "require grad): give it its own optimizer, or use update='devices'")
+
+    def _rekey(self):
+        masters = self.host.masters
+        return keyed_state(self.opt.state, {id(p): masters[self._pid[id(p)]] for p in self.opt.state})
+
+    def _reload(self, opt: torch.optim.Optimizer) -> None:
+        """After ``opt.load_state_dict``: its new state, on the host, for the masters."""
+        self._user_state = opt.state
+        self._host_state = self._rekey()
+
+    def before(self, args: tuple, kwargs: dict) -> None:
+        dp = self.dp()
+        if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
+            raise NotImplementedError("optimizer.step(closure) is not supported with cgdp.DataParallel: "
+                                      "the closure would run on replica 0 only")
+        dp.begin(self.failed_on_replica_0)  # the model's operation lock, until after() or the clean-up
+        try:
+            dp.check_host_step()
+            self.host.follow()
+            groups = self.opt.param_groups
+            pids = []
+            for g in groups:
+                self._check(g["params"])
+                pids.append([self._pid[id(p)] for p in g["params"]])
+            flat = [pid for ps in pids for pid in ps]
+            grads = [self.host.params[0][pid].grad for pid in flat]
+            summed = dp.host_sum()
+            if summed is not None:  # the host's sum as is: read in place, no copy from the device
+                none = [pid for pid, g in zip(flat, grads) if g is None]
+                self.host.grads_from_row(summed[0], summed[1], none)
+            else:
+                self.host.grads_from(grads, flat)
+            if self.opt.state is not self._user_state:  # replaced without load_state_dict
+                self._reload(self.opt)
+            masters = self.host.masters
+            self._lent = [g["params"] for g in groups]
+            for g, ps in zip(groups, pids):
+                g["params"] = [masters[pid] for pid in ps]
+            self.opt.state = self._host_state
+            self._fused = prefer_fused(self.opt)  # for this step only: the user's groups keep their choice
+        except BaseException:
+            self._give_back()
+            dp.end()
+            raise
+        self.depth, self.thread = 1, threading.current_thread()
+
+    def _give_back(self) -> None:
+        """The user's parameters and state in the optimizer again; new state entries follow."""
+        if self._lent is None:
+            return
+        for g, ps in zip(self.opt.param_groups, self._lent):
+            g["params"] = ps
+        for k in self._fused:
+            self.opt.param_groups[k]["fused"] = None
+        self._fused = []
+        self._lent = None
+        self.opt.state = self._user_state
+        if len(self._host_state) != len(self._user_state):  # the first step made the state
+            back = {id(m): p for m, p in zip(self.host.masters, self.host.params[0])}
+            for m, s in self._host_state.items():
+                self._user_state[back[id(m)]] = s
+
+    def after(self) -> None:
+        dp = self.dp()
+        try:
+            self._give_back()
+            if dp is not None:
+                dp.host_copy_back()
+        finally:
+            if dp is not None:
+                dp.end()
+
+    def failed_on_replica_0(self) -> None:
+        """The clean-up of a step whose body raised: nothing reached a replica; the masters retake
+        replica 0's parameters."""
+        self._give_back()
+        self.host.refresh()
+
+    def detach(self) -> None:
+        """The model closed: the optimizer gets its state back on the parameters' device."""
+        self._give_back()
+        self._load_hook.remove()
+        d = self.opt.__dict__
+        if d.get(_ATTR) is self:
+            del d[_ATTR]
+        _remove_outermost(self.opt)
+        if self.opt.state:
+            self.opt.load_state_dict(self.opt.state_dict())  # torch's own placement of each state tensor

@@ -1,0 +1,275 @@
+"""``Trainer(update="host")``: one optimizer over float32 masters in host memory, equal to one device."""
+from __future__ import annotations
+
+import copy
+import threading
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cgdp
+from test_comm_inproc import on_ranks
+from helpers import assert_params_close, assert_ranks_equal_reference, assert_replicas_identical, mlp, reference
+
+OPTIMIZERS = {
+    "adamw": partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+    "sgd_momentum": partial(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "rmsprop": partial(torch.optim.RMSprop, lr=1e-3, momentum=0.5),
+}
+
+
+def batches(n_steps=3, n=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)) for _ in range(n_steps)]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_host_update_equals_one_device(name):
+    make = OPTIMIZERS[name]
+    model, data = mlp(), batches(4)
+    ref, ref_losses = reference(model, make, data, F.cross_entropy)
+    # chunks="auto": the tuner switches plans between steps, and the host's views follow
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks="auto", update="host") as tr:
+        losses = []
+        for x, y in data:
+            losses.append(tr.step(x, y, F.cross_entropy))
+            assert_replicas_identical(tr)
+        opt = tr.optimizers[0]
+        assert len(tr.optimizers) == 1 and type(opt) is type(make([torch.zeros(1)]))
+        # torch's fused CPU kernel where the factory chose no implementation (Adam, AdamW, SGD)
+        assert opt.param_groups[0].get("fused") is (True if name != "rmsprop" else None)
+        assert all(p.device.type == "cpu" for s in tr.optimizers[0].state.values() for p in s.values()
+                   if isinstance(p, torch.Tensor))
+        report = tr.memory_report()
+        assert set(report) == {"cpu:0", "cpu:1", "host"}
+        assert all(report[d]["optimizer_state"] == 0 for d in ("cpu:0", "cpu:1"))
+        assert report["host"]["optimizer_state"] > 0
+        assert_params_close(tr.replicas[0], ref)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_clipping_scheduler_uneven_split_and_state_dict_round_trip():
+    make = partial(torch.optim.AdamW, lr=2e-2)
+    sched = partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+    model, data = mlp(), batches(4, n=7)
+    ref = copy.deepcopy(model)
+    opt = make(ref.parameters())
+    s = sched(opt)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        opt.step()
+        s.step()
+    kw = dict(chunks=1, update="host", clip_grad_norm=0.05, scheduler=sched)
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1", "cpu:2"], **kw) as tr:
+        for x, y in data[:2]:
+            tr.step(x, y, F.cross_entropy)
+        saved = copy.deepcopy(tr.state_dict())
+    # a fresh trainer restores the masters and the host optimizer's state, and goes on exactly
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], **kw) as tr:
+        tr.load_state_dict(saved)
+        for x, y in data[2:]:
+            tr.step(x, y, F.cross_entropy)
+            assert_replicas_identical(tr)
+        assert_params_close(tr.replicas[0], ref)
+        assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(s.get_last_lr()[0])
+
+
+@pytest.mark.parametrize("kw", [dict(grad_transfer="bf16"), dict(host_memory=1 << 16, segment_bytes=1024)])
+def test_bf16_wire_and_host_slot_ring_read_the_gradient_from_replica_0(kw):
+    """Without a float32 sum row to read in place, the host copies replica 0's averaged gradient:
+    the same as update='devices' with the same wire."""
+    make = partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    model, data = mlp(), batches()
+    out = []
+    for update in ("devices", "host"):
+        with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=2, update=update, **kw) as tr:
+            for x, y in data:
+                tr.step(x, y, F.cross_entropy)
+                assert_replicas_identical(tr)
+            out.append(copy.deepcopy(tr.replicas[0]))
+    assert_params_close(out[1], out[0])
+
+
+def test_two_ranks_hold_the_whole_state_and_stay_identical():
+    make = OPTIMIZERS["adamw"]
+    model, data = mlp(), batches(3, n=12)
+    ref, _ = reference(model, make, data, F.cross_entropy)
+
+    def rank(comm):
+        with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], comm=comm, chunks=2, update="host",
+                          timeout_s=30) as tr:
+            for x, y in data:
+                tr.step(torch.tensor_split(x, 2)[comm.rank], torch.tensor_split(y, 2)[comm.rank], F.cross_entropy)
+                assert_replicas_identical(tr)
+            return copy.deepcopy(tr.replicas[0]).state_dict()
+
+    assert_ranks_equal_reference(on_ranks(2, rank, timeout_s=30), ref, mlp())
+
+
+def test_parameters_unused_in_a_step_keep_no_update_as_on_one_device():
+    """A parameter with no gradient anywhere is skipped by AdamW on one device; so on the host."""
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.body, self.a, self.b = torch.nn.Linear(12, 8), torch.nn.Linear(8, 5), torch.nn.Linear(8, 5)
+
+        def forward(self, x, head="a"):
+            return getattr(self, head)(torch.tanh(self.body(x)))
+
+    make = OPTIMIZERS["adamw"]
+    model, data = TwoHeads(), batches(3)
+    ref = copy.deepcopy(model)
+    opt = make(ref.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], update="host", chunks=1) as tr:
+        for x, y in data:
+            tr.step(x, y, F.cross_entropy)
+        assert_params_close(tr.replicas[0], ref)
+        assert torch.equal(tr.replicas[0].b.weight, model.b.weight)
+
+
+def test_unsupported_combinations_are_refused_with_a_sentence():
+    with pytest.raises(ValueError, match="mode='cgdp'"):
+        cgdp.Trainer(mlp(), OPTIMIZERS["adamw"], ["cpu:0", "cpu:1"], mode="typical", update="host")
+    with pytest.raises(ValueError, match="update must be"):
+        cgdp.Trainer(mlp(), OPTIMIZERS["adamw"], ["cpu:0"], update="cpu")
+    with pytest.raises(ValueError, match="float32"):
+        cgdp.Trainer(mlp().to(torch.bfloat16), OPTIMIZERS["adamw"], ["cpu:0"], update="host")
+    model = mlp()
+    handle = model[0].weight.register_hook(lambda g: 2 * g)
+    with cgdp.Trainer(model, OPTIMIZERS["sgd_momentum"], ["cpu:0", "cpu:1"], update="host") as tr:
+        x, y = batches(1)[0]
+        with pytest.raises(NotImplementedError, match="register_hook"):
+            tr.step(x, y, F.cross_entropy)
+        handle.remove()
+        tr.step(x, y, F.cross_entropy)  # usable again without the hook
+        assert_replicas_identical(tr)
+
+
+def _step_threads(tr):
+    """The threads the host optimizer's step() ran on, per call."""
+    seen = []
+    tr.optimizers[0].register_step_post_hook(lambda *_: seen.append(threading.current_thread().name))
+    return seen
+
+
+def test_per_parameter_optimizer_updates_each_chunk_on_the_host_thread_without_clipping():
+    model, data = mlp(), batches(2)
+    with cgdp.Trainer(copy.deepcopy(model), OPTIMIZERS["adamw"], ["cpu:0", "cpu:1"], chunks=1, update="host") as tr:
+        seen = _step_threads(tr)
+        tr.step(*data[0], F.cross_entropy)
+        assert tr.stats["host_update_overlapped"] == 1.0
+        assert len(seen) == len(tr.plan) and all(n.startswith("cgdp-host") for n in seen)  # one step per chunk
+    with cgdp.Trainer(copy.deepcopy(model), OPTIMIZERS["adamw"], ["cpu:0", "cpu:1"], chunks=1, update="host",
+                      clip_grad_norm=1.0) as tr:
+        seen = _step_threads(tr)
+        tr.step(*data[0], F.cross_entropy)
+        assert tr.stats["host_update_overlapped"] == 0.0 and seen == [threading.current_thread().name]
+
+
+class _Poison(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w):
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+class _FirstLayerPoisoned(torch.nn.Module):
+    """The first layer's weight gradient is NaN when ``poison`` is set: the last chunk to arrive."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+        self.poison = False
+
+    def forward(self, x):
+        first = self.net[0]
+        w = _Poison.apply(first.weight) if self.poison else first.weight
+        return self.net[1:](F.linear(x, w, first.bias))
+
+
+def test_nan_in_a_late_chunk_rejects_the_step_and_leaves_parameters_as_they_were():
+    torch.manual_seed(0)
+    model, data = _FirstLayerPoisoned(), batches(2)
+    with cgdp.Trainer(model, OPTIMIZERS["adamw"], ["cpu:0", "cpu:1"], chunks=1, update="host") as tr:
+        tr.step(*data[0], F.cross_entropy)
+        before = copy.deepcopy(model.state_dict())
+        for r in tr.replicas:
+            r.poison = True
+        with pytest.warns(RuntimeWarning, match="advanced by one step"), pytest.raises(cgdp.NonFiniteGradientError):
+            tr.step(*data[1], F.cross_entropy)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k])
+        assert_replicas_identical(tr)
+        for r in tr.replicas:
+            r.poison = False
+        tr.step(*data[1], F.cross_entropy)  # training goes on
+        assert_replicas_identical(tr)
+        assert not torch.equal(model.net[0].weight, before["net.0.weight"])
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_cuda_backend_on_the_strict_simulator_sends_no_gradient_back(clip):
+    """The CUDA backend (pinned masters, asynchronous copies to the devices) on the simulated
+    runtime, whose stream checker reports any unordered access; with and without overlap."""
+    from cgdp.testing import simulated_cuda
+    make = OPTIMIZERS["adamw"]
+    model, data = mlp(), batches()
+    ref = copy.deepcopy(model)
+    opt = make(ref.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+    with simulated_cuda(2, seed=1) as sim:
+        with cgdp.Trainer(copy.deepcopy(model), make, ["cuda:0", "cuda:1"], update="host", chunks=1,
+                          segment_bytes=1024, clip_grad_norm=clip) as tr:
+            for x, y in data:
+                tr.step(x, y, F.cross_entropy)
+                assert_replicas_identical(tr)
+            assert tr.stats["host_update_overlapped"] == (clip is None)
+            assert_params_close(tr.replicas[0], ref)
+    assert not sim.errors
+    assert sim.copied_bytes["d2h"] > 0 and sim.copied_bytes["h2d"] == 0  # no gradient comes back
+
+
+def test_micro_batches_overlap_only_the_last_backward():
+    """Micro-batches before the last keep their gradients on the device; the host update of each
+    chunk starts during the last one's backward, and the result is that of update='devices'."""
+    make, model, data = OPTIMIZERS["adamw"], mlp(), batches(2, n=12)
+    out = []
+    for update in ("devices", "host"):
+        with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=1, micro_batches=2,
+                          update=update) as tr:
+            for x, y in data:
+                tr.step(x, y, F.cross_entropy)
+            assert tr.stats.get("host_update_overlapped", 1.0) == 1.0
+            out.append(copy.deepcopy(tr.replicas[0]))
+    assert_params_close(out[1], out[0])
+
+
+def test_zero_grad_on_the_host_optimizer_between_steps_changes_nothing():
+    """The masters' gradients are views of the host's sum row; an optimizer.zero_grad() drops
+    them, and the next step attaches them again (as one device's loop would zero and refill)."""
+    make, model, data = OPTIMIZERS["sgd_momentum"], mlp(), batches(3)
+    ref, _ = reference(model, make, data, F.cross_entropy)
+    for clip in (None, 1e9):  # overlapped, and after backward
+        with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=2, update="host",
+                          clip_grad_norm=clip) as tr:
+            for x, y in data:
+                tr.optimizers[0].zero_grad()
+                tr.step(x, y, F.cross_entropy)
+            assert_params_close(tr.replicas[0], ref)

@@ -1,0 +1,204 @@
+"""``DataParallel(update="host")``: the user's own optimizer steps float32 masters on the host."""
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cgdp
+from test_comm_inproc import on_ranks
+from helpers import assert_params_close, assert_ranks_equal_reference, mlp
+
+OPTIMIZERS = {
+    "adamw": partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+    "sgd_momentum": partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "adagrad": partial(torch.optim.Adagrad, lr=0.05),
+}
+DEVS = ["cpu:0", "cpu:1"]
+
+
+def batches(n_steps=3, n=11, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 12, generator=g), torch.randint(0, 5, (n,), generator=g)) for _ in range(n_steps)]
+
+
+def run(model, make, data, *, clip=None, sched=None, groups=False):
+    """The user's loop, the same for one device and for cgdp.DataParallel."""
+    if groups:  # two param groups with their own hyperparameters
+        params = list(model.parameters())
+        opt = make([{"params": params[:2], "lr": 0.02}, {"params": params[2:]}])
+    else:
+        opt = make(model.parameters())
+    s = sched(opt) if sched else None
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if clip:
+            (model.clip_grad_norm_ if isinstance(model, cgdp.DataParallel) else
+             partial(torch.nn.utils.clip_grad_norm_, model.parameters()))(clip)
+        opt.step()
+        if s:
+            s.step()
+    return opt
+
+
+def assert_identical(dp):
+    first = dp.replicas[0].state_dict()
+    for r in dp.replicas[1:]:
+        for k, v in r.state_dict().items():
+            assert torch.equal(v, first[k]), f"replicas differ in {k}"
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_users_optimizer_steps_on_the_host_and_equals_one_device(name):
+    make = OPTIMIZERS[name]
+    model, data = mlp(), batches()
+    ref = copy.deepcopy(model)
+    ref_opt = run(ref, make, data, groups=True)
+    with cgdp.DataParallel(copy.deepcopy(model), DEVS, update="host", chunks=2) as dp:
+        opt = run(dp, make, data, groups=True)
+        assert_identical(dp)
+        assert_params_close(dp.module, ref)
+        # the user's object: its groups hold the model's parameters, its state their keys, on the host
+        assert [p for g in opt.param_groups for p in g["params"]] == list(dp.module.parameters())
+        assert set(opt.state) == set(dp.module.parameters())
+        assert all(g.get("fused") is None for g in opt.param_groups)  # fused on the host for the step only
+        report = dp.memory_report()
+        assert all(report[d]["optimizer_state"] == 0 for d in DEVS)
+        assert report["host"]["optimizer_state"] == sum(
+            t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+        assert report["host"]["parameters"] == 4 * sum(p.numel() for p in model.parameters())
+        assert report["host"]["gradients"] == 0  # the host's sum row read in place: no copy of replica 0's
+        sd = opt.state_dict()
+    ref_sd = ref_opt.state_dict()
+    for k, s in ref_sd["state"].items():
+        for key, v in s.items():
+            torch.testing.assert_close(sd["state"][k][key], v, rtol=1e-5, atol=1e-7)
+
+
+def test_clipping_a_scheduler_and_load_state_dict_keep_working():
+    make = OPTIMIZERS["adamw"]
+    sched = partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+    model, data = mlp(), batches(4, n=9)
+    ref = copy.deepcopy(model)
+    ref_opt = run(ref, make, data[:2], clip=0.05, sched=sched)
+    saved = copy.deepcopy(ref_opt.state_dict())
+    ref_opt.load_state_dict(copy.deepcopy(saved))
+    for x, y in data[2:]:
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    with cgdp.DataParallel(copy.deepcopy(model), DEVS, update="host", chunks=1) as dp:
+        opt = run(dp, make, data[:2], clip=0.05, sched=sched)
+        assert dp.memory_report()["host"]["gradients"] > 0  # clipped: replica 0's gradients, copied
+        opt.load_state_dict(copy.deepcopy(saved))
+        assert all(t.device.type == "cpu" for s in opt.state.values() for t in s.values())
+        run_opt = opt
+        for x, y in data[2:]:
+            run_opt.zero_grad()
+            F.cross_entropy(dp(x), y).backward()
+            run_opt.step()
+            assert_identical(dp)
+        assert_params_close(dp.module, ref)
+    # closed: the optimizer steps replica 0 alone again, with its state
+    opt.zero_grad()
+    F.cross_entropy(dp.module(data[0][0]), data[0][1]).backward()
+    opt.step()
+
+
+def test_edited_parameters_are_followed_by_the_masters():
+    make = OPTIMIZERS["sgd_momentum"]
+    model, data = mlp(), batches(2)
+    ref = copy.deepcopy(model)
+    with cgdp.DataParallel(copy.deepcopy(model), DEVS, update="host") as dp:
+        for m in (ref, dp):
+            opt = make(m.parameters())
+            for i, (x, y) in enumerate(data):
+                if i == 1:
+                    with torch.no_grad():
+                        (m.module if m is dp else m)[0].weight.mul_(0.5)  # a user's edit between steps
+                opt.zero_grad()
+                with pytest.warns(UserWarning, match="changed outside") if m is dp and i == 1 else nullcontext():
+                    F.cross_entropy(m(x), y).backward()
+                opt.step()
+        assert_identical(dp)
+        assert_params_close(dp.module, ref)
+
+
+def test_two_ranks_are_identical_and_equal_one_device():
+    make = OPTIMIZERS["adamw"]
+    model, data = mlp(), batches(3, n=12)
+    ref = copy.deepcopy(model)
+    run(ref, make, data)
+
+    def rank(comm):
+        with cgdp.DataParallel(copy.deepcopy(model), DEVS, comm=comm, update="host", timeout_s=30) as dp:
+            mine = [(torch.tensor_split(x, 2)[comm.rank], torch.tensor_split(y, 2)[comm.rank]) for x, y in data]
+            run(dp, make, mine)
+            assert_identical(dp)
+            return copy.deepcopy(dp.module.state_dict())
+
+    assert_ranks_equal_reference(on_ranks(2, rank, timeout_s=30), ref, mlp())
+
+
+def test_refusals():
+    with cgdp.DataParallel(mlp(), DEVS, update="host") as dp:
+        opt = OPTIMIZERS["sgd_momentum"](dp.parameters())
+        x, y = batches(1)[0]
+        with dp.no_sync():
+            F.cross_entropy(dp(x), y).backward()
+        with pytest.raises(RuntimeError, match="no_sync"):
+            opt.step()
+        F.cross_entropy(dp(x), y).backward()
+        with pytest.raises(NotImplementedError, match="closure"):
+            opt.step(lambda: 0.0)
+        opt.step()
+        assert_identical(dp)
+    with pytest.raises(ValueError, match="update must be"):
+        cgdp.DataParallel(mlp(), DEVS, update="everywhere")
+
+
+def test_cuda_backend_on_the_strict_simulator():
+    from cgdp.testing import simulated_cuda
+    make = OPTIMIZERS["adamw"]
+    model, data = mlp(), batches()
+    ref = copy.deepcopy(model)
+    run(ref, make, data, clip=0.5)
+    with simulated_cuda(2, seed=1) as sim:
+        with cgdp.DataParallel(copy.deepcopy(model), ["cuda:0", "cuda:1"], update="host", chunks=1,
+                               segment_bytes=1024) as dp:
+            run(dp, make, data, clip=0.5)
+            assert_identical(dp)
+            assert_params_close(dp.module, ref)
+    assert not sim.errors
+
+
+class _FailsOnce(torch.optim.SGD):
+    failed = False
+
+    def step(self, closure=None):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("boom")
+        return super().step(closure)
+
+
+def test_a_step_that_raises_gives_the_optimizer_its_parameters_back():
+    model, data = mlp(), batches(2)
+    with cgdp.DataParallel(copy.deepcopy(model), DEVS, update="host") as dp:
+        opt = _FailsOnce(dp.parameters(), lr=0.1, momentum=0.9)
+        x, y = data[0]
+        F.cross_entropy(dp(x), y).backward()
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+        before = copy.deepcopy(dp.module.state_dict())
+        opt.zero_grad()
+        F.cross_entropy(dp(*data[1][:1]), data[1][1]).backward()  # the model's next operation cleans up
+        assert [p for g in opt.param_groups for p in g["params"]] == list(dp.module.parameters())
+        opt.step()
+        assert_identical(dp)
+        assert not torch.equal(dp.module[0].weight, before["0.weight"])
