@@ -79,3 +79,21 @@ def test_env_world_reads_torchrun_slurm_and_says_what_is_missing():
         env_world({"RANK": "0", "WORLD_SIZE": "2"})
     with pytest.raises(ValueError, match="does not say where the other ranks are"):
         env_world({})
+
+
+def test_training_cli_under_torchrun(tmp_path):
+    """``torchrun --nproc-per-node 2 -m cgdp.train``: gloo is picked up by itself (``--comm auto``)."""
+    env = rank_env(0, 1, 0)
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "cgdp.train", "--steps", "60", "--devices", "2", "--batch", "16", "--chunks", "1", "--out",
+           str(tmp_path), "--progress", "off", "--plots", "false"]
+    p = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout
+    assert "2 gloo ranks" in p.stdout and p.stdout.count("eval accuracy") == 1, p.stdout
+    import json
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["final"] is True and rows[-1]["eval_accuracy"] >= 0.7, rows[-1]
+    assert not list(tmp_path.glob("rank*.error")), "an error file after a run without error"

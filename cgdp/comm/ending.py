@@ -11,6 +11,9 @@ The exit handler is registered *before* the comm's own set-up collectives, so th
 set-up failed (a peer never came, a link cut during start-up) ends the same way, instead of
 raising and then waiting for ever at interpreter exit.
 
+The start-up check (:meth:`EndingComm.check_same`, with :func:`describe_mismatch`'s words naming
+the ranks and fields that differ) is shared too.
+
 May import: nothing of cgdp outside this package.
 """
 from __future__ import annotations
@@ -92,7 +95,6 @@ class EndingComm(OrderedComm):
         raise NotImplementedError
 
     def check_same(self, signature: dict[str, str]) -> None:
-        from cgdp.comm.mpi import describe_mismatch  # pure Python: no MPI import
         mine = {"signature": {str(k): str(v) for k, v in signature.items()},
                 "world_size": str(self.size), "versions": self._versions(),
                 "host": socket.gethostname(), "pid": os.getpid()}
@@ -109,3 +111,51 @@ def versions(library: str) -> str:
 
     import cgdp
     return f"cgdp {cgdp.__version__}, torch {torch.__version__}, numpy {np.__version__}, {library}"
+
+
+def _around_difference(a: Any, b: Any, n: int = 90) -> tuple[str, str]:
+    """``repr`` of both values, cut to a window around their first difference when long."""
+    ra, rb = repr(a), repr(b)
+    if len(ra) <= n and len(rb) <= n:
+        return ra, rb
+    i = next((k for k, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
+    lo = max(0, i - n // 3)
+
+    def cut(r: str) -> str:
+        return ("…" if lo else "") + r[lo:lo + n] + ("…" if lo + n < len(r) else "")
+    return cut(ra), cut(rb)
+
+
+def describe_mismatch(every: list[dict[str, Any]]) -> str | None:
+    """Words naming the ranks and fields that differ from rank 0, or ``None`` if all agree.
+
+    ``every[r]`` is rank r's ``{"signature": {field: str}, "world_size": str, "versions": str,
+    "host": str, "pid": int}`` (only ``signature`` is required).
+    """
+    def fields(d: dict[str, Any]) -> dict[str, Any]:
+        f = dict(d["signature"])
+        for extra in ("world_size", "versions"):
+            if extra in d:
+                f[f"({extra.replace('_', ' ')})"] = d[extra]
+        return f
+
+    ref = fields(every[0])
+    lines: list[str] = []
+    bad: list[int] = []
+    for r, d in enumerate(every[1:], start=1):
+        f = fields(d)
+        where = f"rank {r}" + (f" (host {d['host']}, pid {d['pid']})" if "pid" in d else "")
+        for key in sorted(set(ref) | set(f)):
+            a, b = ref.get(key, "<missing>"), f.get(key, "<missing>")
+            if a != b:
+                if r not in bad:
+                    bad.append(r)
+                sa, sb = _around_difference(a, b)
+                lines.append(f"  {where} differs from rank 0 in {key}: rank 0 has {sa}, "
+                             f"rank {r} has {sb}")
+    if not lines:
+        return None
+    return ("the ranks were not started with the same settings (rank(s) "
+            f"{bad} differ from rank 0):\n" + "\n".join(lines) +
+            "\nStart every rank with the same config, model, devices count and library versions "
+            "(one mpiexec command, one config file)")

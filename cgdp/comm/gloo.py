@@ -269,6 +269,28 @@ class GlooComm(EndingComm):
                 self._dist.destroy_process_group(g)
 
 
+class ObjectWorld:
+    """The default process group for ``python -m cgdp.train``'s start-up agreement (the part of
+    ``MPI.COMM_WORLD`` it uses), initialised from the environment if need be."""
+
+    def __init__(self, timeout_s: float | None = 300.0):
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            init_from_env(timeout_s)
+        self._dist = dist
+
+    def Get_rank(self) -> int:
+        return self._dist.get_rank()
+
+    def Get_size(self) -> int:
+        return self._dist.get_world_size()
+
+    def allgather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.Get_size()
+        self._dist.all_gather_object(out, obj)
+        return out
+
+
 def _why(exc: BaseException) -> str:
     """gloo's error in a sentence that says what it means for the job."""
     text = str(exc).strip()

@@ -52,8 +52,10 @@ import numpy as np
 
 from cgdp.comm import abort
 from cgdp.comm.base import Comm
-from cgdp.comm.ending import EndingComm
+from cgdp.comm.ending import EndingComm, describe_mismatch, versions
 from cgdp.comm.ordered import _InFlight
+
+__all__ = ["MPIComm", "describe_mismatch", "load_mpi", "probe_alpha_beta"]
 
 INSTALL_HINT = ('install the MPI extra: pip install "cgdp[mpi]" (mpi4py and the mpich wheel; no '
                 'compiler needed), then start every rank with: mpiexec -n R python -m cgdp.train ...')
@@ -251,56 +253,7 @@ class MPIComm(EndingComm):
 
 
 def _versions(MPI: Any) -> str:
-    from cgdp.comm.ending import versions
     return versions(MPI.Get_library_version().strip().splitlines()[0])
-
-
-def _around_difference(a: Any, b: Any, n: int = 90) -> tuple[str, str]:
-    """``repr`` of both values, cut to a window around their first difference when long."""
-    ra, rb = repr(a), repr(b)
-    if len(ra) <= n and len(rb) <= n:
-        return ra, rb
-    i = next((k for k, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
-    lo = max(0, i - n // 3)
-
-    def cut(r: str) -> str:
-        return ("…" if lo else "") + r[lo:lo + n] + ("…" if lo + n < len(r) else "")
-    return cut(ra), cut(rb)
-
-
-def describe_mismatch(every: list[dict[str, Any]]) -> str | None:
-    """Words naming the ranks and fields that differ from rank 0, or ``None`` if all agree.
-
-    ``every[r]`` is rank r's ``{"signature": {field: str}, "world_size": str, "versions": str,
-    "host": str, "pid": int}`` (only ``signature`` is required).
-    """
-    def fields(d: dict[str, Any]) -> dict[str, Any]:
-        f = dict(d["signature"])
-        for extra in ("world_size", "versions"):
-            if extra in d:
-                f[f"({extra.replace('_', ' ')})"] = d[extra]
-        return f
-
-    ref = fields(every[0])
-    lines: list[str] = []
-    bad: list[int] = []
-    for r, d in enumerate(every[1:], start=1):
-        f = fields(d)
-        where = f"rank {r}" + (f" (host {d['host']}, pid {d['pid']})" if "pid" in d else "")
-        for key in sorted(set(ref) | set(f)):
-            a, b = ref.get(key, "<missing>"), f.get(key, "<missing>")
-            if a != b:
-                if r not in bad:
-                    bad.append(r)
-                sa, sb = _around_difference(a, b)
-                lines.append(f"  {where} differs from rank 0 in {key}: rank 0 has {sa}, "
-                             f"rank {r} has {sb}")
-    if not lines:
-        return None
-    return ("the ranks were not started with the same settings (rank(s) "
-            f"{bad} differ from rank 0):\n" + "\n".join(lines) +
-            "\nStart every rank with the same config, model, devices count and library versions "
-            "(one mpiexec command, one config file)")
 
 
 # ---------------------------------------------------------------------- α/β probe for the simulator
