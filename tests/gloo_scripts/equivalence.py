@@ -6,7 +6,8 @@ rank builds the same model and global batches and trains on its ``tensor_split``
 parameters equal the reference to rtol 1e-5 and every rank (and replica) holds bitwise identical
 parameters, with micro-batches, the host ring (``host_memory=``), a bf16 round trip (exactly
 the documented rounding of each device's gradient, summed in float32 over all devices of all
-ranks), and ``DataParallel`` (the mean over ranks, as DDP). Prints ``OK <case>`` on rank 0.
+ranks), and ``DataParallel`` (the mean over ranks, as DDP). Prints ``OK <case>`` on rank 0; then
+runs ``python -m cgdp.gloo_check --json`` in the same processes (its report on rank 0).
 """
 import copy
 import hashlib
@@ -144,3 +145,8 @@ for x, y in batches(3, 12):
 assert_params_close(dp.module, ref)
 dp.close()
 ok("dataparallel")
+
+# ---------------------------------------------------------------- python -m cgdp.gloo_check's report
+from cgdp.cli.mpi_check import main as check  # noqa: E402
+
+assert check(["--mib", "4", "--reps", "2", "--json"], backend="gloo") == 0
