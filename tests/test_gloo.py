@@ -63,7 +63,7 @@ def test_two_ranks_equal_one_device_bitwise_identical_with_ring_micro_batches_an
     codes, outs, _ = finish(start_ranks(script("equivalence.py")), timeout=240)
     assert codes == [0, 0], "\n---\n".join(outs)
     out = outs[0]
-    for case in ("contract", "mlp-sgd-k1-uneven", "mlp-adam-k2-micro-batches", "host-ring", "bf16",
+    for case in ("contract", "user-group", "mlp-sgd-k1-uneven", "mlp-adam-k2-micro-batches", "host-ring", "bf16",
                  "dataparallel"):
         assert f"OK {case}" in out, out
     # python -m cgdp.gloo_check's report, from the same ranks: on one machine the bytes went through lo

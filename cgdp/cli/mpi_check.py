@@ -115,7 +115,8 @@ def describe(report: dict[str, Any]) -> str:
     ranks, a = report["ranks"], report["allreduce"]
     head = ranks[0]
     env = " ".join(f"{k}={v}" for k, v in head["env"].items()) or "(no transport variables set)"
-    lines = [f"cgdp.{report.get('backend', 'mpi')}_check: {len(ranks)} ranks; {head['library']}; netmod {head['netmod']}",
+    prog = f"cgdp.{report.get('backend', 'mpi')}_check"
+    lines = [f"{prog}: {len(ranks)} ranks; {head['library']}; netmod {head['netmod']}",
              f"  transport settings (rank 0): {env}"]
     for r in ranks[1:]:
         if r["env"] != head["env"]:

@@ -149,6 +149,9 @@ class GlooComm(EndingComm):
             init_from_env(timeout_s)
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"comm must be 'gloo' or a torch.distributed ProcessGroup, got {type(group).__name__}")
+        if dist.get_rank(group) < 0:
+            raise ValueError(f"comm=group: this process (global rank {dist.get_rank()}) is not in the "
+                             f"group; build the trainer only on the group's ranks")
         super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout_s)
         self.blocking = True
         self._freed = False

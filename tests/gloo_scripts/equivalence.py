@@ -72,6 +72,11 @@ assert len(set(gather(acc.tobytes()))) == 1, "ranks hold different bits"
 check_small_collectives(comm)
 comm.close()
 ok("contract")
+# the user's own group (comm=group): cgdp's groups are made over its ranks
+mine = make_comm(dist.new_group([0, 1], backend="gloo"), timeout_s=30)
+check_small_collectives(mine)
+mine.close()
+ok("user-group")
 
 
 # ---------------------------------------------------------------- Trainer against one device
@@ -135,7 +140,8 @@ dp = cgdp.DataParallel(net, ["cpu:0", "cpu:1"], comm="gloo", timeout_s=30)
 opt = torch.optim.AdamW(dp.parameters(), lr=1e-2)
 for x, y in batches(3, 12):
     opt_ref.zero_grad()
-    (sum(F.cross_entropy(ref(a), b) for a, b in zip(torch.tensor_split(x, size), torch.tensor_split(y, size))) / size).backward()
+    halves = zip(torch.tensor_split(x, size), torch.tensor_split(y, size))
+    (sum(F.cross_entropy(ref(a), b) for a, b in halves) / size).backward()
     opt_ref.step()
     opt.zero_grad()
     F.cross_entropy(dp(torch.tensor_split(x, size)[rank]), torch.tensor_split(y, size)[rank]).backward()
