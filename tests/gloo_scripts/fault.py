@@ -3,8 +3,7 @@
 ``python fault.py MODE TIMEOUT ERROR_FILE`` as rank r of 2 (RANK, WORLD_SIZE, MASTER_* set):
 
 * ``kill``: rank 1 sends itself SIGKILL in the middle of backward of step 2;
-* ``stop``: rank 1 sends itself SIGSTOP there (a frozen machine);
-* ``absent``: rank 1 never starts; rank 0 waits in the rendezvous.
+* ``stop``: rank 1 sends itself SIGSTOP there (a frozen machine).
 
 Rank 0 prints ``CAUGHT <type> after <s> s: <message>`` when its trainer raises, then lets the
 error leave the script (as ``python -m cgdp.train`` does): its process must end at once.
@@ -28,7 +27,7 @@ torch.set_num_threads(1)
 Trap.mode = mode
 model = trapped_model()
 try:
-    init_from_env(timeout_s)  # "absent": the rendezvous fails here
+    init_from_env(timeout_s)
     # build the kernels once, then line the ranks up: a loaded machine must not make the trainer's
     # start-up check (a collective with the same short timeout) fail instead of the fault
     cgdp.Trainer(trapped_model(), lambda p: torch.optim.SGD(p, lr=0.1), ["cpu:0", "cpu:1"], chunks=1).close()
