@@ -139,3 +139,14 @@ def test_training_cli_under_mpiexec(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["final"] is True and rows[-1]["eval_accuracy"] >= 0.9
     assert (tmp_path / "checkpoint.pt").exists()
+
+
+def test_a_rank_whose_set_up_failed_ends_the_job():
+    """Rank 1 never builds its comm (its link cut during start-up): rank 0's set-up times out, the
+    error names the rank and what it waited for, and rank 0 ends the job at once. Before, it raised
+    and then waited in MPI_Finalize at exit until rank 1 ended (never, behind a dead link)."""
+    rc, out, took = mpirun("setup_fails.py", "2", timeout=90)
+    assert rc != 0, out
+    assert "TimeoutError: rank 0 of 2: duplicating the communicator" in out, out
+    assert "built a comm alone" not in out, out
+    assert took < 30, (took, out)  # rank 1 sleeps 60 s

@@ -118,7 +118,8 @@ class TrainConfig:
     timeout_s: float = 300.0
     """Seconds a step may wait on a device or peer before failing instead of hanging."""
     comm: str = "auto"
-    """Several machines: ``auto`` (MPI when started by mpiexec with more than one rank), ``mpi`` or ``none``."""
+    """Several machines: ``auto`` (MPI when started by mpiexec with more than one rank, gloo when by
+    torchrun), ``mpi``, ``gloo`` or ``none``."""
 
     def __post_init__(self) -> None:
         _check_types(self, "train")
@@ -129,7 +130,7 @@ class TrainConfig:
                f"train.update=host steps on the gradient the host sums, which mode {self.mode} does not stream; "
                f"use --mode cgdp")
         _choice(self.schedule, "train.schedule", ("constant", "cosine"))
-        _choice(self.comm, "train.comm", ("auto", "mpi", "none"))
+        _choice(self.comm, "train.comm", ("auto", "mpi", "gloo", "none"))
         _check(bool(self.devices.strip()), "train.devices is empty; use auto, a count, or device names")
         _check(self.batch >= 1, f"train.batch (per device) must be >= 1; got {self.batch}")
         _check(self.steps >= 1 or self.epochs >= 1, "set train.steps or train.epochs to at least 1")

@@ -1,5 +1,8 @@
 """``python -m cgdp.mpi_check``: which network the MPI ranks really use, and the allreduce bandwidth.
 
+``python -m cgdp.gloo_check`` is its twin for the gloo tier (:class:`cgdp.comm.gloo.GlooComm`),
+started like a gloo training job (``torchrun --nnodes N --nproc-per-node 1 ... -m cgdp.gloo_check``).
+
 Start it exactly as the training job (same launcher, hosts and environment), for instance::
 
     mpiexec -n 2 -ppn 1 -hosts node1,node2 python -m cgdp.mpi_check
@@ -32,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-SETTINGS = ("MPIR_CVAR_", "MPICH_", "UCX_", "FI_", "HYDRA_IFACE", "OMPI_MCA_", "I_MPI_")
-"""Environment variables that choose MPI's transport, shown for every rank."""
+SETTINGS = ("MPIR_CVAR_", "MPICH_", "UCX_", "FI_", "HYDRA_IFACE", "OMPI_MCA_", "I_MPI_", "GLOO_", "MASTER_ADDR")
+"""Environment variables that choose MPI's (or gloo's) transport, shown for every rank."""
 SHARE = 0.5
 """An interface 'carried' the allreduce when it moved at least this share of the ring's bytes."""
 
@@ -112,7 +115,8 @@ def describe(report: dict[str, Any]) -> str:
     ranks, a = report["ranks"], report["allreduce"]
     head = ranks[0]
     env = " ".join(f"{k}={v}" for k, v in head["env"].items()) or "(no transport variables set)"
-    lines = [f"cgdp.mpi_check: {len(ranks)} ranks; {head['library']}; netmod {head['netmod']}",
+    prog = f"cgdp.{report.get('backend', 'mpi')}_check"
+    lines = [f"{prog}: {len(ranks)} ranks; {head['library']}; netmod {head['netmod']}",
              f"  transport settings (rank 0): {env}"]
     for r in ranks[1:]:
         if r["env"] != head["env"]:
@@ -131,8 +135,8 @@ def describe(report: dict[str, Any]) -> str:
         names = sorted({r["busiest_interface"] for r in ranks})
         lines.append(f"verdict: every rank's data crossed a network interface ({', '.join(names)})")
     elif v == "loopback":
-        lines.append("verdict: the data went through the loopback interface: MPI is on TCP, but every rank "
-                     "is on this one machine")
+        lines.append("verdict: the data went through the loopback interface: the transport is TCP, but every "
+                     "rank is on this one machine")
     else:
         odd = [r["rank"] for r in ranks if r["verdict"] != "network"]
         lines.append(f"verdict: the data of rank(s) {odd} crossed no network interface: they exchanged it "
@@ -164,8 +168,10 @@ def measure(comm: Any, nbytes: int, reps: int) -> tuple[list[float], dict[str, t
     return times, {k: v for k, v in moved.items() if max(v) > 0}, ok
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cgdp.mpi_check", description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, backend: str = "mpi") -> int:
+    """``backend``: ``"mpi"`` (``python -m cgdp.mpi_check``) or ``"gloo"`` (``python -m cgdp.gloo_check``)."""
+    prog = f"cgdp.{backend}_check"
+    p = argparse.ArgumentParser(prog=f"python -m {prog}", description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=float, default=64, help="MiB per allreduce (default 64)")
     p.add_argument("--reps", type=int, default=5, help="timed allreduces (default 5)")
     p.add_argument("--timeout_s", type=float, default=60, help="fail instead of waiting longer (default 60)")
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="exit 1 unless every rank's data crossed a network interface")
     args = p.parse_args(argv)
     if not (args.mib > 0 and args.reps >= 1 and args.timeout_s > 0) or args.mib * 2**20 < 64:
-        print("cgdp.mpi_check: error: --mib must be >= 1/16384 (64 bytes), --reps >= 1, --timeout_s > 0",
+        print(f"{prog}: error: --mib must be >= 1/16384 (64 bytes), --reps >= 1, --timeout_s > 0",
               file=sys.stderr)
         return 2
     try:
@@ -182,38 +188,52 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, AttributeError):
         have = None
     if have is not None and args.mib * 2**20 > have / 4:
-        print(f"cgdp.mpi_check: error: --mib {args.mib:g} would take more than a quarter of this machine's "
+        print(f"{prog}: error: --mib {args.mib:g} would take more than a quarter of this machine's "
               f"{have / 2**30:.1f} GiB; a few hundred MiB measure the bandwidth well", file=sys.stderr)
         return 2
-    from cgdp.comm.mpi import MPIComm, load_mpi
     try:
-        MPI = load_mpi()
-    except ImportError as exc:
-        print(f"cgdp.mpi_check: error: {exc}", file=sys.stderr)
+        comm, library, net = _comm(backend, args.timeout_s)
+    except (ImportError, ValueError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    if MPI.COMM_WORLD.Get_size() < 2:
-        print("cgdp.mpi_check: error: this process is alone in its MPI world; start it like the training "
-              "job, e.g. mpiexec -n 2 -ppn 1 -hosts node1,node2 python -m cgdp.mpi_check", file=sys.stderr)
+    if comm.size < 2:
+        print(f"{prog}: error: this process is alone; start it like the training job, e.g. mpiexec -n 2 -ppn 1 "
+              f"-hosts node1,node2 python -m cgdp.mpi_check, or torchrun --nnodes 2 --nproc-per-node 1 ... "
+              f"-m cgdp.gloo_check", file=sys.stderr)
         return 2
-    comm = MPIComm(timeout_s=args.timeout_s, finalize_timeout_s=60.0)
     nbytes = int(args.mib * 2**20) // 64 * 64
     times, moved, ok = measure(comm, nbytes, args.reps)
-    library = MPI.Get_library_version().strip()
     mine = {"rank": comm.rank, "host": socket.gethostname(), "pid": os.getpid(), "env": settings(),
-            "library": library.splitlines()[0].strip(), "netmod": netmod(library, settings()),
+            "library": library.splitlines()[0].strip(), "netmod": net,
             "moved": moved, "sum_ok": ok, "times_s": times}
-    ranks = [json.loads(s) for s in comm.allgather_bytes(json.dumps(mine).encode(), "mpi_check report")]
+    ranks = [json.loads(s) for s in comm.allgather_bytes(json.dumps(mine).encode(), f"{prog} report")]
     comm.close()
     for r in ranks:
         r["moved"] = {k: tuple(v) for k, v in r["moved"].items()}
     slowest = [max(ts) for ts in zip(*(r["times_s"] for r in ranks))]
     report = summarise(ranks, nbytes, args.reps, slowest)
     report["sum_ok"] = all(r["sum_ok"] for r in ranks)
+    report["backend"] = backend
     if comm.rank == 0:
         print(json.dumps(report, indent=1) if args.json else describe(report), flush=True)
         if not report["sum_ok"]:
-            print("cgdp.mpi_check: the allreduce gave a wrong sum on some rank", file=sys.stderr)
+            print(f"{prog}: the allreduce gave a wrong sum on some rank", file=sys.stderr)
     if not report["sum_ok"] or (args.require_network and report["verdict"] != "network"):
         return 1
     return 0
 
+
+
+def _comm(backend: str, timeout_s: float) -> tuple[Any, str, str]:
+    """(the comm, the library's version text, the netmod) of ``backend``."""
+    if backend == "gloo":
+        import torch
+
+        from cgdp.comm.gloo import GlooComm
+        iface = os.environ.get("GLOO_SOCKET_IFNAME")
+        how = f"TCP on {iface} (GLOO_SOCKET_IFNAME)" if iface else "TCP on the interface of this host's name"
+        return GlooComm(timeout_s=timeout_s), f"gloo (torch {torch.__version__})", how
+    from cgdp.comm.mpi import MPIComm, load_mpi
+    MPI = load_mpi()
+    library = MPI.Get_library_version().strip()
+    return MPIComm(timeout_s=timeout_s, finalize_timeout_s=60.0), library, netmod(library, settings())

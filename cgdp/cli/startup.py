@@ -1,4 +1,4 @@
-"""Start-up checks of ``python -m cgdp.train`` that look at the data or at other MPI ranks.
+"""Start-up checks of ``python -m cgdp.train`` that look at the data or at other ranks (MPI or gloo).
 
 MPI start-up contract: when a launcher starts several ranks, MPI is initialised *first*, before
 the command line is even parsed (:func:`early_world`). Every rank then checks its own job, and
@@ -32,14 +32,35 @@ def launched_ranks() -> int:
     return max(sizes, default=1)
 
 
+def resolve_comm(spec: str) -> str:
+    """``train.comm`` resolved: ``auto`` is ``mpi`` when an MPI launcher started several ranks,
+    ``gloo`` when torchrun (or ``RANK``/``WORLD_SIZE``) did, else ``none``."""
+    if spec != "auto":
+        return spec
+    if launched_ranks() > 1:
+        return "mpi"
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and "RANK" in os.environ:
+            return "gloo"
+    except ValueError:
+        pass
+    return "none"
+
+
 def early_world(argv: list[str]) -> Any:
-    """``MPI.COMM_WORLD`` if a launcher started several ranks and MPI is wanted, else None."""
-    if launched_ranks() <= 1:
-        return None
+    """The ranks' world if a launcher started several and a comm is wanted, else None:
+    ``MPI.COMM_WORLD``, or for gloo :class:`cgdp.comm.gloo.ObjectWorld` (the process group made
+    from torchrun's environment)."""
+    spec = "auto"
     for i, tok in enumerate(argv):
-        if tok in ("--comm=none", "--train.comm=none") or (
-                tok in ("--comm", "--train.comm") and argv[i + 1:i + 2] == ["none"]):
-            return None
+        if tok.split("=")[0] in ("--comm", "--train.comm"):
+            spec = tok.split("=", 1)[1] if "=" in tok else (argv[i + 1] if i + 1 < len(argv) else "auto")
+    spec = resolve_comm(spec)
+    if spec == "gloo":
+        from cgdp.comm.gloo import ObjectWorld
+        return ObjectWorld()
+    if spec != "mpi" or launched_ranks() <= 1:
+        return None
     try:
         from mpi4py import MPI
     except ImportError:
@@ -80,7 +101,7 @@ def agree(world: Any, error: str | None, fp: dict[str, Any] | None) -> str | Non
         diff = [k for k in base if base[k] != other.get(k)]
         if diff:
             k = diff[0]
-            return (f"the MPI ranks disagree: rank 0 has {k} = {base[k]!r}, rank {r} has {other.get(k)!r}"
+            return (f"the ranks disagree: rank 0 has {k} = {base[k]!r}, rank {r} has {other.get(k)!r}"
                     f"{f' (and {len(diff) - 1} more)' if len(diff) > 1 else ''}; every rank must run the "
                     f"same command on the same data")
     return None

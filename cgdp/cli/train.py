@@ -78,11 +78,14 @@ class Job:
 
 
 def mpi_world(spec: str) -> tuple[int, int]:
-    """(rank, ranks): with ``auto``, MPI is used when an MPI launcher started several ranks."""
+    """(rank, ranks): with ``auto``, MPI (gloo) is used when an MPI launcher (torchrun) started several ranks."""
+    spec = startup.resolve_comm(spec)
     if spec == "none":
         return 0, 1
-    if spec == "auto" and startup.launched_ranks() <= 1:
-        return 0, 1
+    if spec == "gloo":
+        from cgdp.comm.gloo import ObjectWorld
+        world = ObjectWorld()
+        return world.Get_rank(), world.Get_size()
     try:
         from mpi4py import MPI
     except ImportError:
@@ -505,9 +508,12 @@ def _comm(job: Job) -> Any:
     a minute at exit for a launcher out of reach (docs/mpi.md)."""
     if job.ranks == 1:
         return None
+    error_file = job.out / f"rank{job.rank}.error" if job.out is not None else None
+    if startup.resolve_comm(job.cfg.train.comm) == "gloo":
+        from cgdp.comm.gloo import GlooComm
+        return GlooComm(timeout_s=job.cfg.train.timeout_s, error_file=error_file)
     from cgdp.comm.mpi import MPIComm
-    return MPIComm(timeout_s=job.cfg.train.timeout_s, finalize_timeout_s=60.0,
-                   error_file=job.out / f"rank{job.rank}.error" if job.out is not None else None)
+    return MPIComm(timeout_s=job.cfg.train.timeout_s, finalize_timeout_s=60.0, error_file=error_file)
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -545,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     resolved = to_toml(cfg)
     lead = job.rank == 0
     if lead:
-        ranks = f"; {job.ranks} MPI ranks" if job.ranks > 1 else ""
+        kind = "gloo" if startup.resolve_comm(cfg.train.comm) == "gloo" else "MPI"
+        ranks = f"; {job.ranks} {kind} ranks" if job.ranks > 1 else ""
         print(f"# resolved config (devices: {', '.join(job.devices)}{ranks}; {job.total_steps} steps)\n{resolved}")
         if job.devices[0].startswith("cpu") and cfg.train.devices.strip().isdigit():
             print(f"# no GPU found: --devices {cfg.train.devices.strip()} runs {len(job.devices)} CPU-emulated "

@@ -20,6 +20,9 @@ Contract (what the engine relies on):
 * ``attach(fail)``: the engine hands its failure callback; errors on the comm thread are reported
   through ``fail(exc)`` so that a step never hangs.
 
+Implementations: :mod:`cgdp.comm.mpi` (mpi4py), :mod:`cgdp.comm.gloo` (``torch.distributed``'s
+gloo, as launched by torchrun or SLURM), :mod:`cgdp.comm.inproc` (threads of one process, tests).
+
 May import: nothing of cgdp outside this package (the engine imports it).
 """
 from __future__ import annotations
@@ -32,7 +35,8 @@ __all__ = ["Comm", "make_comm"]
 
 
 def make_comm(spec: object, **options: Any) -> Comm | None:
-    """``None`` → one machine; ``"mpi"`` → :class:`cgdp.comm.mpi.MPIComm`; a ``Comm`` → itself."""
+    """``None`` → one machine; ``"mpi"`` → :class:`cgdp.comm.mpi.MPIComm`; ``"gloo"`` or a
+    ``torch.distributed`` process group → :class:`cgdp.comm.gloo.GlooComm`; a ``Comm`` → itself."""
     if spec is None:
         return None
     if isinstance(spec, Comm):
@@ -40,4 +44,13 @@ def make_comm(spec: object, **options: Any) -> Comm | None:
     if spec == "mpi":
         from cgdp.comm.mpi import MPIComm  # MPI is imported only when asked for
         return MPIComm(**options)
-    raise ValueError(f"comm must be None (one machine) or 'mpi' (several machines); got {spec!r}")
+    if isinstance(spec, str) and spec == "gloo" or _is_process_group(spec):
+        from cgdp.comm.gloo import GlooComm
+        return GlooComm(None if isinstance(spec, str) else spec, **options)
+    raise ValueError(f"comm must be None (one machine), 'mpi' or 'gloo' (several machines), a "
+                     f"torch.distributed ProcessGroup, or a cgdp.comm.Comm; got {spec!r}")
+
+
+def _is_process_group(obj: object) -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and isinstance(obj, dist.ProcessGroup)

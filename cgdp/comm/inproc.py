@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from cgdp.comm.ending import describe_mismatch
 from cgdp.comm.ordered import CommFailed, OrderedComm, _InFlight
 
 
@@ -181,8 +182,6 @@ class InProcComm(OrderedComm):
         return obj if self.rank == 0 else pickle.loads(data)
 
     def check_same(self, signature: dict[str, str]) -> None:
-        from cgdp.comm.mpi import describe_mismatch  # pure Python: no MPI import
-
         mine = {"signature": copy.deepcopy(dict(signature)), "host": "in-process",
                 "world_size": str(self.size)}
         every = self._collective("gather", mine, None, "check_same (start-up check)")

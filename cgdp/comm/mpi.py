@@ -41,12 +41,9 @@ report, the α/β probe) works on any :class:`~cgdp.comm.Comm`.
 """
 from __future__ import annotations
 
-import atexit
 import os
 import pickle
-import socket
 import statistics
-import threading
 import time
 import warnings
 from typing import Any
@@ -55,7 +52,10 @@ import numpy as np
 
 from cgdp.comm import abort
 from cgdp.comm.base import Comm
-from cgdp.comm.ordered import OrderedComm, _InFlight
+from cgdp.comm.ending import EndingComm, describe_mismatch, versions
+from cgdp.comm.ordered import _InFlight
+
+__all__ = ["MPIComm", "describe_mismatch", "load_mpi", "probe_alpha_beta"]
 
 INSTALL_HINT = ('install the MPI extra: pip install "cgdp[mpi]" (mpi4py and the mpich wheel; no '
                 'compiler needed), then start every rank with: mpiexec -n R python -m cgdp.train ...')
@@ -91,7 +91,7 @@ def check_thread_level(MPI: Any) -> None:
             f"an MPI built with thread support, e.g. the mpich wheel: pip install \"cgdp[mpi]\"")
 
 
-class MPIComm(OrderedComm):
+class MPIComm(EndingComm):
     """A :class:`~cgdp.comm.Comm` over MPI (see the module docstring).
 
     Args:
@@ -136,12 +136,12 @@ class MPIComm(OrderedComm):
             raise ValueError(f"poll_s and spin_s must be >= 0, got {poll_s!r}, {spin_s!r}")
         self.poll_s = poll_s
         self.spin_s = spin_s
-        self.abort_on_failure = abort_on_failure
-        self.abort_grace_s = abort_grace_s
         self.finalize_timeout_s = finalize_timeout_s
-        self._abort_armed = False
         self._freed = False
         self._base = base
+        # the exit handler first: a rank whose set-up below fails (a peer that never comes, a link
+        # cut during start-up) must end too, not raise and then wait for ever in MPI_Finalize
+        self._setup_ending(MPI, abort_on_failure, abort_grace_s, error_file)
         # Idup, polled: a rank that never builds its Trainer gives a timeout here, not a hang
         self._grad = self._dup(base, "duplicating the communicator (all ranks build a Trainer)")
         self._ctl = self._dup(base, "duplicating the communicator (all ranks build a Trainer)")
@@ -149,12 +149,6 @@ class MPIComm(OrderedComm):
             warnings.warn("comm='mpi' but this process is alone in its MPI world (size 1): start "
                           "every rank with mpiexec -n R; training goes on as one machine",
                           RuntimeWarning, stacklevel=3)
-        if error_file is not None:  # one setting for every rank: "run/rank{rank}.error"
-            error_file = os.fspath(error_file).replace("{rank}", str(self.rank))
-        abort.configure(MPI, self.rank, self.size, error_file)
-        atexit.register(self._at_exit)
-        if abort_on_failure:
-            abort.install_excepthook()
         self._start_thread()
 
     # ------------------------------------------------------------------ chunk allreduces (comm thread)
@@ -234,49 +228,17 @@ class MPIComm(OrderedComm):
         self._wait(req, what)
         return [out[d:d + c].tobytes() for d, c in zip(displs.tolist(), counts.tolist())]
 
-    def check_same(self, signature: dict[str, str]) -> None:
-        mine = {"signature": {str(k): str(v) for k, v in signature.items()},
-                "world_size": str(self.size), "versions": _versions(self._MPI),
-                "host": socket.gethostname(), "pid": os.getpid()}
-        every = [pickle.loads(b) for b in
-                 self.allgather_bytes(pickle.dumps(mine), "check_same (start-up check)")]
-        message = describe_mismatch(every)
-        if message is not None:
-            raise RuntimeError(message)  # the same words on every rank: each has every signature
-
     # ------------------------------------------------------------------ failures and shutdown
-    def _set_error(self, exc: BaseException) -> None:
-        if self._error is None and self.abort_on_failure:
-            # before any other thread can see the error: the caller may take the GIL and never give
-            # it back (a C call), so that no Python thread (the abort timer) runs again; this C
-            # watchdog ends the process anyway
-            abort.deadline(self.abort_grace_s + 2 * abort.HARD_EXIT_S)
-        super()._set_error(exc)
+    job = "MPI job"
 
-    def _on_failure(self, exc: BaseException) -> None:
-        if not self.abort_on_failure:  # the caller handles the error; keep it in the file anyway
-            abort.record(f"cgdp: rank {self.rank}: {type(exc).__name__}: {exc}", stderr=False)
-            return
-        if self._abort_armed:
-            return
-        self._abort_armed = True
-        abort.record(f"cgdp: rank {self.rank}: {type(exc).__name__}: {exc}\n"
-                     f"cgdp: rank {self.rank}: aborting the MPI job when this process exits (in "
-                     f"{self.abort_grace_s:g} s at most), so that no rank waits forever")
-        timer = threading.Timer(self.abort_grace_s, self._abort)  # backed by the deadline (_set_error)
-        timer.daemon = True
-        timer.start()
+    def _versions(self) -> str:
+        return _versions(self._MPI)
 
-    def _abort(self) -> None:
-        if self._MPI.Is_finalized():
-            return
-        abort.end(f"cgdp: rank {self.rank}: ending the MPI job now (after the "
-                  f"{type(self._error).__name__} above)")
+    def _finished(self) -> bool:
+        return self._MPI.Is_finalized()
 
     def _at_exit(self) -> None:
-        self.close()  # arms the abort if allreduces are still in flight
-        if self._abort_armed:
-            self._abort()
+        super()._at_exit()
         if self.size > 1:
             abort.bound_finalize(self.finalize_timeout_s)
 
@@ -291,59 +253,7 @@ class MPIComm(OrderedComm):
 
 
 def _versions(MPI: Any) -> str:
-    import torch
-
-    import cgdp
-    lib = MPI.Get_library_version().strip().splitlines()[0]
-    return f"cgdp {cgdp.__version__}, torch {torch.__version__}, numpy {np.__version__}, {lib}"
-
-
-def _around_difference(a: Any, b: Any, n: int = 90) -> tuple[str, str]:
-    """``repr`` of both values, cut to a window around their first difference when long."""
-    ra, rb = repr(a), repr(b)
-    if len(ra) <= n and len(rb) <= n:
-        return ra, rb
-    i = next((k for k, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
-    lo = max(0, i - n // 3)
-
-    def cut(r: str) -> str:
-        return ("…" if lo else "") + r[lo:lo + n] + ("…" if lo + n < len(r) else "")
-    return cut(ra), cut(rb)
-
-
-def describe_mismatch(every: list[dict[str, Any]]) -> str | None:
-    """Words naming the ranks and fields that differ from rank 0, or ``None`` if all agree.
-
-    ``every[r]`` is rank r's ``{"signature": {field: str}, "world_size": str, "versions": str,
-    "host": str, "pid": int}`` (only ``signature`` is required).
-    """
-    def fields(d: dict[str, Any]) -> dict[str, Any]:
-        f = dict(d["signature"])
-        for extra in ("world_size", "versions"):
-            if extra in d:
-                f[f"({extra.replace('_', ' ')})"] = d[extra]
-        return f
-
-    ref = fields(every[0])
-    lines: list[str] = []
-    bad: list[int] = []
-    for r, d in enumerate(every[1:], start=1):
-        f = fields(d)
-        where = f"rank {r}" + (f" (host {d['host']}, pid {d['pid']})" if "pid" in d else "")
-        for key in sorted(set(ref) | set(f)):
-            a, b = ref.get(key, "<missing>"), f.get(key, "<missing>")
-            if a != b:
-                if r not in bad:
-                    bad.append(r)
-                sa, sb = _around_difference(a, b)
-                lines.append(f"  {where} differs from rank 0 in {key}: rank 0 has {sa}, "
-                             f"rank {r} has {sb}")
-    if not lines:
-        return None
-    return ("the MPI ranks were not started with the same settings (rank(s) "
-            f"{bad} differ from rank 0):\n" + "\n".join(lines) +
-            "\nStart every rank with the same config, model, devices count and library versions "
-            "(one mpiexec command, one config file)")
+    return versions(MPI.Get_library_version().strip().splitlines()[0])
 
 
 # ---------------------------------------------------------------------- α/β probe for the simulator

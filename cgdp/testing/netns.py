@@ -1,4 +1,4 @@
-"""Several hosts on one Linux machine: network namespaces joined by a bridge, and MPI jobs across them.
+"""Several hosts on one Linux machine: network namespaces joined by a bridge, and MPI or torchrun jobs across them.
 
 The MPI tier's tests on one machine prove little about the network: MPICH (and UCX underneath it)
 moves data between processes of one machine through shared memory, and network namespaces share
@@ -10,7 +10,7 @@ to the machine's own network: no interface, no address, no route outside the nam
 launcher in host 0, one ``hydra_pmi_proxy`` started in each host's namespace) or one with ssh
 (hydra's ssh launcher through :meth:`Hosts.ssh`), so the launcher, the proxies and the ranks talk
 only through the bridge, and cutting a host's link (:meth:`Hosts.set_link`) cuts that host off from
-all of them.
+all of them. :class:`TorchrunJob` runs one torchrun agent per host instead (the gloo tier).
 
 Invariants: everything this module creates is named with one prefix unique to the process
 (``cgdp<pid>n<k>``); :meth:`Hosts.close` (also on errors, and from ``with``) kills the processes left
@@ -140,6 +140,18 @@ class Hosts:
         out = subprocess.run(["ip", "netns", "pids", self.names[i]], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
+    def processes(self) -> dict[int, str]:
+        """Every live process inside the hosts: pid -> ``host<i>:<command name>``."""
+        out = {}
+        for i in range(len(self.names)):
+            for pid in self.pids(i):
+                try:
+                    with open(f"/proc/{pid}/comm") as f:
+                        out[pid] = f"host{i}:{f.read().strip()}"
+                except FileNotFoundError:
+                    pass
+        return out
+
     def close(self) -> None:
         for ns in reversed(self._made):
             if ns != self.switch:
@@ -266,15 +278,7 @@ class Job:
 
     def processes(self) -> dict[int, str]:
         """Every live process of the job: pid -> ``host<i>:<command name>``."""
-        out = {}
-        for i in range(len(self.hosts.names)):
-            for pid in self.hosts.pids(i):
-                try:
-                    with open(f"/proc/{pid}/comm") as f:
-                        out[pid] = f"host{i}:{f.read().strip()}"
-                except FileNotFoundError:
-                    pass
-        return out
+        return self.hosts.processes()
 
     def wait(self, timeout: float) -> int:
         """mpiexec's exit code; kills the job and raises TimeoutError if it runs past ``timeout``."""
@@ -301,6 +305,76 @@ class Job:
         for p in [self.mpiexec, *self.proxies]:
             try:
                 p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class TorchrunJob:
+    """``torchrun --nnodes N --nproc-per-node 1 --node-rank i`` in each host ``i``: the rendezvous
+    (torchrun's static one, its store in host 0's agent) at host 0's address, gloo on ``hnet0``
+    (``GLOO_SOCKET_IFNAME``; the namespaces' hostname resolves to no address inside them).
+    ``lines`` collects every agent's output (its worker's stdout and stderr), each line prefixed
+    ``h<i>: ``, with its arrival time. Use :meth:`wait`; :meth:`kill` ends what is left."""
+
+    def __init__(self, hosts: Hosts, argv: list[str], env: dict[str, str], port: int = 29400):
+        self.hosts = hosts
+        self.lines: list[tuple[float, str]] = []
+        env = dict(env, GLOO_SOCKET_IFNAME=IFACE)
+        n = len(hosts.names)
+        self.agents = []
+        for i in range(n):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", "1",
+                   "--node-rank", str(i), "--master-addr", hosts.addresses[0], "--master-port", str(port),
+                   "--max-restarts", "0", *argv]
+            self.agents.append(subprocess.Popen(hosts.run(i, cmd), env=env, stdin=subprocess.DEVNULL,
+                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        self._readers = [threading.Thread(target=self._read, args=(i, a), daemon=True)
+                         for i, a in enumerate(self.agents)]
+        for t in self._readers:
+            t.start()
+
+    def _read(self, i: int, agent: subprocess.Popen) -> None:
+        assert agent.stdout is not None
+        for line in agent.stdout:
+            self.lines.append((time.monotonic(), f"h{i}: {line}"))
+
+    @property
+    def output(self) -> str:
+        return "".join(s for _, s in self.lines)
+
+    def wait_for(self, text: str, timeout: float) -> float:
+        """Wait until a line holding ``text`` arrives; its arrival time (TimeoutError if it never does)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for t, line in list(self.lines):
+                if text in line:
+                    return t
+            if all(a.poll() is not None for a in self.agents):
+                break
+            time.sleep(0.05)
+        raise TimeoutError(f"no line with {text!r} within {timeout:g} s; output:\n{self.output}")
+
+    def wait(self, timeout: float) -> list[int]:
+        """Every agent's exit code; kills the job and raises TimeoutError past ``timeout``."""
+        end = time.monotonic() + timeout
+        try:
+            codes = [a.wait(max(0.1, end - time.monotonic())) for a in self.agents]
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise TimeoutError(f"the torchrun job ran past {timeout:g} s; output:\n{self.output}") from None
+        for t in self._readers:
+            t.join(5)
+        return codes
+
+    def kill(self) -> None:
+        for a in self.agents:
+            if a.poll() is None:
+                _kill(a.pid)
+        for pid in self.hosts.processes():
+            _kill(pid)
+        for a in self.agents:
+            try:
+                a.wait(5)
             except subprocess.TimeoutExpired:
                 pass
 

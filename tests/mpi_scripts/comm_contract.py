@@ -3,6 +3,8 @@ collectives, the start-up check, the α/β probe.
 
 Run by tests/test_mpi.py as ``mpiexec -n 2 python comm_contract.py``; prints ``OK ...`` lines.
 """
+import os
+import sys
 import threading
 
 import numpy as np
@@ -10,6 +12,9 @@ from mpi4py import MPI
 
 from cgdp.comm import make_comm
 from cgdp.comm.mpi import MPIComm, probe_alpha_beta
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from comm_checks import check_small_collectives  # noqa: E402
 
 world = MPI.COMM_WORLD
 comm = make_comm("mpi", timeout_s=20)
@@ -35,14 +40,7 @@ for c in (comm, MPIComm(timeout_s=20, progress="wait")):
         c.close()
 print(f"OK chunks rank {rank}", flush=True)
 
-assert comm.allreduce_small(np.array([rank + 1.0, 5.0])).tolist() == [size * (size + 1) / 2, 5.0 * size]
-assert comm.broadcast_object({"plan": [[1], [0]]} if rank == 0 else None) == {"plan": [[1], [0]]}
-comm.check_same({"layers": "fc1:10;fc2:3", "devices_per_rank": "2"})
-try:
-    comm.check_same({"layers": "fc1:10;fc2:3", "devices_per_rank": str(2 + rank)})
-    raise AssertionError("check_same accepted different signatures")
-except RuntimeError as exc:
-    assert "rank 1" in str(exc) and "devices_per_rank" in str(exc), exc
+check_small_collectives(comm)
 print(f"OK small rank {rank}", flush=True)
 
 alpha, beta = probe_alpha_beta(comm, reps=3)

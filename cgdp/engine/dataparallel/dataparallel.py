@@ -104,7 +104,7 @@ class DataParallel(nn.Module):
             auto tuner times the uniform plans over the first iterations of your loop (the time
             between two ``optimizer.step()`` calls; about 3 x log2(layers) iterations) and keeps
             the fastest. The plan never changes results, only speed.
-        comm: ``None`` for one machine, ``"mpi"`` (or a :class:`cgdp.comm.Comm`) for several:
+        comm: ``None`` for one machine, ``"mpi"``, ``"gloo"`` (or a process group, or a :class:`cgdp.comm.Comm`) for several:
             gradients are then averaged over ranks, as with DDP. Every rank must build the same
             model (checked at start-up). The comm belongs to the model: ``close()`` closes it.
         timeout_s: longest any thread waits for another before backward fails with

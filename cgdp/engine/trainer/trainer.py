@@ -94,7 +94,7 @@ class Trainer:
             over the first ~15 steps, then fixed; ``"paper"`` runs the paper's Algorithm 1). The
             plan never changes results, only speed. Modes ``"typical"`` and ``"single"`` send no
             chunks: ``"auto"`` is then one layer per chunk, untuned.
-        comm: ``None`` for one machine, ``"mpi"`` (or a :class:`cgdp.comm.Comm`) for several.
+        comm: ``None`` for one machine, ``"mpi"``, ``"gloo"`` (docs/multinode.md; or a process group, or a :class:`cgdp.comm.Comm`) for several.
             Every rank must build the same model with the same initial parameters (checked at
             start-up). A comm passed in belongs to the trainer from then on: ``close()`` closes it.
         timeout_s: longest any thread waits for another before the step fails with
