@@ -171,7 +171,7 @@ def test_ctrl_c_saves_a_checkpoint_then_resume_continues(tmp_path, capsys):
     out = tmp_path / "run"
     rc, text = _interrupt(out, 1)
     assert rc == 130, text
-    assert "stopping after this step and saving a checkpoint" in text and "Traceback" not in text, text
+    assert "stopping after this step, saving a checkpoint" in text and "Traceback" not in text, text
     ck = checkpoint.load(out / "checkpoint.pt")
     done = ck["trainer"]["step"]
     assert done >= 1 and [r for r in rows(out) if r["kind"] == "stopped"][-1]["step"] == done
@@ -333,18 +333,21 @@ def test_a_failed_first_save_does_not_offer_resume(tmp_path, capsys, monkeypatch
 
 
 def test_a_stopped_run_without_out_does_not_offer_resume(capsys, monkeypatch):
-    """Ctrl-C (here: requested before the first step ends) without --out: no checkpoint exists."""
+    """Ctrl-C (a real SIGINT, before the first step ends) without --out: no checkpoint exists, and
+    neither the first message nor the last promises or offers one."""
     import cgdp.cli.train as cli
 
     real = cli.GracefulStop.__enter__
 
     def enter(self):
         real(self)
-        self.requested = True
+        signal.raise_signal(signal.SIGINT)  # the handler runs in this (the main) thread, now
+        assert self.requested
         return self
     monkeypatch.setattr(cli.GracefulStop, "__enter__", enter)
     rc, text = run(capsys, "--steps", "5")
     assert rc == 130 and "interrupted after 1 steps" in text and "--resume" not in text, text
+    assert "nothing is saved: this run has no --out" in text and "saving a checkpoint" not in text, text
 
 
 def test_ctrl_c_after_the_rename_reports_the_checkpoint_on_disk(tmp_path, capsys, monkeypatch):
