@@ -175,3 +175,30 @@ def test_lost_chunk_times_out_with_a_clear_error(monkeypatch):
     with cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1"], chunks=1, timeout_s=0.5) as tr:
         with pytest.raises(TimeoutError, match="waited 0.5 s for the averaged gradients"):
             tr.step(X, Y, F.cross_entropy)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(segment_bytes=0, host_memory=1 << 20), r"segment_bytes must be an int number of bytes >= 1024"),
+    (dict(segment_bytes=1, host_memory=1 << 20), r"segment_bytes must be an int number of bytes >= 1024"),
+    (dict(segment_bytes=4096.0, host_memory=1 << 20), r"segment_bytes .* got 4096\.0"),
+    (dict(segment_bytes=-4096, host_memory=1 << 20), r"segment_bytes .* got -4096"),
+    (dict(segment_bytes=0), "segment_bytes"),
+    (dict(segment_bytes=True), "segment_bytes"),
+    (dict(host_memory=0), r"host_memory must be a positive int .* or None"),
+    (dict(host_memory=1.5e6), r"host_memory must be a positive int"),
+    (dict(host_memory=-1), r"host_memory must be a positive int"),
+    (dict(timeout_s="300"), r"timeout_s must be a number of seconds > 0 .* or None"),
+    (dict(timeout_s=0), "timeout_s must be a number of seconds > 0"),
+    (dict(timeout_s=float("nan")), "timeout_s must be a number of seconds > 0"),
+    (dict(chunks=0), "k must be >= 1"),
+    (dict(chunks=2.5), "int chunk size"),
+])
+@pytest.mark.parametrize("face", ["DataParallel", "Trainer"])
+def test_numeric_arguments_are_checked_on_both_faces(face, kw, match):
+    """DataParallel took segment_bytes=0 or 1 with host_memory to a ZeroDivisionError, 4096.0 to a bare
+    TypeError and -4096 to 'at least -24576 bytes'; both faces now say what the argument must be."""
+    with pytest.raises(ValueError if "chunks" not in kw or kw["chunks"] == 0 else TypeError, match=match):
+        if face == "DataParallel":
+            cgdp.DataParallel(mlp(), ["cpu:0", "cpu:1"], **kw)
+        else:
+            cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1"], **kw)

@@ -74,7 +74,7 @@ from cgdp.engine.core.module_hooks import ModuleHooks
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan
 from cgdp.engine.core.replicas import make_replicas, signature
-from cgdp.engine.core.stream import GradientStream
+from cgdp.engine.core.stream import GradientStream, check_sizes
 from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
@@ -85,7 +85,7 @@ from cgdp.engine.dataparallel.replica_state import ReplicaState
 from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
 from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
 from cgdp.engine.dataparallel.user_module import GradBuffers, local_load_post_hook
-from cgdp.engine.sync import Guard, StepAborted
+from cgdp.engine.sync import Guard, StepAborted, check_timeout
 from cgdp.planning.chunks import Plan
 
 
@@ -126,8 +126,8 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
+        check_timeout(timeout_s)
+        check_sizes(segment_bytes, host_memory)
         if scalar_outputs not in ("auto", "mean", "sum"):
             raise ValueError(f"scalar_outputs must be 'auto', 'mean' or 'sum', got {scalar_outputs!r}")
         devices = default_devices() if devices is None else devices

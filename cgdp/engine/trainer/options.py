@@ -22,9 +22,10 @@ from torch import nn
 from cgdp.engine.backend import parse_devices
 from cgdp.engine.core.clip import check_max_norm
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
-from cgdp.engine.core.stream import wire_dtype
+from cgdp.engine.core.stream import check_sizes, wire_dtype
 from cgdp.engine.core.update import PerReplica, Typical, Update
 from cgdp.engine.trainer.batch import check_micro_batches
+from cgdp.engine.sync import check_timeout
 
 UPDATES: dict[str, Callable[..., Update]] = {
     "cgdp": PerReplica,                           # host averaging during backward; each device steps
@@ -73,9 +74,7 @@ def check_arguments(model: Any, optimizer: Any, devices: Sequence[str], *, mode:
                          "there is nothing to train")
     dtype = trainable_dtype(layer_params)
     transfer = wire_dtype(grad_transfer, dtype, mode)
-    if timeout_s is not None and not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
-    if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1024:
-        raise ValueError(f"segment_bytes must be an int >= 1024, got {segment_bytes!r}")
+    check_timeout(timeout_s)
+    check_sizes(segment_bytes, None)  # host_memory: where the ring is sized (core.stream.ring_slots)
     return Checked(infos, layer_params, dtype, transfer, check_max_norm(clip_grad_norm),
                    check_micro_batches(micro_batches))
