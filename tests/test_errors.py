@@ -202,3 +202,15 @@ def test_numeric_arguments_are_checked_on_both_faces(face, kw, match):
             cgdp.DataParallel(mlp(), ["cpu:0", "cpu:1"], **kw)
         else:
             cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1"], **kw)
+
+
+@pytest.mark.parametrize("devices, match", [([], "devices is empty; pass at least one device"),
+                                            (["gpu:0"], "unknown device 'gpu:0'")])
+def test_hugging_face_trainer_refuses_bad_devices_when_built(tmp_path, devices, match):
+    """devices=[] reached train() and failed in torch's words ("batch_size should be a positive integer")."""
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    pytest.importorskip("accelerate")
+    from cgdp.integrations.transformers import Trainer as HFTrainer
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match=match):
+        HFTrainer(model=mlp(), args=args, devices=devices)
