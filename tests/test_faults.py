@@ -293,7 +293,7 @@ def test_close_from_another_thread_during_a_step_has_a_clear_outcome():
         tr.step(X, Y, loss_fn)  # warm: the close below lands inside a steady step
         CLOSE_AT.update(where=where, reached=threading.Event(), engine=tr)
         reached = CLOSE_AT["reached"]
-        closer = threading.Thread(target=lambda: reached.wait(30) and tr.close())
+        closer = threading.Thread(target=lambda tr=tr: reached.wait(30) and tr.close())
         closer.start()
         try:
             tr.step(X, Y, loss_fn)
