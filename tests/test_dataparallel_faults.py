@@ -277,11 +277,28 @@ def test_a_second_thread_is_refused_while_an_operation_runs():
 @pytest.mark.filterwarnings("ignore:replica 0's gradients were changed")  # the other thread's zero_grad
 def test_one_model_driven_from_two_threads_stays_identical():
     """Two threads run the whole loop on one model at once: each call either runs whole or is
-    refused with the clear error; the replicas never differ, and later steps run cleanly."""
-    model = cgdp.DataParallel(mlp(), DEVS, chunks=1)
+    refused with the clear error; the replicas never differ, and later steps run cleanly. The
+    first forward holds until the other thread has been refused once, so the calls collide on a
+    loaded machine too."""
+    errors, done = [], []
+
+    class HeldOnce(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, x):
+            if held:
+                held.clear()  # once (every replica is a deep copy; `held` is shared)
+                deadline = time.monotonic() + 30
+                while not errors and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            return self.net(x)
+
+    held = [True]
+    model = cgdp.DataParallel(HeldOnce(), DEVS, chunks=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     data = batches(12)
-    errors, done = [], []
 
     def worker():
         ok = 0
