@@ -149,7 +149,8 @@ CTRL_C = ["--steps", "100000", "--progress", "lines", "--log_every", "1", "--plo
           "--profile_every", "0"]
 
 
-def _interrupt(out: Path, times: int) -> tuple[int, str]:
+def _interrupt(out: Path) -> tuple[int, str]:
+    """A real Ctrl-C (SIGINT) to a real training process once its first step line is written."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.Popen([sys.executable, "-m", "cgdp.train", "--out", str(out), *CTRL_C], env=env, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -158,10 +159,8 @@ def _interrupt(out: Path, times: int) -> tuple[int, str]:
         while not (out / "metrics.jsonl").exists() or '"kind": "step"' not in (out / "metrics.jsonl").read_text():
             assert time.monotonic() < deadline and p.poll() is None, "training did not start"
             time.sleep(0.1)
-        for _ in range(times):
-            p.send_signal(signal.SIGINT)
-            time.sleep(0.05)
-        text, _ = p.communicate(timeout=60)
+        p.send_signal(signal.SIGINT)
+        text, _ = p.communicate(timeout=120)
     finally:
         p.kill()
     return p.returncode, text
@@ -169,7 +168,7 @@ def _interrupt(out: Path, times: int) -> tuple[int, str]:
 
 def test_ctrl_c_saves_a_checkpoint_then_resume_continues(tmp_path, capsys):
     out = tmp_path / "run"
-    rc, text = _interrupt(out, 1)
+    rc, text = _interrupt(out)
     assert rc == 130, text
     assert "stopping after this step, saving a checkpoint" in text and "Traceback" not in text, text
     ck = checkpoint.load(out / "checkpoint.pt")
@@ -179,9 +178,23 @@ def test_ctrl_c_saves_a_checkpoint_then_resume_continues(tmp_path, capsys):
     assert rc == 0, text
 
 
-def test_second_ctrl_c_stops_at_once_and_tells_the_truth(tmp_path):
-    rc, text = _interrupt(tmp_path / "run", 2)
+def test_second_ctrl_c_stops_at_once_and_tells_the_truth(tmp_path, capsys, monkeypatch):
+    """Two Ctrl-C right after the first step, before anything is saved: the second stops the run
+    at once, and the message says no checkpoint exists. Both signals are raised in the training
+    process's main thread by the step itself (signal.raise_signal runs the handler there and then),
+    so they cannot merge into one or arrive after the save, as two signals 50 ms apart could."""
+    import cgdp
+    real_step = cgdp.Trainer.step
+
+    def step(self, *args, **kwargs):
+        loss = real_step(self, *args, **kwargs)
+        signal.raise_signal(signal.SIGINT)  # the first: finish this step, then stop
+        signal.raise_signal(signal.SIGINT)  # the second: KeyboardInterrupt here, at once
+        return loss
+    monkeypatch.setattr(cgdp.Trainer, "step", step)
+    rc, text = run(capsys, "--out", str(tmp_path / "run"), "--steps", "100000", "--chunks", "1")
     assert rc == 130, text
+    assert "stopping after this step, saving a checkpoint" in text, text
     assert "interrupted; no checkpoint was saved (none had been written yet)" in text, text
     assert "Traceback" not in text, text
 
@@ -258,7 +271,7 @@ def test_bad_settings_are_exit_code_2(capsys, args, match):
     t0 = time.monotonic()
     rc, text = run(capsys, *args)
     assert rc == 2 and match in text, text
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # refused before anything large is built (a hang bound under load)
 
 
 def test_object_array_npz_and_binary_config(tmp_path, capsys):
@@ -290,7 +303,7 @@ def test_plan_user_errors_are_one_line_and_exit_code_2(capsys, args, match):
         rc = e.code
     err = capsys.readouterr().err
     assert rc == 2 and match in err and "Traceback" not in err, err
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60
 
 
 def test_plan_reads_the_profile_lines_of_metrics_jsonl(tmp_path, capsys):
@@ -376,7 +389,7 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_with_the_numbers(capsys):
     assert "64 replica(s) x (0.52 GiB parameters" in text and "use fewer devices" in text, text
     if not torch.cuda.is_available():
         assert "--devices 64 means 64 CPU-emulated device(s)" in text, text
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 60  # before 64 replicas exist (building them takes minutes)
 
 
 def test_the_documented_vgg16_command_on_a_small_machine(capsys, monkeypatch):

@@ -132,7 +132,7 @@ def test_failure_on_one_device_thread_surfaces_without_hang():
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="boom on one device"):
             tr.step(torch.randn(7, 12), torch.randint(0, 5, (7,)), flaky)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 60  # not the 300 s timeout: the failure ended the wait
         assert len(set(calls)) == 3  # every device ran on its own thread
         tr.step(X, Y, F.cross_entropy)
         assert_replicas_identical(tr)
@@ -160,11 +160,11 @@ def test_failure_inside_backward_does_not_hang():
         def forward(self, x):
             return self.b(Boom.apply(self.a(x)))
 
-    with cgdp.Trainer(M(), SGD, ["cpu:0", "cpu:1"], chunks=1, timeout_s=20) as tr:
+    with cgdp.Trainer(M(), SGD, ["cpu:0", "cpu:1"], chunks=1, timeout_s=120) as tr:
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="backward failed on one device"):
             tr.step(torch.randn(5, 12), torch.randint(0, 5, (5,)), F.cross_entropy)
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 60  # the failure ended the wait, not timeout_s
         tr.step(torch.randn(6, 12), torch.randint(0, 5, (6,)), F.cross_entropy)
         assert_replicas_identical(tr)
 
