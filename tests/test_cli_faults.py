@@ -149,8 +149,9 @@ CTRL_C = ["--steps", "100000", "--progress", "lines", "--log_every", "1", "--plo
           "--profile_every", "0"]
 
 
-def _interrupt(out: Path) -> tuple[int, str]:
-    """A real Ctrl-C (SIGINT) to a real training process once its first step line is written."""
+def _interrupt(out: Path, while_running=lambda p: None) -> tuple[int, str]:
+    """A real Ctrl-C (SIGINT) to a real training process once its first step line is written (and
+    ``while_running(process)`` has run)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     p = subprocess.Popen([sys.executable, "-m", "cgdp.train", "--out", str(out), *CTRL_C], env=env, cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -159,6 +160,7 @@ def _interrupt(out: Path) -> tuple[int, str]:
         while not (out / "metrics.jsonl").exists() or '"kind": "step"' not in (out / "metrics.jsonl").read_text():
             assert time.monotonic() < deadline and p.poll() is None, "training did not start"
             time.sleep(0.1)
+        while_running(p)
         p.send_signal(signal.SIGINT)
         text, _ = p.communicate(timeout=120)
     finally:
@@ -166,9 +168,21 @@ def _interrupt(out: Path) -> tuple[int, str]:
     return p.returncode, text
 
 
-def test_ctrl_c_saves_a_checkpoint_then_resume_continues(tmp_path, capsys):
+def test_a_run_holds_its_out_and_ctrl_c_saves_a_checkpoint_then_resume_continues(tmp_path, capsys):
+    """A real training process, interrupted by a real Ctrl-C. While it runs, a second run on the same
+    --out (this test's process: a second process) is refused by the first one's lock (it was
+    separated only by a few milliseconds' window before: both found --out empty); --overwrite does
+    not override the lock. Once the first has ended, its --out resumes."""
     out = tmp_path / "run"
-    rc, text = _interrupt(out)
+    refused = []
+
+    def second_run(p):
+        for extra in ([], ["--overwrite"]):
+            rc, text = run(capsys, "--out", str(out), "--steps", "3", *extra)
+            refused.append((rc, text))
+            assert rc == 2 and f"--out {out} is in use by another cgdp.train run (process {p.pid})" in text, text
+    rc, text = _interrupt(out, second_run)
+    assert len(refused) == 2
     assert rc == 130, text
     assert "stopping after this step, saving a checkpoint" in text and "Traceback" not in text, text
     ck = checkpoint.load(out / "checkpoint.pt")

@@ -30,6 +30,7 @@ from torch import nn
 
 from cgdp.cli import checkpoint
 from cgdp.cli.interrupt import GracefulStop
+from cgdp.cli.outlock import OutLock
 from cgdp.cli import memory
 from cgdp.cli import report
 from cgdp.cli import resume as resuming
@@ -494,7 +495,14 @@ def _comm(job: Job) -> Any:
 
 # ------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    lock = OutLock()  # one run at a time in an --out: held from before --out is read until the end
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv), lock)
+    finally:
+        lock.release()
+
+
+def _main(argv: list[str], lock: OutLock) -> int:
     world = startup.early_world(argv)  # several MPI ranks: MPI is up before anything can fail
     job, error = None, None
     try:
@@ -509,6 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         if flags["list_presets"]:
             print("\n".join(presets()))
             return 0
+        if cfg.run.out and not flags["print_config"] and (world is None or world.Get_rank() == 0):
+            try:
+                lock.take(cfg.run.out)
+            except RuntimeError as e:
+                raise ConfigError(str(e)) from None
         job = prepare(cfg, flags=flags)
     except (ConfigError, DataError, checkpoint.CheckpointError) as e:
         error = str(e)
