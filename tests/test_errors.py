@@ -214,3 +214,58 @@ def test_hugging_face_trainer_refuses_bad_devices_when_built(tmp_path, devices, 
     args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match=match):
         HFTrainer(model=mlp(), args=args, devices=devices)
+
+
+class TokenLM(nn.Module):
+    """A tiny language model that computes its own loss, the mean over its labels other than -100
+    (as Hugging Face's do), or the sum over them divided by ``num_items_in_batch`` when given."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = nn.Embedding(11, 8), nn.Linear(8, 11)
+
+    def forward(self, input_ids, labels=None, num_items_in_batch=None):
+        logits = self.out(self.emb(input_ids))
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        n = num_items_in_batch if num_items_in_batch is not None else (labels != -100).sum()
+        return {"loss": loss / n, "logits": logits}
+
+
+def _padded(uneven: bool):
+    ids = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(1))
+    lengths = torch.tensor([6, 6, 1, 2] if uneven else [6, 1, 6, 1])  # tokens per sample: 6 vs 1.5, or 3.5 vs 3.5
+    labels = ids.masked_fill(torch.arange(6) >= lengths[:, None], -100)
+    return {"input_ids": ids, "labels": labels}
+
+
+def test_a_models_own_loss_under_uneven_padding_is_said_once_on_both_faces():
+    """The model's own token-mean loss, combined as a per-sample mean, is not the global token mean
+    when the devices' parts hold different tokens per sample: both faces warn, once, with the fix;
+    even padding, num_items_in_batch, or training on the gathered logits gives no warning."""
+    import warnings
+    model = cgdp.DataParallel(TokenLM(), ["cpu:0", "cpu:1"], chunks=1)
+    with pytest.warns(UserWarning, match=r"tokens per sample on each device \(6, 1\.5; .* pass num_items_in_batch"):
+        model(**_padded(uneven=True))["loss"].backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**_padded(uneven=True))["loss"].backward()  # once
+    model.close()
+    with cgdp.DataParallel(TokenLM(), ["cpu:0", "cpu:1"], chunks=1) as model, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**_padded(uneven=False))["loss"].backward()
+        batch = _padded(uneven=True)
+        model(**batch, num_items_in_batch=(batch["labels"] != -100).sum())["loss"].backward()
+        out = model(**batch)  # the model's loss only logged, training on the gathered logits: exact
+        F.cross_entropy(out["logits"].flatten(0, 1), batch["labels"].flatten()).backward()
+
+    own = lambda m, b: m(**b)["loss"]  # noqa: E731
+    with cgdp.Trainer(TokenLM(), SGD, ["cpu:0", "cpu:1"], chunks=1) as tr:
+        with pytest.warns(UserWarning, match=r"cgdp.Trainer: .*\(6, 1\.5; .* return \(loss_sum, count\)"):
+            tr.step(_padded(uneven=True), own)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            tr.step(_padded(uneven=True), own)  # once
+    with cgdp.Trainer(TokenLM(), SGD, ["cpu:0", "cpu:1"], chunks=1) as tr, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tr.step(_padded(uneven=False), own)

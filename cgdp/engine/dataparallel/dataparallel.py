@@ -71,6 +71,7 @@ from cgdp.engine.core.drain import drain_after_failure
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.layers import find_layers, number_params, trainable_dtype
 from cgdp.engine.core.module_hooks import ModuleHooks
+from cgdp.engine.core.padding import OwnLossCheck, labels_of
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan
 from cgdp.engine.core.replicas import make_replicas, signature
@@ -85,6 +86,7 @@ from cgdp.engine.dataparallel.replica_state import ReplicaState
 from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
 from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
 from cgdp.engine.dataparallel.user_module import GradBuffers, local_load_post_hook
+from cgdp.engine.dataparallel.user_warning import warn_user
 from cgdp.engine.sync import Guard, StepAborted, check_timeout
 from cgdp.planning.chunks import Plan
 
@@ -145,6 +147,9 @@ class DataParallel(nn.Module):
         dtype = trainable_dtype(layer_params) if any(layer_params) else None
         self.devices = list(devices)
         self._scalar_outputs = scalar_outputs
+        self._own_loss = OwnLossCheck(NAME, "pass num_items_in_batch (the token count of the whole batch, "
+                                      "(labels != -100).sum()) to a model that divides by it, as Hugging Face "
+                                      "models do, or compute the loss from the gathered logits", warn_user)
         self._no_sync = False
         self._guard = Guard(timeout_s)
         # one operation at a time, and what close() releases (also when dropped without close())
@@ -291,7 +296,10 @@ class DataParallel(nn.Module):
                        if self._grads.trains else None)
         # the scalars are shares of a global sum when the model divided by the count it was given
         summed = self._scalar_outputs == "sum" or any(c.used for c in counts)
-        return gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
+        out = gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
+        if not summed:  # a model's own loss under uneven padding, trained on: said once
+            self._own_loss.when_trained(out, [labels_of(kw) for _, kw in parts])
+        return out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

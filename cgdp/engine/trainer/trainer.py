@@ -65,6 +65,7 @@ from cgdp.engine.trainer.batch import micro_rounds
 from cgdp.engine.trainer.hyperparameters import (HyperparameterMismatchError, Schedulers, agree_on_step,
                                                  check_hyperparameters)
 from cgdp.engine.trainer.losses import loss_weights, parse_step
+from cgdp.engine.core.padding import OwnLossCheck, labels_of
 from cgdp.engine.trainer.options import UPDATES, check_arguments
 from cgdp.engine.trainer.passes import DevicePasses
 from cgdp.engine.trainer.state import check_state
@@ -133,6 +134,8 @@ class Trainer:
         self._segment = segment_bytes
         self._host_memory = host_memory
         self._max_norm, self._micro = checked.max_norm, checked.micro_batches
+        self._own_loss = OwnLossCheck("cgdp.Trainer", "return (loss_sum, count) from loss_fn: the sum over the "
+                                      "part's tokens and how many there are (docs/step.md)")
 
         self.mode = mode
         self.devices = list(devices)
@@ -268,6 +271,8 @@ class Trainer:
             losses = [f[0].loss for f in fw]
             phase = "backward"  # with MPI the weights are a collective: ranks agree from here on
             weights = loss_weights([f[0] for f in fw], weights, self._comm, call.nested, held)
+            if call.nested and fw[0][0].count is None:  # a mean per sample: under uneven padding, said once
+                self._own_loss.check([labels_of(p) for p in call.parts])
             # (loss_sum, count) micro-batches: the held gradients were summed with weight
             # 1 / guess_j; now that the total count is known they become 1 / total on the device
             rescale = held.rescale(weights[0])
