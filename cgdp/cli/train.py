@@ -254,7 +254,8 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
             raise ConfigError(f"checkpoint {resume_path} is at step {saved}, and this run has "
                               f"{total} steps: nothing to do. Raise --steps to train further")
     return Job(cfg, devices, model, train_set, eval_set, classes, chunks, total, out, resume, rank, ranks,
-               saved_step=saved, record=record, notes=[memory_note] if memory_note else [])
+               saved_step=saved, record=record, notes=[n for n in (memory_note, memory.time_note(
+                   cfg.model.name, count_params(model), devices, global_batch, total)) if n])
 
 
 def _check_memory(cfg: Config, devices: list[str], global_batch: int, classes: int, train_set: Any,
