@@ -74,6 +74,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a process each
 @pytest.mark.parametrize("where", ["write", "rename"])
 def test_killed_save_leaves_old_loadable(tmp_path, where):
     path = tmp_path / "ck.pt"

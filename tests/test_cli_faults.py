@@ -168,6 +168,7 @@ def _interrupt(out: Path, while_running=lambda p: None) -> tuple[int, str]:
     return p.returncode, text
 
 
+@pytest.mark.slow  # a training process
 def test_a_run_holds_its_out_and_ctrl_c_saves_a_checkpoint_then_resume_continues(tmp_path, capsys):
     """A real training process, interrupted by a real Ctrl-C. While it runs, a second run on the same
     --out (this test's process: a second process) is refused by the first one's lock (it was

@@ -163,6 +163,7 @@ HANG_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a process each
 @pytest.mark.parametrize("how, end", [("timeout", "close"), ("sigint", "close"), ("sigint", "drop")])
 def test_a_thread_that_never_returns_does_not_block_close_or_exit(tmp_path, how, end):
     script = tmp_path / "hang.py"

@@ -88,7 +88,7 @@ def mpi_world(spec: str) -> tuple[int, int]:
     try:
         from mpi4py import MPI
     except ImportError:
-        raise ConfigError('train.comm needs mpi4py: pip install "cgdp[mpi]" (or run with --comm none)') from None
+        raise ConfigError('train.comm needs mpi4py: pip install -e ".[mpi]" in the clone of cgdp (or run with --comm none)') from None
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
