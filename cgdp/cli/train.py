@@ -383,8 +383,9 @@ def train(job: Job) -> dict:
     metrics = Metrics(job.out if lead else None, append=job.resume is not None)
     metrics.kept = lambda: _kept(job)
     wall0 = time.perf_counter()
-    with cgdp.Trainer(job.model, make_optimizer(t), job.devices, mode=t.mode, chunks=job.chunks,
-                      timeout_s=t.timeout_s, comm=_comm(job)) as trainer, metrics, \
+    with startup.intra_op_threads(job.devices), \
+            cgdp.Trainer(job.model, make_optimizer(t), job.devices, mode=t.mode, chunks=job.chunks,
+                         timeout_s=t.timeout_s, comm=_comm(job)) as trainer, metrics, \
             GracefulStop(job.ranks == 1, saves=lead and job.out is not None) as interrupt:
         start = 0
         if job.resume is not None:
