@@ -49,8 +49,9 @@ class OwnLossCheck:
 
     def __init__(self, face: str, fix: str, warn: Callable[[str], None] | None = None):
         self.face, self.fix = face, fix
-        self.warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=4))
-        """How the warning is given (DataParallel's points at the user's line)."""
+        # by default at the caller of Trainer.step: this lambda, warn_once, check, step, its operation wrapper
+        self.warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=6))
+        """How the warning is given (at the user's line)."""
         self.left = CHECKS
 
     def uneven(self, labels: Sequence[torch.Tensor | None]) -> str | None:
