@@ -12,6 +12,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each runs benchmark scripts in processes of their own
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -74,6 +74,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a process each
 @pytest.mark.parametrize("where", ["write", "rename"])
 def test_killed_save_leaves_old_loadable(tmp_path, where):
     path = tmp_path / "ck.pt"
@@ -141,3 +142,36 @@ def test_resume_with_other_settings_is_refused(tmp_path, capsys):
     assert "train.lr: 0.05 -> 0.5" in err and "Traceback" not in err
     assert main(base + ["--resume"]) == 2
     assert "nothing to do" in capsys.readouterr().err
+
+
+def test_out_leaves_the_trained_model_where_pytorch_users_look(tmp_path, capsys):
+    """``--out`` writes ``model.pt``, a plain state_dict that ``torch.load(weights_only=True)`` reads into
+    the user's own model (it scores the run's final eval accuracy), prints its path, and
+    ``cgdp.load_checkpoint`` reads the checkpoint (its ``"model"`` is the same state_dict)."""
+    import cgdp
+    from cgdp.data import digits, eval_batches
+    from cgdp.models import build_model
+
+    out = tmp_path / "run"
+    assert main(["--steps", "6", "--chunks", "1", "--progress", "off", "--plots", "false", "--profile_every", "0",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"trained model: {out / 'model.pt'}" in printed, printed
+    state = torch.load(out / "model.pt", weights_only=True)
+    net = build_model("digits_cnn", 10, (1, 8, 8))
+    net.load_state_dict(state)
+    net.eval()
+    test = digits("test")
+    with torch.no_grad():
+        correct = sum(int((net(x).argmax(1) == y).sum()) for x, y in eval_batches(test, 512))
+    final = _losses(out)[1][-1]
+    assert correct / len(test) == final["eval_accuracy"]
+
+    for where in (out, out / "checkpoint.pt"):
+        ck = cgdp.load_checkpoint(where)
+        assert ck["step"] == 6 and ck["config"]["train"]["steps"] == 6
+        assert list(ck["model"]) == list(state) and all(torch.equal(ck["model"][k], state[k]) for k in state)
+    with pytest.raises(checkpoint.CheckpointError, match=r"plain torch file.*torch.load\(path, weights_only=True\)"):
+        cgdp.load_checkpoint(out / "model.pt")
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint"):
+        cgdp.load_checkpoint(tmp_path / "nothing")

@@ -104,7 +104,7 @@ def test_a_rank_that_stops_gives_timeout_naming_chunk_and_rank():
     message, waited = on_ranks(2, rank, timeout_s=0.5)[0]
     assert "rank 0 of 2" in message and "chunk 0" in message and "step 0" in message
     assert "[1] never posted it" in message
-    assert waited < 3.0
+    assert waited < 30  # the 0.5 s fence timed out (a bound against a hang, not a speed test)
     assert failures and isinstance(failures[0], TimeoutError)
 
 

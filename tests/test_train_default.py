@@ -95,3 +95,30 @@ def test_plots_are_optional(default_run, monkeypatch, tmp_path):
     pytest.importorskip("matplotlib")
     assert "written" in report.write_plots(tmp_path, rows, profile)
     assert (tmp_path / "summary.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("omp", [None, "3"])
+def test_emulated_devices_share_the_cores_between_device_threads(monkeypatch, capsys, omp):
+    """On CPU-emulated devices the command gives each device thread its share of the usable cores
+    as torch's intra-op threads (every device thread ran a pool of all of them), restores the
+    caller's setting at the end, and keeps OMP_NUM_THREADS when the user set it."""
+    import torch
+    import cgdp
+    from cgdp.engine.core import threads as threads_mod
+    if torch.cuda.is_available():
+        pytest.skip("the choice is for CPU-emulated devices")
+    monkeypatch.setattr(threads_mod, "usable_cores", lambda: 4)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    seen, real_step, before = [], cgdp.Trainer.step, torch.get_num_threads()
+
+    def step(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real_step(self, *args, **kwargs)
+    monkeypatch.setattr(cgdp.Trainer, "step", step)
+    assert main(["--steps", "2", "--chunks", "1", "--progress", "off", "--devices", "cpu:0,cpu:1"]) == 0
+    capsys.readouterr()
+    assert seen == ([2, 2] if omp is None else [before, before])
+    assert torch.get_num_threads() == before

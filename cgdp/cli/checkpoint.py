@@ -100,26 +100,41 @@ def save(state: dict[str, Any], path: str | os.PathLike, meta: dict[str, Any] | 
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getbuffer()
-    header = encode(payload, meta or {})
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f"{TMP_PREFIX}{path.name}.*.tmp"):  # left by a crashed save
-            stale.unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", suffix=".tmp", dir=path.parent)
+        write_atomically(path, (encode(payload, meta or {}), payload))
     except OSError as e:
         raise _write_error(e, path) from None
+
+
+def save_model(model: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """Write a model's ``state_dict`` to ``path`` as a plain ``torch.save`` file (tensors on the
+    CPU), which ``torch.load(path, weights_only=True)`` reads: the trained model where PyTorch
+    users look for it. Atomic as :func:`save`; ``OSError`` if it cannot be written."""
+    plain = type(model)((k, v.detach().cpu()) for k, v in model.items())
+    if hasattr(model, "_metadata"):  # load_state_dict's per-module versions, as torch keeps them
+        plain._metadata = model._metadata
+    buf = io.BytesIO()
+    torch.save(plain, buf)
+    write_atomically(pathlib.Path(path), (buf.getbuffer(),))
+
+
+def write_atomically(path: pathlib.Path, parts: tuple[bytes | memoryview, ...]) -> None:
+    """Replace ``path`` with the concatenated ``parts``: a temporary file in the same directory,
+    fsynced, renamed over ``path``, the directory fsynced. ``OSError`` leaves ``path`` as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f"{TMP_PREFIX}{path.name}.*.tmp"):  # left by a crashed save
+        stale.unlink(missing_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; a checkpoint is an ordinary result file
         with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(payload)
+            for part in parts:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the rename makes it visible
         os.replace(tmp, path)
-    except BaseException as e:  # also Ctrl-C: the old checkpoint stays, the partial one goes
+    except BaseException:  # also Ctrl-C: the old file stays, the partial one goes
         pathlib.Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise _write_error(e, path) from None
         raise
     _fsync_dir(path.parent)
 
@@ -139,6 +154,30 @@ def _write_error(e: OSError, path: pathlib.Path) -> CheckpointError:
 def load(path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save`, verifying its SHA-256; never runs pickled code."""
     return load_with_meta(path)[0]
+
+
+def read(path: str | os.PathLike) -> dict[str, Any]:
+    """``cgdp.load_checkpoint``: the checkpoint a ``cgdp.train --out DIR`` run wrote (``path`` is the
+    file or ``DIR``), checked as :func:`load` does. The dict holds what the run saved (``"trainer"``,
+    ``"rng"``, ``"loader"``, ``"config"``, ``"job"``) and, lifted from ``"trainer"``, ``"model"`` (the
+    model's ``state_dict``), ``"optimizer"`` (replica 0's optimizer ``state_dict``) and ``"step"``."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        path = path / "checkpoint.pt"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC))
+    except OSError:
+        head = MAGIC  # load() says what is wrong
+    if not head.startswith(MAGIC) and not head.startswith(OLD_MAGIC) and head[:2] == b"PK":
+        raise CheckpointError(f"{path} is a plain torch file, not a cgdp checkpoint (OUT/model.pt, the trained "
+                              f"model, is one): read it with torch.load(path, weights_only=True)")
+    state = load(path)
+    trainer = state.get("trainer")
+    if not isinstance(trainer, dict) or "model" not in trainer:
+        raise CheckpointError(f"{path} is a cgdp checkpoint without a trainer's state (not written by "
+                              f"python -m cgdp.train); read it with cgdp.cli.checkpoint.load")
+    return {**state, "model": trainer["model"], "optimizer": trainer.get("optimizer"), "step": trainer.get("step")}
 
 
 def load_with_meta(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:

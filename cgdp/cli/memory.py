@@ -172,6 +172,21 @@ def warning(est: Estimate, host: float | None) -> str | None:
             f"lower --batch" + (f" (to {fit}, say)" if fit else ""))
 
 
+LARGE_ON_CPU = 1_000_000
+"""Parameters from which a model is sized for GPUs (the paper's networks: 6.6 M to 138 M; the
+bundled digits models: under 40 k)."""
+
+
+def time_note(name: str, params: int, devices: list[str], global_batch: int, steps: int) -> str | None:
+    """A note for a GPU-sized model on CPU-emulated devices, where a step takes minutes: said before
+    the run starts, with what makes it short; the first step's line gives the ETA."""
+    if devices[0].startswith("cuda") or params < LARGE_ON_CPU:
+        return None
+    return (f"note: {name} ({params / 1e6:.1f} M parameters, {global_batch} samples a step) is sized for GPUs; on "
+            f"{len(devices)} CPU-emulated device(s) one step can take minutes and {steps} steps hours (the ETA "
+            f"follows the first step). For a quick look, pass --steps 3 --batch 2")
+
+
 def _largest_batch(est: Estimate, host: float | None, gpu_free: list[float] | None) -> int:
     """The largest per-device batch that fits (0 if none does)."""
     def fits(b: int) -> bool:

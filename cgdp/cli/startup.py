@@ -10,11 +10,13 @@ trainer's first collective.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
+import torch
 
 LAUNCHER_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 MEMORY_SHARE = 0.5
@@ -146,3 +148,22 @@ def check_batch_memory(global_batch: int, sample_shape: tuple[int, ...], what: s
         return (f"one global batch ({global_batch} samples of {what}, shape {tuple(sample_shape)}) needs "
                 f"{need / 2**30:.1f} GiB, more than half of this machine's {have / 2**30:.1f} GiB; lower --batch")
     return None
+
+
+@contextlib.contextmanager
+def intra_op_threads(devices: list[str]) -> Iterator[int]:
+    """torch's intra-op threads for the run: on CPU-emulated devices, the usable cores shared among
+    the device threads (at least one each), as each DDP process gets under torchrun and as the
+    benchmarks run; torch's default (every core for every device thread) makes the device threads'
+    pools fight over the same cores. ``OMP_NUM_THREADS``, when set, is the user's choice and kept;
+    so are GPUs. The previous setting comes back at the end. Yields the count in use."""
+    before = torch.get_num_threads()
+    if devices[0].startswith("cuda") or os.environ.get("OMP_NUM_THREADS"):
+        yield before
+        return
+    from cgdp.engine.core.threads import usable_cores
+    torch.set_num_threads(max(1, usable_cores() // len(devices)))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

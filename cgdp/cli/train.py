@@ -20,9 +20,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -31,12 +29,14 @@ import torch
 from torch import nn
 
 from cgdp.cli import checkpoint
+from cgdp.cli.interrupt import GracefulStop
+from cgdp.cli.outlock import OutLock
 from cgdp.cli import memory
 from cgdp.cli import report
 from cgdp.cli import resume as resuming
 from cgdp.cli import startup
 from cgdp.cli import trace
-from cgdp.cli.output import Metrics, OutputError, resume_row, write_text
+from cgdp.cli.output import Metrics, OutputError, disk_error, resume_row, write_text
 from cgdp.cli.config import Config, ConfigError, help_text, parse_args, presets, resumed_config, to_toml
 from cgdp.data import DataError, Loader, SyntheticDataset, digits, eval_batches, open_shards
 from cgdp.models import MODELS, build_model, count_params, get_spec
@@ -45,6 +45,8 @@ from cgdp.cli.progress import Progress
 # settings a resumed run may change; anything else must match the checkpoint's run
 RESUMABLE_CHANGES = {"train.steps", "train.epochs", "train.timeout_s", "data.prefetch"}
 RUN_FILES = ("checkpoint.pt", "metrics.jsonl")
+MODEL_FILE = "model.pt"
+"""The trained model's state_dict, written at the end of a run with --out (``torch.load`` reads it)."""
 """Files whose presence marks ``out`` as holding a run (refused without --resume or --overwrite)."""
 
 
@@ -89,7 +91,7 @@ def mpi_world(spec: str) -> tuple[int, int]:
     try:
         from mpi4py import MPI
     except ImportError:
-        raise ConfigError('train.comm needs mpi4py: pip install "cgdp[mpi]" (or run with --comm none)') from None
+        raise ConfigError('train.comm needs mpi4py: pip install -e ".[mpi]" in the clone of cgdp (or run with --comm none)') from None
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
@@ -255,7 +257,8 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
             raise ConfigError(f"checkpoint {resume_path} is at step {saved}, and this run has "
                               f"{total} steps: nothing to do. Raise --steps to train further")
     return Job(cfg, devices, model, train_set, eval_set, classes, chunks, total, out, resume, rank, ranks,
-               saved_step=saved, record=record, notes=[memory_note] if memory_note else [])
+               saved_step=saved, record=record, notes=[n for n in (memory_note, memory.time_note(
+                   cfg.model.name, count_params(model), devices, global_batch, total)) if n])
 
 
 def _check_memory(cfg: Config, devices: list[str], global_batch: int, classes: int, train_set: Any,
@@ -340,32 +343,6 @@ def evaluate(trainer, dataset, batch: int = 512) -> tuple[float, float]:
     return correct / max(n, 1), loss_sum / max(n, 1)
 
 
-class GracefulStop:
-    """Ctrl-C in a one-process run: the first finishes the current step, saves a checkpoint and
-    stops; a second raises ``KeyboardInterrupt`` at once. (With MPI every rank would have to stop
-    at the same step, so there Ctrl-C keeps its default meaning.)"""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.requested = False
-
-    def __enter__(self) -> "GracefulStop":
-        if self.enabled:
-            self._old = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\ninterrupted: stopping after this step and saving a checkpoint (Ctrl-C again to stop at once)",
-              file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc) -> None:
-        if self.enabled:
-            signal.signal(signal.SIGINT, self._old)
-
-
 def _nonfinite(e: FloatingPointError, x: Any, step: int, lr: float) -> Exception:
     """Blame the data when the inputs were not finite, the learning rate only when they were."""
     xs = x if isinstance(x, (tuple, list)) else (x,)
@@ -376,11 +353,18 @@ def _nonfinite(e: FloatingPointError, x: Any, step: int, lr: float) -> Exception
     return FloatingPointError(f"{e} (the run diverged at step {step}; --lr is {lr})")
 
 
-def _save(job: Job, trainer, loader: Loader) -> None:
+def _save(job: Job, trainer, loader: Loader, last: bool = False) -> None:
+    """The checkpoint; with ``last``, also the trained model as a plain state_dict (``OUT/model.pt``)."""
     checkpoint.save({"trainer": trainer.state_dict(), "rng": checkpoint.rng_state(),
                      "loader": loader.state_dict(), "config": job.cfg.to_dict(), "job": job.record},
                     job.out / "checkpoint.pt", meta={"step": trainer.step_count})
     job.saved_step = trainer.step_count
+    if last:
+        try:
+            checkpoint.save_model(trainer.replicas[0].state_dict(), job.out / MODEL_FILE)
+        except OSError as e:
+            raise disk_error(e, job.out / MODEL_FILE, f"{job.out / 'checkpoint.pt'} holds the same model "
+                             f"(cgdp.load_checkpoint(path)['model'])") from None
 
 
 def _kept(job: Job) -> str:
@@ -402,9 +386,10 @@ def train(job: Job) -> dict:
     metrics = Metrics(job.out if lead else None, append=job.resume is not None)
     metrics.kept = lambda: _kept(job)
     wall0 = time.perf_counter()
-    with cgdp.Trainer(job.model, make_optimizer(t), job.devices, mode=t.mode, chunks=job.chunks,
-                      timeout_s=t.timeout_s, comm=_comm(job), update=t.update) as trainer, metrics, \
-            GracefulStop(job.ranks == 1) as interrupt:
+    with startup.intra_op_threads(job.devices), \
+            cgdp.Trainer(job.model, make_optimizer(t), job.devices, mode=t.mode, chunks=job.chunks,
+                         timeout_s=t.timeout_s, comm=_comm(job), update=t.update) as trainer, metrics, \
+            GracefulStop(job.ranks == 1, saves=lead and job.out is not None) as interrupt:
         start = 0
         if job.resume is not None:
             trainer.load_state_dict(job.resume["trainer"])
@@ -474,7 +459,7 @@ def train(job: Job) -> dict:
             loader.close()
         done = trainer.step_count
         if lead and job.out is not None and (done == job.total_steps or r.stop_after or interrupt.requested):
-            _save(job, trainer, loader)
+            _save(job, trainer, loader, last=True)
         note = tracer.write()
         if note:
             print(note)
@@ -518,7 +503,14 @@ def _comm(job: Job) -> Any:
 
 # ------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    lock = OutLock()  # one run at a time in an --out: held from before --out is read until the end
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv), lock)
+    finally:
+        lock.release()
+
+
+def _main(argv: list[str], lock: OutLock) -> int:
     world = startup.early_world(argv)  # several MPI ranks: MPI is up before anything can fail
     job, error = None, None
     try:
@@ -533,6 +525,11 @@ def main(argv: list[str] | None = None) -> int:
         if flags["list_presets"]:
             print("\n".join(presets()))
             return 0
+        if cfg.run.out and not flags["print_config"] and (world is None or world.Get_rank() == 0):
+            try:
+                lock.take(cfg.run.out)
+            except RuntimeError as e:
+                raise ConfigError(str(e)) from None
         job = prepare(cfg, flags=flags)
     except (ConfigError, DataError, checkpoint.CheckpointError) as e:
         error = str(e)
@@ -589,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({final['wall_s']:.1f} s)")
     else:
         print(final["note"])
+    if job.out is not None and (job.out / MODEL_FILE).is_file():
+        print(f"trained model: {job.out / MODEL_FILE} (model.load_state_dict(torch.load(path, weights_only=True)))")
     return 130 if final.get("interrupted") else 0
 
 

@@ -57,7 +57,7 @@ from cgdp.comm.ordered import _InFlight
 
 __all__ = ["MPIComm", "describe_mismatch", "load_mpi", "probe_alpha_beta"]
 
-INSTALL_HINT = ('install the MPI extra: pip install "cgdp[mpi]" (mpi4py and the mpich wheel; no '
+INSTALL_HINT = ('install the MPI extra from a clone of cgdp: pip install -e ".[mpi]" (mpi4py and the mpich wheel; no '
                 'compiler needed), then start every rank with: mpiexec -n R python -m cgdp.train ...')
 
 
@@ -88,7 +88,7 @@ def check_thread_level(MPI: Any) -> None:
             f"MPI provides thread level {names.get(provided, provided)}, but cgdp's comm thread calls "
             f"MPI while the training thread does too, which needs MPI_THREAD_MULTIPLE. If you set "
             f"mpi4py.rc.thread_level or called MPI_Init yourself, ask for 'multiple'; otherwise use "
-            f"an MPI built with thread support, e.g. the mpich wheel: pip install \"cgdp[mpi]\"")
+            f"an MPI built with thread support, e.g. the mpich wheel: pip install -e \".[mpi]\" in a clone of cgdp")
 
 
 class MPIComm(EndingComm):

@@ -19,6 +19,14 @@ class StepAborted(RuntimeError):
     """Raised in threads that stop because another thread of the step failed."""
 
 
+def check_timeout(timeout_s: float | None) -> None:
+    """``timeout_s`` of either face: seconds > 0, or None (wait forever)."""
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not timeout_s > 0):
+        raise ValueError(f"timeout_s must be a number of seconds > 0 (the default is 300), or None to wait "
+                         f"forever; got {timeout_s!r}")
+
+
 class Guard:
     def __init__(self, timeout_s: float | None):
         self.timeout_s = timeout_s

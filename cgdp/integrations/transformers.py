@@ -56,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - the hf extra is installed where
     raise ImportError("cgdp.integrations.transformers needs transformers and accelerate: "
                       "pip install -e \".[hf]\" (or pip install transformers accelerate)") from exc
 
-from cgdp.engine.backend import default_devices
+from cgdp.engine.backend import default_devices, parse_devices
 from cgdp.engine.core.claims import holder
 from cgdp.engine.dataparallel.dataparallel import DataParallel
 
@@ -75,6 +75,9 @@ class Trainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         if devices is None:
             devices = ["cpu:0", "cpu:1"] if self.args.use_cpu else default_devices()
+        if isinstance(devices, (list, tuple)):  # torch.device("cuda", 1) is "cuda:1", as for DataParallel
+            devices = [str(d) if isinstance(d, torch.device) else d for d in devices]
+        parse_devices(devices)  # devices=[] is refused here in cgdp's words, not at train() in torch's
         self.devices = list(devices)
         """The devices the model trains on; ``trainer.model`` is replica 0, on ``devices[0]``."""
         self._one_process_view()

@@ -375,13 +375,26 @@ MIN_SLOTS = 2
 """The fewest ring slots ``host_memory`` may buy: one being summed while the next arrives."""
 
 
+MIN_SEGMENT = 1024
+"""The smallest ``segment_bytes``: every segment is a copy and a task of its own."""
+
+
+def check_sizes(segment_bytes: int, host_memory: int | None) -> None:
+    """``segment_bytes`` and ``host_memory`` of either face, before anything is built."""
+    if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < MIN_SEGMENT:
+        raise ValueError(f"segment_bytes must be an int number of bytes >= {MIN_SEGMENT} (the default is "
+                         f"4 << 20, 4 MiB), got {segment_bytes!r}")
+    if host_memory is not None and (isinstance(host_memory, bool) or not isinstance(host_memory, int)
+                                    or host_memory < 1):
+        raise ValueError(f"host_memory must be a positive int (the bytes of registered host memory, e.g. "
+                         f"64 << 20) or None (full-size host slots); got {host_memory!r}")
+
+
 def ring_slots(host_memory: int, devices: int, segment_bytes: int, wire_itemsize: int,
                widened: bool = False) -> int:
     """How many segment-sized slots of ``devices + 1`` rows fit in ``host_memory`` bytes (plus a
     float32 row when a 16-bit wire is allreduced in float32)."""
-    if isinstance(host_memory, bool) or not isinstance(host_memory, int) or host_memory < 1:
-        raise ValueError(f"host_memory must be a positive int (bytes of registered host memory), "
-                         f"got {host_memory!r}")
+    check_sizes(segment_bytes, host_memory)
     elems = -(-(segment_bytes // wire_itemsize) // ALIGN) * ALIGN
     slot = (devices + 1) * elems * wire_itemsize + (4 * elems if widened else 0)
     slots = host_memory // slot

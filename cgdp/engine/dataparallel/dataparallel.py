@@ -72,10 +72,11 @@ from cgdp.engine.core.host_update import HostMasters, check_host_update
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.memory_report import memory_report
 from cgdp.engine.core.layers import find_layers, number_params, trainable_dtype
+from cgdp.engine.core.padding import OwnLossCheck, labels_of
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan
 from cgdp.engine.core.replicas import make_replicas, signature
-from cgdp.engine.core.stream import GradientStream
+from cgdp.engine.core.stream import GradientStream, check_sizes
 from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
@@ -86,7 +87,8 @@ from cgdp.engine.dataparallel.replica_state import ReplicaState
 from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
 from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
 from cgdp.engine.dataparallel.user_module import GradBuffers
-from cgdp.engine.sync import Guard, StepAborted
+from cgdp.engine.core.user_warning import warn_user
+from cgdp.engine.sync import Guard, StepAborted, check_timeout
 from cgdp.planning.chunks import Plan
 
 
@@ -131,8 +133,8 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if timeout_s is not None and not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
+        check_timeout(timeout_s)
+        check_sizes(segment_bytes, host_memory)
         if scalar_outputs not in ("auto", "mean", "sum"):
             raise ValueError(f"scalar_outputs must be 'auto', 'mean' or 'sum', got {scalar_outputs!r}")
         devices = default_devices() if devices is None else devices
@@ -151,6 +153,9 @@ class DataParallel(nn.Module):
         self._host_update = check_host_update(update, dtype)
         self.devices = list(devices)
         self._scalar_outputs = scalar_outputs
+        self._own_loss = OwnLossCheck(NAME, "pass num_items_in_batch (the token count of the whole batch, "
+                                      "(labels != -100).sum()) to a model that divides by it, as Hugging Face "
+                                      "models do, or compute the loss from the gathered logits", warn_user)
         self._no_sync = False
         self._guard = Guard(timeout_s)
         # one operation at a time, and what close() releases (also when dropped without close())
@@ -295,7 +300,10 @@ class DataParallel(nn.Module):
                        if self._grads.trains else None)
         # the scalars are shares of a global sum when the model divided by the count it was given
         summed = self._scalar_outputs == "sum" or any(c.used for c in counts)
-        return gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
+        out = gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
+        if not summed:  # a model's own loss under uneven padding, trained on: said once
+            self._own_loss.when_trained(out, [labels_of(kw) for _, kw in parts])
+        return out
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -25,9 +25,10 @@ from cgdp.engine.backend import parse_devices
 from cgdp.engine.core.clip import check_max_norm
 from cgdp.engine.core.host_update import HostUpdate, check_host_update
 from cgdp.engine.core.layers import LayerInfo, find_layers, trainable_dtype
-from cgdp.engine.core.stream import wire_dtype
+from cgdp.engine.core.stream import check_sizes, wire_dtype
 from cgdp.engine.core.update import PerReplica, Typical, Update
 from cgdp.engine.trainer.batch import check_micro_batches
+from cgdp.engine.sync import check_timeout
 
 UPDATES: dict[str, Callable[..., Update]] = {
     "cgdp": PerReplica,                           # host averaging during backward; each device steps
@@ -90,9 +91,20 @@ def check_arguments(model: Any, optimizer: Any, devices: Sequence[str], *, mode:
     if host_update and mode != "cgdp":
         raise ValueError(f"update='host' steps on the gradient the host sums during backward, which "
                          f"mode={mode!r} does not stream: use mode='cgdp' (one device or several)")
-    if timeout_s is not None and not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s!r}")
-    if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1024:
-        raise ValueError(f"segment_bytes must be an int >= 1024, got {segment_bytes!r}")
+    check_timeout(timeout_s)
+    check_sizes(segment_bytes, None)  # host_memory: where the ring is sized (core.stream.ring_slots)
     return Checked(infos, layer_params, dtype, transfer, check_max_norm(clip_grad_norm),
                    check_micro_batches(micro_batches), host_update)
+
+
+def refusal(what: str, running: str, inside: bool) -> str:
+    if inside:
+        return (f"{what} was called from a device thread, i.e. from inside loss_fn or the model's forward; "
+                f"call it after step() has returned")
+    return (f"{what} was called from another thread while one is running; a Trainer takes one call at a "
+            f"time: serialise the calls with a lock, or use one Trainer per thread")
+
+
+def stopped(running: str) -> str:
+    return ("Trainer.close() was called from another thread while a call was running; that call stopped "
+            "(nothing applied unless its update had begun) and the Trainer is closed")

@@ -66,7 +66,8 @@ from cgdp.engine.trainer.batch import micro_rounds
 from cgdp.engine.trainer.hyperparameters import (HyperparameterMismatchError, Schedulers, agree_on_step,
                                                  check_hyperparameters)
 from cgdp.engine.trainer.losses import loss_weights, parse_step
-from cgdp.engine.trainer.options import check_arguments, make_update
+from cgdp.engine.core.padding import OwnLossCheck, labels_of
+from cgdp.engine.trainer.options import check_arguments, make_update, refusal, stopped
 from cgdp.engine.trainer.passes import DevicePasses
 from cgdp.engine.trainer.state import check_state
 from cgdp.engine.trainer.timing import Timing, step_stats
@@ -139,6 +140,8 @@ class Trainer:
         self._segment = segment_bytes
         self._host_memory = host_memory
         self._max_norm, self._micro = checked.max_norm, checked.micro_batches
+        self._own_loss = OwnLossCheck("cgdp.Trainer", "return (loss_sum, count) from loss_fn: the sum over the "
+                                      "part's tokens and how many there are (docs/step.md)")
 
         self.mode = mode
         self.devices = list(devices)
@@ -147,7 +150,7 @@ class Trainer:
         self.stats: dict[str, float] = {}
         self._timing = Timing(bool(profile))
         self._guard = Guard(timeout_s)
-        self._life = Lifetime(self, "Trainer", "create a new one", _refusal, _stopped, self._guard.fail)
+        self._life = Lifetime(self, "Trainer", "create a new one", refusal, stopped, self._guard.fail)
         self._timeout_s = timeout_s
 
         self._layer_pids = number_params(checked.layer_params)
@@ -283,6 +286,8 @@ class Trainer:
             losses = [f[0].loss for f in fw]
             phase = "backward"  # with MPI the weights are a collective: ranks agree from here on
             weights = loss_weights([f[0] for f in fw], weights, self._comm, call.nested, held)
+            if call.nested and fw[0][0].count is None:  # a mean per sample: under uneven padding, said once
+                self._own_loss.check([labels_of(p) for p in call.parts])
             # (loss_sum, count) micro-batches: the held gradients were summed with weight
             # 1 / guess_j; now that the total count is known they become 1 / total on the device
             rescale = held.rescale(weights[0])
@@ -485,15 +490,3 @@ class Trainer:
             self._buffer_watch.synced()
         self._guard.reset()
 
-
-def _refusal(what: str, running: str, inside: bool) -> str:
-    if inside:
-        return (f"{what} was called from a device thread, i.e. from inside loss_fn or the model's forward; "
-                f"call it after step() has returned")
-    return (f"{what} was called from another thread while one is running; a Trainer takes one call at a "
-            f"time: serialise the calls with a lock, or use one Trainer per thread")
-
-
-def _stopped(running: str) -> str:
-    return ("Trainer.close() was called from another thread while a call was running; that call stopped "
-            "(nothing applied unless its update had begun) and the Trainer is closed")

@@ -1,0 +1,59 @@
+"""One run at a time in an ``--out`` directory: ``OUT/.lock``, held with ``flock`` for the whole run.
+
+Two runs started on the same ``--out`` at once would both find it empty, both start, and write
+over each other's checkpoint and metrics. The first to start takes an exclusive, non-blocking
+``flock`` on ``OUT/.lock`` before anything in ``OUT`` is checked or written, and holds it until it
+ends; the second is refused with the first one's process id. The kernel gives the lock back when
+the process ends in any way (a crash or ``kill -9`` included), so a lock is never stale and never
+needs removing; the file stays, holding the id of the last run. It is never deleted, since a
+process could still hold it open: deleting it would let a third run lock a new file while the
+second holds the old one.
+
+Where ``fcntl`` does not exist (Windows) there is no lock; with MPI only rank 0 takes it (the ranks
+of one run share ``OUT``).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock
+    fcntl = None
+
+LOCK_FILE = ".lock"
+
+
+class OutLock:
+    """The lock of one ``--out``; :meth:`take` it before anything there is read or written."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+
+    def take(self, out: str | os.PathLike) -> None:
+        """Hold ``OUT/.lock``; ``RuntimeError`` (what to do) if another run holds it."""
+        if fcntl is None or self._fd is not None:
+            return
+        out = pathlib.Path(out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RuntimeError(f"cannot create results directory {out}: {e.strerror}; choose another --out") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RuntimeError(f"--out {out} is in use by another cgdp.train run (process {holder}), which "
+                               f"writes its checkpoint and metrics there; wait for it to end, or choose "
+                               f"another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the last descriptor gives the flock back
