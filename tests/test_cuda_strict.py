@@ -55,8 +55,12 @@ def test_simulator_fakes_take_the_arguments_torch_cuda_takes():
     src = inspect.getsource(cuda_runtime.TorchCuda)
     called = {n.attr for n in ast.walk(ast.parse(src))
               if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "cuda"}
-    mirrored = {name.split(".")[0] for name, _ in fake_cuda.MIRRORS} | {"nccl", "comm"}
+    mirrored = {name.split(".")[0] for name, _ in fake_cuda.MIRRORS} | {"nccl", "comm", "default_generators"}
     assert called <= mirrored, called - mirrored
+    assert isinstance(torch.cuda.default_generators, tuple)  # (one generator per device on a GPU)
+    tensor_calls = {n.attr for n in ast.walk(ast.parse(inspect.getsource(cuda_runtime)))
+                    if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "Tensor"}
+    assert tensor_calls == {"is_pinned", "pin_memory"} and all(hasattr(torch.Tensor, a) for a in tensor_calls)
     with simulated_cuda(1) as sim:
         for fn, params in fake_cuda.CUDART.items():
             assert list(inspect.signature(getattr(sim.cudart, fn)).parameters) == list(params), fn
@@ -476,3 +480,4 @@ def test_backend_corners_without_nccl_and_with_failures():
         with pytest.raises(RuntimeError, match="outlived its timed step"):
             dev.resolve(stamp)
         dev.close()
+

@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from cgdp.testing import fake_cuda
+from cgdp.testing.host_syncs import HostSyncs
 from cgdp.testing.page_locked import PageLockedMemory
 from cgdp.testing.stream_check import AccessMode, StreamChecker, StreamRaceError
 
@@ -97,6 +98,8 @@ class SimulatedCuda(PageLockedMemory):
         self.checker = StreamChecker(self._stream_name)
         self.checker.on_error = self.violations.append
         self.mode = AccessMode(self.checker, self._stream_of, self._execute)
+        self.syncs = HostSyncs(self._pinned_at)
+        self.mode.on_fresh = self.syncs.computed
         self.torch, self.cuda = fake_cuda.namespaces(self)
         self._default = [self.new_stream(fake_cuda.Stream, i, compute=True) for i in range(num_devices)]
         self.runtime = TorchCuda(self.torch, native=lambda: self.native, page_size=self.page_size)
@@ -113,7 +116,30 @@ class SimulatedCuda(PageLockedMemory):
         if self.errors:
             raise RuntimeError(f"CUDA error: {self.errors[0]} (simulated; sticky: every later call "
                                f"fails)") from self.errors[0]
+        self._watch()
+
+    def _watch(self) -> None:
+        """The calling thread's kernels are recorded, and its torch calls watched, from now on."""
         self.checker.watch_thread(self.mode)
+        loc = self._local
+        if not getattr(loc, "syncing", False):
+            _push_function_mode(self.syncs.mode)
+            loc.syncing = True
+
+    # ---------------------------------------------------------------- host waits
+    def host_syncs(self) -> Counter:
+        """Every blocking wait of the host since the simulator started or :meth:`reset_host_syncs`:
+        a Counter of (thread name, kind), kinds ``"synchronize"``, ``"read"``, ``"pageable"`` and
+        ``"arrival"`` (:mod:`cgdp.testing.host_syncs`)."""
+        with self.syncs._lock:
+            return Counter(self.syncs.counts)
+
+    def reset_host_syncs(self) -> None:
+        with self.syncs._lock:
+            self.syncs.counts.clear()
+
+    def _pinned_at(self, ptr: int) -> int | None:
+        return next((a for a, n in list(self.registered.items()) if a <= ptr < a + n), None)
 
     def _valid(self, index: int) -> int:
         if not 0 <= index < self.num_devices:
@@ -257,6 +283,7 @@ class SimulatedCuda(PageLockedMemory):
     def synchronize_stream(self, s: Any) -> None:
         self.check()
         self.need_context(s.device_index, "cudaStreamSynchronize")
+        self.syncs.count("synchronize")
         self._drain(s)
         self._fire("StreamSynchronizationCallbacks", s.cuda_stream)
         self.raise_pending()
@@ -264,6 +291,7 @@ class SimulatedCuda(PageLockedMemory):
     def synchronize_device(self, index: int) -> None:
         self.check()
         self.counts["device_syncs"] += 1
+        self.syncs.count("synchronize")
         with fake_cuda.device(index):
             self.need_context(None, "cudaDeviceSynchronize")
             for s in list(self._streams):
@@ -292,6 +320,7 @@ class SimulatedCuda(PageLockedMemory):
             self._events += 1
             ev.event_id = 0x10_0000 + self._events
         ev.sim, ev.enable_timing, ev.blocking, ev._gate, ev._t = self, enable_timing, blocking, None, None
+        ev._stream = None
         self.counts["events"] += 1
         return ev
 
@@ -300,7 +329,7 @@ class SimulatedCuda(PageLockedMemory):
         s = s if s is not None else self.current_stream(self.current_device())
         self.need_context(s.device_index, "cudaEventRecord")
         gate = threading.Event()
-        ev._gate, ev._t = gate, None
+        ev._gate, ev._t, ev._stream = gate, None, s
         self._fire("EventRecordCallbacks", ev.event_id, s.cuda_stream)
 
         def fire() -> None:
@@ -318,6 +347,11 @@ class SimulatedCuda(PageLockedMemory):
         self.check()
         self.need_context(None, "cudaEventSynchronize")
         self.counts["host_waits"] += 1
+        # the host waiting for a copy on one of cgdp's copy streams is an arrival; any other wait
+        # (the compute stream, a model's side stream) is a synchronisation
+        stream = getattr(ev, "_stream", None)
+        copy = stream is not None and not stream.compute and stream not in self._side.values()
+        self.syncs.count("arrival" if copy else "synchronize")
         if not ev.blocking:
             self.counts["spin_waits"] += 1  # a real GPU would spin a core here
         if ev._gate is not None:
@@ -395,10 +429,14 @@ class SimulatedCuda(PageLockedMemory):
             raise RuntimeError("a simulated CUDA runtime is already active; nest no simulated_cuda()")
         fake_cuda._sim = self
         self.checker.install_trace()
-        self.checker.watch_thread(self.mode)
+        self._watch()
 
     def close(self) -> None:
         self.checker.unwatch_thread(self.mode)
+        if getattr(self._local, "syncing", False):
+            _pop_function_mode(self.syncs.mode)
+            self._local.syncing = False
+        self.syncs.mode.enabled = False
         self.mode.enabled = False  # threads that outlive the simulator run their kernels plainly
         self.checker.uninstall_trace()
         if fake_cuda._sim is self:
@@ -407,6 +445,16 @@ class SimulatedCuda(PageLockedMemory):
             s._q.put(None)
         for s in self._streams:
             s._thread.join(timeout=5)
+
+
+def _push_function_mode(mode: Any) -> None:
+    torch._C._push_on_torch_function_stack(mode)
+
+
+def _pop_function_mode(mode: Any) -> None:
+    stack = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    if stack and stack[-1] is mode:
+        torch._C._pop_torch_function_stack()
 
 
 @contextlib.contextmanager
