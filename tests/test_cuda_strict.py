@@ -481,3 +481,19 @@ def test_backend_corners_without_nccl_and_with_failures():
             dev.resolve(stamp)
         dev.close()
 
+
+@pytest.mark.parametrize("flags, limit_s", [([], 420), (["--simulate"], 240)])
+def test_the_first_gpu_run_fits_one_call(flags, limit_s):
+    """``bench/gpu_run.sh``: its stages in the order of what they prove, each with its own limit,
+    all of them (kill graces and summary included) within 7 minutes on the GPU, 4 simulated."""
+    import pathlib
+    import re
+    import subprocess
+    root = pathlib.Path(__file__).resolve().parent.parent
+    out = subprocess.run(["bash", "bench/gpu_run.sh", *flags, "--dry-run"], cwd=root, capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    stages = re.findall(r"^stage (\S+) (-?\d+)s", out, re.M)
+    assert [s for s, _ in stages] == ["checks-quick", "overlap", "measure", "replicas", "pytest", "checks-full"]
+    assert all(int(t) >= 0 for _, t in stages) and int(stages[-1][1]) >= 20
+    worst = int(re.search(r"at most (\d+)s", out).group(1))
+    assert sum(int(t) for _, t in stages) + 6 * 5 + 10 == worst <= limit_s

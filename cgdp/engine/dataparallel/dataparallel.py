@@ -116,13 +116,17 @@ class DataParallel(nn.Module):
             for a share of a global sum, a loss divided by a count of the whole batch); or
             ``"auto"``: ``"sum"`` in a call that passes ``num_items_in_batch`` (Hugging Face's
             global normaliser) which the model's forward then uses, ``"mean"`` otherwise.
+        share_devices: allow a GPU to be listed more than once (one replica per entry, each with
+            its own copy streams), as for ``Trainer``: the G > 1 data path on a one-GPU machine,
+            for tests and measurements, not for speed.
     """
 
     cgdp_engine = True  # not a model to replicate (core/claims.py)
 
     def __init__(self, module: nn.Module, devices: Sequence[str] | None = None, *,
                  chunks: int | Plan | str = "auto", comm: Any = None, timeout_s: float | None = 300.0,
-                 segment_bytes: int = 4 << 20, host_memory: int | None = None, scalar_outputs: str = "auto"):
+                 segment_bytes: int = 4 << 20, host_memory: int | None = None, scalar_outputs: str = "auto",
+                 share_devices: bool = False):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -133,7 +137,7 @@ class DataParallel(nn.Module):
         devices = default_devices() if devices is None else devices
         if isinstance(devices, (list, tuple)):  # torch.device("cuda", 1) is "cuda:1"
             devices = [str(d) if isinstance(d, torch.device) else d for d in devices]
-        parse_devices(devices)
+        parse_devices(devices, share_devices)
         if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
             raise RuntimeError("Modules with uninitialized parameters (lazy modules such as nn.LazyLinear) "
                                "cannot be replicated: run one forward on a sample batch before wrapping")
@@ -155,7 +159,7 @@ class DataParallel(nn.Module):
         self._comm: Comm | None = None
         try:
             res.push(claim(self, module, NAME).release)  # one engine per model, given back last
-            self._devs = res.devs = make_devices(devices, self._guard.fail)
+            self._devs = res.devs = make_devices(devices, self._guard.fail, share_devices)
             for d in self._devs:
                 res.push(d.close)
             for d in self._devs:
