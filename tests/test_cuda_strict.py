@@ -497,3 +497,32 @@ def test_the_first_gpu_run_fits_one_call(flags, limit_s):
     assert all(int(t) >= 0 for _, t in stages) and int(stages[-1][1]) >= 20
     worst = int(re.search(r"at most (\d+)s", out).group(1))
     assert sum(int(t) for _, t in stages) + 6 * 5 + 10 == worst <= limit_s
+
+
+def test_an_event_recorded_on_another_devices_stream_is_refused():
+    """As CUDAEvent::record: an event belongs to the device of its first record; recording it on
+    another device's stream is an error (a wait on it from any device is not)."""
+    with simulated_cuda(2, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        ev = rt.Event()
+        ev.record(rt.Stream(0))
+        rt.Stream(1).wait_event(ev)
+        with pytest.raises(RuntimeError, match="Event device 0 does not match recording stream's device 1"):
+            ev.record(rt.Stream(1))
+        sim.synchronize_device(0)
+
+
+def test_streams_come_from_a_pool_of_32_per_device_round_robin():
+    """``torch.cuda.Stream()`` takes torch's pooled streams (c10/cuda/CUDAStream.cpp): the 33rd on a
+    device is the 1st again, one queue. Work assumed independent is then ordered behind the other's."""
+    with simulated_cuda(2, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        made = [rt.Stream(0) for _ in range(33)]
+        assert made[32] is made[0] and len({id(s) for s in made}) == 32
+        assert rt.Stream(1) is not made[0]
+        with rt.stream(made[0]):
+            rt.cuda._sleep(int(0.2e9))  # 0.2 s of device work on the first stream
+        ev = rt.Event()
+        ev.record(made[32])
+        assert not ev.query()  # behind the first stream's work: the same queue
+        ev.synchronize()

@@ -33,6 +33,13 @@ difference could hide a defect:
   records every context created, by whom.
 * **Sticky errors.** An exception on a stream (or :meth:`inject_error`) is sticky: every later
   call fails, as after an illegal memory access on a GPU.
+* **Streams and events as torch hands them out.** ``torch.cuda.Stream()`` takes a stream from a
+  pool of 32 per device, round-robin (the 33rd is the 1st again); an event recorded on another
+  device's stream than its first record's is refused, as ``CUDAEvent::record`` refuses it.
+* **Host waits.** Every blocking wait of the host is counted by thread and kind
+  (:meth:`host_syncs`, :mod:`cgdp.testing.host_syncs`), which needs device data told from host
+  data: a simulated device is ``torch.device("cpu", N)`` to the engine, and its memory is tracked
+  by storage.
 
 ``sim.counts`` counts what the backend asked of the runtime (events, contexts, copies, host waits,
 spin waits on non-blocking events, device synchronisations, coalesced collectives), so tests can
@@ -94,12 +101,15 @@ class SimulatedCuda(PageLockedMemory):
         self._streams: list[Any] = []
         self._by_id: dict[int, Any] = {}
         self._side: dict[int, Any] = {}
+        self._pool: dict[int, list[Any]] = {}
+        self._handed: dict[int, int] = {}
         self._events = 0
         self.checker = StreamChecker(self._stream_name)
         self.checker.on_error = self.violations.append
         self.mode = AccessMode(self.checker, self._stream_of, self._execute)
         self.syncs = HostSyncs(self._pinned_at)
-        self.mode.on_fresh = self.syncs.computed
+        self.mode.on_fresh = lambda inputs, fresh: self.syncs.computed(inputs, fresh, self._take_dest())
+        self.mode.after_access = self._after_access
         self.torch, self.cuda = fake_cuda.namespaces(self)
         self._default = [self.new_stream(fake_cuda.Stream, i, compute=True) for i in range(num_devices)]
         self.runtime = TorchCuda(self.torch, native=lambda: self.native, page_size=self.page_size)
@@ -194,8 +204,21 @@ class SimulatedCuda(PageLockedMemory):
         return cur
 
     # ---------------------------------------------------------------- streams
+    POOL = 32
+    """Streams per device and priority in torch's pool (c10/cuda/CUDAStream.cpp: kStreamsPerPool):
+    ``torch.cuda.Stream()`` hands them out round-robin, so the 33rd is the 1st again."""
+
     def new_stream(self, cls: type, index: int, compute: bool) -> Any:
         self._valid(index)
+        if not compute:
+            with self._lock:
+                n = self._handed.get(index, 0)
+                self._handed[index] = n + 1
+                pooled = self._pool.setdefault(index, [])
+            self.counts["streams"] += 1
+            if n >= self.POOL:
+                self.need_context(index, "stream creation")
+                return pooled[n % self.POOL]  # the same stream (one queue), as torch's pool
         s = object.__new__(cls)
         with self._lock:
             n = len(self._streams)
@@ -211,7 +234,7 @@ class SimulatedCuda(PageLockedMemory):
         s.idle = lambda: s._pending == 0
         s._thread.start()
         if not compute:
-            self.counts["streams"] += 1
+            pooled.append(s)
             self.need_context(index, "stream creation")
         return s
 
@@ -327,6 +350,11 @@ class SimulatedCuda(PageLockedMemory):
     def record_event(self, ev: Any, s: Any = None) -> None:
         self.check()
         s = s if s is not None else self.current_stream(self.current_device())
+        if getattr(ev, "_device", None) is None:
+            ev._device = s.device_index  # (CUDAEvent: created on its first record, on that stream's device)
+        elif ev._device != s.device_index:
+            raise RuntimeError(f"Event device {ev._device} does not match recording stream's device "
+                               f"{s.device_index}. (simulated: as CUDAEvent::record)")
         self.need_context(s.device_index, "cudaEventRecord")
         gate = threading.Event()
         ev._gate, ev._t, ev._stream = gate, None, s
@@ -387,10 +415,40 @@ class SimulatedCuda(PageLockedMemory):
             return None
         return self.current_stream(self.current_device()).cuda_stream
 
+    def _cross_device(self, func: Any, args: tuple, kwargs: dict) -> tuple[int, int] | None:
+        """(source, destination) devices of a copy between two devices, else None."""
+        if func is torch.ops.aten._to_copy.default:
+            src, dst = self.syncs.device_of(args[0]), self.syncs.index(kwargs.get("device"))
+        elif func is torch.ops.aten.copy_.default:
+            src, dst = self.syncs.device_of(args[1]), self.syncs.device_of(args[0])
+        else:
+            return None
+        return (src, dst) if src is not None and dst is not None and src != dst else None
+
+    def _after_access(self, fresh: list[tuple[int, int]]) -> None:
+        pending, self._local.barrier = getattr(self._local, "barrier", None), None
+        if pending is not None:  # the destination's stream waits for the copy
+            self.checker.allocated_on(fresh, pending[0])  # (allocated on the destination's device)
+            self.checker.stream_wait(*pending)
+
+    def _take_dest(self) -> int | None:
+        dest, self._local.dest = getattr(self._local, "dest", None), None
+        return dest
+
     def _execute(self, func: Any, args: tuple, kwargs: dict, stream: int | None) -> Any:
+        if func is torch.ops.aten._to_copy.default:  # its output lives on its device= (see on_fresh)
+            self._local.dest = self.syncs.index(kwargs.get("device"))
         if stream is not None:
             self.check()
             self._launch_check()
+            cross = self._cross_device(func, args, kwargs)
+            if cross is not None:
+                # as torch's copy between devices (aten/src/ATen/native/cuda/Copy.cu): on the
+                # source's current stream, after a wait on the destination's; then the
+                # destination's current stream waits for the copy
+                dst_stream = self.current_stream(cross[1]).cuda_stream
+                self.checker.stream_wait(stream, dst_stream)
+                self._local.barrier = (dst_stream, stream)
         if func is not torch.ops.aten.copy_.default:
             return func(*args, **kwargs)
         s = self.current_stream(self.current_device())

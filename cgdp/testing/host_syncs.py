@@ -112,9 +112,10 @@ class HostSyncs:
             return False
         return _storage(t) in self.pinned or (t.numel() > 0 and self._pinned_range(t.data_ptr()) is not None)
 
-    def computed(self, inputs: list[torch.Tensor], fresh: list[torch.Tensor]) -> None:
-        """An operator made ``fresh`` from ``inputs``: on the device of its first device input."""
-        index = next((i for t in inputs if (i := self.device_of(t)) is not None), None)
+    def computed(self, inputs: list[torch.Tensor], fresh: list[torch.Tensor], dest: int | None = None) -> None:
+        """An operator made ``fresh`` from ``inputs``: on ``dest`` (a copy's ``device=``), else on
+        the device of its first device input."""
+        index = dest if dest is not None else next((i for t in inputs if (i := self.device_of(t)) is not None), None)
         self.place(fresh, index)
 
     def pin_memory(self, t: torch.Tensor) -> torch.Tensor:
