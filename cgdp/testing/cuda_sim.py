@@ -109,7 +109,6 @@ class SimulatedCuda(PageLockedMemory):
         self.mode = AccessMode(self.checker, self._stream_of, self._execute)
         self.syncs = HostSyncs(self._pinned_at)
         self.mode.on_fresh = lambda inputs, fresh: self.syncs.computed(inputs, fresh, self._take_dest())
-        self.mode.after_access = self._after_access
         self.torch, self.cuda = fake_cuda.namespaces(self)
         self._default = [self.new_stream(fake_cuda.Stream, i, compute=True) for i in range(num_devices)]
         self.runtime = TorchCuda(self.torch, native=lambda: self.native, page_size=self.page_size)
@@ -415,22 +414,6 @@ class SimulatedCuda(PageLockedMemory):
             return None
         return self.current_stream(self.current_device()).cuda_stream
 
-    def _cross_device(self, func: Any, args: tuple, kwargs: dict) -> tuple[int, int] | None:
-        """(source, destination) devices of a copy between two devices, else None."""
-        if func is torch.ops.aten._to_copy.default:
-            src, dst = self.syncs.device_of(args[0]), self.syncs.index(kwargs.get("device"))
-        elif func is torch.ops.aten.copy_.default:
-            src, dst = self.syncs.device_of(args[1]), self.syncs.device_of(args[0])
-        else:
-            return None
-        return (src, dst) if src is not None and dst is not None and src != dst else None
-
-    def _after_access(self, fresh: list[tuple[int, int]]) -> None:
-        pending, self._local.barrier = getattr(self._local, "barrier", None), None
-        if pending is not None:  # the destination's stream waits for the copy
-            self.checker.allocated_on(fresh, pending[0])  # (allocated on the destination's device)
-            self.checker.stream_wait(*pending)
-
     def _take_dest(self) -> int | None:
         dest, self._local.dest = getattr(self._local, "dest", None), None
         return dest
@@ -441,14 +424,6 @@ class SimulatedCuda(PageLockedMemory):
         if stream is not None:
             self.check()
             self._launch_check()
-            cross = self._cross_device(func, args, kwargs)
-            if cross is not None:
-                # as torch's copy between devices (aten/src/ATen/native/cuda/Copy.cu): on the
-                # source's current stream, after a wait on the destination's; then the
-                # destination's current stream waits for the copy
-                dst_stream = self.current_stream(cross[1]).cuda_stream
-                self.checker.stream_wait(stream, dst_stream)
-                self._local.barrier = (dst_stream, stream)
         if func is not torch.ops.aten.copy_.default:
             return func(*args, **kwargs)
         s = self.current_stream(self.current_device())

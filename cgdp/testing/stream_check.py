@@ -125,20 +125,6 @@ class StreamChecker:
         with self._lock:
             self._merge(self._host, self._events.get(event, {}))
 
-    def allocated_on(self, ranges: list[tuple[int, int]], stream: int) -> None:
-        """The blocks at ``ranges`` belong to ``stream`` (the caching allocator's stream of the
-        device they were allocated on)."""
-        with self._lock:
-            for lo, hi in ranges:
-                for sp in self._covering(lo, hi, fill=False):
-                    sp.alloc = stream
-
-    def stream_wait(self, waiter: int, done: int) -> None:
-        """Stream ``waiter`` waits (an event, device-side) for the work issued so far on ``done``."""
-        with self._lock:
-            self._tick(done)
-            self._merge(self._state(waiter), dict(self._state(done)))
-
     def stream_synchronize(self, stream: int) -> None:
         with self._lock:
             self._merge(self._host, self._state(stream))
@@ -358,8 +344,6 @@ class AccessMode(TorchDispatchMode):
         self.enabled = True
         self.on_fresh: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = None
         """Called with an operator's input tensors and the tensors it allocated."""
-        self.after_access: Callable[[list[tuple[int, int]]], None] | None = None
-        """Called after each recorded access (the simulator completes a cross-device copy's barrier)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -407,8 +391,6 @@ class AccessMode(TorchDispatchMode):
         if not _UNINITIALISED.match(schema.name):
             ww += fresh  # an empty() allocates without writing (and may be host memory)
         self.checker.access(stream, rr, ww, f"{func.__name__} ({threading.current_thread().name})", fresh)
-        if self.after_access is not None:
-            self.after_access(fresh)
         return out
 
     def stream_of_object(self, s: Any) -> int | None:
