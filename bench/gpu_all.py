@@ -562,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--simulate", action="store_true",
                     help="use a simulated cuda:0 (cgdp.testing) even when a GPU is there")
     ap.add_argument("--replicas", default="2,4", help="G for the part 'replicas' (G replicas on cuda:0)")
-    ap.add_argument("--models", default=None, help="comma-separated registry names (default: the paper's four)")
+    ap.add_argument("--models", default=None,
+                    help="comma-separated registry names (default: the paper's four; with --quick, its stand-ins)")
     ap.add_argument("--batch", type=int, default=None, help="override every per-device batch")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
@@ -591,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not parts:
         ap.error(f"--parts: unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
     if args.quick:
-        models = dict(QUICK_MODELS)
+        models = ({n: QUICK_MODELS.get(n, 16) for n in args.models.split(",")} if args.models
+                  else dict(QUICK_MODELS))
         args.steps, args.warmup, args.sweep_model, args.sweep, args.sweep_iters = 3, 1, "mlp", "1,2,3", 2
         args.alg1, args.alg1_interval, args.alg1_max_iters, args.bw_mib = "2:1", 2, 12, 8
         args.simulate = not args.emulate

@@ -10,6 +10,7 @@ then runs the same kind of training under cgdp's stream-access checker (every cg
 with delays injected at each ordering point (``TORCH_CUDA_SANITIZER=1`` sees none of cgdp's threads).
 """
 import contextlib
+import ctypes
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgdp
+from cgdp.engine.backend import cuda_runtime
 from cgdp.testing import simulated_cuda
 from helpers import SmallCNN, assert_params_close, assert_replicas_identical, mlp, reference
 from cgdp.testing import inside
@@ -84,16 +86,37 @@ def test_equivalence_on_cuda(gpu, mode, opt, chunks):
         assert_params_close(tr.replicas[0], ref)
 
 
+def page_locked(ptr: int, sim) -> bool:
+    """Whether the byte at ``ptr`` is page-locked host memory, as the CUDA driver sees it
+    (``cudaPointerGetAttributes``). Not ``Tensor.is_pinned()``: torch asks about the storage's
+    first byte, which for cgdp's rows lies in the unregistered page before them."""
+    if sim is not None:
+        return sim._pinned_at(ptr) is not None
+
+    class Attributes(ctypes.Structure):  # cudaPointerAttributes (CUDA >= 11)
+        _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
+                    ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
+    attrs = Attributes()
+    lib = cuda_runtime._load_cudart()
+    assert lib is not None, "libcudart is not loaded"
+    assert lib.cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(ptr)) == 0
+    return attrs.type == 1  # cudaMemoryTypeHost
+
+
 def test_host_memory_is_page_locked_and_sized_exactly(gpu):
     model = on_ref(mlp((64, 256, 256, 10)))
     with cgdp.Trainer(model, SGD, gpus(), share_devices=True) as tr:
         host = inside(tr).stream.host._host
         assert host.shape == (len(gpus()) + 1, inside(tr).stream.layout.total)
-        if REAL:
-            assert host.is_pinned()
-            # registered exactly: the allocation holds the rows plus at most a page of alignment
-            assert host.untyped_storage().nbytes() <= host.numel() * 4 + 4096
-        else:
+        first, last = host.data_ptr(), host.data_ptr() + host.numel() * 4 - 1
+        assert page_locked(first, gpu) and page_locked(last, gpu)
+        # as torch computes it (the storage's first byte, in the page before the rows): False,
+        # on a GPU and on the simulator alike
+        assert not (host.is_pinned() if REAL else gpu.syncs.is_pinned(host))
+        # the allocation holds the rows, rounded up to whole pages, plus a page of alignment
+        page = cuda_runtime.runtime().page_size
+        assert host.untyped_storage().nbytes() <= host.numel() * 4 + 2 * page
+        if not REAL:
             assert list(gpu.registered.values()) == [host.numel() * 4]
 
 
@@ -148,3 +171,23 @@ def test_d2h_copy_overlaps_later_backward_work():
         assert done.elapsed_time(end) > 0, "the D2H copy of chunk 0 did not overlap backward"
         prof_d2h = [c for c in dev.copies if c[0] == "h2d"]
         assert prof_d2h, "H2D copies are timed on CUDA too"
+
+
+def test_dataparallel_with_two_replicas_on_one_gpu(gpu):
+    """``cgdp.DataParallel(..., share_devices=True)``: the one GPU checks that face too, each
+    replica on a different part of the batch, against single-device autograd."""
+    model = SmallCNN()
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
+    ref, _ = reference(on_ref(model), SGD, [(on_ref(x), on_ref(y)) for x, y in data], F.cross_entropy)
+    with pytest.raises(ValueError, match="share_devices=True"):
+        cgdp.DataParallel(model, ["cuda:0", "cuda:0"])
+    with cgdp.DataParallel(model, gpus(), chunks=2, share_devices=True) as dp:
+        opt = SGD(dp.parameters())
+        for x, y in data:
+            opt.zero_grad()
+            out = dp(x)
+            F.cross_entropy(out, y.to(out.device)).backward()
+            opt.step()
+            assert_replicas_identical(dp)
+        assert_params_close(dp.module, ref)

@@ -55,8 +55,12 @@ def test_simulator_fakes_take_the_arguments_torch_cuda_takes():
     src = inspect.getsource(cuda_runtime.TorchCuda)
     called = {n.attr for n in ast.walk(ast.parse(src))
               if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "cuda"}
-    mirrored = {name.split(".")[0] for name, _ in fake_cuda.MIRRORS} | {"nccl", "comm"}
+    mirrored = {name.split(".")[0] for name, _ in fake_cuda.MIRRORS} | {"nccl", "comm", "default_generators"}
     assert called <= mirrored, called - mirrored
+    assert isinstance(torch.cuda.default_generators, tuple)  # (one generator per device on a GPU)
+    tensor_calls = {n.attr for n in ast.walk(ast.parse(inspect.getsource(cuda_runtime)))
+                    if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "Tensor"}
+    assert tensor_calls == {"is_pinned", "pin_memory"} and all(hasattr(torch.Tensor, a) for a in tensor_calls)
     with simulated_cuda(1) as sim:
         for fn, params in fake_cuda.CUDART.items():
             assert list(inspect.signature(getattr(sim.cudart, fn)).parameters) == list(params), fn
@@ -476,3 +480,49 @@ def test_backend_corners_without_nccl_and_with_failures():
         with pytest.raises(RuntimeError, match="outlived its timed step"):
             dev.resolve(stamp)
         dev.close()
+
+
+@pytest.mark.parametrize("flags, limit_s", [([], 420), (["--simulate"], 240)])
+def test_the_first_gpu_run_fits_one_call(flags, limit_s):
+    """``bench/gpu_run.sh``: its stages in the order of what they prove, each with its own limit,
+    all of them (kill graces and summary included) within 7 minutes on the GPU, 4 simulated."""
+    import pathlib
+    import re
+    import subprocess
+    root = pathlib.Path(__file__).resolve().parent.parent
+    out = subprocess.run(["bash", "bench/gpu_run.sh", *flags, "--dry-run"], cwd=root, capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    stages = re.findall(r"^stage (\S+) (-?\d+)s", out, re.M)
+    assert [s for s, _ in stages] == ["checks-quick", "overlap", "measure", "replicas", "pytest", "checks-full"]
+    assert all(int(t) >= 0 for _, t in stages) and int(stages[-1][1]) >= 20
+    worst = int(re.search(r"at most (\d+)s", out).group(1))
+    assert sum(int(t) for _, t in stages) + 6 * 5 + 10 == worst <= limit_s
+
+
+def test_an_event_recorded_on_another_devices_stream_is_refused():
+    """As CUDAEvent::record: an event belongs to the device of its first record; recording it on
+    another device's stream is an error (a wait on it from any device is not)."""
+    with simulated_cuda(2, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        ev = rt.Event()
+        ev.record(rt.Stream(0))
+        rt.Stream(1).wait_event(ev)
+        with pytest.raises(RuntimeError, match="Event device 0 does not match recording stream's device 1"):
+            ev.record(rt.Stream(1))
+        sim.synchronize_device(0)
+
+
+def test_streams_come_from_a_pool_of_32_per_device_round_robin():
+    """``torch.cuda.Stream()`` takes torch's pooled streams (c10/cuda/CUDAStream.cpp): the 33rd on a
+    device is the 1st again, one queue. Work assumed independent is then ordered behind the other's."""
+    with simulated_cuda(2, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        made = [rt.Stream(0) for _ in range(33)]
+        assert made[32] is made[0] and len({id(s) for s in made}) == 32
+        assert rt.Stream(1) is not made[0]
+        with rt.stream(made[0]):
+            rt.cuda._sleep(int(0.2e9))  # 0.2 s of device work on the first stream
+        ev = rt.Event()
+        ev.record(made[32])
+        assert not ev.query()  # behind the first stream's work: the same queue
+        ev.synchronize()

@@ -36,7 +36,7 @@ def test_runs_the_cuda_backend_and_counts_its_calls_per_step():
     assert loss == loss
     assert c["copy"] == 2 * g * segments  # every segment out and back, on every device
     assert c["wait_event"] == g * chunks + g  # D2H on each chunk's ready event; compute on the marker
-    assert c["event_synchronize"] == g * segments + g  # the host on each copy; each device on its backward
+    assert c["event_synchronize"] == g * segments  # the host on each copy (the losses: one read)
     assert c.get("Event", 0) == 0  # untimed steps create no events: they are recorded again
     assert rt.registered_bytes == 0  # freed on close
 

@@ -33,6 +33,13 @@ difference could hide a defect:
   records every context created, by whom.
 * **Sticky errors.** An exception on a stream (or :meth:`inject_error`) is sticky: every later
   call fails, as after an illegal memory access on a GPU.
+* **Streams and events as torch hands them out.** ``torch.cuda.Stream()`` takes a stream from a
+  pool of 32 per device, round-robin (the 33rd is the 1st again); an event recorded on another
+  device's stream than its first record's is refused, as ``CUDAEvent::record`` refuses it.
+* **Host waits.** Every blocking wait of the host is counted by thread and kind
+  (:meth:`host_syncs`, :mod:`cgdp.testing.host_syncs`), which needs device data told from host
+  data: a simulated device is ``torch.device("cpu", N)`` to the engine, and its memory is tracked
+  by storage.
 
 ``sim.counts`` counts what the backend asked of the runtime (events, contexts, copies, host waits,
 spin waits on non-blocking events, device synchronisations, coalesced collectives), so tests can
@@ -53,6 +60,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from cgdp.testing import fake_cuda
+from cgdp.testing.host_syncs import HostSyncs
 from cgdp.testing.page_locked import PageLockedMemory
 from cgdp.testing.stream_check import AccessMode, StreamChecker, StreamRaceError
 
@@ -93,10 +101,14 @@ class SimulatedCuda(PageLockedMemory):
         self._streams: list[Any] = []
         self._by_id: dict[int, Any] = {}
         self._side: dict[int, Any] = {}
+        self._pool: dict[int, list[Any]] = {}
+        self._handed: dict[int, int] = {}
         self._events = 0
         self.checker = StreamChecker(self._stream_name)
         self.checker.on_error = self.violations.append
         self.mode = AccessMode(self.checker, self._stream_of, self._execute)
+        self.syncs = HostSyncs(self._pinned_at)
+        self.mode.on_fresh = lambda inputs, fresh: self.syncs.computed(inputs, fresh, self._take_dest())
         self.torch, self.cuda = fake_cuda.namespaces(self)
         self._default = [self.new_stream(fake_cuda.Stream, i, compute=True) for i in range(num_devices)]
         self.runtime = TorchCuda(self.torch, native=lambda: self.native, page_size=self.page_size)
@@ -113,7 +125,30 @@ class SimulatedCuda(PageLockedMemory):
         if self.errors:
             raise RuntimeError(f"CUDA error: {self.errors[0]} (simulated; sticky: every later call "
                                f"fails)") from self.errors[0]
+        self._watch()
+
+    def _watch(self) -> None:
+        """The calling thread's kernels are recorded, and its torch calls watched, from now on."""
         self.checker.watch_thread(self.mode)
+        loc = self._local
+        if not getattr(loc, "syncing", False):
+            _push_function_mode(self.syncs.mode)
+            loc.syncing = True
+
+    # ---------------------------------------------------------------- host waits
+    def host_syncs(self) -> Counter:
+        """Every blocking wait of the host since the simulator started or :meth:`reset_host_syncs`:
+        a Counter of (thread name, kind), kinds ``"synchronize"``, ``"read"``, ``"pageable"`` and
+        ``"arrival"`` (:mod:`cgdp.testing.host_syncs`)."""
+        with self.syncs._lock:
+            return Counter(self.syncs.counts)
+
+    def reset_host_syncs(self) -> None:
+        with self.syncs._lock:
+            self.syncs.counts.clear()
+
+    def _pinned_at(self, ptr: int) -> int | None:
+        return next((a for a, n in list(self.registered.items()) if a <= ptr < a + n), None)
 
     def _valid(self, index: int) -> int:
         if not 0 <= index < self.num_devices:
@@ -168,8 +203,21 @@ class SimulatedCuda(PageLockedMemory):
         return cur
 
     # ---------------------------------------------------------------- streams
+    POOL = 32
+    """Streams per device and priority in torch's pool (c10/cuda/CUDAStream.cpp: kStreamsPerPool):
+    ``torch.cuda.Stream()`` hands them out round-robin, so the 33rd is the 1st again."""
+
     def new_stream(self, cls: type, index: int, compute: bool) -> Any:
         self._valid(index)
+        if not compute:
+            with self._lock:
+                n = self._handed.get(index, 0)
+                self._handed[index] = n + 1
+                pooled = self._pool.setdefault(index, [])
+            self.counts["streams"] += 1
+            if n >= self.POOL:
+                self.need_context(index, "stream creation")
+                return pooled[n % self.POOL]  # the same stream (one queue), as torch's pool
         s = object.__new__(cls)
         with self._lock:
             n = len(self._streams)
@@ -185,7 +233,7 @@ class SimulatedCuda(PageLockedMemory):
         s.idle = lambda: s._pending == 0
         s._thread.start()
         if not compute:
-            self.counts["streams"] += 1
+            pooled.append(s)
             self.need_context(index, "stream creation")
         return s
 
@@ -257,6 +305,7 @@ class SimulatedCuda(PageLockedMemory):
     def synchronize_stream(self, s: Any) -> None:
         self.check()
         self.need_context(s.device_index, "cudaStreamSynchronize")
+        self.syncs.count("synchronize")
         self._drain(s)
         self._fire("StreamSynchronizationCallbacks", s.cuda_stream)
         self.raise_pending()
@@ -264,6 +313,7 @@ class SimulatedCuda(PageLockedMemory):
     def synchronize_device(self, index: int) -> None:
         self.check()
         self.counts["device_syncs"] += 1
+        self.syncs.count("synchronize")
         with fake_cuda.device(index):
             self.need_context(None, "cudaDeviceSynchronize")
             for s in list(self._streams):
@@ -292,15 +342,21 @@ class SimulatedCuda(PageLockedMemory):
             self._events += 1
             ev.event_id = 0x10_0000 + self._events
         ev.sim, ev.enable_timing, ev.blocking, ev._gate, ev._t = self, enable_timing, blocking, None, None
+        ev._stream = None
         self.counts["events"] += 1
         return ev
 
     def record_event(self, ev: Any, s: Any = None) -> None:
         self.check()
         s = s if s is not None else self.current_stream(self.current_device())
+        if getattr(ev, "_device", None) is None:
+            ev._device = s.device_index  # (CUDAEvent: created on its first record, on that stream's device)
+        elif ev._device != s.device_index:
+            raise RuntimeError(f"Event device {ev._device} does not match recording stream's device "
+                               f"{s.device_index}. (simulated: as CUDAEvent::record)")
         self.need_context(s.device_index, "cudaEventRecord")
         gate = threading.Event()
-        ev._gate, ev._t = gate, None
+        ev._gate, ev._t, ev._stream = gate, None, s
         self._fire("EventRecordCallbacks", ev.event_id, s.cuda_stream)
 
         def fire() -> None:
@@ -318,6 +374,11 @@ class SimulatedCuda(PageLockedMemory):
         self.check()
         self.need_context(None, "cudaEventSynchronize")
         self.counts["host_waits"] += 1
+        # the host waiting for a copy on one of cgdp's copy streams is an arrival; any other wait
+        # (the compute stream, a model's side stream) is a synchronisation
+        stream = getattr(ev, "_stream", None)
+        copy = stream is not None and not stream.compute and stream not in self._side.values()
+        self.syncs.count("arrival" if copy else "synchronize")
         if not ev.blocking:
             self.counts["spin_waits"] += 1  # a real GPU would spin a core here
         if ev._gate is not None:
@@ -353,7 +414,13 @@ class SimulatedCuda(PageLockedMemory):
             return None
         return self.current_stream(self.current_device()).cuda_stream
 
+    def _take_dest(self) -> int | None:
+        dest, self._local.dest = getattr(self._local, "dest", None), None
+        return dest
+
     def _execute(self, func: Any, args: tuple, kwargs: dict, stream: int | None) -> Any:
+        if func is torch.ops.aten._to_copy.default:  # its output lives on its device= (see on_fresh)
+            self._local.dest = self.syncs.index(kwargs.get("device"))
         if stream is not None:
             self.check()
             self._launch_check()
@@ -395,10 +462,14 @@ class SimulatedCuda(PageLockedMemory):
             raise RuntimeError("a simulated CUDA runtime is already active; nest no simulated_cuda()")
         fake_cuda._sim = self
         self.checker.install_trace()
-        self.checker.watch_thread(self.mode)
+        self._watch()
 
     def close(self) -> None:
         self.checker.unwatch_thread(self.mode)
+        if getattr(self._local, "syncing", False):
+            _pop_function_mode(self.syncs.mode)
+            self._local.syncing = False
+        self.syncs.mode.enabled = False
         self.mode.enabled = False  # threads that outlive the simulator run their kernels plainly
         self.checker.uninstall_trace()
         if fake_cuda._sim is self:
@@ -407,6 +478,16 @@ class SimulatedCuda(PageLockedMemory):
             s._q.put(None)
         for s in self._streams:
             s._thread.join(timeout=5)
+
+
+def _push_function_mode(mode: Any) -> None:
+    torch._C._push_on_torch_function_stack(mode)
+
+
+def _pop_function_mode(mode: Any) -> None:
+    stack = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    if stack and stack[-1] is mode:
+        torch._C._pop_torch_function_stack()
 
 
 @contextlib.contextmanager

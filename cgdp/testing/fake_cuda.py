@@ -210,6 +210,17 @@ def _sleep(cycles):
     active().busy(cycles / 1e9)
 
 
+class _Generators:
+    """``torch.cuda.default_generators``: every simulated device draws from torch's CPU generator."""
+
+    def __getitem__(self, index: int) -> torch.Generator:
+        active()._valid(index)
+        return torch.default_generator
+
+    def __len__(self) -> int:
+        return active().num_devices
+
+
 def _nccl_is_available(tensors):
     return active().nccl
 
@@ -238,13 +249,20 @@ def namespaces(sim: Any) -> tuple[Any, Any]:
         device=device, set_device=set_device, current_device=current_device, current_stream=current_stream,
         default_stream=default_stream, synchronize=synchronize, device_count=device_count,
         is_available=is_available, cudart=cudart, get_rng_state=get_rng_state, set_rng_state=set_rng_state,
-        _sleep=_sleep, nccl=types.SimpleNamespace(is_available=_nccl_is_available, reduce=_nccl_reduce),
+        default_generators=_Generators(), _sleep=_sleep, nccl=types.SimpleNamespace(is_available=_nccl_is_available, reduce=_nccl_reduce),
         comm=types.SimpleNamespace(broadcast_coalesced=_broadcast_coalesced))
 
     def fake_device(type: Any, index: Any = None) -> torch.device:  # noqa: A002 (torch.device's own)
         d = torch.device(type) if index is None else torch.device(type, index)
-        return torch.device("cpu") if d.type == "cuda" else d  # simulated devices live in host memory
-    fake = types.SimpleNamespace(cuda=cuda, device=fake_device, empty=torch.empty, Generator=torch.Generator)
+        if d.type != "cuda":
+            return d
+        # simulated devices live in host memory; the index tells cgdp.testing.host_syncs that a
+        # tensor made or moved there is device memory (tensors themselves report "cpu")
+        return torch.device("cpu", _index(d))
+    tensor = types.SimpleNamespace(pin_memory=lambda t: sim.syncs.pin_memory(t),
+                                   is_pinned=lambda t: sim.syncs.is_pinned(t))
+    fake = types.SimpleNamespace(cuda=cuda, device=fake_device, empty=torch.empty, Generator=torch.Generator,
+                                 Tensor=tensor)
     return fake, cuda
 
 

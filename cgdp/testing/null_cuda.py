@@ -129,6 +129,9 @@ class NullCuda:
         self._check(index)
         return torch.device("cpu")
 
+    def is_device(self, device: Any) -> bool:
+        return False  # its devices are host memory: inputs are not staged
+
     def Stream(self, index: int) -> NullStream:  # noqa: N802 (mirrors torch.cuda.Stream)
         self._check(index)
         self.counts["Stream"] += 1

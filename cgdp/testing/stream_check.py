@@ -342,6 +342,8 @@ class AccessMode(TorchDispatchMode):
         self.stream_of = stream_of
         self.execute = execute
         self.enabled = True
+        self.on_fresh: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = None
+        """Called with an operator's input tensors and the tensors it allocated."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -370,13 +372,16 @@ class AccessMode(TorchDispatchMode):
                 self.checker.record_stream(rng[0], rng[1], target)
             return func(*args, **kwargs)
         out = (self.execute or _call)(func, args, kwargs, stream)
-        fresh = []
+        fresh, made = [], []
         if not any(r.alias_info is not None for r in schema.returns):
             inputs = {t.untyped_storage().data_ptr() for t in reads + writes if tensor_bytes(t)}
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and (rng := tensor_bytes(t)) is not None \
                         and t.untyped_storage().data_ptr() not in inputs:
                     fresh.append(rng)
+                    made.append(t)
+        if made and self.on_fresh is not None:
+            self.on_fresh(reads + writes, made)
         if stream is None:  # not recorded; but memory it allocated starts a new history
             if fresh:
                 self.checker.forget(fresh)

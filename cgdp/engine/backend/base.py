@@ -131,10 +131,6 @@ class Device(ABC):
         """Block the host until ``marker`` has completed (timed steps only, so that phase times
         are true)."""
 
-    def wait_compute(self, guard: Guard) -> None:
-        """Block the host until the compute work issued so far has completed (before reading
-        the loss), without spinning a core."""
-
     # Timing for profiles and traces. Emulated devices use the host clock directly; CUDA records
     # device events and resolves them against an anchor after the step.
     def begin_timing(self) -> None:

@@ -36,8 +36,9 @@ one does not. ``cgdp.testing``'s simulated runtime sits *beneath* ``TorchCuda`` 
 * Several replicas may share one GPU (``share_devices=True``): each has its own D2H and H2D
   streams and its own random stream; they share the GPU's default (compute) stream.
 * Timing (profiled or traced steps only): every timestamp is a device event, resolved after the
-  step against an anchor event whose host time is known. Untimed steps record no timing events
-  and never synchronise the host beyond reading the loss (on a blocking-sync event).
+  step against an anchor event whose host time is known. Untimed steps record no timing events;
+  the host waits only for the copies' arrivals (the host sum's thread) and reads the step's
+  losses once, for all devices (``cgdp.engine.trainer.passes.loss_values``).
 """
 from __future__ import annotations
 
@@ -85,8 +86,6 @@ class CudaDevice(Device):
         self._routes: Routes | None = None
         self._marker = self.rt.Event(blocking=True)
         """Recorded on the H2D stream after a step's copies back (``h2d_marker``)."""
-        self._computed = self.rt.Event(blocking=True)
-        """Recorded on the compute stream after backward (``wait_compute``)."""
 
     def bind_thread(self) -> None:
         self.rt.set_device(self.index)
@@ -194,10 +193,6 @@ class CudaDevice(Device):
     def compute_wait(self, marker: Any, guard: Guard) -> None:
         # device-side wait: the update kernels queue behind the last H2D copy; the host goes on.
         self.rt.current_stream(self.index).wait_event(marker)
-
-    def wait_compute(self, guard: Guard) -> None:
-        self._computed.record(self.rt.current_stream(self.index))
-        self._computed.synchronize()  # note: host waits for backward, sleeping (a blocking-sync event, no spin)
 
     def wait_marker(self, marker: Any, guard: Guard) -> None:
         marker.synchronize()  # note: host sync on the last H2D copy (timed steps only)

@@ -86,6 +86,12 @@ class TorchCuda:
     def torch_device(self, index: int) -> torch.device:
         return self.torch.device("cuda", index)
 
+    def is_device(self, device: Any) -> bool:
+        """Whether ``device`` (a ``torch.device``) is one of this runtime's devices."""
+        if not isinstance(device, torch.device) or device.index is None:
+            return False
+        return device.type == self.torch_device(device.index).type
+
     def Stream(self, index: int) -> Any:  # noqa: N802 (mirrors torch.cuda.Stream)
         with self.cuda.device(index):
             return self.cuda.Stream(index)
@@ -167,7 +173,7 @@ class TorchCuda:
 
     def rng_key(self, index: int) -> Any:
         """Replicas with the same key share one generator (the generator of their device)."""
-        return self.torch_device(index)
+        return self.cuda.default_generators[index]
 
     def get_rng_state(self, index: int) -> torch.Tensor:
         return self.cuda.get_rng_state(index)
@@ -177,6 +183,19 @@ class TorchCuda:
 
     def new_rng_state(self, index: int, seed: int) -> torch.Tensor:
         return self.torch.Generator(device=self.torch_device(index)).manual_seed(seed).get_state()
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t.to(device, non_blocking=True)``, staged through page-locked memory when ``t`` is pageable
+    host memory and ``device`` a CUDA device: from pageable memory CUDA stages the copy itself and
+    returns only once it is staged, a host wait per tensor. ``pin_memory()`` takes the block from
+    torch's caching host allocator, which records the copy's stream and reuses the block only after
+    the copy has read it, so the staging copy may be dropped at once."""
+    rt = _runtime
+    if t.device.type == "cpu" and not t.is_sparse and t.numel() and rt.is_device(device) \
+            and not rt.torch.Tensor.is_pinned(t):
+        t = rt.torch.Tensor.pin_memory(t)
+    return t.to(device, non_blocking=True)
 
 
 _REAL = TorchCuda()

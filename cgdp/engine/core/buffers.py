@@ -9,8 +9,10 @@ value in floating point (1/3·v + 1/3·v + 1/3·v can differ from v by one unit)
 constant buffer (the rotary frequencies of a Llama model, a fixed mask) would make it drift by a
 few units every step. :class:`BufferWatch` keeps each replica's buffers as they were after the last
 sync and compares (torch's version counter does not see BatchNorm's writes): one more copy of the
-floating buffers per device, one pass over them and one host sync per device per step; only the
-buffers that changed are copied again. The same copy (with the other buffers, kept only while it
+floating buffers per device and one pass over them per step. Without a comm the host never reads
+the comparison: it is a mask on the first device under which every buffer's mean is kept
+(:func:`sync_buffers`); with one, every rank must agree on the buffers, and the host reads the
+flags (one wait per device) and averages only the buffers that changed. The same copy (with the other buffers, kept only while it
 can still be needed) lets a forward that must be done again (:mod:`cgdp.engine.backend.rng`) start from the
 buffers as they were (:meth:`BufferWatch.restore`).
 """
@@ -36,8 +38,10 @@ class BufferWatch:
         self._seen_others = [[b.detach().clone() for b in bufs] for bufs in self.others]
         self._others_version = [[b._version for b in bufs] for bufs in self.others]
 
-    def changed(self, comm: Comm | None) -> list[bool]:
-        """Per buffer: written on some replica (of some rank, with a comm) since the last sync."""
+    def changed(self, comm: Comm | None) -> list[bool] | torch.Tensor:
+        """Per buffer: written on some replica (of some rank, with a comm) since the last sync.
+        Without a comm, a bool tensor on the first replica's device, which the host never reads:
+        :func:`sync_buffers` averages under it on the devices."""
         if len(self.buffers) == 1 and comm is None:  # nothing to make identical
             return [False] * len(self.buffers[0])
         if not self.buffers[0]:
@@ -45,10 +49,14 @@ class BufferWatch:
         written = np.zeros(len(self.buffers[0]), np.float64)
         with torch.no_grad():
             # NaN != NaN: a NaN buffer counts as written, and is averaged (it stays NaN).
-            # Every device's comparison is issued before the host waits for any of them.
             flags = [torch.stack([(b != s).any() for b, s in zip(bufs, seen)])
                      for bufs, seen in zip(self.buffers, self._seen)]
-            for f in flags:
+            if comm is None:  # a mask on the first device, never read by the host (sync_buffers)
+                mask = flags[0]
+                for f in flags[1:]:
+                    mask = mask | f.to(mask.device, non_blocking=True)
+                return mask
+            for f in flags:  # with a comm every rank must agree: the host reads the flags
                 written += f.cpu().numpy()  # note: host waits for this device's comparison
         if comm is not None:  # every rank must average the same buffers
             written = comm.allreduce_small(written)
@@ -59,7 +67,7 @@ class BufferWatch:
         (from :meth:`changed`): only those floating buffers moved, the rest still equal their
         baseline. ``others=False``: the other buffers' baseline is no longer needed (no forward
         will be done again, so :meth:`restore` is never called)."""
-        if changed is None:
+        if changed is None or isinstance(changed, torch.Tensor):  # (a device mask: copy them all)
             self._copy(self.buffers, self._seen)
         elif any(changed):
             pick = lambda xs: [[b for b, c in zip(bufs, changed) if c] for bufs in xs]  # noqa: E731
@@ -89,9 +97,20 @@ def sync_buffers(buffers: list[list[torch.Tensor]], weights: list[float], comm: 
                  only: Sequence[bool] | None = None) -> None:
     """``buffers[j]``: replica j's floating buffers, in the same order on every replica;
     ``only``: which of them to average (all by default)."""
-    if only is not None:
+    mask = only if isinstance(only, torch.Tensor) else None
+    if only is not None and mask is None:
         buffers = [[b for b, keep in zip(bufs, only) if keep] for bufs in buffers]
     if not buffers[0] or (len(buffers) == 1 and comm is None):
+        return
+    if mask is not None:  # (no comm) every buffer averaged, and kept only where the mask is set
+        with torch.no_grad():
+            acc = torch._foreach_mul(buffers[0], weights[0])
+            for j in range(1, len(buffers)):
+                torch._foreach_add_(acc, [b.to(acc[0].device) for b in buffers[j]], alpha=weights[j])
+            for bufs in buffers:
+                m = mask.to(bufs[0].device, non_blocking=True)
+                torch._foreach_copy_(bufs, [torch.where(m[i], a.to(b.device), b)
+                                            for i, (a, b) in enumerate(zip(acc, bufs))])
         return
     with torch.no_grad():
         first = buffers[0]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+_HOST = torch.device("cpu")
+
 
 def check_max_norm(max_norm: float | None) -> float | None:
     if max_norm is None:
@@ -38,11 +40,13 @@ def device_norm(flat: torch.Tensor) -> float:
 
 def scale_gradients(flat: torch.Tensor, coef: torch.Tensor) -> None:
     """``flat *= coef`` on its device (every gradient is a view into ``flat``)."""
-    if coef.device.type == "cpu":
+    if coef.device == flat.device:
+        pass
+    elif coef.device == _HOST:
         # made on the device, its value a kernel argument: a copy of a host tensor with
         # non_blocking=True comes from pageable memory, which blocks the host until the stream
         # has caught up (a hidden synchronisation in every clipped step)
         coef = torch.full((), coef.item(), dtype=coef.dtype, device=flat.device)
-    elif coef.device != flat.device:
+    else:
         coef = coef.to(flat.device, non_blocking=True)  # device to device: no host synchronisation
     flat.mul_(coef)

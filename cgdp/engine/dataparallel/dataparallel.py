@@ -122,6 +122,9 @@ class DataParallel(nn.Module):
         update: ``"devices"`` (every replica steps a copy of your optimizer) or ``"host"``: your
             optimizer steps float32 masters in host memory and every replica takes the updated
             parameters; no device holds optimizer state (:mod:`cgdp.engine.dataparallel.host_mirror`).
+        share_devices: allow a GPU to be listed more than once (one replica per entry, each with
+            its own copy streams), as for ``Trainer``: the G > 1 data path on a one-GPU machine,
+            for tests and measurements, not for speed.
     """
 
     cgdp_engine = True  # not a model to replicate (core/claims.py)
@@ -129,7 +132,7 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, devices: Sequence[str] | None = None, *,
                  chunks: int | Plan | str = "auto", comm: Any = None, timeout_s: float | None = 300.0,
                  segment_bytes: int = 4 << 20, host_memory: int | None = None, scalar_outputs: str = "auto",
-                 update: str = "devices"):
+                 update: str = "devices", share_devices: bool = False):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -140,7 +143,7 @@ class DataParallel(nn.Module):
         devices = default_devices() if devices is None else devices
         if isinstance(devices, (list, tuple)):  # torch.device("cuda", 1) is "cuda:1"
             devices = [str(d) if isinstance(d, torch.device) else d for d in devices]
-        parse_devices(devices)
+        parse_devices(devices, share_devices)
         if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters()):
             raise RuntimeError("Modules with uninitialized parameters (lazy modules such as nn.LazyLinear) "
                                "cannot be replicated: run one forward on a sample batch before wrapping")
@@ -166,7 +169,7 @@ class DataParallel(nn.Module):
         self._comm: Comm | None = None
         try:
             res.push(claim(self, module, NAME).release)  # one engine per model, given back last
-            self._devs = res.devs = make_devices(devices, self._guard.fail)
+            self._devs = res.devs = make_devices(devices, self._guard.fail, share_devices)
             for d in self._devs:
                 res.push(d.close)
             for d in self._devs:

@@ -336,5 +336,5 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.view(bits), b.view(bits)  # bits, not values: NaN equals NaN, -0.0 is not 0.0
     if a.device == b.device:
         return torch.equal(a, b)
-    sums = [t.sum(dtype=torch.int64) for t in (a, b)]
-    return bool(sums[0].cpu() == sums[1].cpu())  # note: a CPU-GPU sync point
+    sums = [t.sum(dtype=torch.int64) for t in (a, b)]  # compared on a's device: one host read
+    return bool(sums[0] == sums[1].to(sums[0].device, non_blocking=True))  # note: a CPU-GPU sync point

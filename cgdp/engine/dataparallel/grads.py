@@ -207,7 +207,9 @@ class Gradients:
         values = [part.norm(norm_type, self.state is GradState.SUMMED) for part in self.parts]
         value = values[0] if len(values) == 1 else float(  # the norm of the parts' norms
             torch.linalg.vector_norm(torch.tensor(values, dtype=torch.float64), norm_type))
-        return torch.tensor(value, dtype=torch.float32, device=self._device)
+        # made on the device, its value a kernel argument (torch.tensor(value, device=...) would
+        # copy it from pageable memory: a host wait)
+        return torch.full((), value, dtype=torch.float32, device=self._device)
 
     def kept(self) -> bool:
         """After the optimizer stepped every replica: whether replica 0's gradients were left as

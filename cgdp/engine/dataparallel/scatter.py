@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from cgdp.engine.backend.cuda_runtime import upload
 from cgdp.engine.core.user_warning import warn_user
 
 _LEAF = "leaf"
@@ -95,7 +96,7 @@ def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
     spec = _flatten((tuple(args), dict(kwargs)), leaves)
     batched = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
     if not batched:  # nothing to split: replica 0 runs the whole call
-        mine = [x.to(devices[0], non_blocking=True) if isinstance(x, torch.Tensor) else x for x in leaves]
+        mine = [upload(x, devices[0]) if isinstance(x, torch.Tensor) else x for x in leaves]
         return [_unflatten(spec, iter(mine))], [1]
     n = batched[0].shape[0]
     if any(x.shape[0] != n for x in batched):
@@ -111,8 +112,8 @@ def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
     parts = []
     for j in range(g):
         dev = devices[j]
-        mine = [s[j].to(dev, non_blocking=True) if s is not None
-                else x.to(dev, non_blocking=True) if isinstance(x, torch.Tensor) else x
+        mine = [upload(s[j], dev) if s is not None
+                else upload(x, dev) if isinstance(x, torch.Tensor) else x
                 for x, s in zip(leaves, split)]
         parts.append(_unflatten(spec, iter(mine)))
     sizes = [int(s.shape[0]) for s in torch.tensor_split(torch.empty(n, 0), g)]
@@ -149,7 +150,7 @@ def watch_counts(parts: list[tuple[tuple, dict]], devices: Sequence[torch.device
         if isinstance(n, torch.Tensor) and n.dim() == 0:
             c = n.as_subclass(GlobalCount)
         elif isinstance(n, (int, float)) and not isinstance(n, bool):
-            c = torch.tensor(n, device=dev).as_subclass(GlobalCount)  # a number reaches it as a tensor
+            c = torch.full((), n, device=dev).as_subclass(GlobalCount)  # a number reaches it as a tensor
         else:
             continue
         c.used = False

@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from cgdp.engine.backend.cuda_runtime import upload
+
 Part = tuple[Any, torch.Tensor]
 """One device's ``(inputs, targets)``; inputs a tensor or a tuple of tensors."""
 
@@ -111,8 +113,9 @@ def _refuse_ragged_records(tree: Any, where: str = "batch") -> None:
 
 
 def to_device(part: Any, device: torch.device) -> Any:
-    """``part`` with every tensor copied to ``device`` (non-tensor values as they are)."""
-    return _map(part, lambda t, where: t.to(device, non_blocking=True))
+    """``part`` with every tensor copied to ``device`` (non-tensor values as they are), host
+    memory through page-locked memory (``cuda_runtime.upload``)."""
+    return _map(part, lambda t, where: upload(t, device))
 
 
 def _map(tree: Any, fn: Callable[[torch.Tensor, str], Any], where: str = "batch") -> Any:

@@ -101,10 +101,10 @@ def _output_loss(loss_fn: Callable, model: nn.Module, part: tuple[Any, torch.Ten
                  device: torch.device) -> DeviceLoss:
     x, y = part
     if isinstance(x, tuple):
-        out = model(*(t.to(device, non_blocking=True) for t in x))
+        out = model(*(to_device(t, device) for t in x))
     else:
-        out = model(x.to(device, non_blocking=True))
-    loss = loss_fn(out, y.to(device, non_blocking=True))
+        out = model(to_device(x, device))
+    loss = loss_fn(out, to_device(y, device))
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise TypeError(f"loss_fn must return a scalar tensor (mean-reduced), got {shape}; "

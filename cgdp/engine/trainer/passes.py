@@ -90,7 +90,7 @@ class DevicePasses:
     def _held_backward_on(self, j: int, loss: torch.Tensor, w: float) -> float:
         with self.stream.holding(j), self.threads.computing(loss.device.type == "cpu"):  # as in _backward_on
             torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
-        return float(loss.detach())
+        return loss.detach()  # read with the step's other losses (loss_values): one host wait
 
     def backward_all(self, losses: list[torch.Tensor | None], weights: list[float],
                      rescale: list[torch.Tensor | None]) -> list[Backward]:
@@ -112,8 +112,17 @@ class DevicePasses:
         if self.timing.events is not None:
             dev.backward_issued()
         self.stream.flush(j)
-        dev.wait_compute(self.guard)  # note: host waits for backward, sleeping rather than spinning
-        value, loss = float(loss.detach()), None
+        value, loss = loss.detach(), None  # read with the others (loss_values): one host wait per step
         b1 = dev.stamp()
         self.stream.wait_returned(j)
         return value, b0, b1, dev.stamp()
+
+
+def loss_values(losses: Sequence[Any], device: torch.device) -> list[float]:
+    """The values of every device's (and micro-batch's) loss, read in one host wait: gathered on
+    ``device`` (the first device) as float64, which holds each exactly, then read at once."""
+    if not any(isinstance(v, torch.Tensor) for v in losses):
+        return [float(v) for v in losses]
+    with torch.no_grad():
+        gathered = torch.stack([v.reshape(()).to(device, torch.float64, non_blocking=True) for v in losses])
+    return gathered.tolist()  # note: the step's one host read of the device

@@ -68,7 +68,7 @@ from cgdp.engine.trainer.hyperparameters import (HyperparameterMismatchError, Sc
 from cgdp.engine.trainer.losses import loss_weights, parse_step
 from cgdp.engine.core.padding import OwnLossCheck, labels_of
 from cgdp.engine.trainer.options import check_arguments, make_update, refusal, stopped
-from cgdp.engine.trainer.passes import DevicePasses
+from cgdp.engine.trainer.passes import DevicePasses, loss_values
 from cgdp.engine.trainer.state import check_state
 from cgdp.engine.trainer.timing import Timing, step_stats
 from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
@@ -407,6 +407,7 @@ class Trainer:
     def _finish_backward(self, losses: list[float], weights: list[float]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""
         touched = self._stream.touched()
+        losses = loss_values(losses, self._devs[0].torch_device)
         loss = math.fsum(w * l for w, l in zip(weights, losses))
         bad = self._update.reduce(self._stream)  # the gradient the update reads, in place
         self._grad_norm = self._stream.grad_norm() if self._max_norm is not None else 0.0

@@ -1,0 +1,222 @@
+"""Every blocking wait of the host on a simulated device, counted by thread and kind.
+
+Part of :mod:`cgdp.testing.cuda_sim`. On a GPU the host blocks in four ways, and each costs a
+step its overlap: the simulator counts each under the name of the thread that waited
+(``SimulatedCuda.host_syncs()``, a ``collections.Counter`` of ``(thread name, kind)``):
+
+* ``"synchronize"``: ``Event.synchronize`` (except an arrival, below), ``Stream.synchronize``,
+  ``torch.cuda.synchronize``, and a blocking host-to-device copy from page-locked memory.
+* ``"read"``: the host reads device data: ``.item()``, ``float()``/``int()``/``bool()``,
+  ``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")`` without ``non_blocking``, ``torch.equal``,
+  a copy into pageable host memory, and ``torch.tensor(..., device=cuda)``.
+* ``"pageable"``: a host-to-device copy from pageable host memory: CUDA stages it through a
+  page-locked buffer of its own and returns only when the data has been staged, even with
+  ``non_blocking=True``.
+* ``"arrival"``: the host waits on an event recorded on one of cgdp's copy streams (the host sum
+  waiting for a chunk's copy, or for a copy back to have read a ring slot): the one wait the
+  design needs.
+
+To tell device data from host data, simulated device memory is tracked by storage: a simulated
+device's ``torch.device`` is ``torch.device("cpu", index)`` (its tensors live in host memory, and
+report that device as theirs to cgdp's engine, ``"cpu"`` to other code), a
+torch function mode on every thread that uses the runtime marks what is created on, or moved
+to, such a device, and the dispatch mode marks whatever an operator computes from device data.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+__all__ = ["HostSyncs", "KINDS"]
+
+KINDS = ("synchronize", "read", "pageable", "arrival")
+
+T = torch.Tensor
+_DEVICE = T.device
+_READS = {T.item, T.__float__, T.__int__, T.__bool__, T.__index__, T.__complex__, T.tolist, T.numpy,
+          T.__array__, T.__format__, T.__repr__, T.equal, T.allclose, torch.equal, torch.allclose}
+"""Torch calls that hand device data to the host (each waits for it on a GPU)."""
+_UPLOADS = {torch.tensor, torch.as_tensor, T.new_tensor}
+"""Creation from host data with ``device=``: a blocking copy from pageable memory."""
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr() if not t.is_sparse else None
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class HostSyncs:
+    """The counts, which storages are simulated device memory, and which are page-locked."""
+
+    def __init__(self, pinned_range: Any):
+        self.counts: Counter = Counter()
+        self._device: dict[int, int] = {}
+        """Storage data pointer → the simulated device it lives on."""
+        self.pinned: set[int] = set()
+        """Storage data pointers of page-locked staging memory (``pin_memory()``)."""
+        self._pinned_range = pinned_range
+        self._lock = threading.Lock()
+        self.mode = SyncMode(self)
+
+    def count(self, kind: str) -> None:
+        with self._lock:
+            self.counts[(threading.current_thread().name, kind)] += 1
+
+    @staticmethod
+    def index(device: Any) -> int | None:
+        """The simulated device a ``device=`` argument names (None: the host, or not a device)."""
+        if isinstance(device, torch.device) and device.type == "cpu":
+            return device.index
+        return None
+
+    def device_of(self, t: Any) -> int | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        key = _storage(t)
+        return None if key is None else self._device.get(key)
+
+    def place(self, out: Any, index: int | None) -> None:
+        """Every tensor of ``out`` lives on simulated device ``index`` (None: in host memory)."""
+        for t in pytree.tree_leaves(out):
+            key = _storage(t) if isinstance(t, torch.Tensor) else None
+            if key is None:
+                continue
+            with self._lock:
+                if index is None:
+                    self._device.pop(key, None)
+                else:
+                    self._device[key] = index
+                    self.pinned.discard(key)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """As torch computes it: whether the storage's first byte is page-locked host memory."""
+        if self.device_of(t) is not None:
+            return False
+        key = _storage(t)
+        if key is None:
+            return False
+        return key in self.pinned or self._pinned_range(key) is not None
+
+    def locked(self, t: torch.Tensor) -> bool:
+        """Whether a copy of ``t`` reads or writes page-locked bytes (CUDA asks about the address
+        the copy uses, unlike :meth:`is_pinned`)."""
+        if self.device_of(t) is not None:
+            return False
+        return _storage(t) in self.pinned or (t.numel() > 0 and self._pinned_range(t.data_ptr()) is not None)
+
+    def computed(self, inputs: list[torch.Tensor], fresh: list[torch.Tensor], dest: int | None = None) -> None:
+        """An operator made ``fresh`` from ``inputs``: on ``dest`` (a copy's ``device=``), else on
+        the device of its first device input."""
+        index = dest if dest is not None else next((i for t in inputs if (i := self.device_of(t)) is not None), None)
+        self.place(fresh, index)
+
+    def pin_memory(self, t: torch.Tensor) -> torch.Tensor:
+        """``Tensor.pin_memory()`` (torch's caching host allocator): a page-locked copy."""
+        if self.device_of(t) is not None:
+            return t  # (torch refuses a CUDA tensor; the backend asks only of host tensors)
+        out = aligned_as(t, t.detach().clone())
+        self.place(out, None)
+        self.pinned.add(_storage(out))
+        return out
+
+
+def aligned_as(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (a fresh copy of ``src``) at the same address modulo 64 as ``src``: CPU kernels
+    (oneDNN, MKL) may take other paths for other alignments, and a copy that moved a slice of a
+    batch to an aligned address would differ from the reference on the slice in the last bit."""
+    if out.requires_grad or not (src.is_contiguous() and out.is_contiguous()) or out.numel() == 0:
+        return out
+    size = out.element_size()
+    shift = (src.data_ptr() - out.data_ptr()) % 64
+    if shift == 0 or shift % size:
+        return out
+    raw = torch.empty(out.numel() + 64 // size, dtype=out.dtype)
+    k = ((src.data_ptr() - raw.data_ptr()) % 64) // size
+    moved = raw[k:k + out.numel()].view(out.shape)
+    moved.copy_(out)
+    return moved
+
+
+def _to_args(args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    """``Tensor.to``'s target device (None: unchanged) and ``non_blocking``."""
+    device, _, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+    return device, bool(non_blocking)
+
+
+class SyncMode(TorchFunctionMode):
+    """Marks device memory and counts the host's reads and uploads, on one thread's torch calls."""
+
+    def __init__(self, syncs: HostSyncs):
+        super().__init__()
+        self.syncs = syncs
+        self.enabled = True
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.enabled:
+            return func(*args, **kwargs)
+        s = self.syncs
+        if getattr(func, "__self__", None) is _DEVICE and func.__name__ == "__get__":
+            # to cgdp's engine, a simulated device's tensor reports its device's index (so that
+            # ``x.to(t.device)`` stays on the device); to other code, "cpu" as before
+            index = s.device_of(args[0])
+            if index is None or not sys._getframe(1).f_globals.get("__name__", "").startswith("cgdp.engine"):
+                return func(*args, **kwargs)
+            return torch.device("cpu", index)
+        if func in _READS:
+            if any(s.device_of(a) is not None for a in args[:2]):
+                s.count("read")
+            return func(*args, **kwargs)
+        if func is T.to or func is T.cpu:
+            device, non_blocking = (_to_args(args, kwargs) if func is T.to else (torch.device("cpu"), False))
+            if device is None:
+                return func(*args, **kwargs)
+            return self._move(args[0], s.index(device), non_blocking, func(*args, **kwargs))
+        if func is T.copy_:
+            dst, src = args[0], args[1]
+            non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            self._copy(s.device_of(src), s.device_of(dst), src, dst, non_blocking)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        index = s.index(kwargs.get("device"))
+        if index is not None:
+            if func in _UPLOADS:
+                s.count("read")
+            s.place(out, index)
+        return out
+
+    def _copy(self, src_dev: int | None, dst_dev: int | None, src: torch.Tensor, dst: torch.Tensor,
+              non_blocking: bool) -> None:
+        s = self.syncs
+        if src_dev is not None and dst_dev is None and not (non_blocking and s.locked(dst)):
+            s.count("read")  # into pageable memory, or a blocking copy: the host waits for the data
+        elif src_dev is None and dst_dev is not None:
+            if not s.locked(src):
+                s.count("pageable")
+            elif not non_blocking:
+                s.count("synchronize")
+
+    def _move(self, t: torch.Tensor, target: int | None, non_blocking: bool, out: Any) -> Any:
+        s = self.syncs
+        source = s.device_of(t)
+        if source == target:
+            return out
+        if target is None:
+            if not non_blocking:  # (non_blocking: torch copies into page-locked memory it allocates)
+                s.count("read")
+        else:
+            self._copy(source, target, t, t, non_blocking)
+        if isinstance(out, torch.Tensor) and _storage(out) == _storage(t):
+            out = out.clone()  # on a GPU a move is a copy: the host data and the device data differ
+        if isinstance(out, torch.Tensor):
+            out = aligned_as(t, out)
+        s.place(out, target)
+        return out

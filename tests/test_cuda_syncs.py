@@ -1,0 +1,126 @@
+"""Every blocking wait of the host, counted by the simulated CUDA runtime (``sim.host_syncs()``), and
+pinned per face and feature: what docs/cuda.md states as the waits of a steady-state step."""
+import threading
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cgdp
+from cgdp.testing import simulated_cuda
+
+HOST = "cgdp-host-cuda:0"
+
+
+def test_each_kind_is_counted_under_the_thread_that_waited():
+    with simulated_cuda(2, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        d0, d1 = rt.torch_device(0), rt.torch_device(1)
+        host = torch.arange(4.0)
+        t = torch.ones(4, device=d0)
+        sim.reset_host_syncs()
+        u = (t * 2).sum()  # computed from device data: device data, no wait
+        float(host.sum())  # host data: no wait
+        assert sim.host_syncs() == Counter()
+        u.item()
+        t.cpu()
+        t.tolist()
+        assert sim.syncs.device_of(t.to(d1, non_blocking=True)) == 1  # device to device: no wait
+        torch.tensor(3.0, device=d0)  # a copy from pageable memory the call waits for
+        host.to(d0, non_blocking=True)  # pageable: CUDA stages it synchronously
+        staged = rt.torch.Tensor.pin_memory(host)
+        assert rt.torch.Tensor.is_pinned(staged) and not rt.torch.Tensor.is_pinned(host)
+        staged.to(d0, non_blocking=True)  # from page-locked memory: no wait
+        t.to("cpu", non_blocking=True)  # torch copies into page-locked memory: no wait
+        sim.cuda.synchronize(0)
+        s = rt.Stream(1)
+        ev = rt.Event(blocking=True)
+        ev.record(s)
+        w = threading.Thread(target=ev.synchronize, name="waiter")
+        w.start()
+        w.join()
+        assert sim.host_syncs() == Counter({("MainThread", "read"): 4, ("MainThread", "pageable"): 1,
+                                            ("MainThread", "synchronize"): 1, ("waiter", "arrival"): 1})
+        sim.reset_host_syncs()
+        assert sim.host_syncs() == Counter()
+
+
+def mlp(bn=False):
+    torch.manual_seed(0)
+    if bn:
+        return nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def counted_step(sim, step, warm=3):
+    """The waits of one steady-state step (after ``warm`` steps), arrivals apart."""
+    for _ in range(warm):
+        step()
+    sim.reset_host_syncs()
+    step()
+    got = sim.host_syncs()
+    arrivals = {k: v for k, v in got.items() if k[1] == "arrival"}
+    assert arrivals and set(arrivals) == {(HOST, "arrival")}, got  # only the host sum waits for copies
+    return Counter({k: v for k, v in got.items() if k[1] != "arrival"})
+
+
+def pair_loss(model, part):
+    x, y = part
+    return F.cross_entropy(model(x), y, reduction="sum"), (y >= 0).sum()
+
+
+@pytest.mark.parametrize("feature, kw, want", [
+    ("plain", {}, {("MainThread", "read"): 1}),
+    ("batchnorm", {}, {("MainThread", "read"): 1}),
+    ("micro-batches", {"micro_batches": 3}, {("MainThread", "read"): 1}),
+    ("clipping", {"clip_grad_norm": 0.5}, {("MainThread", "read"): 1}),
+    ("bf16 transfer", {"grad_transfer": "bf16"}, {("MainThread", "read"): 1}),
+    # each count is read before backward: the weights need the total
+    ("(loss_sum, count)", {}, {("MainThread", "read"): 1, ("cgdp-cuda:0", "read"): 1,
+                               ("cgdp-cuda:1", "read"): 1}),
+])
+def test_trainer_waits_per_step(feature, kw, want):
+    """One wait per step beyond the host sum's arrivals: the loss it returns, read once for all
+    devices (and micro-batches). Before: a backward-done wait and a loss read per device, a flag
+    read per device for BatchNorm, a loss read per device and micro-batch, inputs from pageable
+    memory."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(12, 12, generator=g), torch.randint(0, 4, (12,), generator=g)
+    with simulated_cuda(2, max_delay_s=0.0) as sim:
+        with cgdp.Trainer(mlp(feature == "batchnorm"), lambda p: torch.optim.SGD(p, lr=0.05),
+                          ["cuda:0", "cuda:1"], chunks=1, **kw) as tr:
+            if feature == "(loss_sum, count)":
+                got = counted_step(sim, lambda: tr.step((x, y), pair_loss))
+            else:
+                got = counted_step(sim, lambda: tr.step(x, y, F.cross_entropy))
+    assert got == Counter(want)
+
+
+@pytest.mark.parametrize("feature, want", [
+    ("plain", {("MainThread", "read"): 1}),
+    ("batchnorm", {("MainThread", "read"): 1}),
+    ("clipping", {("MainThread", "read"): 2}),
+])
+def test_dataparallel_waits_per_iteration(feature, want):
+    """No wait in forward (BatchNorm's buffers: a mask on the device), none in clip_grad_norm_ (the
+    coefficient and the norm stay on the device), inputs through page-locked memory; what is left
+    is the check for gradients edited through ``.data`` (one read per optimizer.step() and per
+    clip_grad_norm_, docs/cuda.md). Before: two reads per check, a flag read per device in a
+    BatchNorm forward, the coefficient from pageable memory, inputs from pageable memory."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(12, 12, generator=g), torch.randint(0, 4, (12,), generator=g)
+    with simulated_cuda(2, max_delay_s=0.0) as sim:
+        with cgdp.DataParallel(mlp(feature == "batchnorm"), ["cuda:0", "cuda:1"], chunks=1) as dp:
+            opt = torch.optim.SGD(dp.parameters(), lr=0.05)
+            yd = y.to(sim.runtime.torch_device(0))  # the user's own upload, once
+
+            def step():
+                opt.zero_grad()
+                F.cross_entropy(dp(x), yd).backward()
+                if feature == "clipping":
+                    dp.clip_grad_norm_(0.5)
+                opt.step()
+            got = counted_step(sim, step)
+    assert got == Counter(want)
