@@ -149,8 +149,9 @@ def test_sum_count_loss_is_the_global_token_mean(g, mode):
     assert_params_close(got, ref)
     if g == 1:
         return
-    # the per-part token mean, weighted by samples, is not the global token mean
-    train_step2(model, ADAM, g, data, token_mean)
+    # the per-part token mean, weighted by samples, is not the global token mean, and cgdp says so
+    with pytest.warns(UserWarning, match="not the token mean one device computes"):
+        train_step2(model, ADAM, g, data, token_mean)
     err = max(((p - q).abs().max() / q.abs().max()).item() for p, q in zip(model.parameters(), ref.parameters()))
     assert err > 1e-3
 
