@@ -21,8 +21,11 @@ what differs is looked at (the tree itself only when a counter moved):
   adds buffers is followed by :class:`~cgdp.engine.core.module_hooks.ModuleHooks`; a submodule
   replaced, added or removed, or a parameter object the model did not have when wrapped, is refused
   with a sentence (the engine's flat buffers, hooks and optimizers hold the parameters it had);
-* **load_state_dict** on replica 0: a load post-hook (kept out of pickles and copies,
-  :class:`LocalHooks`) copies the whole state to every replica at once.
+* **load_state_dict** on replica 0 or any of its submodules: load pre- and post-hooks on every
+  submodule (kept out of pickles and copies, :class:`LocalHooks`; they run only in a load) copy the
+  state of the module loaded, parameters and buffers, to every replica once the load is done (once
+  per ``load_state_dict`` call: torch runs the hooks of every submodule it loads). A load with
+  ``assign=True`` (new parameter objects) is refused there, and at every step until undone.
 
 :meth:`Follow.after_forward` looks at what a forward changed: a parameter it changed in place on
 replica 0 (version counters again) must be the same on every replica afterwards, and what one
@@ -40,6 +43,7 @@ import operator
 import threading
 import weakref
 from collections import OrderedDict
+from functools import partial
 from itertools import chain
 from typing import Any, Callable, Sequence
 
@@ -79,14 +83,18 @@ class Follow:
         self._children = [[(k, id(c)) for k, c in m._modules.items()] for m in self.modules[0]]
         self._renorm = _max_norm_embeddings(self.modules[0], self.params[0])
         _watch_registrations(+1)
+        me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
+        self._index = {id(m): i for i, m in enumerate(self.modules[0])}
+        self._outer: tuple = (None, None)  # the module a load_state_dict call loads, and its missing keys
+        self._load: list[RemovableHandle] | None = list(chain.from_iterable(
+            local_load_hooks(m, partial(_load_begins, me), partial(_load_ends, me)) for m in self.modules[0]))
         self._struct = self._structure()
         self._seen = self._look()
-        me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
-        self._load = local_load_post_hook(replicas[0], lambda *_: me() and me().broadcast())
 
     def close(self) -> None:
         if self._load is not None:
-            self._load.remove()
+            for h in self._load:
+                h.remove()
             self._load = None
             _watch_registrations(-1)
 
@@ -177,14 +185,28 @@ class Follow:
                 for i in which:
                     params[i].copy_(self.params[0][i])
 
-    def broadcast(self) -> None:
-        """Every replica ← replica 0's parameters and buffers (after ``load_state_dict``)."""
-        state = self.replicas[0].state_dict()
+    def broadcast(self, at: int = 0) -> None:
+        """Every replica's submodule ``at`` (the whole model: 0) ← replica 0's parameters and
+        buffers (after ``load_state_dict`` on it). The module tree is read again at the next step."""
+        self._refuse_new_parameters()
+        state = self.modules[0][at].state_dict()
         with torch.no_grad():
-            for r in self.replicas[1:]:
-                r.load_state_dict(state)
-        self.record()
+            for mods in self.modules[1:]:
+                mods[at].load_state_dict(state)
+        now, seen = self._look(), self._seen
+        self._seen = (*now[:3], *seen[3:])  # a load that assigned buffers anew is followed by before_step
         self.after_load()
+
+    def _refuse_new_parameters(self) -> None:
+        if list(map(id, self.replicas[0].parameters())) == list(map(id, self.params[0])):
+            return
+        known = set(map(id, self.params[0]))
+        names = [n for n, p in self.replicas[0].named_parameters() if id(p) not in known] or ["(removed)"]
+        raise RuntimeError(
+            f"the parameter(s) {', '.join(names[:5])} of the model are new objects since {self.name} was built "
+            f"(load_state_dict(..., assign=True) replaces them); it trains the parameters the model had then on "
+            f"every device (its gradient buffers, hooks and optimizers hold them). Load without assign=True (it "
+            f"copies into them), or {self.again}")
 
     def after_forward(self, used: int) -> None:
         """After a forward of replicas 0..used-1 (caller's thread, no replica running): a parameter
@@ -219,6 +241,24 @@ class Follow:
                 f"which {self.name} cannot make equal to one device; every replica now holds replica 0's. Make "
                 f"such changes outside the forward (between steps, under torch.no_grad(): they reach every "
                 f"replica), or train on one device")
+
+
+def _load_begins(me: Callable[[], Follow | None], module: nn.Module, _state: Any, _prefix: str, _meta: Any,
+                 _strict: bool, missing: list, *_: Any) -> None:
+    """A load pre-hook of every submodule of replica 0: the first one to run in a
+    ``load_state_dict`` call (its list of missing keys is new) is the module it loads."""
+    follow = me()
+    if follow is not None and follow._outer[1] is not missing:
+        follow._outer = (module, missing)
+
+
+def _load_ends(me: Callable[[], Follow | None], module: nn.Module, keys: Any) -> None:
+    """A load post-hook of every submodule of replica 0: once, when the whole load is done (torch
+    runs the submodules' hooks first), every replica loads what replica 0's module holds."""
+    follow = me()
+    if follow is not None and follow._outer[0] is module and follow._outer[1] is keys.missing_keys:
+        follow._outer = (None, None)
+        follow.broadcast(follow._index[id(module)])
 
 
 _registrations = 0
@@ -315,12 +355,15 @@ class LocalHooks(OrderedDict):
         return OrderedDict, (), None, None, iter([(k, v) for k, v in self._live() if k not in self.local])
 
 
-def local_load_post_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
-    """``module.register_load_state_dict_post_hook(hook)``, kept out of pickles and copies."""
-    hooks = module._load_state_dict_post_hooks
-    if not isinstance(hooks, LocalHooks):
-        hooks = LocalHooks(hooks)
-        module._load_state_dict_post_hooks = hooks
-    handle = module.register_load_state_dict_post_hook(hook)
-    hooks.local.add(handle.id)
-    return handle
+def local_load_hooks(module: nn.Module, pre: Callable[..., None], post: Callable[..., None]) -> list[RemovableHandle]:
+    """``module``'s load_state_dict pre- and post-hook, kept out of pickles and copies."""
+    handles = []
+    for attr, register, hook in (("_load_state_dict_pre_hooks", module.register_load_state_dict_pre_hook, pre),
+                                 ("_load_state_dict_post_hooks", module.register_load_state_dict_post_hook, post)):
+        hooks = getattr(module, attr)
+        if not isinstance(hooks, LocalHooks):
+            hooks = LocalHooks(hooks)
+            setattr(module, attr, hooks)
+        handles.append(register(hook))
+        hooks.local.add(handles[-1].id)
+    return handles
