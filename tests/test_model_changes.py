@@ -418,3 +418,27 @@ def test_load_state_dict_with_assign_is_refused_with_a_sentence(face):
             run = engine.step if face == "trainer" else lambda x, y, loss: engine(x)
             run(*data[0], F.mse_loss)
 
+
+class Penalised(Renorm):
+    """A max_norm embedding whose table the forward also reads (an L2 penalty: saved for backward)."""
+    def forward(self, ids):
+        return super().forward(ids) + 1e-3 * self.emb.weight.pow(2).sum()
+
+
+@pytest.mark.parametrize("face", ["trainer", "dataparallel"])
+def test_max_norm_rows_are_written_only_where_replicas_differ(face):
+    """Both halves of the batch look up the same rows: after the forward every replica already
+    holds what one device holds, nothing is written, and a forward that also reads the table
+    (saved for backward) trains as one device. Rows one half alone looked up are refused with a
+    sentence (writing them would break that backward), replicas still identical."""
+    ids = torch.tensor([[1, 2, 3], [4, 5, 1], [2, 3, 4], [5, 1, 2]])
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.cat([ids, ids.flip(0)]), torch.randint(0, 20, (8,), generator=g)) for _ in range(2)]
+    model = Penalised()
+    ref = one_device(model, data)
+    run_face(face, model, data, loss=F.cross_entropy)
+    assert_params_close(model, ref)
+    apart = [(torch.arange(24).view(8, 3) % 20, torch.zeros(8, dtype=torch.long))]
+    with pytest.raises(RuntimeError, match=r"emb.weight of an nn.Embedding\(max_norm=...\) in another operation "
+                                           r"that saved it for backward.*Use only what the embedding returns"):
+        run_face(face, Penalised(), apart, loss=F.cross_entropy)

@@ -32,7 +32,10 @@ replica 0 (version counters again) must be the same on every replica afterwards,
 device would hold. Equal everywhere (a change that does not depend on the batch): nothing to do.
 ``nn.Embedding(max_norm=...)`` renormalises the rows its part of the batch looked up; one device
 renormalises the rows of the whole batch, so every replica takes, row by row, the renormalised row
-(the one of smaller norm: the same bits wherever it was renormalised). Any other change that
+(the one of smaller norm: the same bits wherever it was renormalised). Only the rows some replica
+looked up (a forward pre-hook records the indices, :class:`_Lookups`) are compared, and written only
+where they differ; a write into a weight that another operation of the forward saved for backward
+(its reference count rose) is refused with a sentence. Any other change that
 differs between replicas cannot be made exact and is refused (every replica takes replica 0's
 parameters first, so they stay identical). A change made on some replica j > 0 only (a
 data-dependent write that replica 0's part never triggers) is not seen.
@@ -49,6 +52,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 from cgdp.engine.core.module_hooks import ModuleHooks, fingerprint, hook_count
@@ -82,6 +86,7 @@ class Follow:
         self._names = [n for n, _ in replicas[0].named_modules()]
         self._children = [[(k, id(c)) for k, c in m._modules.items()] for m in self.modules[0]]
         self._renorm = _max_norm_embeddings(self.modules[0], self.params[0])
+        self._lookups = _Lookups(self.modules, self._renorm, self.params)
         _watch_registrations(+1)
         me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
         self._index = {id(m): i for i, m in enumerate(self.modules[0])}
@@ -93,7 +98,7 @@ class Follow:
 
     def close(self) -> None:
         if self._load is not None:
-            for h in self._load:
+            for h in self._load + self._lookups.handles:
                 h.remove()
             self._load = None
             _watch_registrations(-1)
@@ -126,6 +131,7 @@ class Follow:
         Whether the replicas' buffers were relisted (the face lists them again)."""
         now = self._look()
         seen = self._seen
+        self._lookups.arm()
         if now == seen:
             return False
         relisted = False
@@ -214,27 +220,39 @@ class Follow:
         refused (see the module)."""
         versions = list(map(_VERSION, self.params[0]))
         seen = self._seen[2]
+        looked = self._lookups.take()
         if versions == seen:
             return
         changed = [i for i, (v, s) in enumerate(zip(versions, seen)) if v != s]
-        refused = []
+        refused, saved = [], []
         with torch.no_grad():
             for i in changed:
                 ps = [params[i] for params in self.params]
                 first = ps[0]
-                if all(torch.equal(first, p.to(first.device)) for p in ps[1:used]):
+                if i in self._renorm and looked.get(i):
+                    if _merge_rows(ps, looked[i], self._renorm[i], self._lookups.base.get(i)):
+                        saved.append(i)
+                elif all(torch.equal(first, p.to(first.device)) for p in ps[1:used]):
                     for p in ps[used:]:
                         p.copy_(first)  # replicas without samples ran no forward
-                elif i in self._renorm:
-                    _merge_rows(ps, self._renorm[i])
                 else:
                     refused.append(i)
                     for p in ps[1:]:
                         p.copy_(first)
         s = self._seen
-        self._seen = (s[0], s[1], versions, *s[3:])
+        self._seen = (s[0], s[1], list(map(_VERSION, self.params[0])), *s[3:])
+        names = [n for n, _ in self.replicas[0].named_parameters()] if refused or saved else []
+        if saved:
+            raise RuntimeError(
+                f"the model's forward used the weight {', '.join(names[i] for i in saved[:5])} of an "
+                f"nn.Embedding(max_norm=...) in another operation that saved it for backward (a penalty on the "
+                f"table, a tied layer) after the embedding renormalised the rows its part of the batch looked "
+                f"up; one device renormalises the rows of the whole batch first, and the rows the other devices "
+                f"renormalised cannot be written without breaking that backward ({self.name} gave them to every "
+                f"replica and drops this forward). Use only what the embedding returns (a penalty on the looked-up "
+                f"rows), renormalise outside the forward (max_norm=None, torch.embedding_renorm_ under "
+                f"torch.no_grad() before the step), or train on one device")
         if refused:
-            names = [n for n, _ in self.replicas[0].named_parameters()]
             raise RuntimeError(
                 f"the model's forward changed parameter(s) {', '.join(names[i] for i in refused[:5])} in place, "
                 f"differently on each device (each replica changes its own copy from its part of the batch), "
@@ -310,20 +328,82 @@ def _max_norm_embeddings(modules: list[nn.Module], params: list[nn.Parameter]) -
     return out
 
 
-def _merge_rows(ps: list[torch.Tensor], norm_type: float) -> None:
-    """Every replica's rows ← the renormalised row wherever some replica renormalised it (the row
-    of smallest norm: renormalising only ever shrinks a row, to the same bits on every replica)."""
+class _Lookups:
+    """The indices each max_norm embedding looked up on each replica in the engine's forward (a
+    forward pre-hook, kept out of pickles and copies, in the hook dictionary every replica shares),
+    and how many references to each replica's weight existed before it (one more after the forward:
+    an operation saved the weight for backward, and writing into it would break that backward)."""
+
+    def __init__(self, modules: list[list[nn.Module]], renorm: dict[int, float], params: list[list[nn.Parameter]]):
+        self.weights = {i: [ps[i] for ps in params] for i in renorm}
+        self.ids: dict[int, list[torch.Tensor]] = {}
+        self.base: dict[int, list[int]] = {}
+        self.armed = [False]
+        self.edges: list = []
+        self.handles: list[RemovableHandle] = []
+        if not renorm:
+            return
+        where = {}
+        for k, m in enumerate(modules[0]):
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+                pos = next(i for i, p in enumerate(params[0]) if p is m.weight)
+                for mods in modules:
+                    where[id(mods[k])] = pos
+                hooks = m._forward_pre_hooks
+                if not isinstance(hooks, LocalHooks):
+                    hooks = m._forward_pre_hooks = LocalHooks(hooks)
+                    for mods in modules[1:]:
+                        mods[k].__dict__["_forward_pre_hooks"] = hooks  # shared, as every hook dictionary
+                handle = m.register_forward_pre_hook(partial(_looked_up, where, self.ids, self.armed))
+                hooks.local.add(handle.id)
+                self.handles.append(handle)
+
+    def arm(self) -> None:
+        """Before the engine's forward (caller's thread): record what it looks up."""
+        if not self.weights:
+            return
+        self.ids.clear()
+        self.armed[0] = True
+        self.edges = [get_gradient_edge(w) for ws in self.weights.values() for w in ws if w.requires_grad]
+        self.base = {i: [w._use_count() for w in ws] for i, ws in self.weights.items()}
+
+    def take(self) -> dict[int, list[torch.Tensor]]:
+        """After it: the indices looked up per weight; nothing is recorded until the next forward."""
+        if not self.armed[0]:
+            return {}
+        self.armed[0] = False
+        self.edges = []
+        looked = dict(self.ids)
+        self.ids.clear()
+        return looked
+
+
+def _looked_up(where: dict[int, int], ids: dict[int, list], armed: list[bool], module: nn.Module, args: tuple) -> None:
+    if armed[0] and args:
+        ids.setdefault(where[id(module)], []).append(args[0])  # list.append: safe from the replicas' threads
+
+
+def _merge_rows(ps: list[torch.Tensor], looked: list[torch.Tensor], norm_type: float, base: list[int] | None) -> bool:
+    """The rows some replica looked up ← on every replica, the renormalised row wherever some
+    replica renormalised it (the row of smallest norm: renormalising only ever shrinks a row, to
+    the same bits on every replica). Only rows that differ are written, only on replicas where
+    they differ. Whether such a write hit a weight some operation of the forward saved."""
     first = ps[0]
-    merged = first.detach().clone()
-    norms = torch.linalg.vector_norm(merged, norm_type, dim=1)
-    for p in ps[1:]:
-        q = p.detach().to(first.device)
+    rows = torch.unique(torch.cat([i.detach().reshape(-1).to(first.device, torch.long) for i in looked]))
+    values = [p.detach()[rows.to(p.device)].to(first.device) for p in ps]
+    merged, norms = values[0], torch.linalg.vector_norm(values[0], norm_type, dim=1)
+    for q in values[1:]:
         qn = torch.linalg.vector_norm(q, norm_type, dim=1)
         take = qn < norms
-        merged[take] = q[take]
+        merged = torch.where(take.unsqueeze(1), q, merged)
         norms = torch.where(take, qn, norms)
-    for p in ps:
-        p.copy_(merged.to(p.device))
+    saved = False
+    for j, (p, q) in enumerate(zip(ps, values)):
+        differ = (q != merged).any(1)
+        if bool(differ.any()):
+            saved = saved or (base is not None and p._use_count() > base[j])
+            p.index_copy_(0, rows[differ].to(p.device), merged[differ].to(p.device))
+    return saved
 
 
 class LocalHooks(OrderedDict):
@@ -349,6 +429,9 @@ class LocalHooks(OrderedDict):
 
     def values(self):  # what nn.Module.load_state_dict calls
         return [v for _, v in self._live()]
+
+    def items(self):  # what nn.Module.__call__ calls for forward pre-hooks
+        return self._live()
 
     def __reduce__(self):
         # a plain OrderedDict: the file (or the copy) holds the user's hooks only
