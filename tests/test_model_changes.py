@@ -442,3 +442,18 @@ def test_max_norm_rows_are_written_only_where_replicas_differ(face):
     with pytest.raises(RuntimeError, match=r"emb.weight of an nn.Embedding\(max_norm=...\) in another operation "
                                            r"that saved it for backward.*Use only what the embedding returns"):
         run_face(face, Penalised(), apart, loss=F.cross_entropy)
+
+
+def test_the_hooks_that_follow_a_model_never_travel_with_it():
+    """The load hooks on every submodule and the max_norm embedding's forward pre-hook stay out of
+    ``torch.save`` and ``copy.deepcopy`` of the wrapped model."""
+    import io
+    model = Renorm()
+    with cgdp.DataParallel(model, DEVS, chunks=1) as dp:
+        dp(token_batches(1)[0][0])
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        assert b"cgdp" not in buf.getvalue()
+        for twin in (torch.load(io.BytesIO(buf.getvalue()), weights_only=False), copy.deepcopy(model)):
+            assert not any(m._forward_pre_hooks or m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks
+                           for m in twin.modules())

@@ -352,8 +352,8 @@ class _Lookups:
                 hooks = m._forward_pre_hooks
                 if not isinstance(hooks, LocalHooks):
                     hooks = m._forward_pre_hooks = LocalHooks(hooks)
-                    for mods in modules[1:]:
-                        mods[k].__dict__["_forward_pre_hooks"] = hooks  # shared, as every hook dictionary
+                for mods in modules[1:]:
+                    mods[k].__dict__["_forward_pre_hooks"] = hooks  # shared, as every hook dictionary
                 handle = m.register_forward_pre_hook(partial(_looked_up, where, self.ids, self.armed))
                 hooks.local.add(handle.id)
                 self.handles.append(handle)
