@@ -329,3 +329,131 @@ def test_gradients_edited_inside_no_sync_are_refused_and_the_model_goes_on(edit)
         p.grad.data.mul_(0.5)
     ropt.step()
     assert_params_close(model, ref)
+
+
+class Body(nn.Module):
+    """A body with BatchNorm (kept in eval mode: its running statistics are used, not written) and a head."""
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Tanh())
+        self.head = nn.Linear(16, 5)
+        self.body[1].eval()
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.body[1].eval()
+        return self
+
+
+def pretrained_body():
+    body = Body().body
+    with torch.no_grad():
+        body[0].weight.mul_(0.5)
+        body[1].running_mean.fill_(0.7)
+        body[1].running_var.fill_(3.0)
+    return copy.deepcopy(body.state_dict())
+
+
+def run_face(face, model, data, change=None, at=None, loss=F.mse_loss):
+    """``model`` trained by ``face`` on ``data``, ``change`` made to it before step ``at``."""
+    if face == "trainer":
+        engine = cgdp.Trainer(model, sgd, DEVS, chunks=1)
+        step = lambda x, y: engine.step(x, y, loss)  # noqa: E731
+    else:
+        engine = cgdp.DataParallel(model, DEVS, chunks=1)
+        opt = sgd(engine.parameters())
+
+        def step(x, y):
+            opt.zero_grad()
+            loss(engine(x), y).backward()
+            opt.step()
+    with engine:
+        for i, (x, y) in enumerate(data):
+            if i == at:
+                change(model)
+            step(x, y)
+            assert_replicas_identical(engine)
+
+
+@pytest.mark.parametrize("face", ["trainer", "dataparallel"])
+def test_load_state_dict_on_a_submodule_reaches_every_replica_buffers_too(face):
+    """``model.body.load_state_dict(pretrained)``: its parameters and its BatchNorm's running
+    statistics on every replica (the load is followed on every submodule, not only the root)."""
+    state, data = pretrained_body(), batches(3)
+    change = lambda m: m.body.load_state_dict(state)  # noqa: E731
+    ref = Body()
+    ropt = sgd(ref.parameters())
+    for i, (x, y) in enumerate(data):
+        if i == 1:
+            change(ref)
+        ropt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ropt.step()
+    model = Body()
+    run_face(face, model, data, change, at=1)
+    assert_params_close(model, ref)
+    assert torch.equal(model.body[1].running_mean, ref.body[1].running_mean)
+
+
+@pytest.mark.parametrize("face", ["trainer", "dataparallel"])
+def test_load_state_dict_with_assign_is_refused_with_a_sentence(face):
+    """``load_state_dict(..., assign=True)`` replaces the parameter objects every device trains:
+    refused at the load, and at every step after it."""
+    model, data = mlp(), batches(2)
+    other = mlp(seed=5).state_dict  # fresh each time: a load with assign=True marks its state's _metadata
+    load = lambda m: m.load_state_dict(other(), assign=True)  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"new objects since cgdp\.\w+ was built .*Load without assign=True"):
+        run_face(face, model, data, load, at=1)
+    engine = cgdp.Trainer(model, sgd, DEVS, chunks=1) if face == "trainer" else cgdp.DataParallel(model, DEVS)
+    with engine:
+        model.load_state_dict(other())  # a copy into the parameters: followed
+        assert_replicas_identical(engine)
+        with pytest.raises(RuntimeError, match="assign=True"):
+            model.load_state_dict(other(), assign=True)
+        with pytest.raises(RuntimeError, match="not one the model had when it was wrapped"):
+            run = engine.step if face == "trainer" else lambda x, y, loss: engine(x)
+            run(*data[0], F.mse_loss)
+
+
+class Penalised(Renorm):
+    """A max_norm embedding whose table the forward also reads (an L2 penalty: saved for backward)."""
+    def forward(self, ids):
+        return super().forward(ids) + 1e-3 * self.emb.weight.pow(2).sum()
+
+
+@pytest.mark.parametrize("face", ["trainer", "dataparallel"])
+def test_max_norm_rows_are_written_only_where_replicas_differ(face):
+    """Both halves of the batch look up the same rows: after the forward every replica already
+    holds what one device holds, nothing is written, and a forward that also reads the table
+    (saved for backward) trains as one device. Rows one half alone looked up are refused with a
+    sentence (writing them would break that backward), replicas still identical."""
+    ids = torch.tensor([[1, 2, 3], [4, 5, 1], [2, 3, 4], [5, 1, 2]])
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.cat([ids, ids.flip(0)]), torch.randint(0, 20, (8,), generator=g)) for _ in range(2)]
+    model = Penalised()
+    ref = one_device(model, data)
+    run_face(face, model, data, loss=F.cross_entropy)
+    assert_params_close(model, ref)
+    apart = [(torch.arange(24).view(8, 3) % 20, torch.zeros(8, dtype=torch.long))]
+    with pytest.raises(RuntimeError, match=r"emb.weight of an nn.Embedding\(max_norm=...\) in another operation "
+                                           r"that saved it for backward.*Use only what the embedding returns"):
+        run_face(face, Penalised(), apart, loss=F.cross_entropy)
+
+
+def test_the_hooks_that_follow_a_model_never_travel_with_it():
+    """The load hooks on every submodule and the max_norm embedding's forward pre-hook stay out of
+    ``torch.save`` and ``copy.deepcopy`` of the wrapped model."""
+    import io
+    model = Renorm()
+    with cgdp.DataParallel(model, DEVS, chunks=1) as dp:
+        dp(token_batches(1)[0][0])
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        assert b"cgdp" not in buf.getvalue()
+        for twin in (torch.load(io.BytesIO(buf.getvalue()), weights_only=False), copy.deepcopy(model)):
+            assert not any(m._forward_pre_hooks or m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks
+                           for m in twin.modules())

@@ -21,15 +21,21 @@ what differs is looked at (the tree itself only when a counter moved):
   adds buffers is followed by :class:`~cgdp.engine.core.module_hooks.ModuleHooks`; a submodule
   replaced, added or removed, or a parameter object the model did not have when wrapped, is refused
   with a sentence (the engine's flat buffers, hooks and optimizers hold the parameters it had);
-* **load_state_dict** on replica 0: a load post-hook (kept out of pickles and copies,
-  :class:`LocalHooks`) copies the whole state to every replica at once.
+* **load_state_dict** on replica 0 or any of its submodules: load pre- and post-hooks on every
+  submodule (kept out of pickles and copies, :class:`LocalHooks`; they run only in a load) copy the
+  state of the module loaded, parameters and buffers, to every replica once the load is done (once
+  per ``load_state_dict`` call: torch runs the hooks of every submodule it loads). A load with
+  ``assign=True`` (new parameter objects) is refused there, and at every step until undone.
 
 :meth:`Follow.after_forward` looks at what a forward changed: a parameter it changed in place on
 replica 0 (version counters again) must be the same on every replica afterwards, and what one
 device would hold. Equal everywhere (a change that does not depend on the batch): nothing to do.
 ``nn.Embedding(max_norm=...)`` renormalises the rows its part of the batch looked up; one device
 renormalises the rows of the whole batch, so every replica takes, row by row, the renormalised row
-(the one of smaller norm: the same bits wherever it was renormalised). Any other change that
+(the one of smaller norm: the same bits wherever it was renormalised). Only the rows some replica
+looked up (a forward pre-hook records the indices, :class:`_Lookups`) are compared, and written only
+where they differ; a write into a weight that another operation of the forward saved for backward
+(its reference count rose) is refused with a sentence. Any other change that
 differs between replicas cannot be made exact and is refused (every replica takes replica 0's
 parameters first, so they stay identical). A change made on some replica j > 0 only (a
 data-dependent write that replica 0's part never triggers) is not seen.
@@ -40,11 +46,13 @@ import operator
 import threading
 import weakref
 from collections import OrderedDict
+from functools import partial
 from itertools import chain
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 from cgdp.engine.core.module_hooks import ModuleHooks, fingerprint, hook_count
@@ -78,15 +86,20 @@ class Follow:
         self._names = [n for n, _ in replicas[0].named_modules()]
         self._children = [[(k, id(c)) for k, c in m._modules.items()] for m in self.modules[0]]
         self._renorm = _max_norm_embeddings(self.modules[0], self.params[0])
+        self._lookups = _Lookups(self.modules, self._renorm, self.params)
         _watch_registrations(+1)
+        me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
+        self._index = {id(m): i for i, m in enumerate(self.modules[0])}
+        self._outer: tuple = (None, None)  # the module a load_state_dict call loads, and its missing keys
+        self._load: list[RemovableHandle] | None = list(chain.from_iterable(
+            local_load_hooks(m, partial(_load_begins, me), partial(_load_ends, me)) for m in self.modules[0]))
         self._struct = self._structure()
         self._seen = self._look()
-        me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
-        self._load = local_load_post_hook(replicas[0], lambda *_: me() and me().broadcast())
 
     def close(self) -> None:
         if self._load is not None:
-            self._load.remove()
+            for h in self._load + self._lookups.handles:
+                h.remove()
             self._load = None
             _watch_registrations(-1)
 
@@ -118,6 +131,7 @@ class Follow:
         Whether the replicas' buffers were relisted (the face lists them again)."""
         now = self._look()
         seen = self._seen
+        self._lookups.arm()
         if now == seen:
             return False
         relisted = False
@@ -177,14 +191,28 @@ class Follow:
                 for i in which:
                     params[i].copy_(self.params[0][i])
 
-    def broadcast(self) -> None:
-        """Every replica ← replica 0's parameters and buffers (after ``load_state_dict``)."""
-        state = self.replicas[0].state_dict()
+    def broadcast(self, at: int = 0) -> None:
+        """Every replica's submodule ``at`` (the whole model: 0) ← replica 0's parameters and
+        buffers (after ``load_state_dict`` on it). The module tree is read again at the next step."""
+        self._refuse_new_parameters()
+        state = self.modules[0][at].state_dict()
         with torch.no_grad():
-            for r in self.replicas[1:]:
-                r.load_state_dict(state)
-        self.record()
+            for mods in self.modules[1:]:
+                mods[at].load_state_dict(state)
+        now, seen = self._look(), self._seen
+        self._seen = (*now[:3], *seen[3:])  # a load that assigned buffers anew is followed by before_step
         self.after_load()
+
+    def _refuse_new_parameters(self) -> None:
+        if list(map(id, self.replicas[0].parameters())) == list(map(id, self.params[0])):
+            return
+        known = set(map(id, self.params[0]))
+        names = [n for n, p in self.replicas[0].named_parameters() if id(p) not in known] or ["(removed)"]
+        raise RuntimeError(
+            f"the parameter(s) {', '.join(names[:5])} of the model are new objects since {self.name} was built "
+            f"(load_state_dict(..., assign=True) replaces them); it trains the parameters the model had then on "
+            f"every device (its gradient buffers, hooks and optimizers hold them). Load without assign=True (it "
+            f"copies into them), or {self.again}")
 
     def after_forward(self, used: int) -> None:
         """After a forward of replicas 0..used-1 (caller's thread, no replica running): a parameter
@@ -192,33 +220,63 @@ class Follow:
         refused (see the module)."""
         versions = list(map(_VERSION, self.params[0]))
         seen = self._seen[2]
+        looked = self._lookups.take()
         if versions == seen:
             return
         changed = [i for i, (v, s) in enumerate(zip(versions, seen)) if v != s]
-        refused = []
+        refused, saved = [], []
         with torch.no_grad():
             for i in changed:
                 ps = [params[i] for params in self.params]
                 first = ps[0]
-                if all(torch.equal(first, p.to(first.device)) for p in ps[1:used]):
+                if i in self._renorm and looked.get(i):
+                    if _merge_rows(ps, looked[i], self._renorm[i], self._lookups.base.get(i)):
+                        saved.append(i)
+                elif all(torch.equal(first, p.to(first.device)) for p in ps[1:used]):
                     for p in ps[used:]:
                         p.copy_(first)  # replicas without samples ran no forward
-                elif i in self._renorm:
-                    _merge_rows(ps, self._renorm[i])
                 else:
                     refused.append(i)
                     for p in ps[1:]:
                         p.copy_(first)
         s = self._seen
-        self._seen = (s[0], s[1], versions, *s[3:])
+        self._seen = (s[0], s[1], list(map(_VERSION, self.params[0])), *s[3:])
+        names = [n for n, _ in self.replicas[0].named_parameters()] if refused or saved else []
+        if saved:
+            raise RuntimeError(
+                f"the model's forward used the weight {', '.join(names[i] for i in saved[:5])} of an "
+                f"nn.Embedding(max_norm=...) in another operation that saved it for backward (a penalty on the "
+                f"table, a tied layer) after the embedding renormalised the rows its part of the batch looked "
+                f"up; one device renormalises the rows of the whole batch first, and the rows the other devices "
+                f"renormalised cannot be written without breaking that backward ({self.name} gave them to every "
+                f"replica and drops this forward). Use only what the embedding returns (a penalty on the looked-up "
+                f"rows), renormalise outside the forward (max_norm=None, torch.embedding_renorm_ under "
+                f"torch.no_grad() before the step), or train on one device")
         if refused:
-            names = [n for n, _ in self.replicas[0].named_parameters()]
             raise RuntimeError(
                 f"the model's forward changed parameter(s) {', '.join(names[i] for i in refused[:5])} in place, "
                 f"differently on each device (each replica changes its own copy from its part of the batch), "
                 f"which {self.name} cannot make equal to one device; every replica now holds replica 0's. Make "
                 f"such changes outside the forward (between steps, under torch.no_grad(): they reach every "
                 f"replica), or train on one device")
+
+
+def _load_begins(me: Callable[[], Follow | None], module: nn.Module, _state: Any, _prefix: str, _meta: Any,
+                 _strict: bool, missing: list, *_: Any) -> None:
+    """A load pre-hook of every submodule of replica 0: the first one to run in a
+    ``load_state_dict`` call (its list of missing keys is new) is the module it loads."""
+    follow = me()
+    if follow is not None and follow._outer[1] is not missing:
+        follow._outer = (module, missing)
+
+
+def _load_ends(me: Callable[[], Follow | None], module: nn.Module, keys: Any) -> None:
+    """A load post-hook of every submodule of replica 0: once, when the whole load is done (torch
+    runs the submodules' hooks first), every replica loads what replica 0's module holds."""
+    follow = me()
+    if follow is not None and follow._outer[0] is module and follow._outer[1] is keys.missing_keys:
+        follow._outer = (None, None)
+        follow.broadcast(follow._index[id(module)])
 
 
 _registrations = 0
@@ -270,20 +328,82 @@ def _max_norm_embeddings(modules: list[nn.Module], params: list[nn.Parameter]) -
     return out
 
 
-def _merge_rows(ps: list[torch.Tensor], norm_type: float) -> None:
-    """Every replica's rows ← the renormalised row wherever some replica renormalised it (the row
-    of smallest norm: renormalising only ever shrinks a row, to the same bits on every replica)."""
+class _Lookups:
+    """The indices each max_norm embedding looked up on each replica in the engine's forward (a
+    forward pre-hook, kept out of pickles and copies, in the hook dictionary every replica shares),
+    and how many references to each replica's weight existed before it (one more after the forward:
+    an operation saved the weight for backward, and writing into it would break that backward)."""
+
+    def __init__(self, modules: list[list[nn.Module]], renorm: dict[int, float], params: list[list[nn.Parameter]]):
+        self.weights = {i: [ps[i] for ps in params] for i in renorm}
+        self.ids: dict[int, list[torch.Tensor]] = {}
+        self.base: dict[int, list[int]] = {}
+        self.armed = [False]
+        self.edges: list = []
+        self.handles: list[RemovableHandle] = []
+        if not renorm:
+            return
+        where = {}
+        for k, m in enumerate(modules[0]):
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+                pos = next(i for i, p in enumerate(params[0]) if p is m.weight)
+                for mods in modules:
+                    where[id(mods[k])] = pos
+                hooks = m._forward_pre_hooks
+                if not isinstance(hooks, LocalHooks):
+                    hooks = m._forward_pre_hooks = LocalHooks(hooks)
+                for mods in modules[1:]:
+                    mods[k].__dict__["_forward_pre_hooks"] = hooks  # shared, as every hook dictionary
+                handle = m.register_forward_pre_hook(partial(_looked_up, where, self.ids, self.armed))
+                hooks.local.add(handle.id)
+                self.handles.append(handle)
+
+    def arm(self) -> None:
+        """Before the engine's forward (caller's thread): record what it looks up."""
+        if not self.weights:
+            return
+        self.ids.clear()
+        self.armed[0] = True
+        self.edges = [get_gradient_edge(w) for ws in self.weights.values() for w in ws if w.requires_grad]
+        self.base = {i: [w._use_count() for w in ws] for i, ws in self.weights.items()}
+
+    def take(self) -> dict[int, list[torch.Tensor]]:
+        """After it: the indices looked up per weight; nothing is recorded until the next forward."""
+        if not self.armed[0]:
+            return {}
+        self.armed[0] = False
+        self.edges = []
+        looked = dict(self.ids)
+        self.ids.clear()
+        return looked
+
+
+def _looked_up(where: dict[int, int], ids: dict[int, list], armed: list[bool], module: nn.Module, args: tuple) -> None:
+    if armed[0] and args:
+        ids.setdefault(where[id(module)], []).append(args[0])  # list.append: safe from the replicas' threads
+
+
+def _merge_rows(ps: list[torch.Tensor], looked: list[torch.Tensor], norm_type: float, base: list[int] | None) -> bool:
+    """The rows some replica looked up ← on every replica, the renormalised row wherever some
+    replica renormalised it (the row of smallest norm: renormalising only ever shrinks a row, to
+    the same bits on every replica). Only rows that differ are written, only on replicas where
+    they differ. Whether such a write hit a weight some operation of the forward saved."""
     first = ps[0]
-    merged = first.detach().clone()
-    norms = torch.linalg.vector_norm(merged, norm_type, dim=1)
-    for p in ps[1:]:
-        q = p.detach().to(first.device)
+    rows = torch.unique(torch.cat([i.detach().reshape(-1).to(first.device, torch.long) for i in looked]))
+    values = [p.detach()[rows.to(p.device)].to(first.device) for p in ps]
+    merged, norms = values[0], torch.linalg.vector_norm(values[0], norm_type, dim=1)
+    for q in values[1:]:
         qn = torch.linalg.vector_norm(q, norm_type, dim=1)
         take = qn < norms
-        merged[take] = q[take]
+        merged = torch.where(take.unsqueeze(1), q, merged)
         norms = torch.where(take, qn, norms)
-    for p in ps:
-        p.copy_(merged.to(p.device))
+    saved = False
+    for j, (p, q) in enumerate(zip(ps, values)):
+        differ = (q != merged).any(1)
+        if bool(differ.any()):
+            saved = saved or (base is not None and p._use_count() > base[j])
+            p.index_copy_(0, rows[differ].to(p.device), merged[differ].to(p.device))
+    return saved
 
 
 class LocalHooks(OrderedDict):
@@ -310,17 +430,23 @@ class LocalHooks(OrderedDict):
     def values(self):  # what nn.Module.load_state_dict calls
         return [v for _, v in self._live()]
 
+    def items(self):  # what nn.Module.__call__ calls for forward pre-hooks
+        return self._live()
+
     def __reduce__(self):
         # a plain OrderedDict: the file (or the copy) holds the user's hooks only
         return OrderedDict, (), None, None, iter([(k, v) for k, v in self._live() if k not in self.local])
 
 
-def local_load_post_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
-    """``module.register_load_state_dict_post_hook(hook)``, kept out of pickles and copies."""
-    hooks = module._load_state_dict_post_hooks
-    if not isinstance(hooks, LocalHooks):
-        hooks = LocalHooks(hooks)
-        module._load_state_dict_post_hooks = hooks
-    handle = module.register_load_state_dict_post_hook(hook)
-    hooks.local.add(handle.id)
-    return handle
+def local_load_hooks(module: nn.Module, pre: Callable[..., None], post: Callable[..., None]) -> list[RemovableHandle]:
+    """``module``'s load_state_dict pre- and post-hook, kept out of pickles and copies."""
+    handles = []
+    for attr, register, hook in (("_load_state_dict_pre_hooks", module.register_load_state_dict_pre_hook, pre),
+                                 ("_load_state_dict_post_hooks", module.register_load_state_dict_post_hook, post)):
+        hooks = getattr(module, attr)
+        if not isinstance(hooks, LocalHooks):
+            hooks = LocalHooks(hooks)
+            setattr(module, attr, hooks)
+        handles.append(register(hook))
+        hooks.local.add(handles[-1].id)
+    return handles
