@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 from functools import partial
 
 import pytest
@@ -207,8 +208,12 @@ def test_nan_in_a_late_chunk_rejects_the_step_and_leaves_parameters_as_they_were
         before = copy.deepcopy(model.state_dict())
         for r in tr.replicas:
             r.poison = True
-        with pytest.warns(RuntimeWarning, match="advanced by one step"), pytest.raises(cgdp.NonFiniteGradientError):
-            tr.step(*data[1], F.cross_entropy)
+        state = copy.deepcopy(tr.optimizers[0].state_dict())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the chunks stepped while backward ran are undone, state too
+            with pytest.raises(cgdp.NonFiniteGradientError):
+                tr.step(*data[1], F.cross_entropy)
+        assert _states_equal(tr.optimizers[0].state_dict(), state)
         for k, v in model.state_dict().items():
             assert torch.equal(v, before[k])
         assert_replicas_identical(tr)
@@ -273,3 +278,86 @@ def test_zero_grad_on_the_host_optimizer_between_steps_changes_nothing():
                 tr.optimizers[0].zero_grad()
                 tr.step(x, y, F.cross_entropy)
             assert_params_close(tr.replicas[0], ref)
+
+
+def _states_equal(a, b):
+    return a["state"].keys() == b["state"].keys() and all(
+        torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][k][n]))
+        for k, s in a["state"].items() for n, v in s.items())
+
+
+class _Boom(torch.autograd.Function):
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _Boom.fail:
+            raise RuntimeError("boom in backward")
+        return g
+
+
+class _FailsPartway(torch.nn.Module):
+    """Backward raises between the last layer (stepped on the host first) and the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x):
+        return self.net[2:](_Boom.apply(self.net[:2](x)))
+
+
+def test_a_backward_failing_partway_leaves_the_optimizer_as_one_device_does():
+    """Overlapped: the chunks stepped before backward failed get their optimizer state back (one
+    device's failed step changes nothing), and training equals one device skipping that step."""
+    torch.manual_seed(0)
+    make, model, data = OPTIMIZERS["adamw"], _FailsPartway(), batches(4)
+    ref, _ = reference(model, make, [d for i, d in enumerate(data) if i != 1], F.cross_entropy)
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=1,
+                      update="host") as tr:
+        assert tr.stats.get("host_update_overlapped", 1.0) == 1.0
+        for i, (x, y) in enumerate(data):
+            _Boom.fail = i == 1
+            try:
+                if i == 1:
+                    with pytest.raises(RuntimeError, match="boom in backward"):
+                        tr.step(x, y, F.cross_entropy)
+                else:
+                    tr.step(x, y, F.cross_entropy)
+            finally:
+                _Boom.fail = False
+        assert {int(s["step"]) for s in tr.optimizers[0].state.values()} == {3}
+        assert_params_close(tr.replicas[0], ref)
+        assert_replicas_identical(tr)
+
+
+def test_a_chunk_step_raising_surfaces_its_error_and_undoes_the_chunks_stepped():
+    """The host update thread's error (here the optimizer's step raising on the second chunk) is
+    what step() raises, not the abort it caused; the chunks stepped before it are undone."""
+    make, model, data = OPTIMIZERS["adamw"], mlp(), batches(3)
+    ref, _ = reference(model, make, [data[0], data[2]], F.cross_entropy)
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=1,
+                      update="host") as tr:
+        opt, calls = tr.optimizers[0], []
+        own = opt.step
+
+        def step():
+            calls.append(1)
+            if len(calls) == 2:
+                raise ValueError("the step fails once")
+            return own()
+        tr.step(*data[0], F.cross_entropy)
+        assert tr.stats["host_update_overlapped"] == 1.0
+        opt.step = step
+        try:
+            with pytest.raises(ValueError, match="fails once"):
+                tr.step(*data[1], F.cross_entropy)
+        finally:
+            del opt.step
+        tr.step(*data[2], F.cross_entropy)
+        assert_params_close(tr.replicas[0], ref)
+        assert_replicas_identical(tr)

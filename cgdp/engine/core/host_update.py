@@ -44,7 +44,7 @@ from cgdp.engine.core.lifetime import weak_call
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.core.update import Stamps, Update
-from cgdp.engine.sync import Guard, Progress
+from cgdp.engine.sync import Guard, Progress, StepAborted
 
 
 def check_host_update(update: str, dtype: torch.dtype | None) -> bool:
@@ -182,7 +182,8 @@ class HostUpdate(Update):
     Otherwise the whole update runs after backward, once the global view is complete (clipping's
     norm). A chunk whose sum holds NaN/Inf stops the overlapped updates of the step; the step is
     then rejected by the engine as usual, the masters retake the replicas' parameters (no replica
-    was changed), and a warning names the optimizer state of the chunks already stepped."""
+    was changed), and the chunks already stepped get their optimizer state back (copied aside
+    before each chunk's step but the last: :meth:`_save`), as after any failure of the step."""
 
     streams = True
     sums = True
@@ -230,8 +231,14 @@ class HostUpdate(Update):
             if self.overlap == "with backward":
                 done = threading.Event()
                 self._queue.put(done.set)
-                self._guard.wait(done, "the host update thread to finish a failed step's updates")
-            m.refresh()
+                try:
+                    self._guard.wait(done, "the host update thread to finish a failed step's updates")
+                except StepAborted:  # the failed step's own error, already raised to the caller
+                    done.wait()
+                self._undo()
+            else:
+                m.refresh()
+            self._open = False
         m.follow()
         self._seconds = 0.0
         if self.overlap != "with backward":
@@ -244,9 +251,13 @@ class HostUpdate(Update):
                 self._chunk_pids[c].append(pid)
             where = {id(p): k for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
             self._group = [where.get(id(p)) for p in m.masters]
+            self._pid = {id(p): pid for pid, p in enumerate(m.masters)}
+            self._bufs: dict[int, dict] = {}
         m.grads_from_row(self._stream.host.sum_row(), lay.offsets, ())  # again if zero_grad() dropped them
         self._left = [len(r) for r in lay.chunk_segments]
         self._stepped: list[int] = []
+        self._saved: list[tuple[int, dict | None]] = []
+        self._unsaved: int | None = None
         self._poisoned: int | None = None
         self._updated.reset()
         self._open = True
@@ -281,6 +292,10 @@ class HostUpdate(Update):
                 k = self._group[pid]
                 if k is not None and any(h.touched[pid] for h in st.hooks):  # untouched: skipped, as on one device
                     lent[k].append(masters[pid])
+            if len(self._stepped) < len(lay.plan) - 1:  # a later failure may undo this step: keep its state
+                self._save([p for ps in lent for p in ps])
+            else:  # the last chunk: every gradient is summed, nothing of this step is left to fail
+                self._unsaved = c
             own = [g["params"] for g in groups]
             try:
                 for g, ps in zip(groups, lent):
@@ -294,6 +309,58 @@ class HostUpdate(Update):
         finally:
             self._updated.advance()
 
+    def _save(self, params: list[nn.Parameter]) -> None:
+        """Copy the optimizer state of ``params`` aside (into buffers kept from step to step)."""
+        state, pid = self.optimizer.state, self._pid
+        src, dst = [], []
+        for p in params:
+            s = state.get(p)
+            if not s:
+                self._saved.append((pid[id(p)], None))
+                continue
+            bufs = self._bufs.setdefault(pid[id(p)], {})
+            snap = {}
+            for k, v in s.items():
+                if isinstance(v, torch.Tensor):
+                    b = bufs.get(k)
+                    if b is None or b.shape != v.shape or b.dtype != v.dtype or b.device != v.device:
+                        b = bufs[k] = torch.empty_like(v)
+                    src.append(v)
+                    dst.append(b)
+                    v = b
+                snap[k] = v
+            self._saved.append((pid[id(p)], snap))
+        if src:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
+
+    def _undo(self) -> None:
+        """A failed or rejected overlapped step: the masters retake the replicas' parameters and
+        the optimizer state of the chunks it stepped goes back to what it was before."""
+        self.masters.refresh()
+        state, masters = self.optimizer.state, self.masters.masters
+        with torch.no_grad():
+            for pid, snap in self._saved:
+                p = masters[pid]
+                if snap is None:
+                    state.pop(p, None)
+                    continue
+                s = state[p]
+                for k in list(s):
+                    if k not in snap:
+                        del s[k]
+                for k, v in snap.items():
+                    if isinstance(v, torch.Tensor) and isinstance(s.get(k), torch.Tensor):
+                        s[k].copy_(v)
+                    else:
+                        s[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        self._saved = []
+        if self._unsaved is not None:
+            warnings.warn(f"the step failed after the host optimizer stepped its last chunk ({self._unsaved}) "
+                          f"while backward ran: that chunk's optimizer state advanced by one step",
+                          RuntimeWarning, stacklevel=3)
+            self._unsaved = None
+
     def hook_views(self, views: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         raise NotImplementedError("update='host' steps on the host's gradient, so gradient hooks registered on "
                                   "the parameters (register_hook) do not run there: remove them, or use "
@@ -303,15 +370,15 @@ class HostUpdate(Update):
         bad = stream.bad_count()
         if self._open and self.overlap == "with backward":
             # note: host waits for the host update thread to step every chunk
-            self._updated.wait(len(self._layout.plan), self._guard, "the host's update of every chunk")
+            try:
+                self._updated.wait(len(self._layout.plan), self._guard, "the host's update of every chunk")
+            except StepAborted:
+                if self._guard.error is None:
+                    raise
+                raise self._guard.error from None  # the error itself (a step hook's), not the abort it caused
         if self._open and self._poisoned is not None:
             self._open = False
-            if self._stepped:
-                self.masters.refresh()  # no replica was changed: the masters take their parameters back
-                warnings.warn(f"the averaged gradient holds NaN/Inf in chunk {self._poisoned}; the step is "
-                              f"rejected and no parameter changed, but the host optimizer's state of chunk(s) "
-                              f"{self._stepped}, updated while backward ran, advanced by one step. Clip "
-                              f"gradients (clip_grad_norm: no overlap) if this recurs", RuntimeWarning, stacklevel=2)
+            self._undo()  # no replica was changed: parameters and optimizer state as before the step
             return max(bad, 1.0)
         return bad
 
