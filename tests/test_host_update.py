@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import cgdp
 from test_comm_inproc import on_ranks
+from test_dataparallel import _Boom
 from helpers import assert_params_close, assert_ranks_equal_reference, assert_replicas_identical, mlp, reference
 
 OPTIMIZERS = {
@@ -286,20 +287,6 @@ def _states_equal(a, b):
         for k, s in a["state"].items() for n, v in s.items())
 
 
-class _Boom(torch.autograd.Function):
-    fail = False
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if _Boom.fail:
-            raise RuntimeError("boom in backward")
-        return g
-
-
 class _FailsPartway(torch.nn.Module):
     """Backward raises between the last layer (stepped on the host first) and the first."""
 
@@ -329,7 +316,7 @@ def test_a_backward_failing_partway_leaves_the_optimizer_as_one_device_does():
                 else:
                     tr.step(x, y, F.cross_entropy)
             finally:
-                _Boom.fail = False
+                _Boom.fail = True  # that module's default
         assert {int(s["step"]) for s in tr.optimizers[0].state.values()} == {3}
         assert_params_close(tr.replicas[0], ref)
         assert_replicas_identical(tr)
