@@ -312,7 +312,7 @@ def test_a_backward_failing_partway_leaves_the_optimizer_as_one_device_does():
             _Boom.fail = i == 1
             try:
                 if i == 1:
-                    with pytest.raises(RuntimeError, match="boom in backward"):
+                    with pytest.raises(RuntimeError, match="^boom$"):
                         tr.step(x, y, F.cross_entropy)
                 else:
                     tr.step(x, y, F.cross_entropy)
