@@ -349,3 +349,31 @@ def test_a_chunk_step_raising_surfaces_its_error_and_undoes_the_chunks_stepped()
         tr.step(*data[2], F.cross_entropy)
         assert_params_close(tr.replicas[0], ref)
         assert_replicas_identical(tr)
+
+
+class _MaxNorm(torch.nn.Module):
+    """A forward that writes its parameters in place: nn.Embedding(max_norm) renormalises the rows it reads."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = torch.nn.Embedding(20, 4, max_norm=1.0), torch.nn.Linear(4, 3)
+        with torch.no_grad():
+            self.emb.weight.mul_(3)
+
+    def forward(self, x):
+        return self.out(self.emb(x).mean(1))
+
+
+@pytest.mark.parametrize("devices", [["cpu:0"], ["cpu:0", "cpu:1"]])
+def test_a_forward_writing_parameters_in_place_is_kept_by_the_host_step(devices):
+    """The masters follow replica 0 after the forward: the host step starts from the renormalised rows."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 20, (8, 3), generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+    make = partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref, _ = reference(_MaxNorm(), make, data, F.cross_entropy)
+    with cgdp.Trainer(_MaxNorm(), make, devices, chunks=1, update="host") as tr:
+        for x, y in data:
+            tr.step(x, y, F.cross_entropy)
+        assert_params_close(tr.replicas[0], ref)
+        assert_replicas_identical(tr)

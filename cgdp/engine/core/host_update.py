@@ -28,6 +28,7 @@ queues each complete chunk to ``cgdp-host-update``, a thread bound to no device 
 from __future__ import annotations
 
 import itertools
+import operator
 import queue
 import threading
 import time
@@ -88,15 +89,21 @@ class HostMasters:
         return 0 if self._grad_buf is None else self._grad_buf.numel() * 4
 
     def refresh(self) -> None:
-        """Masters ← replica 0's parameters (at start, after a load or a user's edit)."""
+        """Masters ← replica 0's parameters (at start, after a failed step)."""
         with torch.no_grad():
             torch._foreach_copy_(self.masters, [p.detach() for p in self.params[0]])
-        self._versions = [p._version for p in self.params[0]]
+        self._versions = list(map(_VERSION, self.params[0]))
 
     def follow(self) -> None:
-        """Refresh the masters if anything but the engine wrote replica 0's parameters since."""
-        if [p._version for p in self.params[0]] != self._versions:
-            self.refresh()
+        """The masters of the parameters anything but the engine wrote since (a load, a user's
+        edit, a forward writing in place: ``nn.Embedding(max_norm=)``) retake replica 0's."""
+        now = list(map(_VERSION, self.params[0]))
+        if now == self._versions:
+            return
+        moved = [pid for pid, (a, b) in enumerate(zip(now, self._versions)) if a != b]
+        with torch.no_grad():
+            torch._foreach_copy_([self.masters[pid] for pid in moved], [self.params[0][pid].detach() for pid in moved])
+        self._versions = now
 
     def grads_from_row(self, row: torch.Tensor, offsets: Sequence[int], none: Sequence[int]) -> None:
         """Every master's gradient: a view of ``row`` (the flat layout's ``offsets``); None for ``none``."""
@@ -143,8 +150,26 @@ class HostMasters:
                 torch._foreach_copy_(self.params[j], self.masters, non_blocking=dev.is_cuda)
             return t0, dev.stamp()
         stamps = threads.run_all(copy, computing=True)
-        self._versions = [p._version for p in self.params[0]]
+        self._versions = list(map(_VERSION, self.params[0]))
         return stamps
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def after_forward(replicas_follow: Callable[[int], None], update: Update) -> Callable[[int], None]:
+    """The Trainer's hook after each forward: the replicas follow replica 0's writes
+    (:meth:`~cgdp.engine.core.follow.Follow.after_forward`), then, with ``update="host"``, the
+    masters do (a forward that writes its parameters in place, ``nn.Embedding(max_norm=)``: the
+    host step must start from the written values, not overwrite them)."""
+    masters = getattr(update, "masters", None)
+    if masters is None:
+        return replicas_follow
+
+    def hook(used: int) -> None:
+        replicas_follow(used)
+        masters.follow()
+    return hook
 
 
 FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
