@@ -27,6 +27,7 @@ queues each complete chunk to ``cgdp-host-update``, a thread bound to no device 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import queue
@@ -73,6 +74,8 @@ class HostMasters:
         self.flat = self.devs[0].host_empty((total,), torch.float32)
         self.masters = [nn.Parameter(self.flat[o:o + n].view(p.shape))
                         for o, n, p in zip(self.offsets, numels, self.params[0])]
+        self.pid = {id(p): pid for pid, p in enumerate(self.params[0])}
+        """id(replica 0's parameter) -> its number (the masters' order)."""
         self._grad_buf: torch.Tensor | None = None
         """Host gradients when the accumulator's sum row cannot be read in place (allocated once)."""
         self._attached: tuple | None = None
@@ -109,7 +112,7 @@ class HostMasters:
         """Every master's gradient: a view of ``row`` (the flat layout's ``offsets``); None for ``none``."""
         key = (row.data_ptr(), tuple(offsets), tuple(none))
         # views still in place (an optimizer's zero_grad() drops them): no slicing per parameter
-        if key == self._attached and all(m.grad is not None for m in self._viewed):
+        if key == self._attached and not any(map(is_none, map(grad_of, self._viewed))):
             return
         skip = set(none)
         for pid, m in enumerate(self.masters):
@@ -119,8 +122,8 @@ class HostMasters:
 
     def grads_from(self, grads: Sequence[torch.Tensor | None], pids: Sequence[int] | None = None) -> None:
         """Masters' gradients ← copies of ``grads`` (replica 0's ``.grad``, None where it has none)."""
-        if self._grad_buf is None:
-            self._grad_buf = torch.empty_like(self.flat)
+        if self._grad_buf is None:  # a copy target of the devices' gradients: pinned on CUDA as the masters
+            self._grad_buf = self.devs[0].host_empty(self.flat.shape, torch.float32)
         self._attached = None
         dst, src = [], []
         for pid, g in zip(range(len(self.masters)) if pids is None else pids, grads):
@@ -139,15 +142,19 @@ class HostMasters:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)  # note: host waits for the device's gradients (D2H)
 
-    def to_devices(self, threads: DeviceThreads) -> list[Stamps]:
-        """Every replica's parameters ← the masters, on each device's thread; per device the stamps."""
+    def to_devices(self, threads: DeviceThreads, pids: Sequence[int] | None = None) -> list[Stamps]:
+        """Every replica's parameters ← the masters (those numbered ``pids``, or all), on each
+        device's thread; per device the stamps."""
+        masters = self.masters if pids is None else [self.masters[k] for k in pids]
+
         def copy(j: int) -> Stamps:
             dev = self.devs[j]
             t0 = dev.stamp()
             with torch.no_grad():
                 # pinned masters: asynchronous on a GPU; the host writes them again only after the
                 # next backward, which runs after this copy on the same stream
-                torch._foreach_copy_(self.params[j], self.masters, non_blocking=dev.is_cuda)
+                params = self.params[j] if pids is None else [self.params[j][k] for k in pids]
+                torch._foreach_copy_(params, masters, non_blocking=dev.is_cuda)
             return t0, dev.stamp()
         stamps = threads.run_all(copy, computing=True)
         self._versions = list(map(_VERSION, self.params[0]))
@@ -155,6 +162,8 @@ class HostMasters:
 
 
 _VERSION = operator.attrgetter("_version")
+grad_of = operator.attrgetter("grad")
+is_none = functools.partial(operator.is_, None)
 
 
 def after_forward(replicas_follow: Callable[[int], None], update: Update) -> Callable[[int], None]:
