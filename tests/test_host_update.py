@@ -9,6 +9,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import cgdp
 from test_comm_inproc import on_ranks
@@ -157,9 +158,15 @@ def test_unsupported_combinations_are_refused_with_a_sentence():
 
 
 def _step_threads(tr):
-    """The threads the host optimizer's step() ran on, per call."""
-    seen = []
-    tr.optimizers[0].register_step_post_hook(lambda *_: seen.append(threading.current_thread().name))
+    """The threads the host optimizer's step() ran on, per call (not seen through a step hook:
+    one keeps the update after backward)."""
+    seen, opt = [], tr.optimizers[0]
+    own = opt.step
+
+    def step():
+        seen.append(threading.current_thread().name)
+        return own()
+    opt.step = step
     return seen
 
 
@@ -377,3 +384,52 @@ def test_a_forward_writing_parameters_in_place_is_kept_by_the_host_step(devices)
             tr.step(x, y, F.cross_entropy)
         assert_params_close(tr.replicas[0], ref)
         assert_replicas_identical(tr)
+
+
+def test_step_hooks_keep_the_update_after_backward_once_per_step():
+    """A step hook (the optimizer's own or a global one: EMA, logging) would run once per chunk and
+    see part of the parameters if the update overlapped backward: it runs once, over all of them."""
+    make, model, data = OPTIMIZERS["adamw"], mlp(), batches(2)
+    ref, _ = reference(model, make, data, F.cross_entropy)
+    n_params = len(list(model.parameters()))
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=1, update="host") as tr:
+        seen = []
+        hook = tr.optimizers[0].register_step_post_hook(
+            lambda opt, *_: seen.append(sum(len(g["params"]) for g in opt.param_groups)))
+        tr.step(*data[0], F.cross_entropy)
+        assert seen == [n_params]
+        assert tr.stats["host_update_overlapped"] == 0.0 and tr.stats["host_update_step_hooks"] == 1.0
+        hook.remove()
+        hook = register_optimizer_step_pre_hook(lambda opt, *_: seen.append(0))
+        try:
+            tr.step(*data[1], F.cross_entropy)
+        finally:
+            hook.remove()
+        assert seen == [n_params, 0] and tr.stats["host_update_overlapped"] == 0.0
+        assert_params_close(tr.replicas[0], ref)
+
+
+def test_an_explicit_implementation_choice_is_kept():
+    """foreach=False (or fused=False) chosen by the factory is not overridden by fused=True."""
+    for kw in ({"foreach": False}, {"fused": False}):
+        with cgdp.Trainer(mlp(), partial(torch.optim.AdamW, lr=1e-2, **kw), ["cpu:0"], update="host") as tr:
+            g = tr.optimizers[0].param_groups[0]
+            assert not g["fused"] and g["foreach"] is kw.get("foreach")
+        with cgdp.DataParallel(mlp(), ["cpu:0", "cpu:1"], update="host") as dp:
+            opt = torch.optim.AdamW(dp.parameters(), lr=1e-2, **kw)
+            seen = []
+            opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["fused"]))
+            x, y = batches(1)[0]
+            F.cross_entropy(dp(x), y).backward()
+            opt.step()
+            assert seen == [kw.get("fused")]
+
+
+def test_close_stops_the_host_update_thread():
+    data = batches(1)
+    tr = cgdp.Trainer(mlp(), OPTIMIZERS["adamw"], ["cpu:0", "cpu:1"], chunks=1, update="host")
+    tr.step(*data[0], F.cross_entropy)
+    assert tr.stats["host_update_overlapped"] == 1.0
+    assert any(t.name == "cgdp-host-update" for t in threading.enumerate())
+    tr.close()  # tr still referenced: only close() can stop it
+    assert not any(t.name == "cgdp-host-update" for t in threading.enumerate())

@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from cgdp.engine.backend.base import Device
-from cgdp.engine.core.lifetime import weak_call
+from cgdp.engine.core.host_state import StateSnapshot
+from cgdp.engine.core.lifetime import Resources, weak_call
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.core.update import Stamps, Update
@@ -79,6 +80,7 @@ class HostMasters:
         self._grad_buf: torch.Tensor | None = None
         """Host gradients when the accumulator's sum row cannot be read in place (allocated once)."""
         self._attached: tuple | None = None
+        self._selected: tuple = (None,)
         self._viewed: list[nn.Parameter] = []
         self.refresh()
 
@@ -145,7 +147,12 @@ class HostMasters:
     def to_devices(self, threads: DeviceThreads, pids: Sequence[int] | None = None) -> list[Stamps]:
         """Every replica's parameters ← the masters (those numbered ``pids``, or all), on each
         device's thread; per device the stamps."""
-        masters = self.masters if pids is None else [self.masters[k] for k in pids]
+        if pids is None:
+            masters, params = self.masters, self.params
+        else:  # the lists of the last ``pids`` (the same object from step to step) kept
+            if self._selected[0] is not pids:
+                self._selected = (pids, [self.masters[k] for k in pids], [[ps[k] for k in pids] for ps in self.params])
+            _, masters, params = self._selected
 
         def copy(j: int) -> Stamps:
             dev = self.devs[j]
@@ -153,8 +160,7 @@ class HostMasters:
             with torch.no_grad():
                 # pinned masters: asynchronous on a GPU; the host writes them again only after the
                 # next backward, which runs after this copy on the same stream
-                params = self.params[j] if pids is None else [self.params[j][k] for k in pids]
-                torch._foreach_copy_(params, masters, non_blocking=dev.is_cuda)
+                torch._foreach_copy_(params[j], masters, non_blocking=dev.is_cuda)
             return t0, dev.stamp()
         stamps = threads.run_all(copy, computing=True)
         self._versions = list(map(_VERSION, self.params[0]))
@@ -188,15 +194,26 @@ measured 3-9x faster than the default single-tensor loop on CPU (``bench/bench_h
 
 def prefer_fused(opt: torch.optim.Optimizer) -> list[int]:
     """Set ``fused=True`` in the groups of ``opt`` that chose neither ``fused`` nor ``foreach``
-    (results agree with the default to float32 rounding); the indices of the groups changed."""
+    (an explicit ``foreach=False`` or ``fused=False`` is kept; results agree with the default to
+    float32 rounding); the indices of the groups changed."""
     if type(opt) not in FUSED_CPU:
         return []
     changed = []
     for k, g in enumerate(opt.param_groups):
-        if g.get("fused") is None and not g.get("foreach") and not g.get("differentiable"):
+        if g.get("fused") is None and g.get("foreach") is None and not g.get("differentiable"):
             g["fused"] = True
             changed.append(k)
     return changed
+
+
+def has_step_hooks(opt: torch.optim.Optimizer) -> bool:
+    """Whether a step pre- or post-hook is registered on ``opt``, or one of the user's on every
+    optimizer (not cgdp.DataParallel's own, which leave an optimizer they do not own alone)."""
+    from torch.optim import optimizer as torch_optimizer
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+        return True
+    hooks = (*torch_optimizer._global_optimizer_pre_hooks.values(), *torch_optimizer._global_optimizer_post_hooks.values())
+    return any(not getattr(h, "__module__", "").startswith("cgdp.") for h in hooks)
 
 
 PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
@@ -217,7 +234,7 @@ class HostUpdate(Update):
     norm). A chunk whose sum holds NaN/Inf stops the overlapped updates of the step; the step is
     then rejected by the engine as usual, the masters retake the replicas' parameters (no replica
     was changed), and the chunks already stepped get their optimizer state back (copied aside
-    before each chunk's step but the last: :meth:`_save`), as after any failure of the step."""
+    before each chunk's step but the last: :class:`~cgdp.engine.core.host_state.StateSnapshot`), as after any failure of the step."""
 
     streams = True
     sums = True
@@ -237,11 +254,14 @@ class HostUpdate(Update):
         self._stream: GradientStream | None = None
         self._layout: Any = None
         self._open = False  # an overlapped step began and was not finished (masters maybe ahead)
+        self._with_backward = self._hooked = False  # this step's
+        self._states = StateSnapshot()  # of the chunks stepped with backward, for a failure
         self._seconds = 0.0
 
-    def attach(self, stream: GradientStream, clipping: bool, guard: Guard) -> None:
+    def attach(self, stream: GradientStream, clipping: bool, guard: Guard, resources: Resources) -> None:
         """Once the stream exists: read the host's sum row in place if it can, and then send no
-        gradient back during backward (only the parameters travel back); overlap if allowed."""
+        gradient back during backward (only the parameters travel back); overlap if allowed (the
+        host update thread then stops with the engine's ``resources``)."""
         self._stream, self._guard = stream, guard
         host = stream.host
         if host is None or host.sum_row() is None:
@@ -253,9 +273,11 @@ class HostUpdate(Update):
             self._updated = Progress()
             # its own thread, bound to no device: the accumulator goes on summing the next chunks
             # while this one steps the last (CPU work on host memory only: no CUDA call)
-            threading.Thread(target=_update_loop, args=(self._queue, weak_call(self._update_chunk), guard.fail),
-                             name="cgdp-host-update", daemon=True).start()
+            thread = threading.Thread(target=_update_loop, args=(self._queue, weak_call(self._update_chunk),
+                                                                 guard.fail), name="cgdp-host-update", daemon=True)
+            thread.start()
             weakref.finalize(self, self._queue.put, None)
+            resources.push(functools.partial(_stop, self._queue, thread))
             host.on_summed = weak_call(self._summed)
 
     def begin_step(self) -> None:
@@ -275,7 +297,11 @@ class HostUpdate(Update):
             self._open = False
         m.follow()
         self._seconds = 0.0
-        if self.overlap != "with backward":
+        # the optimizer's step hooks (its own or torch's global ones) would run once per chunk and
+        # see part of the parameters: with any, this step's update runs once, after backward
+        self._hooked = has_step_hooks(self.optimizer)
+        self._with_backward = self.overlap == "with backward" and not self._hooked
+        if not self._with_backward:
             return
         lay = self._stream.layout
         if lay is not self._layout:  # a plan switch: the chunks' parameters and the row's views
@@ -285,12 +311,10 @@ class HostUpdate(Update):
                 self._chunk_pids[c].append(pid)
             where = {id(p): k for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
             self._group = [where.get(id(p)) for p in m.masters]
-            self._pid = {id(p): pid for pid, p in enumerate(m.masters)}
-            self._bufs: dict[int, dict] = {}
         m.grads_from_row(self._stream.host.sum_row(), lay.offsets, ())  # again if zero_grad() dropped them
         self._left = [len(r) for r in lay.chunk_segments]
         self._stepped: list[int] = []
-        self._saved: list[tuple[int, dict | None]] = []
+        self._states.clear()
         self._unsaved: int | None = None
         self._poisoned: int | None = None
         self._updated.reset()
@@ -298,6 +322,8 @@ class HostUpdate(Update):
 
     def _summed(self, s: int) -> None:
         """The thread that made segment ``s`` final: when its chunk is complete, queue its update."""
+        if not self._with_backward:
+            return
         c = self._layout.segment_chunk[s]
         self._left[c] -= 1
         if not self._left[c]:
@@ -327,7 +353,7 @@ class HostUpdate(Update):
                 if k is not None and any(h.touched[pid] for h in st.hooks):  # untouched: skipped, as on one device
                     lent[k].append(masters[pid])
             if len(self._stepped) < len(lay.plan) - 1:  # a later failure may undo this step: keep its state
-                self._save([p for ps in lent for p in ps])
+                self._states.save(self.optimizer.state, [p for ps in lent for p in ps])
             else:  # the last chunk: every gradient is summed, nothing of this step is left to fail
                 self._unsaved = c
             own = [g["params"] for g in groups]
@@ -343,52 +369,11 @@ class HostUpdate(Update):
         finally:
             self._updated.advance()
 
-    def _save(self, params: list[nn.Parameter]) -> None:
-        """Copy the optimizer state of ``params`` aside (into buffers kept from step to step)."""
-        state, pid = self.optimizer.state, self._pid
-        src, dst = [], []
-        for p in params:
-            s = state.get(p)
-            if not s:
-                self._saved.append((pid[id(p)], None))
-                continue
-            bufs = self._bufs.setdefault(pid[id(p)], {})
-            snap = {}
-            for k, v in s.items():
-                if isinstance(v, torch.Tensor):
-                    b = bufs.get(k)
-                    if b is None or b.shape != v.shape or b.dtype != v.dtype or b.device != v.device:
-                        b = bufs[k] = torch.empty_like(v)
-                    src.append(v)
-                    dst.append(b)
-                    v = b
-                snap[k] = v
-            self._saved.append((pid[id(p)], snap))
-        if src:
-            with torch.no_grad():
-                torch._foreach_copy_(dst, src)
-
     def _undo(self) -> None:
         """A failed or rejected overlapped step: the masters retake the replicas' parameters and
         the optimizer state of the chunks it stepped goes back to what it was before."""
         self.masters.refresh()
-        state, masters = self.optimizer.state, self.masters.masters
-        with torch.no_grad():
-            for pid, snap in self._saved:
-                p = masters[pid]
-                if snap is None:
-                    state.pop(p, None)
-                    continue
-                s = state[p]
-                for k in list(s):
-                    if k not in snap:
-                        del s[k]
-                for k, v in snap.items():
-                    if isinstance(v, torch.Tensor) and isinstance(s.get(k), torch.Tensor):
-                        s[k].copy_(v)
-                    else:
-                        s[k] = v.clone() if isinstance(v, torch.Tensor) else v
-        self._saved = []
+        self._states.restore(self.optimizer.state)
         if self._unsaved is not None:
             warnings.warn(f"the step failed after the host optimizer stepped its last chunk ({self._unsaved}) "
                           f"while backward ran: that chunk's optimizer state advanced by one step",
@@ -402,7 +387,7 @@ class HostUpdate(Update):
 
     def reduce(self, stream: GradientStream) -> float:
         bad = stream.bad_count()
-        if self._open and self.overlap == "with backward":
+        if self._open:  # overlapped (nothing else opens a step)
             # note: host waits for the host update thread to step every chunk
             try:
                 self._updated.wait(len(self._layout.plan), self._guard, "the host's update of every chunk")
@@ -419,7 +404,7 @@ class HostUpdate(Update):
     def step(self, coef: torch.Tensor | None, stream: GradientStream,
              threads: DeviceThreads) -> list[Stamps | None]:
         m = self.masters
-        overlapped = self.overlap == "with backward"
+        overlapped = self._with_backward
         if not overlapped:
             t0 = time.perf_counter()
             host = stream.host
@@ -435,8 +420,15 @@ class HostUpdate(Update):
             self.optimizer.step()
             self._seconds = time.perf_counter() - t0
         self._open = False
-        self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped)}
+        self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped),
+                        "host_update_step_hooks": float(self._hooked)}
         return m.to_devices(threads)
+
+
+def _stop(q: queue.SimpleQueue, thread: threading.Thread) -> None:
+    """close(): the host update thread ends after the update it runs (if any)."""
+    q.put(None)
+    thread.join(30.0)
 
 
 def _update_loop(q: queue.SimpleQueue, update: Callable[[int], None], fail: Callable[[BaseException], None]) -> None:
