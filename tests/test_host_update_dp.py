@@ -256,3 +256,20 @@ def test_a_sparse_embedding_with_an_optimizer_of_its_own_steps_on_the_devices():
         F.cross_entropy(dp(data[0][0]), data[0][1]).backward()
         with pytest.raises(NotImplementedError, match="SparseAdam"):
             opt.step()
+
+
+def test_edited_gradients_are_copied_into_page_locked_host_memory():
+    """After clipping (replica 0's gradients edited since backward) the host copies them once into
+    a buffer of its own: page-locked on CUDA, as every other host copy target of cgdp."""
+    from cgdp.testing import simulated_cuda
+    with simulated_cuda(2, seed=1) as sim:
+        with cgdp.DataParallel(mlp(), ["cuda:0", "cuda:1"], update="host", chunks=1) as dp:
+            opt = OPTIMIZERS["sgd_momentum"](dp.parameters())
+            x, y = batches(1)[0]
+            F.cross_entropy(dp(x), y).backward()
+            dp.clip_grad_norm_(0.5)
+            before = sum(sim.registered.values())
+            opt.step()
+            assert sum(sim.registered.values()) - before >= sum(p.numel() * 4 for p in dp.parameters())
+            assert_identical(dp)
+    assert not sim.errors
