@@ -407,6 +407,9 @@ def test_step_hooks_keep_the_update_after_backward_once_per_step():
             hook.remove()
         assert seen == [n_params, 0] and tr.stats["host_update_overlapped"] == 0.0
         assert_params_close(tr.replicas[0], ref)
+        with cgdp.DataParallel(mlp(), ["cpu:0"]):  # its own global hooks leave other optimizers alone
+            tr.step(*data[1], F.cross_entropy)
+        assert tr.stats["host_update_overlapped"] == 1.0 and tr.stats["host_update_step_hooks"] == 0.0
 
 
 def test_an_explicit_implementation_choice_is_kept():
