@@ -280,8 +280,10 @@ class HostUpdate(Update):
             resources.push(functools.partial(_stop, self._queue, thread))
             host.on_summed = weak_call(self._summed)
 
-    def begin_step(self) -> None:
-        """Before the step's first forward (the caller's thread, nothing in flight)."""
+    def begin_step(self, hooked: bool = False) -> None:
+        """Before the step's first forward (the caller's thread, nothing in flight); with the
+        user's gradient hooks (refused by :meth:`hook_views` after backward) nothing is stepped
+        with backward, so that the refusal leaves the optimizer untouched."""
         m = self.masters
         if self._open:  # the last overlapped step failed: let its updates finish, undo them
             if self.overlap == "with backward":
@@ -300,7 +302,7 @@ class HostUpdate(Update):
         # the optimizer's step hooks (its own or torch's global ones) would run once per chunk and
         # see part of the parameters: with any, this step's update runs once, after backward
         self._hooked = has_step_hooks(self.optimizer)
-        self._with_backward = self.overlap == "with backward" and not self._hooked
+        self._with_backward = self.overlap == "with backward" and not self._hooked and not hooked
         if not self._with_backward:
             return
         lay = self._stream.layout

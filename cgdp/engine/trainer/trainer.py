@@ -398,7 +398,7 @@ class Trainer:
         self._timing.start(self._devs, self._stream)
         if self._update.sums:  # the user's gradient hooks wait for the sum (_finish_backward)
             self._param_hooks.take()
-        self._update.begin_step()
+        self._update.begin_step(bool(self._param_hooks.held))
 
     def _finish_backward(self, losses: list[float], weights: list[float]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""
