@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import cgdp
 from test_comm_inproc import on_ranks
+from test_dataparallel import _Boom
 from helpers import assert_params_close, assert_ranks_equal_reference, assert_replicas_identical, mlp, reference
 
 OPTIMIZERS = {
@@ -149,15 +152,24 @@ def test_unsupported_combinations_are_refused_with_a_sentence():
         x, y = batches(1)[0]
         with pytest.raises(NotImplementedError, match="register_hook"):
             tr.step(x, y, F.cross_entropy)
+        assert not tr.optimizers[0].state  # refused after backward: nothing was stepped with it
         handle.remove()
-        tr.step(x, y, F.cross_entropy)  # usable again without the hook
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            tr.step(x, y, F.cross_entropy)  # usable again without the hook
         assert_replicas_identical(tr)
 
 
 def _step_threads(tr):
-    """The threads the host optimizer's step() ran on, per call."""
-    seen = []
-    tr.optimizers[0].register_step_post_hook(lambda *_: seen.append(threading.current_thread().name))
+    """The threads the host optimizer's step() ran on, per call (not seen through a step hook:
+    one keeps the update after backward)."""
+    seen, opt = [], tr.optimizers[0]
+    own = opt.step
+
+    def step():
+        seen.append(threading.current_thread().name)
+        return own()
+    opt.step = step
     return seen
 
 
@@ -207,8 +219,12 @@ def test_nan_in_a_late_chunk_rejects_the_step_and_leaves_parameters_as_they_were
         before = copy.deepcopy(model.state_dict())
         for r in tr.replicas:
             r.poison = True
-        with pytest.warns(RuntimeWarning, match="advanced by one step"), pytest.raises(cgdp.NonFiniteGradientError):
-            tr.step(*data[1], F.cross_entropy)
+        state = copy.deepcopy(tr.optimizers[0].state_dict())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the chunks stepped while backward ran are undone, state too
+            with pytest.raises(cgdp.NonFiniteGradientError):
+                tr.step(*data[1], F.cross_entropy)
+        assert _states_equal(tr.optimizers[0].state_dict(), state)
         for k, v in model.state_dict().items():
             assert torch.equal(v, before[k])
         assert_replicas_identical(tr)
@@ -273,3 +289,153 @@ def test_zero_grad_on_the_host_optimizer_between_steps_changes_nothing():
                 tr.optimizers[0].zero_grad()
                 tr.step(x, y, F.cross_entropy)
             assert_params_close(tr.replicas[0], ref)
+
+
+def _states_equal(a, b):
+    return a["state"].keys() == b["state"].keys() and all(
+        torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][k][n]))
+        for k, s in a["state"].items() for n, v in s.items())
+
+
+class _FailsPartway(torch.nn.Module):
+    """Backward raises between the last layer (stepped on the host first) and the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x):
+        return self.net[2:](_Boom.apply(self.net[:2](x)))
+
+
+def test_a_backward_failing_partway_leaves_the_optimizer_as_one_device_does():
+    """Overlapped: the chunks stepped before backward failed get their optimizer state back (one
+    device's failed step changes nothing), and training equals one device skipping that step."""
+    torch.manual_seed(0)
+    make, model, data = OPTIMIZERS["adamw"], _FailsPartway(), batches(4)
+    _Boom.fail = False
+    ref, _ = reference(model, make, [d for i, d in enumerate(data) if i != 1], F.cross_entropy)
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=1,
+                      update="host") as tr:
+        assert tr.stats.get("host_update_overlapped", 1.0) == 1.0
+        for i, (x, y) in enumerate(data):
+            _Boom.fail = i == 1
+            try:
+                if i == 1:
+                    with pytest.raises(RuntimeError, match="^boom$"):
+                        tr.step(x, y, F.cross_entropy)
+                else:
+                    tr.step(x, y, F.cross_entropy)
+            finally:
+                _Boom.fail = i == 3  # back to that module's default at the end
+        assert {int(s["step"]) for s in tr.optimizers[0].state.values()} == {3}
+        assert_params_close(tr.replicas[0], ref)
+        assert_replicas_identical(tr)
+
+
+def test_a_chunk_step_raising_surfaces_its_error_and_undoes_the_chunks_stepped():
+    """The host update thread's error (here the optimizer's step raising on the second chunk) is
+    what step() raises, not the abort it caused; the chunks stepped before it are undone."""
+    make, model, data = OPTIMIZERS["adamw"], mlp(), batches(3)
+    ref, _ = reference(model, make, [data[0], data[2]], F.cross_entropy)
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=1,
+                      update="host") as tr:
+        opt, calls = tr.optimizers[0], []
+        own = opt.step
+
+        def step():
+            calls.append(1)
+            if len(calls) == 2:
+                raise ValueError("the step fails once")
+            return own()
+        tr.step(*data[0], F.cross_entropy)
+        assert tr.stats["host_update_overlapped"] == 1.0
+        opt.step = step
+        try:
+            with pytest.raises(ValueError, match="fails once"):
+                tr.step(*data[1], F.cross_entropy)
+        finally:
+            del opt.step
+        tr.step(*data[2], F.cross_entropy)
+        assert_params_close(tr.replicas[0], ref)
+        assert_replicas_identical(tr)
+
+
+class _MaxNorm(torch.nn.Module):
+    """A forward that writes its parameters in place: nn.Embedding(max_norm) renormalises the rows it reads."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = torch.nn.Embedding(20, 4, max_norm=1.0), torch.nn.Linear(4, 3)
+        with torch.no_grad():
+            self.emb.weight.mul_(3)
+
+    def forward(self, x):
+        return self.out(self.emb(x).mean(1))
+
+
+@pytest.mark.parametrize("devices", [["cpu:0"], ["cpu:0", "cpu:1"]])
+def test_a_forward_writing_parameters_in_place_is_kept_by_the_host_step(devices):
+    """The masters follow replica 0 after the forward: the host step starts from the renormalised rows."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 20, (8, 3), generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+    make = partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref, _ = reference(_MaxNorm(), make, data, F.cross_entropy)
+    with cgdp.Trainer(_MaxNorm(), make, devices, chunks=1, update="host") as tr:
+        for x, y in data:
+            tr.step(x, y, F.cross_entropy)
+        assert_params_close(tr.replicas[0], ref)
+        assert_replicas_identical(tr)
+
+
+def test_step_hooks_keep_the_update_after_backward_once_per_step():
+    """A step hook (the optimizer's own or a global one: EMA, logging) would run once per chunk and
+    see part of the parameters if the update overlapped backward: it runs once, over all of them."""
+    make, model, data = OPTIMIZERS["adamw"], mlp(), batches(2)
+    ref, _ = reference(model, make, data, F.cross_entropy)
+    n_params = len(list(model.parameters()))
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=1, update="host") as tr:
+        seen = []
+        hook = tr.optimizers[0].register_step_post_hook(
+            lambda opt, *_: seen.append(sum(len(g["params"]) for g in opt.param_groups)))
+        tr.step(*data[0], F.cross_entropy)
+        assert seen == [n_params]
+        assert tr.stats["host_update_overlapped"] == 0.0 and tr.stats["host_update_step_hooks"] == 1.0
+        hook.remove()
+        hook = register_optimizer_step_pre_hook(lambda opt, *_: seen.append(0))
+        try:
+            tr.step(*data[1], F.cross_entropy)
+        finally:
+            hook.remove()
+        assert seen == [n_params, 0] and tr.stats["host_update_overlapped"] == 0.0
+        assert_params_close(tr.replicas[0], ref)
+        with cgdp.DataParallel(mlp(), ["cpu:0"]):  # its own global hooks leave other optimizers alone
+            tr.step(*data[1], F.cross_entropy)
+        assert tr.stats["host_update_overlapped"] == 1.0 and tr.stats["host_update_step_hooks"] == 0.0
+
+
+def test_an_explicit_implementation_choice_is_kept():
+    """foreach=False (or fused=False) chosen by the factory is not overridden by fused=True."""
+    for kw in ({"foreach": False}, {"fused": False}):
+        with cgdp.Trainer(mlp(), partial(torch.optim.AdamW, lr=1e-2, **kw), ["cpu:0"], update="host") as tr:
+            g = tr.optimizers[0].param_groups[0]
+            assert not g["fused"] and g["foreach"] is kw.get("foreach")
+        with cgdp.DataParallel(mlp(), ["cpu:0", "cpu:1"], update="host") as dp:
+            opt = torch.optim.AdamW(dp.parameters(), lr=1e-2, **kw)
+            seen = []
+            opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["fused"]))
+            x, y = batches(1)[0]
+            F.cross_entropy(dp(x), y).backward()
+            opt.step()
+            assert seen == [kw.get("fused")]
+
+
+def test_close_stops_the_host_update_thread():
+    data = batches(1)
+    tr = cgdp.Trainer(mlp(), OPTIMIZERS["adamw"], ["cpu:0", "cpu:1"], chunks=1, update="host")
+    tr.step(*data[0], F.cross_entropy)
+    assert tr.stats["host_update_overlapped"] == 1.0
+    assert any(t.name == "cgdp-host-update" for t in threading.enumerate())
+    tr.close()  # tr still referenced: only close() can stop it
+    assert not any(t.name == "cgdp-host-update" for t in threading.enumerate())

@@ -202,3 +202,74 @@ def test_a_step_that_raises_gives_the_optimizer_its_parameters_back():
         opt.step()
         assert_identical(dp)
         assert not torch.equal(dp.module[0].weight, before["0.weight"])
+
+
+def test_the_usual_optimizer_over_a_model_with_a_frozen_layer():
+    """A parameter frozen when the model was wrapped has no master and no gradient: skipped, as
+    torch skips it."""
+    model, data = mlp(), batches()
+    model[0].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    run(ref, OPTIMIZERS["adamw"], data)
+    with cgdp.DataParallel(copy.deepcopy(model), DEVS, update="host") as dp:
+        opt = run(dp, OPTIMIZERS["adamw"], data)
+        assert_params_close(dp.module, ref)
+        assert_identical(dp)
+        assert [p for g in opt.param_groups for p in g["params"]] == list(dp.module.parameters())
+
+
+class _SparseNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out = torch.nn.Embedding(20, 4, sparse=True), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.out(self.emb(x).mean(1))
+
+
+def test_a_sparse_embedding_with_an_optimizer_of_its_own_steps_on_the_devices():
+    """SparseAdam for the embedding (no master: it steps the replicas on the devices), Adam on the
+    host for the rest: equal to one device; the embedding in the host's optimizer is refused."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 20, (8, 3), generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+
+    def loop(m, body):
+        sparse = torch.optim.SparseAdam(body.emb.parameters(), lr=1e-2)
+        dense = torch.optim.Adam(body.out.parameters(), lr=1e-2)
+        for x, y in data:
+            sparse.zero_grad()
+            dense.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            sparse.step()
+            dense.step()
+        return sparse
+    ref = _SparseNet()
+    loop(ref, ref)
+    with cgdp.DataParallel(_SparseNet(), DEVS, update="host") as dp:
+        loop(dp, dp.module)
+        assert_params_close(dp.module, ref)
+        assert_identical(dp)
+        report = dp.memory_report()
+        assert report["host"]["optimizer_state"] > 0 and report["cpu:0"]["optimizer_state"] > 0
+        opt = torch.optim.Adam(dp.parameters(), lr=1e-2)
+        F.cross_entropy(dp(data[0][0]), data[0][1]).backward()
+        with pytest.raises(NotImplementedError, match="SparseAdam"):
+            opt.step()
+
+
+def test_edited_gradients_are_copied_into_page_locked_host_memory():
+    """After clipping (replica 0's gradients edited since backward) the host copies them once into
+    a buffer of its own: page-locked on CUDA, as every other host copy target of cgdp."""
+    from cgdp.testing import simulated_cuda
+    with simulated_cuda(2, seed=1) as sim:
+        with cgdp.DataParallel(mlp(), ["cuda:0", "cuda:1"], update="host", chunks=1) as dp:
+            opt = OPTIMIZERS["sgd_momentum"](dp.parameters())
+            x, y = batches(1)[0]
+            F.cross_entropy(dp(x), y).backward()
+            dp.clip_grad_norm_(0.5)
+            before = sum(sim.registered.values())
+            opt.step()
+            assert sum(sim.registered.values()) - before >= sum(p.numel() * 4 for p in dp.parameters())
+            assert_identical(dp)
+    assert not sim.errors

@@ -27,7 +27,9 @@ queues each complete chunk to ``cgdp-host-update``, a thread bound to no device 
 """
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import queue
 import threading
 import time
@@ -40,11 +42,12 @@ import torch
 from torch import nn
 
 from cgdp.engine.backend.base import Device
-from cgdp.engine.core.lifetime import weak_call
+from cgdp.engine.core.host_state import StateSnapshot
+from cgdp.engine.core.lifetime import Resources, weak_call
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.core.update import Stamps, Update
-from cgdp.engine.sync import Guard, Progress
+from cgdp.engine.sync import Guard, Progress, StepAborted
 
 
 def check_host_update(update: str, dtype: torch.dtype | None) -> bool:
@@ -72,9 +75,12 @@ class HostMasters:
         self.flat = self.devs[0].host_empty((total,), torch.float32)
         self.masters = [nn.Parameter(self.flat[o:o + n].view(p.shape))
                         for o, n, p in zip(self.offsets, numels, self.params[0])]
+        self.pid = {id(p): pid for pid, p in enumerate(self.params[0])}
+        """id(replica 0's parameter) -> its number (the masters' order)."""
         self._grad_buf: torch.Tensor | None = None
         """Host gradients when the accumulator's sum row cannot be read in place (allocated once)."""
         self._attached: tuple | None = None
+        self._selected: tuple = (None,)
         self._viewed: list[nn.Parameter] = []
         self.refresh()
 
@@ -88,21 +94,27 @@ class HostMasters:
         return 0 if self._grad_buf is None else self._grad_buf.numel() * 4
 
     def refresh(self) -> None:
-        """Masters ← replica 0's parameters (at start, after a load or a user's edit)."""
+        """Masters ← replica 0's parameters (at start, after a failed step)."""
         with torch.no_grad():
             torch._foreach_copy_(self.masters, [p.detach() for p in self.params[0]])
-        self._versions = [p._version for p in self.params[0]]
+        self._versions = list(map(_VERSION, self.params[0]))
 
     def follow(self) -> None:
-        """Refresh the masters if anything but the engine wrote replica 0's parameters since."""
-        if [p._version for p in self.params[0]] != self._versions:
-            self.refresh()
+        """The masters of the parameters anything but the engine wrote since (a load, a user's
+        edit, a forward writing in place: ``nn.Embedding(max_norm=)``) retake replica 0's."""
+        now = list(map(_VERSION, self.params[0]))
+        if now == self._versions:
+            return
+        moved = [pid for pid, (a, b) in enumerate(zip(now, self._versions)) if a != b]
+        with torch.no_grad():
+            torch._foreach_copy_([self.masters[pid] for pid in moved], [self.params[0][pid].detach() for pid in moved])
+        self._versions = now
 
     def grads_from_row(self, row: torch.Tensor, offsets: Sequence[int], none: Sequence[int]) -> None:
         """Every master's gradient: a view of ``row`` (the flat layout's ``offsets``); None for ``none``."""
         key = (row.data_ptr(), tuple(offsets), tuple(none))
         # views still in place (an optimizer's zero_grad() drops them): no slicing per parameter
-        if key == self._attached and all(m.grad is not None for m in self._viewed):
+        if key == self._attached and not any(map(is_none, map(grad_of, self._viewed))):
             return
         skip = set(none)
         for pid, m in enumerate(self.masters):
@@ -112,8 +124,8 @@ class HostMasters:
 
     def grads_from(self, grads: Sequence[torch.Tensor | None], pids: Sequence[int] | None = None) -> None:
         """Masters' gradients ← copies of ``grads`` (replica 0's ``.grad``, None where it has none)."""
-        if self._grad_buf is None:
-            self._grad_buf = torch.empty_like(self.flat)
+        if self._grad_buf is None:  # a copy target of the devices' gradients: pinned on CUDA as the masters
+            self._grad_buf = self.devs[0].host_empty(self.flat.shape, torch.float32)
         self._attached = None
         dst, src = [], []
         for pid, g in zip(range(len(self.masters)) if pids is None else pids, grads):
@@ -132,19 +144,47 @@ class HostMasters:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)  # note: host waits for the device's gradients (D2H)
 
-    def to_devices(self, threads: DeviceThreads) -> list[Stamps]:
-        """Every replica's parameters ← the masters, on each device's thread; per device the stamps."""
+    def to_devices(self, threads: DeviceThreads, pids: Sequence[int] | None = None) -> list[Stamps]:
+        """Every replica's parameters ← the masters (those numbered ``pids``, or all), on each
+        device's thread; per device the stamps."""
+        if pids is None:
+            masters, params = self.masters, self.params
+        else:  # the lists of the last ``pids`` (the same object from step to step) kept
+            if self._selected[0] is not pids:
+                self._selected = (pids, [self.masters[k] for k in pids], [[ps[k] for k in pids] for ps in self.params])
+            _, masters, params = self._selected
+
         def copy(j: int) -> Stamps:
             dev = self.devs[j]
             t0 = dev.stamp()
             with torch.no_grad():
                 # pinned masters: asynchronous on a GPU; the host writes them again only after the
                 # next backward, which runs after this copy on the same stream
-                torch._foreach_copy_(self.params[j], self.masters, non_blocking=dev.is_cuda)
+                torch._foreach_copy_(params[j], masters, non_blocking=dev.is_cuda)
             return t0, dev.stamp()
         stamps = threads.run_all(copy, computing=True)
-        self._versions = [p._version for p in self.params[0]]
+        self._versions = list(map(_VERSION, self.params[0]))
         return stamps
+
+
+_VERSION = operator.attrgetter("_version")
+grad_of = operator.attrgetter("grad")
+is_none = functools.partial(operator.is_, None)
+
+
+def after_forward(replicas_follow: Callable[[int], None], update: Update) -> Callable[[int], None]:
+    """The Trainer's hook after each forward: the replicas follow replica 0's writes
+    (:meth:`~cgdp.engine.core.follow.Follow.after_forward`), then, with ``update="host"``, the
+    masters do (a forward that writes its parameters in place, ``nn.Embedding(max_norm=)``: the
+    host step must start from the written values, not overwrite them)."""
+    masters = getattr(update, "masters", None)
+    if masters is None:
+        return replicas_follow
+
+    def hook(used: int) -> None:
+        replicas_follow(used)
+        masters.follow()
+    return hook
 
 
 FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -154,15 +194,26 @@ measured 3-9x faster than the default single-tensor loop on CPU (``bench/bench_h
 
 def prefer_fused(opt: torch.optim.Optimizer) -> list[int]:
     """Set ``fused=True`` in the groups of ``opt`` that chose neither ``fused`` nor ``foreach``
-    (results agree with the default to float32 rounding); the indices of the groups changed."""
+    (an explicit ``foreach=False`` or ``fused=False`` is kept; results agree with the default to
+    float32 rounding); the indices of the groups changed."""
     if type(opt) not in FUSED_CPU:
         return []
     changed = []
     for k, g in enumerate(opt.param_groups):
-        if g.get("fused") is None and not g.get("foreach") and not g.get("differentiable"):
+        if g.get("fused") is None and g.get("foreach") is None and not g.get("differentiable"):
             g["fused"] = True
             changed.append(k)
     return changed
+
+
+def has_step_hooks(opt: torch.optim.Optimizer) -> bool:
+    """Whether a step pre- or post-hook is registered on ``opt``, or one of the user's on every
+    optimizer (not cgdp.DataParallel's own, which leave an optimizer they do not own alone)."""
+    from torch.optim import optimizer as torch_optimizer
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+        return True
+    hooks = (*torch_optimizer._global_optimizer_pre_hooks.values(), *torch_optimizer._global_optimizer_post_hooks.values())
+    return any(not getattr(h, "__module__", "").startswith("cgdp.") for h in hooks)
 
 
 PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
@@ -182,7 +233,8 @@ class HostUpdate(Update):
     Otherwise the whole update runs after backward, once the global view is complete (clipping's
     norm). A chunk whose sum holds NaN/Inf stops the overlapped updates of the step; the step is
     then rejected by the engine as usual, the masters retake the replicas' parameters (no replica
-    was changed), and a warning names the optimizer state of the chunks already stepped."""
+    was changed), and the chunks already stepped get their optimizer state back (copied aside
+    before each chunk's step but the last: :class:`~cgdp.engine.core.host_state.StateSnapshot`), as after any failure of the step."""
 
     streams = True
     sums = True
@@ -202,11 +254,14 @@ class HostUpdate(Update):
         self._stream: GradientStream | None = None
         self._layout: Any = None
         self._open = False  # an overlapped step began and was not finished (masters maybe ahead)
+        self._with_backward = self._hooked = False  # this step's
+        self._states = StateSnapshot()  # of the chunks stepped with backward, for a failure
         self._seconds = 0.0
 
-    def attach(self, stream: GradientStream, clipping: bool, guard: Guard) -> None:
+    def attach(self, stream: GradientStream, clipping: bool, guard: Guard, resources: Resources) -> None:
         """Once the stream exists: read the host's sum row in place if it can, and then send no
-        gradient back during backward (only the parameters travel back); overlap if allowed."""
+        gradient back during backward (only the parameters travel back); overlap if allowed (the
+        host update thread then stops with the engine's ``resources``)."""
         self._stream, self._guard = stream, guard
         host = stream.host
         if host is None or host.sum_row() is None:
@@ -218,23 +273,37 @@ class HostUpdate(Update):
             self._updated = Progress()
             # its own thread, bound to no device: the accumulator goes on summing the next chunks
             # while this one steps the last (CPU work on host memory only: no CUDA call)
-            threading.Thread(target=_update_loop, args=(self._queue, weak_call(self._update_chunk), guard.fail),
-                             name="cgdp-host-update", daemon=True).start()
+            thread = threading.Thread(target=_update_loop, args=(self._queue, weak_call(self._update_chunk),
+                                                                 guard.fail), name="cgdp-host-update", daemon=True)
+            thread.start()
             weakref.finalize(self, self._queue.put, None)
+            resources.push(functools.partial(_stop, self._queue, thread))
             host.on_summed = weak_call(self._summed)
 
-    def begin_step(self) -> None:
-        """Before the step's first forward (the caller's thread, nothing in flight)."""
+    def begin_step(self, hooked: bool = False) -> None:
+        """Before the step's first forward (the caller's thread, nothing in flight); with the
+        user's gradient hooks (refused by :meth:`hook_views` after backward) nothing is stepped
+        with backward, so that the refusal leaves the optimizer untouched."""
         m = self.masters
         if self._open:  # the last overlapped step failed: let its updates finish, undo them
             if self.overlap == "with backward":
                 done = threading.Event()
                 self._queue.put(done.set)
-                self._guard.wait(done, "the host update thread to finish a failed step's updates")
-            m.refresh()
+                try:
+                    self._guard.wait(done, "the host update thread to finish a failed step's updates")
+                except StepAborted:  # the failed step's own error, already raised to the caller
+                    done.wait()
+                self._undo()
+            else:
+                m.refresh()
+            self._open = False
         m.follow()
         self._seconds = 0.0
-        if self.overlap != "with backward":
+        # the optimizer's step hooks (its own or torch's global ones) would run once per chunk and
+        # see part of the parameters: with any, this step's update runs once, after backward
+        self._hooked = has_step_hooks(self.optimizer)
+        self._with_backward = self.overlap == "with backward" and not self._hooked and not hooked
+        if not self._with_backward:
             return
         lay = self._stream.layout
         if lay is not self._layout:  # a plan switch: the chunks' parameters and the row's views
@@ -247,12 +316,16 @@ class HostUpdate(Update):
         m.grads_from_row(self._stream.host.sum_row(), lay.offsets, ())  # again if zero_grad() dropped them
         self._left = [len(r) for r in lay.chunk_segments]
         self._stepped: list[int] = []
+        self._states.clear()
+        self._unsaved: int | None = None
         self._poisoned: int | None = None
         self._updated.reset()
         self._open = True
 
     def _summed(self, s: int) -> None:
         """The thread that made segment ``s`` final: when its chunk is complete, queue its update."""
+        if not self._with_backward:
+            return
         c = self._layout.segment_chunk[s]
         self._left[c] -= 1
         if not self._left[c]:
@@ -281,6 +354,10 @@ class HostUpdate(Update):
                 k = self._group[pid]
                 if k is not None and any(h.touched[pid] for h in st.hooks):  # untouched: skipped, as on one device
                     lent[k].append(masters[pid])
+            if len(self._stepped) < len(lay.plan) - 1:  # a later failure may undo this step: keep its state
+                self._states.save(self.optimizer.state, [p for ps in lent for p in ps])
+            else:  # the last chunk: every gradient is summed, nothing of this step is left to fail
+                self._unsaved = c
             own = [g["params"] for g in groups]
             try:
                 for g, ps in zip(groups, lent):
@@ -294,6 +371,17 @@ class HostUpdate(Update):
         finally:
             self._updated.advance()
 
+    def _undo(self) -> None:
+        """A failed or rejected overlapped step: the masters retake the replicas' parameters and
+        the optimizer state of the chunks it stepped goes back to what it was before."""
+        self.masters.refresh()
+        self._states.restore(self.optimizer.state)
+        if self._unsaved is not None:
+            warnings.warn(f"the step failed after the host optimizer stepped its last chunk ({self._unsaved}) "
+                          f"while backward ran: that chunk's optimizer state advanced by one step",
+                          RuntimeWarning, stacklevel=3)
+            self._unsaved = None
+
     def hook_views(self, views: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         raise NotImplementedError("update='host' steps on the host's gradient, so gradient hooks registered on "
                                   "the parameters (register_hook) do not run there: remove them, or use "
@@ -301,24 +389,24 @@ class HostUpdate(Update):
 
     def reduce(self, stream: GradientStream) -> float:
         bad = stream.bad_count()
-        if self._open and self.overlap == "with backward":
+        if self._open:  # overlapped (nothing else opens a step)
             # note: host waits for the host update thread to step every chunk
-            self._updated.wait(len(self._layout.plan), self._guard, "the host's update of every chunk")
+            try:
+                self._updated.wait(len(self._layout.plan), self._guard, "the host's update of every chunk")
+            except StepAborted:
+                if self._guard.error is None:
+                    raise
+                raise self._guard.error from None  # the error itself (a step hook's), not the abort it caused
         if self._open and self._poisoned is not None:
             self._open = False
-            if self._stepped:
-                self.masters.refresh()  # no replica was changed: the masters take their parameters back
-                warnings.warn(f"the averaged gradient holds NaN/Inf in chunk {self._poisoned}; the step is "
-                              f"rejected and no parameter changed, but the host optimizer's state of chunk(s) "
-                              f"{self._stepped}, updated while backward ran, advanced by one step. Clip "
-                              f"gradients (clip_grad_norm: no overlap) if this recurs", RuntimeWarning, stacklevel=2)
+            self._undo()  # no replica was changed: parameters and optimizer state as before the step
             return max(bad, 1.0)
         return bad
 
     def step(self, coef: torch.Tensor | None, stream: GradientStream,
              threads: DeviceThreads) -> list[Stamps | None]:
         m = self.masters
-        overlapped = self.overlap == "with backward"
+        overlapped = self._with_backward
         if not overlapped:
             t0 = time.perf_counter()
             host = stream.host
@@ -334,8 +422,15 @@ class HostUpdate(Update):
             self.optimizer.step()
             self._seconds = time.perf_counter() - t0
         self._open = False
-        self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped)}
+        self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped),
+                        "host_update_step_hooks": float(self._hooked)}
         return m.to_devices(threads)
+
+
+def _stop(q: queue.SimpleQueue, thread: threading.Thread) -> None:
+    """close(): the host update thread ends after the update it runs (if any)."""
+    q.put(None)
+    thread.join(30.0)
 
 
 def _update_loop(q: queue.SimpleQueue, update: Callable[[int], None], fail: Callable[[BaseException], None]) -> None:

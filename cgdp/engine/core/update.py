@@ -79,8 +79,9 @@ class Update(ABC):
     figures: dict[str, float] = {}
     """Figures of the last step for ``Trainer.stats`` (the host update's time, whether it overlapped)."""
 
-    def begin_step(self) -> None:
-        """Before a step's first forward, on the caller's thread (nothing in flight)."""
+    def begin_step(self, hooked: bool = False) -> None:
+        """Before a step's first forward, on the caller's thread (nothing in flight); ``hooked``:
+        the user's gradient hooks on the parameters will run on the average (:meth:`hook_views`)."""
 
     def hook_views(self, views: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """Of every replica's gradient views (``views[j]``), those a user's gradient hook writes."""

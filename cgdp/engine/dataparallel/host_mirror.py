@@ -17,6 +17,13 @@ the optimizer's own step body:
 3. after it (the post-hook): the swap is undone and every replica's parameters are copied from
    the masters (:meth:`HostMasters.to_devices`): bitwise identical replicas, no device state.
 
+An optimizer that holds no parameter with a master (a sparse embedding's own ``SparseAdam``) gets
+a device :class:`~cgdp.engine.dataparallel.mirror.Mirror` instead (:func:`lends_to_host`);
+parameters without a master in a host optimizer (frozen when the model was wrapped) are skipped,
+as torch skips a parameter without a gradient. Which masters each group lends is worked out again
+only when a group's ``"params"`` list changed (:meth:`HostMirror._plan`), and only the stepped
+optimizer's masters are copied back.
+
 The user's object keeps working: ``param_groups`` hold the model's parameters between steps,
 ``state_dict()`` is keyed by them and holds host tensors, ``load_state_dict()`` brings the loaded
 state to the host (a load post-hook), and ``close()`` gives the optimizer its state back on the
@@ -32,8 +39,15 @@ from typing import Any
 
 import torch
 
-from cgdp.engine.core.host_update import keyed_state, prefer_fused
+from cgdp.engine.core.host_update import HostMasters, grad_of, is_none, keyed_state, prefer_fused
 from cgdp.engine.dataparallel.mirror import _ATTR, _install_outermost, _remove_outermost
+
+
+def lends_to_host(opt: torch.optim.Optimizer, masters: HostMasters) -> bool:
+    """Whether ``opt`` holds a parameter that has a host master; one that holds none (a sparse
+    embedding's own optimizer, e.g. ``SparseAdam``) steps on the devices as with ``update="devices"``."""
+    pid = masters.pid
+    return any(id(p) in pid for g in opt.param_groups for p in g["params"])
 
 
 class HostMirror:
@@ -45,9 +59,9 @@ class HostMirror:
         self.host = dp.host_masters
         self.depth = 0
         self.thread: threading.Thread | None = None
-        self._pid = {id(p): pid for pid, p in enumerate(self.host.params[0])}
-        for g in opt.param_groups:
-            self._check(g["params"])
+        self._pid = self.host.pid
+        self._lists: list[list] = []
+        self._plan()  # refuses what it cannot step now, not at the first step
         self._user_state = opt.state
         self._host_state = self._rekey()
         self._lent: list | None = None
@@ -57,16 +71,39 @@ class HostMirror:
             _install_outermost(opt)
         dp.mirrors.add(self)
 
-    def _check(self, params: list) -> None:
-        for p in params:
-            if id(p) not in self._pid:
-                raise NotImplementedError("update='host' steps the model's dense trainable parameters; this "
-                                          "optimizer holds another one (a sparse embedding's, or one that does not "
-                                          "require grad): give it its own optimizer, or use update='devices'")
+    def _plan(self) -> None:
+        """Per group, the masters lent and their parameters' numbers, worked out again only when a
+        group's ``"params"`` list is another object or another length (``add_param_group``, a
+        user's swap): a step does no Python pass over the parameters."""
+        groups = self.opt.param_groups
+        if (len(groups) == len(self._lists)
+                and all(g["params"] is ps and len(ps) == n for g, ps, n in zip(groups, self._lists, self._lens))):
+            return
+        pid, masters = self._pid, self.host.masters
+        self._pids = [[pid[id(p)] for p in g["params"] if id(p) in pid] for g in groups]
+        self._masters = [[masters[k] for k in ks] for ks in self._pids]
+        self._flat = [k for ks in self._pids for k in ks]
+        self._replica_0 = [self.host.params[0][k] for k in self._flat]
+        # parameters without a master (frozen when the model was wrapped, a sparse embedding's):
+        # skipped as torch skips a parameter without a gradient; one that has a gradient is refused
+        self._others = [p for g in groups for p in g["params"] if id(p) not in pid]
+        self._lists = [g["params"] for g in groups]
+        self._lens = [len(ps) for ps in self._lists]
+
+    def _check_others(self) -> None:
+        for p in self._others:
+            if p.grad is not None:
+                raise NotImplementedError(
+                    "update='host' steps the parameters that were dense and trainable when the model was "
+                    "wrapped; this optimizer also holds one with a gradient that is not among them (a "
+                    "sparse embedding's, or one unfrozen after wrapping): give the sparse parameters an "
+                    "optimizer of their own (e.g. torch.optim.SparseAdam: it steps on the devices), "
+                    "unfreeze before wrapping, or use update='devices'")
 
     def _rekey(self):
-        masters = self.host.masters
-        return keyed_state(self.opt.state, {id(p): masters[self._pid[id(p)]] for p in self.opt.state})
+        masters, pid = self.host.masters, self._pid
+        return keyed_state({p: s for p, s in self.opt.state.items() if id(p) in pid},
+                           {id(p): masters[pid[id(p)]] for p in self.opt.state if id(p) in pid})
 
     def _reload(self, opt: torch.optim.Optimizer) -> None:
         """After ``opt.load_state_dict``: its new state, on the host, for the masters."""
@@ -82,26 +119,25 @@ class HostMirror:
         try:
             dp.check_host_step()
             self.host.follow()
-            groups = self.opt.param_groups
-            pids = []
-            for g in groups:
-                self._check(g["params"])
-                pids.append([self._pid[id(p)] for p in g["params"]])
-            flat = [pid for ps in pids for pid in ps]
-            grads = [self.host.params[0][pid].grad for pid in flat]
+            self._plan()
+            if self._others:
+                self._check_others()
+            flat = self._flat
+            grads = list(map(grad_of, self._replica_0))
             summed = dp.host_sum()
             if summed is not None:  # the host's sum as is: read in place, no copy from the device
-                none = [pid for pid, g in zip(flat, grads) if g is None]
+                none = [pid for pid, g in zip(flat, grads) if g is None] if any(map(is_none, grads)) else []
                 self.host.grads_from_row(summed[0], summed[1], none)
             else:
                 self.host.grads_from(grads, flat)
             if self.opt.state is not self._user_state:  # replaced without load_state_dict
                 self._reload(self.opt)
-            masters = self.host.masters
-            self._lent = [g["params"] for g in groups]
-            for g, ps in zip(groups, pids):
-                g["params"] = [masters[pid] for pid in ps]
+            groups = self.opt.param_groups
+            self._lent = self._lists
+            for g, ms in zip(groups, self._masters):
+                g["params"] = ms
             self.opt.state = self._host_state
+            self._states = len(self._host_state)
             self._fused = prefer_fused(self.opt)  # for this step only: the user's groups keep their choice
         except BaseException:
             self._give_back()
@@ -120,7 +156,7 @@ class HostMirror:
         self._fused = []
         self._lent = None
         self.opt.state = self._user_state
-        if len(self._host_state) != len(self._user_state):  # the first step made the state
+        if len(self._host_state) != self._states:  # the first step made the state
             back = {id(m): p for m, p in zip(self.host.masters, self.host.params[0])}
             for m, s in self._host_state.items():
                 self._user_state[back[id(m)]] = s
@@ -130,7 +166,7 @@ class HostMirror:
         try:
             self._give_back()
             if dp is not None:
-                dp.host_copy_back()
+                dp.host_copy_back(self._flat)  # only this optimizer's parameters changed
         finally:
             if dp is not None:
                 dp.end()
@@ -151,3 +187,4 @@ class HostMirror:
         _remove_outermost(self.opt)
         if self.opt.state:
             self.opt.load_state_dict(self.opt.state_dict())  # torch's own placement of each state tensor
+

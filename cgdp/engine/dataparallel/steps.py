@@ -31,7 +31,7 @@ from cgdp.engine.core.lifetime import Lifetime
 from cgdp.engine.core.plan import tuned_plan
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.dataparallel.grads import Gradients, GradState
-from cgdp.engine.dataparallel.host_mirror import HostMirror
+from cgdp.engine.dataparallel.host_mirror import HostMirror, lends_to_host
 from cgdp.engine.dataparallel.mirror import Mirror
 from cgdp.engine.dataparallel.replica_state import ReplicaState
 
@@ -79,15 +79,18 @@ class ReplicaSteps:
     def make_mirror(self, opt: Any) -> Any:
         """What steps the replicas for the user's optimizer ``opt``: a mirror optimizer per replica,
         or (``update="host"``) the host's masters lent to ``opt``."""
-        if self.host_masters is None:
-            return Mirror(opt, self)
+        if self.host_masters is None or not lends_to_host(opt, self.host_masters):
+            return Mirror(opt, self)  # (update="host": an optimizer of sparse parameters only)
         return HostMirror(opt, self)
 
     def optimizers(self) -> tuple[list[list[Any]], list[Any]]:
         """Per replica, the optimizers that step it on its device; and those that step on the host."""
         mirrors = list(self.mirrors)
         if self.host_masters is not None:
-            return [[] for _ in self._devs], [m.opt for m in mirrors]
+            on_host = [m.opt for m in mirrors if isinstance(m, HostMirror)]
+            mirrors = [m for m in mirrors if not isinstance(m, HostMirror)]
+            return ([[m.opt for m in mirrors]]
+                    + [[m.mirrors[j - 1] for m in mirrors if m.mirrors] for j in range(1, len(self._devs))], on_host)
         return ([[m.opt for m in mirrors]]
                 + [[m.mirrors[j - 1] for m in mirrors if m.mirrors] for j in range(1, len(self._devs))], [])
 
@@ -108,9 +111,9 @@ class ReplicaSteps:
         row = st.host.sum_row()
         return None if row is None else (row, st.layout.offsets)
 
-    def host_copy_back(self) -> None:
-        """Every replica's parameters ← the masters (after the host step)."""
-        self.host_masters.to_devices(self._threads)
+    def host_copy_back(self, pids: list[int]) -> None:
+        """Every replica's parameters ``pids`` ← their masters (after the host step)."""
+        self.host_masters.to_devices(self._threads, pids)
 
     def resynced(self) -> None:
         self._state.record_parameters()  # every replica took replica 0's parameters (a step failed)

@@ -55,6 +55,7 @@ from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, number_params
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.follow import Follow
+from cgdp.engine.core.host_update import after_forward
 from cgdp.engine.core.memory_report import memory_report
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan, tuned_plan
@@ -216,10 +217,10 @@ class Trainer:
         res.push(self._stream.close)
         self._stream.set_plan(plan)
         if self._host_update:
-            self._update.attach(self._stream, self._max_norm is not None, self._guard)
+            self._update.attach(self._stream, self._max_norm is not None, self._guard, res)
         self._stream.want_norm = self._max_norm is not None
         self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._guard,
-                                    self._timing, self._follow.after_forward)
+                                    self._timing, after_forward(self._follow.after_forward, self._update))
 
     def _loaded(self) -> None:
         self._buffer_watch.synced()  # the loaded buffers are the same on every replica
@@ -402,7 +403,7 @@ class Trainer:
         self._timing.start(self._devs, self._stream)
         if self._update.sums:  # the user's gradient hooks wait for the sum (_finish_backward)
             self._param_hooks.take()
-        self._update.begin_step()
+        self._update.begin_step(bool(self._param_hooks.held))
 
     def _finish_backward(self, losses: list[float], weights: list[float]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""

@@ -1,0 +1,65 @@
+"""The host optimizer's state of the chunks stepped while backward runs, kept restorable.
+
+With ``update="host"`` overlapped (:class:`~cgdp.engine.core.host_update.HostUpdate`), a chunk's
+update runs before the step is known to succeed: a backward that raises partway, a NaN/Inf in a
+later chunk, or the optimizer's step raising on a later chunk must leave the optimizer as one
+device's failed step does (untouched). :class:`StateSnapshot` copies a chunk's optimizer state
+aside before its step (``torch._foreach_copy_`` into buffers kept from step to step: no allocation
+after the first step) and puts it back on failure. Runs on the host update thread (save) and on
+the caller's thread with nothing in flight (restore).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StateSnapshot:
+    """Per parameter stepped in this step: its optimizer state before the step (None: it had none)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[torch.Tensor, dict] = {}
+        self._saved: list[tuple[torch.Tensor, dict | None]] = []
+
+    def clear(self) -> None:
+        self._saved = []
+
+    def save(self, state: dict, params: list[torch.Tensor]) -> None:
+        """Copy ``state[p]`` of every ``p`` in ``params`` aside."""
+        src, dst = [], []
+        for p in params:
+            s = state.get(p)
+            if not s:
+                self._saved.append((p, None))
+                continue
+            bufs = self._bufs.setdefault(p, {})
+            snap = {}
+            for k, v in s.items():
+                if isinstance(v, torch.Tensor):
+                    b = bufs.get(k)
+                    if b is None or b.shape != v.shape or b.dtype != v.dtype or b.device != v.device:
+                        b = bufs[k] = torch.empty_like(v)
+                    src.append(v)
+                    dst.append(b)
+                    v = b
+                snap[k] = v
+            self._saved.append((p, snap))
+        if src:
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
+
+    def restore(self, state: dict) -> None:
+        """Every saved parameter's state as it was before this step's update of it."""
+        with torch.no_grad():
+            for p, snap in self._saved:
+                if snap is None:
+                    state.pop(p, None)
+                    continue
+                s = state[p]
+                for k in [k for k in s if k not in snap]:
+                    del s[k]
+                for k, v in snap.items():
+                    if isinstance(v, torch.Tensor) and isinstance(s.get(k), torch.Tensor):
+                        s[k].copy_(v)
+                    else:
+                        s[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        self._saved = []
