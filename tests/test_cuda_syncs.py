@@ -47,6 +47,28 @@ def test_each_kind_is_counted_under_the_thread_that_waited():
         assert sim.host_syncs() == Counter()
 
 
+def test_moves_behave_as_torch_moves():
+    """As ``Tensor.to`` on CUDA: a move to another device is a copy autograd records (staging
+    through page-locked memory included), a move to the device a tensor is on returns the tensor,
+    a sparse tensor moves, and a tensor reports its device as the engine's torch device."""
+    with simulated_cuda(2, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        d0, d1 = rt.torch_device(0), rt.torch_device(1)
+        x = torch.randn(5, 3, requires_grad=True)
+        staged = rt.torch.Tensor.pin_memory(x)
+        on0 = staged.to(d0, non_blocking=True)
+        on1 = on0.to(d1)
+        assert on0.to(d0) is on0 and on1.to(on1.device) is on1 and on0.to(d0, torch.float64).dtype == torch.float64
+        assert (on0.device, on1.device, x.device) == (d0, d1, torch.device("cpu"))
+        back = on1.to("cpu")
+        assert back.device == torch.device("cpu") and back.data_ptr() != on1.data_ptr()
+        w = torch.randn(5, 3)
+        (x_grad,) = torch.autograd.grad((back * w).sum(), x)
+        torch.testing.assert_close(x_grad, w, rtol=0, atol=0)
+        sparse = torch.randn(4, 4).to_sparse().to(d1)
+        torch.testing.assert_close(sparse.to("cpu").to_dense(), sparse.to_dense())
+
+
 def mlp(bn=False):
     torch.manual_seed(0)
     if bn:

@@ -6,8 +6,8 @@ Common adaptations:
 * Devices: torch's cases need two GPUs. Each case here runs twice (the ``devices`` fixture): on
   two CPU-emulated devices (``"cpu:0", "cpu:1"``) and on ``"cuda:0", "cuda:1"`` under
   ``cgdp.testing.simulated_cuda(2)``, where cgdp's CUDA backend runs on a simulated asynchronous
-  runtime over host memory (its tensors live on the CPU, so device placement itself cannot be
-  observed there). Device ids ``(0, 1)`` become ``devices``, ``(1, 0)`` ``devices[::-1]``.
+  runtime over host memory (its tensors live on the CPU and report ``cpu:N`` as their device,
+  except to torch's own code, so ``torch.testing`` compares them with host results). Device ids ``(0, 1)`` become ``devices``, ``(1, 0)`` ``devices[::-1]``.
 * ``nn.DataParallel(m, ids)`` and the functional ``data_parallel(m, inputs, ids)`` both become
   ``cgdp.DataParallel(m, devices)`` called on the inputs, closed after use. cgdp has no functional
   API (``parallel_apply``, ``scatter``, ``gather``, ``replicate``): what those cases check is

@@ -38,8 +38,8 @@ difference could hide a defect:
   device's stream than its first record's is refused, as ``CUDAEvent::record`` refuses it.
 * **Host waits.** Every blocking wait of the host is counted by thread and kind
   (:meth:`host_syncs`, :mod:`cgdp.testing.host_syncs`), which needs device data told from host
-  data: a simulated device is ``torch.device("cpu", N)`` to the engine, and its memory is tracked
-  by storage.
+  data: a simulated device is ``torch.device("cpu", N)`` (its tensors' ``.device`` outside torch's
+  own code), and its memory is tracked by storage; a move to it is a copy autograd records.
 
 ``sim.counts`` counts what the backend asked of the runtime (events, contexts, copies, host waits,
 spin waits on non-blocking events, device synchronisations, coalesced collectives), so tests can

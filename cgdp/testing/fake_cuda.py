@@ -257,7 +257,7 @@ def namespaces(sim: Any) -> tuple[Any, Any]:
         if d.type != "cuda":
             return d
         # simulated devices live in host memory; the index tells cgdp.testing.host_syncs that a
-        # tensor made or moved there is device memory (tensors themselves report "cpu")
+        # tensor made or moved there is device memory (and its tensors report it as their .device)
         return torch.device("cpu", _index(d))
     tensor = types.SimpleNamespace(pin_memory=lambda t: sim.syncs.pin_memory(t),
                                    is_pinned=lambda t: sim.syncs.is_pinned(t))

@@ -18,7 +18,8 @@ step its overlap: the simulator counts each under the name of the thread that wa
 
 To tell device data from host data, simulated device memory is tracked by storage: a simulated
 device's ``torch.device`` is ``torch.device("cpu", index)`` (its tensors live in host memory, and
-report that device as theirs to cgdp's engine, ``"cpu"`` to other code), a
+report that device as theirs, as a CUDA tensor reports ``cuda:N``, except to torch's own Python
+code, to which they are the host tensors they are), a
 torch function mode on every thread that uses the runtime marks what is created on, or moved
 to, such a device, and the dispatch mode marks whatever an operator computes from device data.
 """
@@ -108,8 +109,8 @@ class HostSyncs:
     def locked(self, t: torch.Tensor) -> bool:
         """Whether a copy of ``t`` reads or writes page-locked bytes (CUDA asks about the address
         the copy uses, unlike :meth:`is_pinned`)."""
-        if self.device_of(t) is not None:
-            return False
+        if self.device_of(t) is not None or _storage(t) is None:
+            return False  # (a sparse tensor has no storage of its own to be page-locked)
         return _storage(t) in self.pinned or (t.numel() > 0 and self._pinned_range(t.data_ptr()) is not None)
 
     def computed(self, inputs: list[torch.Tensor], fresh: list[torch.Tensor], dest: int | None = None) -> None:
@@ -122,7 +123,7 @@ class HostSyncs:
         """``Tensor.pin_memory()`` (torch's caching host allocator): a page-locked copy."""
         if self.device_of(t) is not None:
             return t  # (torch refuses a CUDA tensor; the backend asks only of host tensors)
-        out = aligned_as(t, t.detach().clone())
+        out = aligned_as(t, t.clone())  # (differentiable, as torch's pin_memory)
         self.place(out, None)
         self.pinned.add(_storage(out))
         return out
@@ -132,7 +133,8 @@ def aligned_as(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` (a fresh copy of ``src``) at the same address modulo 64 as ``src``: CPU kernels
     (oneDNN, MKL) may take other paths for other alignments, and a copy that moved a slice of a
     batch to an aligned address would differ from the reference on the slice in the last bit."""
-    if out.requires_grad or not (src.is_contiguous() and out.is_contiguous()) or out.numel() == 0:
+    if _storage(src) is None or _storage(out) is None or out.numel() == 0 \
+            or not (src.is_contiguous() and out.is_contiguous()):
         return out
     size = out.element_size()
     shift = (src.data_ptr() - out.data_ptr()) % 64
@@ -141,8 +143,21 @@ def aligned_as(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     raw = torch.empty(out.numel() + 64 // size, dtype=out.dtype)
     k = ((src.data_ptr() - raw.data_ptr()) % 64) // size
     moved = raw[k:k + out.numel()].view(out.shape)
-    moved.copy_(out)
+    moved.copy_(out)  # (recorded by autograd where ``out`` requires grad: the copy stays in the graph)
     return moved
+
+
+def _from_torch(frame: Any) -> bool:
+    name = frame.f_globals.get("__name__", "")
+    return name == "torch" or name.startswith("torch.")
+
+
+def _on_host(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``Tensor.to``'s arguments with a named device replaced by the host: torch's own answer to a
+    move that stays on its device (the tensor itself, unless a dtype, layout or copy asks more)."""
+    def host(a: Any) -> Any:
+        return torch.device("cpu") if isinstance(a, (torch.device, str)) else a
+    return tuple(host(a) for a in args), {k: host(v) if k == "device" else v for k, v in kwargs.items()}
 
 
 def _to_args(args: tuple, kwargs: dict) -> tuple[Any, bool]:
@@ -165,10 +180,12 @@ class SyncMode(TorchFunctionMode):
             return func(*args, **kwargs)
         s = self.syncs
         if getattr(func, "__self__", None) is _DEVICE and func.__name__ == "__get__":
-            # to cgdp's engine, a simulated device's tensor reports its device's index (so that
-            # ``x.to(t.device)`` stays on the device); to other code, "cpu" as before
+            # a simulated device's tensor reports its device, ``cpu:N``, as a CUDA tensor reports
+            # ``cuda:N`` (so ``x.to(t.device)`` stays on the device, and ``out.device`` equals
+            # ``model.output_device``); to torch's own Python code, "cpu": its functions compare
+            # and make tensors in the host memory the tensor really lives in
             index = s.device_of(args[0])
-            if index is None or not sys._getframe(1).f_globals.get("__name__", "").startswith("cgdp.engine"):
+            if index is None or _from_torch(sys._getframe(1)):
                 return func(*args, **kwargs)
             return torch.device("cpu", index)
         if func in _READS:
@@ -179,7 +196,14 @@ class SyncMode(TorchFunctionMode):
             device, non_blocking = (_to_args(args, kwargs) if func is T.to else (torch.device("cpu"), False))
             if device is None:
                 return func(*args, **kwargs)
-            return self._move(args[0], s.index(device), non_blocking, func(*args, **kwargs))
+            target = s.index(device)
+            if s.device_of(args[0]) == target:  # no move: torch's answer (``x.to(x.device) is x``)
+                host_args, host_kwargs = _on_host(args, kwargs)
+                out = func(*host_args, **host_kwargs)
+                if out is not args[0]:
+                    s.place(out, target)
+                return out
+            return self._move(args[0], target, non_blocking, func(*args, **kwargs))
         if func is T.copy_:
             dst, src = args[0], args[1]
             non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
@@ -207,15 +231,14 @@ class SyncMode(TorchFunctionMode):
     def _move(self, t: torch.Tensor, target: int | None, non_blocking: bool, out: Any) -> Any:
         s = self.syncs
         source = s.device_of(t)
-        if source == target:
-            return out
         if target is None:
             if not non_blocking:  # (non_blocking: torch copies into page-locked memory it allocates)
                 s.count("read")
         else:
             self._copy(source, target, t, t, non_blocking)
-        if isinstance(out, torch.Tensor) and _storage(out) == _storage(t):
-            out = out.clone()  # on a GPU a move is a copy: the host data and the device data differ
+        if isinstance(out, torch.Tensor) and _storage(out) is not None and _storage(out) == _storage(t):
+            out = out.clone()  # on a GPU a move is a copy (differentiable, as torch's): the host
+            # data and the device data differ
         if isinstance(out, torch.Tensor):
             out = aligned_as(t, out)
         s.place(out, target)
