@@ -110,9 +110,10 @@ def test_host_memory_is_page_locked_and_sized_exactly(gpu):
         assert host.shape == (len(gpus()) + 1, inside(tr).stream.layout.total)
         first, last = host.data_ptr(), host.data_ptr() + host.numel() * 4 - 1
         assert page_locked(first, gpu) and page_locked(last, gpu)
-        # as torch computes it (the storage's first byte, in the page before the rows): False,
-        # on a GPU and on the simulator alike
-        assert not (host.is_pinned() if REAL else gpu.syncs.is_pinned(host))
+        # as torch computes it: whether the storage's first byte is page-locked, which it is not
+        # when that byte lies in the page before the rows (unless the allocation was page-aligned)
+        start = host.untyped_storage().data_ptr()
+        assert (host.is_pinned() if REAL else gpu.syncs.is_pinned(host)) == page_locked(start, gpu)
         # the allocation holds the rows, rounded up to whole pages, plus a page of alignment
         page = cuda_runtime.runtime().page_size
         assert host.untyped_storage().nbytes() <= host.numel() * 4 + 2 * page
