@@ -37,7 +37,6 @@ and sends what its plan says (the null runtime's copy count per step).
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import os
 import resource

@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import random
 import shutil
-from pathlib import Path
 
 import pytest
 import torch

@@ -488,12 +488,13 @@ def test_close_from_another_thread_during_backward_stops_it_at_once():
     net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
     model = cgdp.DataParallel(net, DEVS, chunks=1, timeout_s=120)
     closer = threading.Thread(target=model.close)
+    engine = inside(model)
 
     def hook(mod, grad_in, grad_out):
         if closer.ident is None:  # the first replica's hook (module hooks run on every replica)
             closer.start()
             deadline = time.monotonic() + 30
-            while inside(model).error is None and time.monotonic() < deadline:  # until close() stopped it
+            while engine.error is None and time.monotonic() < deadline:  # until close() stopped it
                 time.sleep(0.001)
     net[2].register_full_backward_hook(hook)
     loss = model(torch.randn(8, 32)).pow(2).mean()
@@ -503,7 +504,7 @@ def test_close_from_another_thread_during_backward_stops_it_at_once():
     assert time.monotonic() - t0 < 60  # at once, not after timeout_s (120 s)
     closer.join(30)
     assert not closer.is_alive() and model.closed
-    del model, loss
+    del model, engine, loss
     assert_threads_back_to(base)
     assert all(torch.isfinite(p).all() for p in net.parameters())
 

@@ -4,7 +4,6 @@ through ``step(batch, loss_fn)`` against plain single-device training with the m
 Dropout is 0 in every config: each emulated device has its own random stream, so with dropout the
 masks, and so the result, would differ from one device's.
 """
-import copy
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """Host memory bounded: ``host_memory=`` turns the host slots into a ring that does not grow with
 the model, with results bitwise those of full-size slots; the 16-bit path writes no float32 sum."""
-import copy
 
 import numpy as np
 import pytest

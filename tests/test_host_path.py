@@ -1,6 +1,5 @@
 """The host path's shortcuts change no bit: emulated copies made inline or by the stream workers,
 large gradients handed over whole instead of added into a zeroed flat buffer."""
-import copy
 
 import torch
 import torch.nn.functional as F

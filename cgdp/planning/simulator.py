@@ -42,8 +42,8 @@ import heapq
 import math
 from dataclasses import dataclass
 
-# re-exported: cgdp.engine imports Linear from here, cgdp.cli ModelCosts and StageCosts
-from cgdp.planning.costs import Linear, ModelCosts, StageCosts  # noqa: F401
+# ModelCosts and StageCosts are also imported from here (cgdp.cli.plan)
+from cgdp.planning.costs import ModelCosts, StageCosts
 from cgdp.planning.flowshop import chain_makespan, ordered_compute, sizes_of, stage_times
 
 Plan = list[list[int]]
