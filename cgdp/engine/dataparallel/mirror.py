@@ -199,6 +199,10 @@ def _remove_outermost(opt: torch.optim.Optimizer) -> None:
         d["step"] = types.MethodType(fn, opt) if bound else fn
 
 
+_AMP_ATTRS = ("grad_scale", "found_inf")
+"""What ``GradScaler.step`` sets on an optimizer for the length of its step (torch/amp/grad_scaler.py)."""
+
+
 class Mirror:
     """The mirror optimizers of one user optimizer (``mirrors[j - 1]`` steps replica j)."""
 
@@ -277,6 +281,19 @@ class Mirror:
                     if k != "params":
                         gm[k] = v.to(dev) if isinstance(v, torch.Tensor) and v.device != dev else v
 
+    def _sync_amp(self) -> None:
+        """``torch.amp.GradScaler`` steps an optimizer that unscales inside its own step (fused Adam,
+        AdamW, SGD: ``_step_supports_amp_scaling``) with ``grad_scale`` and ``found_inf`` set on it for
+        that step; each mirror gets them too (the fused kernels move them to its device), so it
+        unscales as replica 0 does and skips a step with an inf or NaN gradient as replica 0 does."""
+        for k in _AMP_ATTRS:
+            v = getattr(self.opt, k, None)
+            for m in self.mirrors:
+                if v is None:
+                    m.__dict__.pop(k, None)
+                else:
+                    setattr(m, k, v)
+
     def before(self, args: tuple, kwargs: dict) -> None:
         dp = self.dp()
         if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:  # args[0]: opt
@@ -285,6 +302,7 @@ class Mirror:
         dp.begin(self.failed_on_replica_0)  # the model's operation lock, until after() or the clean-up
         try:
             self._sync_groups()
+            self._sync_amp()
             self.inflight = [dp.submit(j, m.step) for j, m in enumerate(self.mirrors, start=1)]
         except BaseException:
             self.failed_on_replica_0()
