@@ -71,6 +71,9 @@ def split_gradients_differ(model, x, y, g) -> bool:
 @pytest.mark.parametrize("opt", [SGD, ADAM], ids=["sgd", "adam"])
 @pytest.mark.parametrize("chunks", [1, 2, "one"])
 def test_equivalence_on_cuda(gpu, mode, opt, chunks):
+    # seeded: with a random init, Adam's steps on gradients that are rounding noise (a gradient that is
+    # zero in exact arithmetic) exceeded 1e-5 about once in 20 runs (1.6e-5)
+    torch.manual_seed(0)
     model = SmallCNN()
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(10, 1, 8, 8, generator=g), torch.randint(0, 10, (10,), generator=g))
@@ -177,6 +180,7 @@ def test_d2h_copy_overlaps_later_backward_work():
 def test_dataparallel_with_two_replicas_on_one_gpu(gpu):
     """``cgdp.DataParallel(..., share_devices=True)``: the one GPU checks that face too, each
     replica on a different part of the batch, against single-device autograd."""
+    torch.manual_seed(0)
     model = SmallCNN()
     g = torch.Generator().manual_seed(2)
     data = [(torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
