@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgdp
+from cgdp.testing import simulated_cuda
 from helpers import (assert_params_close, assert_replicas_identical, mlp, reference_step2, token_batches,
                      token_mean, token_sum, TokenLM)
 
@@ -41,16 +42,17 @@ class BNNet(nn.Module):
 
 
 def train(face, net, g, batches, **kw):
-    """``net`` trained in place on g emulated devices by ``face``; replicas checked identical after
-    every step; the losses."""
+    """``net`` trained in place on g emulated devices (or the device list g) by ``face``; replicas
+    checked identical after every step; the losses."""
     losses = []
+    devices = devs(g) if isinstance(g, int) else g
     if face == "trainer":
-        with cgdp.Trainer(net, SGD, devs(g), **kw) as tr:
+        with cgdp.Trainer(net, SGD, devices, **kw) as tr:
             for x, y in batches:
                 losses.append(tr.step(x, y, F.cross_entropy))
                 assert_replicas_identical(tr)
         return losses
-    with cgdp.DataParallel(net, devs(g), **kw) as model:
+    with cgdp.DataParallel(net, devices, **kw) as model:
         return loop(model, batches)
 
 
@@ -59,7 +61,8 @@ def loop(model, batches):
     opt, losses = SGD(model.parameters()), []
     for x, y in batches:
         opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        out = model(x)
+        loss = F.cross_entropy(out, y.to(out.device))
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -153,3 +156,18 @@ def test_an_empty_batch_is_refused_by_both_faces():
     with cgdp.DataParallel(mlp(), devs(2)) as model:
         with pytest.raises(ValueError, match="empty batch"):
             model(x)
+
+
+def test_devices_without_samples_on_the_cuda_backend():
+    """The same rule on the CUDA backend (the strict simulated runtime): an idle device's chunks
+    are sent by its flush, ordered as any other copy; bitwise as on n devices."""
+    batches = data(2, shape=(1, 4, 4))
+    got = {}
+    for g in (2, 3):
+        with simulated_cuda(g, seed=1) as sim:
+            for face in ("trainer", "dataparallel"):
+                got[face, g] = BNNet()
+                train(face, got[face, g], [f"cuda:{i}" for i in range(g)], batches)
+        assert not sim.errors
+    for face in ("trainer", "dataparallel"):
+        assert_states_equal(got[face, 3], got[face, 2])
