@@ -52,10 +52,10 @@ class DevicePasses:
         self.guard = guard
         self.timing = timing
         self.after_forward = after_forward
-        self.used = len(self.devs)
-        """Devices with samples in this step's last forward (the first ones)."""
         """Called with the number of devices after every forward pass: what the forwards changed in
         the parameters is made the same on every replica (:mod:`cgdp.engine.core.follow`)."""
+        self.used = len(self.devs)
+        """Devices with samples in this step's last forward (the first ones)."""
 
     def forward_all(self, parts: list[Any], compute: Callable, amp: Callable,
                     restore: Callable[[], None]) -> list[Forward]:
