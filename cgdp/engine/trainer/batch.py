@@ -38,7 +38,8 @@ Part = tuple[Any, torch.Tensor]
 
 
 def split_batch(inputs: Any, targets: Any, g: int) -> tuple[list[Part], list[int]]:
-    """``(inputs, targets)`` split in device order into ``g`` parts, and each part's size."""
+    """``(inputs, targets)`` split in device order into ``g`` parts (the ``min(n, g)`` with
+    samples), and every device's number of samples."""
     xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if not xs or not all(isinstance(x, torch.Tensor) for x in xs):
         raise TypeError("inputs must be a tensor (or a tuple of tensors passed as model(*inputs)) "
@@ -68,7 +69,8 @@ def check_not_empty(n: int) -> None:
 
 
 def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int], frozenset[int]]:
-    """``batch`` split in device order into ``g`` parts of the same structure, each part's size,
+    """``batch`` split in device order into ``g`` parts of the same structure (the ``min(n, g)``
+    with samples), every device's number of samples,
     and the ids of the tensors that went whole into every part (micro-batches leave them whole
     too, whatever their first dimension)."""
     found: list[tuple[str, torch.Tensor]] = []
