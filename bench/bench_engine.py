@@ -257,6 +257,8 @@ def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps:
                 tr.step(xs if name == "single" else x, ys if name == "single" else y, loss_fn)
         tr = trainers["cgdp"]
         cgdp_plan = f"chunks={tr.tuner.name if tr.tuner else 'given'}: {len(tr.plan)} chunks"
+        # what each device thread runs with: cgdp's choice on emulated devices, else torch's count
+        device_threads = getattr(cgdp.testing.inside(tr).threads, "intra_op", None) or torch.get_num_threads()
         pool.run("time", 2)
         for _ in range(rounds):
             for name in ("single", "cgdp", "typical"):
@@ -312,8 +314,8 @@ def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps:
         "floor_s": med["single"] + copy_cpu / 2,
         "cgdp_plan": cgdp_plan,
         "kernel": "cgdp.engine.core.accumulate" + ("" if segment_bytes is None else f", segment_bytes {segment_bytes >> 10} KiB"),
-        "threads": f"torch {torch.get_num_threads()} per device thread / per process; Numba "
-                   f"{acc_threads} for cgdp's accumulator",
+        "threads": f"torch {device_threads} per device thread (cgdp, typical), {torch.get_num_threads()} in the "
+                   f"calling thread, 1 per DDP process; Numba {acc_threads} for cgdp's accumulator",
     }
 
 
@@ -402,12 +404,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="cgdp's segment_bytes in KiB (default: the Trainer's)")
     ap.add_argument("--md", help="write the markdown report here")
     ap.add_argument("--json", help="write the raw figures here")
+    ap.add_argument("--torch-threads", choices=("one", "default"), default="one",
+                    help="torch's intra-op threads in this process: one (one core per device thread, as "
+                         "each DDP process gets under torchrun) or default (left as torch and cgdp choose: "
+                         "what a user who sets nothing gets)")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.check_steps = 2, 3, 2
     # the engine's host sum runs one Numba thread on emulated devices (cgdp.engine.backend.host_threads)
     acc_threads = 1
-    torch.set_num_threads(1)  # one core per device thread, as each DDP process gets
+    if args.torch_threads == "one":
+        torch.set_num_threads(1)  # one core per device thread, as each DDP process gets
     cases = QUICK if args.quick else FULL
     wanted = args.models.split(",")
     cases = [c for c in cases if c.kind in wanted]

@@ -74,8 +74,8 @@ def test_bad_model_and_optimizer():
 
 def test_rejected_steps_leave_the_trainer_usable():
     with cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1", "cpu:2"]) as tr:
-        with pytest.raises(ValueError, match="cannot be split across 3 devices"):
-            tr.step(X[:2], Y[:2], F.cross_entropy)
+        with pytest.raises(ValueError, match="got an empty batch"):
+            tr.step(X[:0], Y[:0], F.cross_entropy)
         with pytest.raises(TypeError, match="scalar tensor"):
             tr.step(X, Y, lambda o, t: F.cross_entropy(o, t, reduction="none"))
         with pytest.raises(TypeError, match="scalar tensor"):

@@ -99,7 +99,7 @@ def test_split_keeps_structure_and_splits_only_batch_tensors():
     ({"n": 3, "s": "x"}, "no tensor with a batch dimension"),
     ((torch.tensor(1.0),), "no tensor with a batch dimension"),
     ({"x": torch.randn(8, 2), "w": torch.randn(5)}, "cannot tell the batch dimension"),
-    ((torch.randn(1, 3), torch.randn(1)), "cannot be split across 2 devices"),
+    ((torch.randn(0, 3), torch.randn(0)), "got an empty batch"),
     # detection-style targets: per-sample dicts of boxes; the most common length (2) is not the batch
     ((torch.randn(4, 3), [{"boxes": torch.randn(k, 4), "labels": torch.zeros(k)} for k in (2, 2, 1, 3)]),
      "list of 4 per-sample records whose 'boxes' tensors have different first dimensions"),

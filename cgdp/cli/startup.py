@@ -161,8 +161,8 @@ def intra_op_threads(devices: list[str]) -> Iterator[int]:
     if devices[0].startswith("cuda") or os.environ.get("OMP_NUM_THREADS"):
         yield before
         return
-    from cgdp.engine.core.threads import usable_cores
-    torch.set_num_threads(max(1, usable_cores() // len(devices)))
+    from cgdp.engine.core.threads import threads_per_device
+    torch.set_num_threads(threads_per_device(len(devices)))  # (the device threads choose the same)
     try:
         yield torch.get_num_threads()
     finally:

@@ -15,6 +15,12 @@ still busy, which the trainer then refuses to use again. Device threads are daem
 thread that never returns cannot keep the interpreter from exiting, and :meth:`close` never joins
 a stuck thread.
 
+Intra-op threads (:func:`intra_op_threads`): on CPU-emulated devices each device thread runs
+torch's CPU operators on one share of the cores (torch's OpenMP count is kept per thread), not on
+torch's default pool over every core, which every device thread would otherwise have; the
+caller's own count, and the count other threads start from, do not change. ``OMP_NUM_THREADS``
+and GPUs are left as they are.
+
 Turns (:meth:`DeviceThreads.computing`): while every device thread can have a core of its own,
 they all compute at once. With more devices than cores, threads that all dispatch operators hand
 the GIL to each other at nearly every operator (each releases it around the operator's C++ part),
@@ -26,6 +32,7 @@ cannot deadlock, and they change only when work runs, never what it computes.
 """
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -50,10 +57,10 @@ waiting thread notices within POLL_S; one still computing is then counted as stu
 class _DeviceThread:
     """A daemon thread running submitted functions in order (a one-thread pool that exit never joins)."""
 
-    def __init__(self, dev: Device):
+    def __init__(self, dev: Device, intra_op: int | None = None):
         self.name = dev.name
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=_serve, args=(self._q, dev.bind_thread),
+        self.thread = threading.Thread(target=_serve, args=(self._q, dev.bind_thread, intra_op),
                                        name=f"cgdp-{dev.name}", daemon=True)
         self.thread.start()
 
@@ -70,9 +77,14 @@ class _DeviceThread:
         self._q.put(None)
 
 
-def _serve(q: queue.SimpleQueue, bind: Callable[[], None]) -> None:
+def _serve(q: queue.SimpleQueue, bind: Callable[[], None], intra_op: int | None) -> None:
     # a plain function (not a method): the thread holds its queue, never the trainer
     bind()
+    if intra_op is not None:
+        # torch sets a thread's count from the process's at the thread's first parallel operator
+        # (or count query): done first, so that it cannot overwrite this thread's own count later
+        torch.get_num_threads()
+        torch.set_num_threads(intra_op)  # this thread's own OpenMP and MKL counts (see intra_op_threads)
     while True:
         item = q.get()  # idle between steps
         if item is None:
@@ -106,12 +118,49 @@ def default_at_once(num_devices: int) -> int:
     return num_devices if num_devices <= cores else max(1, cores - 1)
 
 
+def threads_per_device(num_devices: int) -> int:
+    """One share of the usable cores per device thread, at least one."""
+    return max(1, usable_cores() // num_devices)
+
+
+@functools.lru_cache(maxsize=None)
+def _counts_per_thread() -> bool:
+    """Whether torch's intra-op thread count is kept per thread: its OpenMP backend, where
+    ``set_num_threads`` sets the calling thread's own OpenMP and MKL counts (and the count that
+    threads not yet started with one begin from); its native backend has one pool per process."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def intra_op_threads(devs: Sequence[Device]) -> int | None:
+    """torch's intra-op threads for each device thread, or None to leave torch's count.
+
+    On CPU-emulated devices every device thread computes, and torch's default gives each of them
+    a pool over every core: G pools fight over the same cores (README, "Performance"). So each
+    device thread gets :func:`threads_per_device` (as each DDP process gets one share under
+    torchrun), at most the caller's own count. Left as they are: ``OMP_NUM_THREADS``, when set (the
+    user's choice); GPUs (their device threads issue kernels); and torch builds whose count is not
+    per thread. The caller's own count never changes (:class:`DeviceThreads`)."""
+    if any(getattr(d, "is_cuda", False) for d in devs) or os.environ.get("OMP_NUM_THREADS") \
+            or not _counts_per_thread():
+        return None
+    return min(torch.get_num_threads(), threads_per_device(len(devs)))
+
+
 class DeviceThreads:
     def __init__(self, devs: Sequence[Device], guard: Guard, at_once: int | None = None):
         """``at_once``: how many device threads may compute at once (default: :func:`default_at_once`)."""
         fork.engine_started()  # children forked from now on compute on one thread
         self._guard = guard
-        self._threads = [_DeviceThread(d) for d in devs]
+        self.intra_op = intra_op_threads(devs)
+        """torch's intra-op threads of each device thread (None: torch's own count)."""
+        mine = torch.get_num_threads()  # also fixes the caller's own count before the threads start
+        self._threads = [_DeviceThread(d, self.intra_op) for d in devs]
+        if self.intra_op is not None:
+            for t in self._threads:  # note: waits until each thread has set its own count (at start)
+                t.submit(lambda: None).result()
+            # set_num_threads also sets the count that threads starting later begin from: the
+            # caller's again (its own count is the same value; nothing it sees changes)
+            torch.set_num_threads(mine)
         n = default_at_once(len(devs)) if at_once is None else max(1, min(at_once, len(devs)))
         self.at_once = n
         """Device threads computing at once (fewer than the devices: they take turns)."""

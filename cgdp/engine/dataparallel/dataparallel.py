@@ -95,6 +95,21 @@ from cgdp.planning.chunks import Plan
 NAME = "cgdp.DataParallel"
 
 
+_SAID_EMULATED = [False]
+
+
+def _say_emulated_once(devices: list[str]) -> None:
+    """``DataParallel(net)`` without a GPU: emulated devices, slower than the plain module by design."""
+    if devices[0].startswith("cuda") or _SAID_EMULATED[0]:
+        return
+    _SAID_EMULATED[0] = True
+    warn_user(f"cgdp.DataParallel found no GPU and runs on {len(devices)} CPU-emulated devices "
+              f"({', '.join(devices)}), so that your loop goes through the whole engine before it meets a GPU; "
+              f"the replicas share this machine's cores, so it is slower than the plain module (which is what "
+              f"nn.DataParallel runs without a GPU). Pass devices=[...] to choose them and silence this, or "
+              f"train the plain module for speed")
+
+
 class DataParallel(nn.Module):
     """Data parallelism over ``devices`` behind your own training loop, gradients summed on the host.
 
@@ -140,7 +155,9 @@ class DataParallel(nn.Module):
         check_sizes(segment_bytes, host_memory)
         if scalar_outputs not in ("auto", "mean", "sum"):
             raise ValueError(f"scalar_outputs must be 'auto', 'mean' or 'sum', got {scalar_outputs!r}")
-        devices = default_devices() if devices is None else devices
+        if devices is None:
+            devices = default_devices()
+            _say_emulated_once(devices)
         if isinstance(devices, (list, tuple)):  # torch.device("cuda", 1) is "cuda:1"
             devices = [str(d) if isinstance(d, torch.device) else d for d in devices]
         parse_devices(devices, share_devices)

@@ -3,7 +3,8 @@
 **Scatter.** Every tensor argument with a batch dimension (positional or keyword, nested in
 tuples, lists and dicts) is split along dimension 0 in device order, as ``torch.tensor_split``
 does, and moved to its device; all of them must share that first dimension (the batch). A batch
-of n < G samples runs on the first n devices only. 0-dim tensors and other objects go to every
+of n < G samples runs on the first n devices only, one sample each (the others run nothing, send
+zeros to the host sum and step with the others: the rule of ``cgdp.Trainer`` too). 0-dim tensors and other objects go to every
 replica unchanged (tensors moved to its device). Each part runs on its device's thread with the
 caller's grad mode and autocast (:func:`cgdp.engine.core.threads.caller_context`). A call with no batch to split (no arguments, or
 no tensor with a dimension) runs on replica 0 alone, as on one device (as ``nn.DataParallel``
@@ -105,7 +106,8 @@ def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
                          f"{[x.shape[0] for x in batched]}. Keep tensors that are not per-sample in the "
                          f"module (a buffer) instead of passing them")
     if n == 0:
-        raise ValueError("cgdp.DataParallel got an empty batch (first dimension 0)")
+        raise ValueError("cgdp.DataParallel got an empty batch (first dimension 0): there is nothing to run; "
+                         "skip empty batches")
     g = min(len(devices), n)
     split = [torch.tensor_split(x, g) if isinstance(x, torch.Tensor) and x.dim() > 0 else None
              for x in leaves]

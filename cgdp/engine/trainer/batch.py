@@ -4,6 +4,12 @@ The batch is split in device order as ``torch.tensor_split`` does. Device j gets
 ``w_j = n_j / N``, N the global batch over all ranks, so that the sum of the devices' weighted
 gradients is the gradient of the global mean loss, also for uneven splits.
 
+A batch of n < G samples (a data loader's last batch) is split over the first n devices, one
+sample each, as ``cgdp.DataParallel`` does: the splits return the n parts with samples and every
+device's size (0 for the others). A device without samples runs no forward and no backward, sends
+zeros to the host sum (its flat buffer, zeroed at the step's start) and steps its replica with
+the others (:mod:`cgdp.engine.trainer.passes`); the result is one device's. An empty batch is refused.
+
 Two forms. ``split_batch(inputs, targets, g)`` (``step(inputs, targets, loss_fn)``): tensors that
 all share the batch dimension. ``split_nested(batch, g)`` (``step(batch, loss_fn)``): a tensor or
 any nesting of tuples (named tuples included), lists and mappings (``dict``, Hugging Face's
@@ -32,7 +38,8 @@ Part = tuple[Any, torch.Tensor]
 
 
 def split_batch(inputs: Any, targets: Any, g: int) -> tuple[list[Part], list[int]]:
-    """``(inputs, targets)`` split in device order into ``g`` parts, and each part's size."""
+    """``(inputs, targets)`` split in device order into ``g`` parts (the ``min(n, g)`` with
+    samples), and every device's number of samples."""
     xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if not xs or not all(isinstance(x, torch.Tensor) for x in xs):
         raise TypeError("inputs must be a tensor (or a tuple of tensors passed as model(*inputs)) "
@@ -45,20 +52,25 @@ def split_batch(inputs: Any, targets: Any, g: int) -> tuple[list[Part], list[int
         if x.dim() == 0 or x.shape[0] != n:
             raise ValueError(f"inputs and targets must share the batch dimension; got shapes "
                              f"{[tuple(t.shape) for t in (*xs, targets)]}")
-    if n < g:
-        raise ValueError(f"a batch of {n} sample(s) cannot be split across {g} devices; "
-                         f"use a batch of at least {g} (one sample per device)")
+    check_not_empty(n)
     split_x = [torch.tensor_split(x, g) for x in xs]
     split_y = torch.tensor_split(targets, g)
     parts = []
-    for j in range(g):
+    for j in range(min(n, g)):  # a batch smaller than the devices: the first n get a sample each
         xj = tuple(s[j] for s in split_x)
         parts.append((xj if isinstance(inputs, (tuple, list)) else xj[0], split_y[j]))
     return parts, [int(s.shape[0]) for s in split_y]
 
 
+def check_not_empty(n: int) -> None:
+    if n == 0:
+        raise ValueError("cgdp.Trainer got an empty batch (first dimension 0): there is nothing to train on; "
+                         "skip empty batches")
+
+
 def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int], frozenset[int]]:
-    """``batch`` split in device order into ``g`` parts of the same structure, each part's size,
+    """``batch`` split in device order into ``g`` parts of the same structure (the ``min(n, g)``
+    with samples), every device's number of samples,
     and the ids of the tensors that went whole into every part (micro-batches leave them whole
     too, whatever their first dimension)."""
     found: list[tuple[str, torch.Tensor]] = []
@@ -81,11 +93,9 @@ def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int], frozenset[in
                          f"tensors whose first dimension most tensors share; pass values that are not "
                          f"per-sample to loss_fn through its closure instead of the batch")
     n = ranked[0][0]
-    if n < g:
-        raise ValueError(f"a batch of {n} sample(s) cannot be split across {g} devices; "
-                         f"use a batch of at least {g} (one sample per device)")
+    check_not_empty(n)
     whole = frozenset(id(t) for _, t in found if t.dim() == 0 or t.shape[0] != n)
-    return split_tree(batch, n, g), [n // g + (1 if j < n % g else 0) for j in range(g)], whole
+    return split_tree(batch, n, g)[:n], [n // g + (1 if j < n % g else 0) for j in range(g)], whole
 
 
 def _refuse_ragged_records(tree: Any, where: str = "batch") -> None:
@@ -171,10 +181,12 @@ def micro_rounds(parts: list[Any], sizes: list[int], total: int, k: int,
                  whole: frozenset[int] = frozenset()) -> list[tuple[list[Any], list[float]]]:
     """Each device's part in ``k`` micro-batches, grouped by round: round i holds every device's
     i-th micro-batch and its weight (its samples / ``total``), so that the weights of all rounds
-    and devices sum to the global batch's. With ``k == 1``: one round, the parts themselves."""
+    and devices sum to the global batch's. With ``k == 1``: one round, the parts themselves.
+    ``parts`` holds the parts with samples only (the first ones), ``sizes`` every device's: a
+    round's weights are every device's (0 without samples), its parts those with samples."""
     if k == 1:
         return [(list(parts), [n / total for n in sizes])]
-    short = [j for j, n in enumerate(sizes) if n < k]
+    short = [j for j, n in enumerate(sizes) if 0 < n < k]  # (a device without samples stays idle)
     if short:
         raise ValueError(f"micro_batches={k} needs at least {k} samples on every device, but device "
                          f"{short[0]} gets {sizes[short[0]]} of this batch; use a larger batch or fewer "

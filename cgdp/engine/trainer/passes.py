@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from cgdp.engine.backend.base import Device
+from cgdp.engine.core.buffers import copy_from_first
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.sync import Guard
@@ -53,15 +54,37 @@ class DevicePasses:
         self.after_forward = after_forward
         """Called with the number of devices after every forward pass: what the forwards changed in
         the parameters is made the same on every replica (:mod:`cgdp.engine.core.follow`)."""
+        self.used = len(self.devs)
+        """Devices with samples in this step's last forward (the first ones)."""
 
     def forward_all(self, parts: list[Any], compute: Callable, amp: Callable,
                     restore: Callable[[], None]) -> list[Forward]:
         """Forward and loss of ``parts[j]`` on every device j; ``restore``: puts the buffers back
-        before a forward is run again."""
+        before a forward is run again. With fewer parts than devices (a batch smaller than the
+        devices), the others run nothing (:meth:`_idle`)."""
+        used = self.used = len(parts)
+
         def run() -> list[Forward]:
-            return self.threads.run_all(lambda j: self._forward_on(j, parts[j], compute, amp), computing=True)
+            return self.threads.run_all(lambda j: self._forward_on(j, parts[j], compute, amp) if j < used
+                                        else (None, self.devs[j].stamp(), self.devs[j].stamp()), computing=True)
         out = self.rng.forward_all(run, restore)
-        self.after_forward(len(self.devs))
+        if used < len(self.devs):
+            out = self._idle(out, used)
+        self.after_forward(used)
+        return out
+
+    def _idle(self, out: list[Forward], used: int) -> list[Forward]:
+        """Devices ``used``.. got no sample: no forward (BatchNorm would refuse an empty batch).
+        Each gets a loss of 0 in the form the others returned (a pair's count 0), so that the
+        weights count it and its backward sends zeros (:meth:`_backward_on`), and replica 0's
+        counters (BatchNorm's ``num_batches_tracked``), which it did not advance; its floating
+        buffers take part in the step's weighted mean with weight 0."""
+        first = out[0][0]
+        for j in range(used, len(self.devs)):
+            zero = torch.zeros((), dtype=first.loss.dtype, device=first.loss.device)
+            out[j] = (DeviceLoss(zero, None if first.count is None else 0.0), *out[j][1:])
+        copy_from_first([[b for b in r.buffers() if not b.is_floating_point()]
+                         for r in (self.replicas[0], *self.replicas[used:])])
         return out
 
     def _forward_on(self, j: int, part: Any, compute: Callable, amp: Callable) -> Forward:
@@ -106,9 +129,12 @@ class DevicePasses:
         if rescale is not None:
             self.stream.scale_grads(rescale, j)
         # backward of a CPU loss runs on this thread (a GPU's runs on autograd's thread for that
-        # device): a turn, since its hooks only enqueue and never wait for another device
-        with self.threads.computing(loss.device.type == "cpu"):
-            torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
+        # device): a turn, since its hooks only enqueue and never wait for another device. A
+        # device without samples runs none: the flush below sends its zeroed buffer
+        busy = j < self.used
+        with self.threads.computing(busy and loss.device.type == "cpu"):
+            if busy:
+                torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
         if self.timing.events is not None:
             dev.backward_issued()
         self.stream.flush(j)

@@ -1,0 +1,85 @@
+"""torch's intra-op threads on cgdp's device threads: on CPU-emulated devices each device thread
+gets one share of the cores (not torch's default pool over every core, which G device threads
+would fight over), and the caller's own count does not change; ``OMP_NUM_THREADS`` and GPUs are
+left as they are."""
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cgdp
+from cgdp.engine.core.threads import usable_cores
+from cgdp.testing import simulated_cuda
+
+pytestmark = pytest.mark.skipif(
+    usable_cores() < 2 or "parallel backend: OpenMP" not in torch.__config__.parallel_info(),
+    reason="needs 2 cores and torch's OpenMP backend (a count per thread)")
+SGD = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+
+
+class Spy(nn.Module):
+    """Notes torch's intra-op count of every thread its forward runs on."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.seen: dict[str, int] = {}
+
+    def forward(self, x):
+        self.seen[threading.current_thread().name] = torch.get_num_threads()
+        return self.fc(x)
+
+
+@pytest.fixture
+def user_threads(monkeypatch):
+    """The user's thread uses every core (restored after the test), OMP_NUM_THREADS unset."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())
+    yield usable_cores()
+    torch.set_num_threads(before)
+
+
+def count_of_a_new_thread() -> int:
+    out = []
+    t = threading.Thread(target=lambda: out.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def run_both_faces(devices):
+    """Each face trains one step on ``devices``; the counts its device threads saw, and the
+    caller's own count and a new thread's while each face is open."""
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    trained, during = Spy(), []
+    with cgdp.Trainer(trained, SGD, devices) as tr:
+        tr.step(x, y, F.mse_loss)
+        during.append((torch.get_num_threads(), count_of_a_new_thread()))
+    wrapped = Spy()
+    with cgdp.DataParallel(wrapped, devices) as model:
+        F.mse_loss(model(x), y).backward()
+        during.append((torch.get_num_threads(), count_of_a_new_thread()))
+    return trained.seen, wrapped.seen, during
+
+
+def test_device_threads_get_one_share_of_the_cores_and_the_callers_count_stays(user_threads):
+    for g in (2, 3):
+        trained, wrapped, during = run_both_faces([f"cpu:{j}" for j in range(g)])
+        share = max(1, user_threads // g)
+        # replica 0's forward runs on its device thread; the others' on theirs (their own modules)
+        assert trained == wrapped == {"cgdp-cpu:0": share}
+        assert share < user_threads
+        assert during == [(user_threads, user_threads)] * 2
+        assert torch.get_num_threads() == user_threads
+
+
+def test_omp_num_threads_and_gpus_are_left_as_they_are(user_threads, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", str(user_threads))
+    trained, wrapped, _ = run_both_faces(["cpu:0", "cpu:1"])
+    assert trained == wrapped == {"cgdp-cpu:0": user_threads}
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    with simulated_cuda(2, seed=0):
+        trained, wrapped, _ = run_both_faces(["cuda:0", "cuda:1"])
+    assert set(trained.values()) == set(wrapped.values()) == {user_threads}
