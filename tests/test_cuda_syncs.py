@@ -76,15 +76,16 @@ def mlp(bn=False):
     return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def counted_step(sim, step, warm=3):
-    """The waits of one steady-state step (after ``warm`` steps), arrivals apart."""
+def counted_step(sim, step, warm=3, host_sum=True):
+    """The waits of one steady-state step (after ``warm`` steps), arrivals apart (none without a
+    ``host_sum``: ``mode="typical"``)."""
     for _ in range(warm):
         step()
     sim.reset_host_syncs()
     step()
     got = sim.host_syncs()
     arrivals = {k: v for k, v in got.items() if k[1] == "arrival"}
-    assert arrivals and set(arrivals) == {(HOST, "arrival")}, got  # only the host sum waits for copies
+    assert set(arrivals) == ({(HOST, "arrival")} if host_sum else set()), got  # only the host sum waits for copies
     return Counter({k: v for k, v in got.items() if k[1] != "arrival"})
 
 
@@ -99,9 +100,11 @@ def pair_loss(model, part):
     ("micro-batches", {"micro_batches": 3}, {("MainThread", "read"): 1}),
     ("clipping", {"clip_grad_norm": 0.5}, {("MainThread", "read"): 1}),
     ("bf16 transfer", {"grad_transfer": "bf16"}, {("MainThread", "read"): 1}),
-    # each count is read before backward: the weights need the total
-    ("(loss_sum, count)", {}, {("MainThread", "read"): 1, ("cgdp-cuda:0", "read"): 1,
-                               ("cgdp-cuda:1", "read"): 1}),
+    # the counts and 1 / C stay on the devices; read with the losses
+    ("(loss_sum, count)", {}, {("MainThread", "read"): 1}),
+    ("(loss_sum, count), micro-batches", {"micro_batches": 2}, {("MainThread", "read"): 1}),
+    # the non-finite count of the reduced gradient: read with the losses
+    ("typical", {"mode": "typical"}, {("MainThread", "read"): 1}),
 ])
 def test_trainer_waits_per_step(feature, kw, want):
     """One wait per step beyond the host sum's arrivals: the loss it returns, read once for all
@@ -113,10 +116,10 @@ def test_trainer_waits_per_step(feature, kw, want):
     with simulated_cuda(2, max_delay_s=0.0) as sim:
         with cgdp.Trainer(mlp(feature == "batchnorm"), lambda p: torch.optim.SGD(p, lr=0.05),
                           ["cuda:0", "cuda:1"], chunks=1, **kw) as tr:
-            if feature == "(loss_sum, count)":
+            if feature.startswith("(loss_sum, count)"):
                 got = counted_step(sim, lambda: tr.step((x, y), pair_loss))
             else:
-                got = counted_step(sim, lambda: tr.step(x, y, F.cross_entropy))
+                got = counted_step(sim, lambda: tr.step(x, y, F.cross_entropy), host_sum=feature != "typical")
     assert got == Counter(want)
 
 

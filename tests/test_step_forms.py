@@ -327,3 +327,73 @@ def test_sum_count_loss_over_the_cuda_backend():
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_params_close(model, ref)
 
+
+
+def _pair_loss(count_on, scale=1.0, bf16=False):
+    """token_sum with its count ``count_on`` the device (a tensor, kept there) or the host (a
+    Python float, read by the loss itself); ``scale``: a fractional count; ``bf16``: the loss in
+    bfloat16, so that backward starts from a 16-bit weight."""
+    def loss_fn(m, b):
+        loss, count = token_sum(m, b)
+        count = count * scale
+        return (loss.bfloat16() if bf16 else loss), (count if count_on == "device" else float(count))
+    return loss_fn
+
+
+@pytest.mark.parametrize("g, mode, k, scale, bf16", [(3, "cgdp", 1, 1.0, False), (3, "cgdp", 2, 0.3, False),
+                                                      (2, "typical", 2, 1.0, True), (3, "cgdp", 1, 0.7, True)])
+def test_counts_kept_on_the_devices_train_bitwise_as_counts_read_on_the_host(g, mode, k, scale, bf16):
+    """A count returned as a tensor stays on its device: the total, 1 / C, the 16-bit weight and
+    the micro-batches' rescale are made there, with the values the host computes from counts it
+    read (fractional counts added in the same order): parameters and losses bitwise the same."""
+    data = token_batches(2, 10)
+    out = {}
+    for where in ("host", "device"):
+        model = TokenLM()
+        out[where] = (train_step2(model, ADAM, g, data, _pair_loss(where, scale, bf16), chunks=1, mode=mode,
+                                  micro_batches=k), model.state_dict())
+    assert out["host"][0] == out["device"][0]
+    assert all(torch.equal(v, out["device"][1][key]) for key, v in out["host"][1].items())
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_bad_counts_on_the_devices_reject_the_step_after_backward(micro):
+    """Counts on the devices are checked when the step reads its losses: the same errors as for
+    counts read before backward, the update not applied, the trainer usable."""
+    model = TokenLM()
+    data = token_batches(1, 8)[0]
+
+    def with_count(f):
+        return lambda m, b: (token_sum(m, b)[0], f(token_sum(m, b)[1]))
+    with cgdp.Trainer(model, ADAM, devs(2), micro_batches=micro) as tr:
+        before = copy.deepcopy(model.state_dict())
+        for f, match in [(lambda c: c * 0, "counts sum to 0"), (lambda c: c - 100, "count of -"),
+                         (lambda c: c * float("nan"), "count of nan")]:
+            with pytest.raises(ValueError, match=match):
+                tr.step(data, with_count(f))
+            assert tr.step_count == 0
+            assert all(torch.equal(v, before[key]) for key, v in model.state_dict().items())
+        tr.step(data, token_sum)
+        assert tr.step_count == 1
+        assert_replicas_identical(tr)
+
+
+def test_weights_rounded_once_on_the_device_equal_the_nearest():
+    """``rounded_once`` (rounding to odd through float32) against the nearest 16-bit value found
+    exactly (fractions) for random weights and ties; the host's weight (a float) the same."""
+    from bisect import bisect_left
+    from cgdp.engine.trainer.losses import rounded_once
+    g = torch.Generator().manual_seed(5)
+    w = torch.cat([torch.rand(400, generator=g, dtype=torch.float64) * 2.0 ** torch.randint(-30, 8, (400,), generator=g),
+                   1.0 / torch.arange(1, 300, dtype=torch.float64),
+                   torch.tensor([1 + 2**-8, 1 + 2**-8 + 2**-30, 1 + 3 * 2**-8, 1 + 2**-11, 1 + 2**-11 + 2**-40,
+                                 2.0**-24 + 2.0**-26, 2.0**-25, 2.0**-133, 3 * 2.0**-134], dtype=torch.float64)])
+    for dtype in (torch.bfloat16, torch.float16):
+        top = 0x7F80 if dtype == torch.bfloat16 else 0x7C00
+        values = torch.arange(0, top, dtype=torch.int32).to(torch.int16).view(dtype).double().tolist()
+        got = rounded_once(w, dtype).double().tolist()
+        for x, y in zip(w.tolist(), got):
+            i = min(bisect_left(values, x), len(values) - 1)
+            near = [(abs(Fraction(values[b]) - Fraction(x)), b & 1, values[b]) for b in (i - 1, i) if b >= 0]
+            assert y == min(near)[2], (x, y, min(near))
+            assert backward_weight(x, dtype, torch.device("cpu")).item() == y

@@ -38,7 +38,6 @@ them on the device.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -405,12 +404,11 @@ class Trainer:
             self._param_hooks.take()
         self._update.begin_step(bool(self._param_hooks.held))
 
-    def _finish_backward(self, losses: list[float], weights: list[float]) -> float:
+    def _finish_backward(self, losses: list[Any], weights: list[Any]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""
         touched = self._stream.touched()
-        losses = loss_values(losses, self._devs[0].torch_device)
-        loss = math.fsum(w * l for w, l in zip(weights, losses))
         bad = self._update.reduce(self._stream)  # the gradient the update reads, in place
+        loss, bad = loss_values(losses, weights, bad, self._devs[0].torch_device)  # the step's one read
         self._grad_norm = self._stream.grad_norm() if self._max_norm is not None else 0.0
         if self._comm is not None:  # every rank takes the same values (rank 0's clipping norm)
             self._comm.fence(self._timeout_s)
