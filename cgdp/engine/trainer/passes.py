@@ -119,18 +119,20 @@ class DevicePasses:
         return value, b0, b1, dev.stamp()
 
 
-def loss_values(losses: Sequence[Any], weights: Sequence[float | DeviceWeight], bad: float | torch.Tensor,
-                device: torch.device) -> tuple[float, float]:
-    """The step's loss, Σ w·loss over every device's (and micro-batch's) loss, and the NaN/Inf
-    count ``bad``, from one host read: every loss, the counts and their total where they are on
-    the devices (:class:`DeviceWeight`, checked here: a bad count rejects the step), and ``bad``
-    where it is a device's (``mode="typical"``), gathered on ``device`` (the first device) as
-    float64, which holds each exactly, then read at once."""
+def loss_values(losses: Sequence[Any], weights: Sequence[float | DeviceWeight],
+                flags: Sequence[float | torch.Tensor | None], device: torch.device) -> tuple[float, list[float]]:
+    """The step's loss, Σ w·loss over every device's (and micro-batch's) loss, and ``flags`` as
+    floats (None: 0), from one host read: every loss, the counts and their total where they are on
+    the devices (:class:`DeviceWeight`, checked here: a bad count rejects the step), and the flags
+    that are devices' scalars (``mode="typical"``'s NaN/Inf count, how many elements of tensor
+    hyperparameters differ), gathered on ``device`` (the first device) as float64, which holds
+    each exactly, then read at once."""
     dw = next((w for w in weights if isinstance(w, DeviceWeight)), None)
     counts = [dw.total, *dw.counts] if dw is not None else []
-    read = read_at_once([*losses, *counts, bad], device)  # the step's one host read
+    flags = [0.0 if f is None else f for f in flags]
+    read = read_at_once([*losses, *counts, *flags], device)  # the step's one host read
     n = len(losses)
     if dw is not None:
         final = dw.value(read[n:n + len(counts)])
         weights = [final if isinstance(w, DeviceWeight) else w for w in weights]
-    return math.fsum(w * v for w, v in zip(weights, read[:n])), read[-1]
+    return math.fsum(w * v for w, v in zip(weights, read[:n])), read[len(read) - len(flags):]

@@ -64,7 +64,7 @@ from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.sync import Guard
 from cgdp.engine.trainer.batch import micro_rounds
 from cgdp.engine.trainer.hyperparameters import (HyperparameterMismatchError, Schedulers, agree_on_step,
-                                                 check_hyperparameters)
+                                                 check_hyperparameters, verdict)
 from cgdp.engine.trainer.losses import loss_weights, parse_step
 from cgdp.engine.core.padding import OwnLossCheck, labels_of
 from cgdp.engine.trainer.options import check_arguments, make_update, refusal, stopped
@@ -383,8 +383,8 @@ class Trainer:
     def _prepare(self, call: Any) -> tuple[list, int, Any]:
         """Before anything runs: the checks, each device's share of the batch and micro-batch
         rounds, and the caller's autocast; (rounds, global batch size, autocast)."""
-        if self._comm is None:  # before anything runs (with a comm: in the step's allreduce)
-            check_hyperparameters(self.optimizers)
+        # before anything runs (with a comm: in the step's allreduce); on the devices: read with the losses
+        self._differ = check_hyperparameters(self.optimizers, on_devices=True) if self._comm is None else None
         for d in self._devs:
             d.check_caller()
         self._weights, total = batch_weights(call.sizes, self._comm)
@@ -407,8 +407,9 @@ class Trainer:
     def _finish_backward(self, losses: list[Any], weights: list[Any]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""
         touched = self._stream.touched()
-        bad = self._update.reduce(self._stream)  # the gradient the update reads, in place
-        loss, bad = loss_values(losses, weights, bad, self._devs[0].torch_device)  # the step's one read
+        flags = [self._update.reduce(self._stream), self._differ]  # the gradient the update reads; its NaN/Inf
+        loss, (bad, differ) = loss_values(losses, weights, flags, self._devs[0].torch_device)  # the step's one read
+        verdict(differ, self.optimizers)  # tensor hyperparameters on the devices, compared there
         self._grad_norm = self._stream.grad_norm() if self._max_norm is not None else 0.0
         if self._comm is not None:  # every rank takes the same values (rank 0's clipping norm)
             self._comm.fence(self._timeout_s)
