@@ -341,17 +341,23 @@ def _pair_loss(count_on, scale=1.0, bf16=False):
 
 
 @pytest.mark.parametrize("g, mode, k, scale, bf16", [(3, "cgdp", 1, 1.0, False), (3, "cgdp", 2, 0.3, False),
-                                                      (2, "typical", 2, 1.0, True), (3, "cgdp", 1, 0.7, True)])
+                                                      (2, "typical", 2, 1.0, True), (3, "cgdp", 1, 0.7, True),
+                                                      ("simulated", "cgdp", 2, 0.3, True)])
 def test_counts_kept_on_the_devices_train_bitwise_as_counts_read_on_the_host(g, mode, k, scale, bf16):
     """A count returned as a tensor stays on its device: the total, 1 / C, the 16-bit weight and
     the micro-batches' rescale are made there, with the values the host computes from counts it
-    read (fractional counts added in the same order): parameters and losses bitwise the same."""
+    read (fractional counts added in the same order): parameters and losses bitwise the same,
+    also through the CUDA backend (simulated runtime)."""
+    from contextlib import nullcontext
+    from cgdp.testing import simulated_cuda
     data = token_batches(2, 10)
     out = {}
     for where in ("host", "device"):
         model = TokenLM()
-        out[where] = (train_step2(model, ADAM, g, data, _pair_loss(where, scale, bf16), chunks=1, mode=mode,
-                                  micro_batches=k), model.state_dict())
+        with simulated_cuda(2, seed=3) if g == "simulated" else nullcontext():
+            out[where] = (train_step2(model, ADAM, ["cuda:0", "cuda:1"] if g == "simulated" else g, data,
+                                      _pair_loss(where, scale, bf16), chunks=1, mode=mode, micro_batches=k),
+                          {name: v.cpu() for name, v in model.state_dict().items()})
     assert out["host"][0] == out["device"][0]
     assert all(torch.equal(v, out["device"][1][key]) for key, v in out["host"][1].items())
 
