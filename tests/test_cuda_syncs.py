@@ -116,6 +116,7 @@ def pair_loss(model, part):
     ("(loss_sum, count), micro-batches", {"micro_batches": 2}, {("MainThread", "read"): 1}),
     # the non-finite count of the reduced gradient: read with the losses
     ("typical", {"mode": "typical"}, {("MainThread", "read"): 1}),
+    ("typical, clipping", {"mode": "typical", "clip_grad_norm": 0.5}, {("MainThread", "read"): 1}),
     # replica 1's lr compared with replica 0's on the device, the count read with the losses
     ("tensor lr", {}, {("MainThread", "read"): 1}),
 ])
@@ -132,7 +133,7 @@ def test_trainer_waits_per_step(feature, kw, want):
             if feature.startswith("(loss_sum, count)"):
                 got = counted_step(sim, lambda: tr.step((x, y), pair_loss))
             else:
-                got = counted_step(sim, lambda: tr.step(x, y, F.cross_entropy), host_sum=feature != "typical")
+                got = counted_step(sim, lambda: tr.step(x, y, F.cross_entropy), host_sum=not feature.startswith("typical"))
     assert got == Counter(want)
 
 

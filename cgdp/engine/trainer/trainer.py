@@ -408,9 +408,9 @@ class Trainer:
         """Global loss, the non-finite check and the parameters nobody touched."""
         touched = self._stream.touched()
         flags = [self._update.reduce(self._stream), self._differ]  # the gradient the update reads; its NaN/Inf
-        loss, (bad, differ) = loss_values(losses, weights, flags, self._devs[0].torch_device)  # the step's one read
+        flags.append(self._stream.grad_norm(read=False) if self._max_norm is not None else 0.0)  # of that gradient
+        loss, (bad, differ, self._grad_norm) = loss_values(losses, weights, flags, self._devs[0].torch_device)
         verdict(differ, self.optimizers)  # tensor hyperparameters on the devices, compared there
-        self._grad_norm = self._stream.grad_norm() if self._max_norm is not None else 0.0
         if self._comm is not None:  # every rank takes the same values (rank 0's clipping norm)
             self._comm.fence(self._timeout_s)
             loss, bad, self._grad_norm, touched = agree_on_step(self._comm, loss, bad, self._grad_norm, touched,
