@@ -119,6 +119,9 @@ def pair_loss(model, part):
     ("typical, clipping", {"mode": "typical", "clip_grad_norm": 0.5}, {("MainThread", "read"): 1}),
     # replica 1's lr compared with replica 0's on the device, the count read with the losses
     ("tensor lr", {}, {("MainThread", "read"): 1}),
+    # the user's gradient hooks run on the average once it is known to be finite (at the read);
+    # the norm of what they return is read after them
+    ("gradient hook, clipping", {"clip_grad_norm": 0.5}, {("MainThread", "read"): 2}),
 ])
 def test_trainer_waits_per_step(feature, kw, want):
     """One wait per step beyond the host sum's arrivals: the loss it returns, read once for all
@@ -127,8 +130,11 @@ def test_trainer_waits_per_step(feature, kw, want):
     memory."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(12, 12, generator=g), torch.randint(0, 4, (12,), generator=g)
+    model = mlp(feature == "batchnorm")
+    if feature.startswith("gradient hook"):
+        model[0].weight.register_hook(lambda grad: grad * 0.5)
     with simulated_cuda(2, max_delay_s=0.0) as sim:
-        with cgdp.Trainer(mlp(feature == "batchnorm"), tensor_lr if feature == "tensor lr" else sgd,
+        with cgdp.Trainer(model, tensor_lr if feature == "tensor lr" else sgd,
                           ["cuda:0", "cuda:1"], chunks=1, **kw) as tr:
             if feature.startswith("(loss_sum, count)"):
                 got = counted_step(sim, lambda: tr.step((x, y), pair_loss))
