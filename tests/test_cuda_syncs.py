@@ -114,6 +114,8 @@ def pair_loss(model, part):
     # the counts and 1 / C stay on the devices; read with the losses
     ("(loss_sum, count)", {}, {("MainThread", "read"): 1}),
     ("(loss_sum, count), micro-batches", {"micro_batches": 2}, {("MainThread", "read"): 1}),
+    # the host optimizer steps during backward: the counts are read (once) and checked before it
+    ("(loss_sum, count), update='host'", {"update": "host"}, {("MainThread", "read"): 2}),
     # the non-finite count of the reduced gradient: read with the losses
     ("typical", {"mode": "typical"}, {("MainThread", "read"): 1}),
     ("typical, clipping", {"mode": "typical", "clip_grad_norm": 0.5}, {("MainThread", "read"): 1}),

@@ -362,26 +362,29 @@ def test_counts_kept_on_the_devices_train_bitwise_as_counts_read_on_the_host(g, 
     assert all(torch.equal(v, out["device"][1][key]) for key, v in out["host"][1].items())
 
 
-@pytest.mark.parametrize("micro", [1, 2])
-def test_bad_counts_on_the_devices_reject_the_step_after_backward(micro):
-    """Counts on the devices are checked when the step reads its losses: the same errors as for
-    counts read before backward, the update not applied, the trainer usable."""
-    model = TokenLM()
-    data = token_batches(1, 8)[0]
+@pytest.mark.parametrize("micro, update", [(1, "devices"), (2, "devices"), (1, "host")])
+def test_bad_counts_on_the_devices_reject_the_step_with_nothing_applied(micro, update):
+    """Counts on the devices are checked when the step reads its losses (before backward with
+    ``update="host"``, whose optimizer steps during backward): the same errors as for counts read
+    at once, nothing applied (the next steps train bitwise as if the bad ones never ran)."""
+    model = mlp((12, 16, 5))
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 12, generator=gen), torch.randint(0, 5, (8,), generator=gen)) for _ in range(2)]
 
-    def with_count(f):
-        return lambda m, b: (token_sum(m, b)[0], f(token_sum(m, b)[1]))
-    with cgdp.Trainer(model, ADAM, devs(2), micro_batches=micro) as tr:
-        before = copy.deepcopy(model.state_dict())
+    def pair(m, b, f=lambda c: c):
+        return F.cross_entropy(m(b[0]), b[1], reduction="sum"), f((b[1] >= 0).sum())
+    ref = copy.deepcopy(model)
+    train_step2(ref, ADAM, 2, data, pair, micro_batches=micro, update=update)
+    with cgdp.Trainer(model, ADAM, devs(2), micro_batches=micro, update=update) as tr:
+        tr.step(data[0], pair)
         for f, match in [(lambda c: c * 0, "counts sum to 0"), (lambda c: c - 100, "count of -"),
                          (lambda c: c * float("nan"), "count of nan")]:
             with pytest.raises(ValueError, match=match):
-                tr.step(data, with_count(f))
-            assert tr.step_count == 0
-            assert all(torch.equal(v, before[key]) for key, v in model.state_dict().items())
-        tr.step(data, token_sum)
+                tr.step(data[1], lambda m, b: pair(m, b, f))
         assert tr.step_count == 1
+        tr.step(data[1], pair)
         assert_replicas_identical(tr)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
 def test_weights_rounded_once_on_the_device_equal_the_nearest():

@@ -226,10 +226,13 @@ def _kind(value: Any) -> str:
 
 
 def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], comm: Comm | None,
-                 nested: bool, held: "HeldMicroBatches | None" = None) -> list[float | DeviceWeight]:
+                 nested: bool, held: "HeldMicroBatches | None" = None,
+                 read: bool = False) -> list[float | DeviceWeight]:
     """Each device's backward weight, once every forward is done (see the module docstring);
     ``held``: the step's earlier micro-batches, whose counts add to the total. A
-    :class:`DeviceWeight` where the counts are on the devices (and no MPI)."""
+    :class:`DeviceWeight` where the counts are on the devices, unless they must be read before
+    backward: with MPI, or ``read`` (``update="host"``, whose optimizer steps during backward,
+    so that a bad count found after it would leave that optimizer's state advanced)."""
     first = results[0].loss.device
     counts = [r.count for r in results if r.count is not None]
     count = _total(counts, first)
@@ -237,11 +240,12 @@ def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], com
     if held is not None:
         vec += (0.0, held.pairs, held.results)
         count, counts = _total([count, held.count], first), held.counts + counts
-    if comm is not None and nested:  # every rank passes here: the sum is over all of them
-        if isinstance(count, torch.Tensor):  # the allreduce is on the host: read this rank's counts
-            read = read_at_once([count, *counts], first)
-            check_counts(read[1:])
-            count = read[0]
+    mpi = comm is not None and nested
+    if isinstance(count, torch.Tensor) and (mpi or read):  # read this rank's counts, in one wait
+        values = read_at_once([count, *counts], first)
+        check_counts(values[1:])
+        count = values[0]
+    if mpi:  # every rank passes here: the sum is over all of them
         vec[0] = count
         vec = comm.allreduce_small(vec)
         count = float(vec[0])

@@ -285,7 +285,7 @@ class Trainer:
             fw = self._passes.forward_all(parts, call.compute, amp, restore)                 # 2. forward
             losses = [f[0].loss for f in fw]
             phase = "backward"  # with MPI the weights are a collective: ranks agree from here on
-            weights = loss_weights([f[0] for f in fw], weights, self._comm, call.nested, held)
+            weights = loss_weights([f[0] for f in fw], weights, self._comm, call.nested, held, self._host_update)
             if call.nested and fw[0][0].count is None:  # a mean per sample: under uneven padding, said once
                 self._own_loss.check([labels_of(p) for p in call.parts])
             # (loss_sum, count) micro-batches: the held gradients were summed with weight
