@@ -141,7 +141,8 @@ def test_trainer_waits_per_step(feature, kw, want):
             if feature.startswith("(loss_sum, count)"):
                 got = counted_step(sim, lambda: tr.step((x, y), pair_loss))
             else:
-                got = counted_step(sim, lambda: tr.step(x, y, F.cross_entropy), host_sum=not feature.startswith("typical"))
+                host_sum = not feature.startswith("typical")
+                got = counted_step(sim, lambda: tr.step(x, y, F.cross_entropy), host_sum=host_sum)
     assert got == Counter(want)
 
 

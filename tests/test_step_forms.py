@@ -393,7 +393,8 @@ def test_weights_rounded_once_on_the_device_equal_the_nearest():
     from bisect import bisect_left
     from cgdp.engine.trainer.losses import rounded_once
     g = torch.Generator().manual_seed(5)
-    w = torch.cat([torch.rand(400, generator=g, dtype=torch.float64) * 2.0 ** torch.randint(-30, 8, (400,), generator=g),
+    scale = 2.0 ** torch.randint(-30, 8, (400,), generator=g)
+    w = torch.cat([torch.rand(400, generator=g, dtype=torch.float64) * scale,
                    1.0 / torch.arange(1, 300, dtype=torch.float64),
                    torch.tensor([1 + 2**-8, 1 + 2**-8 + 2**-30, 1 + 3 * 2**-8, 1 + 2**-11, 1 + 2**-11 + 2**-40,
                                  2.0**-24 + 2.0**-26, 2.0**-25, 2.0**-133, 3 * 2.0**-134], dtype=torch.float64)])
