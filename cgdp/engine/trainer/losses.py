@@ -276,13 +276,15 @@ class HeldMicroBatches:
     a scale of the right order, so that 16-bit gradients neither overflow nor underflow) and,
     once C is known, multiplies what it holds by guess_j / C before the last backward (one pass
     over its flat buffer, on the device). The result is sum_i grad(loss_sum_i) / C, the token mean
-    of the whole batch, to two roundings; the host sees only the k-th backward, as before.
+    of the whole batch, to two roundings; the host sees only the k-th backward, as before. Where
+    the counts are tensors on the devices, guess_j, 1 / guess_j and guess_j / C are made there
+    (float64, the values the host would compute), and the counts are read with the step's losses.
     """
     devices: int
     k: int
     values: list[float] = field(default_factory=list)
     """Each earlier micro-batch's loss value, per device (round by round)."""
-    used: list[float] = field(default_factory=list)
+    used: list[float | torch.Tensor] = field(default_factory=list)
     """The weight each of those backwards ran with (mean losses: final)."""
     count: float | torch.Tensor = 0.0
     """This rank's summed counts of the earlier micro-batches (pairs); on the first device if
@@ -293,10 +295,10 @@ class HeldMicroBatches:
     """How many of the earlier micro-batches' losses were pairs."""
     results: int = 0
     """How many earlier losses there were (devices x rounds)."""
-    guess: list[float] | None = None
+    guess: list[float | torch.Tensor] | None = None
     seconds: float = 0.0
 
-    def weights(self, results: Sequence[DeviceLoss], sample_weights: list[float]) -> list[float]:
+    def weights(self, results: Sequence[DeviceLoss], sample_weights: list[float]) -> list[float | torch.Tensor]:
         """The weights one earlier round's backwards run with."""
         pairs = sum(r.count is not None for r in results)
         self.pairs += pairs
