@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgdp
+from cgdp.engine.trainer.hyperparameters import HyperparameterMismatchError
 from cgdp.testing import simulated_cuda
 
 HOST = "cgdp-host-cuda:0"
@@ -76,16 +77,27 @@ def mlp(bn=False):
     return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def counted_step(sim, step, warm=3):
-    """The waits of one steady-state step (after ``warm`` steps), arrivals apart."""
+def counted_step(sim, step, warm=3, host_sum=True):
+    """The waits of one steady-state step (after ``warm`` steps), arrivals apart (none without a
+    ``host_sum``: ``mode="typical"``)."""
     for _ in range(warm):
         step()
     sim.reset_host_syncs()
     step()
     got = sim.host_syncs()
     arrivals = {k: v for k, v in got.items() if k[1] == "arrival"}
-    assert arrivals and set(arrivals) == {(HOST, "arrival")}, got  # only the host sum waits for copies
+    assert set(arrivals) == ({(HOST, "arrival")} if host_sum else set()), got  # only the host sum waits for copies
     return Counter({k: v for k, v in got.items() if k[1] != "arrival"})
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def tensor_lr(params):
+    """A learning rate on the replica's device, as torch's optimizers take it (``capturable``)."""
+    params = list(params)
+    return torch.optim.SGD(params, lr=torch.tensor(0.05, device=params[0].device))
 
 
 def pair_loss(model, part):
@@ -99,9 +111,19 @@ def pair_loss(model, part):
     ("micro-batches", {"micro_batches": 3}, {("MainThread", "read"): 1}),
     ("clipping", {"clip_grad_norm": 0.5}, {("MainThread", "read"): 1}),
     ("bf16 transfer", {"grad_transfer": "bf16"}, {("MainThread", "read"): 1}),
-    # each count is read before backward: the weights need the total
-    ("(loss_sum, count)", {}, {("MainThread", "read"): 1, ("cgdp-cuda:0", "read"): 1,
-                               ("cgdp-cuda:1", "read"): 1}),
+    # the counts and 1 / C stay on the devices; read with the losses
+    ("(loss_sum, count)", {}, {("MainThread", "read"): 1}),
+    ("(loss_sum, count), micro-batches", {"micro_batches": 2}, {("MainThread", "read"): 1}),
+    # the host optimizer steps during backward: the counts are read (once) and checked before it
+    ("(loss_sum, count), update='host'", {"update": "host"}, {("MainThread", "read"): 2}),
+    # the non-finite count of the reduced gradient: read with the losses
+    ("typical", {"mode": "typical"}, {("MainThread", "read"): 1}),
+    ("typical, clipping", {"mode": "typical", "clip_grad_norm": 0.5}, {("MainThread", "read"): 1}),
+    # replica 1's lr compared with replica 0's on the device, the count read with the losses
+    ("tensor lr", {}, {("MainThread", "read"): 1}),
+    # the user's gradient hooks run on the average once it is known to be finite (at the read);
+    # the norm of what they return is read after them
+    ("gradient hook, clipping", {"clip_grad_norm": 0.5}, {("MainThread", "read"): 2}),
 ])
 def test_trainer_waits_per_step(feature, kw, want):
     """One wait per step beyond the host sum's arrivals: the loss it returns, read once for all
@@ -110,13 +132,17 @@ def test_trainer_waits_per_step(feature, kw, want):
     memory."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(12, 12, generator=g), torch.randint(0, 4, (12,), generator=g)
+    model = mlp(feature == "batchnorm")
+    if feature.startswith("gradient hook"):
+        model[0].weight.register_hook(lambda grad: grad * 0.5)
     with simulated_cuda(2, max_delay_s=0.0) as sim:
-        with cgdp.Trainer(mlp(feature == "batchnorm"), lambda p: torch.optim.SGD(p, lr=0.05),
+        with cgdp.Trainer(model, tensor_lr if feature == "tensor lr" else sgd,
                           ["cuda:0", "cuda:1"], chunks=1, **kw) as tr:
-            if feature == "(loss_sum, count)":
+            if feature.startswith("(loss_sum, count)"):
                 got = counted_step(sim, lambda: tr.step((x, y), pair_loss))
             else:
-                got = counted_step(sim, lambda: tr.step(x, y, F.cross_entropy))
+                host_sum = not feature.startswith("typical")
+                got = counted_step(sim, lambda: tr.step(x, y, F.cross_entropy), host_sum=host_sum)
     assert got == Counter(want)
 
 
@@ -146,3 +172,27 @@ def test_dataparallel_waits_per_iteration(feature, want):
                 opt.step()
             got = counted_step(sim, step)
     assert got == Counter(want)
+
+
+def test_tensor_hyperparameters_that_differ_reject_the_step_after_backward():
+    """Compared on the devices, read with the losses: a tensor lr changed on one replica only is
+    found when the step reads its losses, before the update; the error names it, nothing is
+    applied, and the fix the message names lets training go on."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(12, 12, generator=g), torch.randint(0, 4, (12,), generator=g)
+    with simulated_cuda(2, max_delay_s=0.0):
+        with cgdp.Trainer(mlp(), tensor_lr, ["cuda:0", "cuda:1"], chunks=1) as tr:
+            tr.step(x, y, F.cross_entropy)
+            before = {k: v.clone() for k, v in tr.replicas[0].state_dict().items()}
+            with torch.no_grad():
+                tr.optimizers[0].param_groups[0]["lr"].fill_(0.01)
+            with pytest.raises(HyperparameterMismatchError, match=r"optimizers\[1\].*'lr'"):
+                tr.step(x, y, F.cross_entropy)
+            assert tr.step_count == 1
+            assert all(torch.equal(v, before[k]) for k, v in tr.replicas[0].state_dict().items())
+            with torch.no_grad():
+                tr.optimizers[1].param_groups[0]["lr"].fill_(0.01)
+            tr.step(x, y, F.cross_entropy)
+            assert tr.step_count == 2
+            for r in tr.replicas[1:]:
+                assert all(torch.equal(v.cpu(), p.cpu()) for v, p in zip(r.parameters(), tr.replicas[0].parameters()))

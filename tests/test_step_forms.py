@@ -327,3 +327,83 @@ def test_sum_count_loss_over_the_cuda_backend():
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_params_close(model, ref)
 
+
+
+def _pair_loss(count_on, scale=1.0, bf16=False):
+    """token_sum with its count ``count_on`` the device (a tensor, kept there) or the host (a
+    Python float, read by the loss itself); ``scale``: a fractional count; ``bf16``: the loss in
+    bfloat16, so that backward starts from a 16-bit weight."""
+    def loss_fn(m, b):
+        loss, count = token_sum(m, b)
+        count = count * scale
+        return (loss.bfloat16() if bf16 else loss), (count if count_on == "device" else float(count))
+    return loss_fn
+
+
+@pytest.mark.parametrize("g, mode, k, scale, bf16", [(3, "cgdp", 1, 1.0, False), (3, "cgdp", 2, 0.3, False),
+                                                      (2, "typical", 2, 1.0, True), (3, "cgdp", 1, 0.7, True),
+                                                      ("simulated", "cgdp", 2, 0.3, True)])
+def test_counts_kept_on_the_devices_train_bitwise_as_counts_read_on_the_host(g, mode, k, scale, bf16):
+    """A count returned as a tensor stays on its device: the total, 1 / C, the 16-bit weight and
+    the micro-batches' rescale are made there, with the values the host computes from counts it
+    read (fractional counts added in the same order): parameters and losses bitwise the same,
+    also through the CUDA backend (simulated runtime)."""
+    from contextlib import nullcontext
+    from cgdp.testing import simulated_cuda
+    data = token_batches(2, 10)
+    out = {}
+    for where in ("host", "device"):
+        model = TokenLM()
+        with simulated_cuda(2, seed=3) if g == "simulated" else nullcontext():
+            out[where] = (train_step2(model, ADAM, ["cuda:0", "cuda:1"] if g == "simulated" else g, data,
+                                      _pair_loss(where, scale, bf16), chunks=1, mode=mode, micro_batches=k),
+                          {name: v.cpu() for name, v in model.state_dict().items()})
+    assert out["host"][0] == out["device"][0]
+    assert all(torch.equal(v, out["device"][1][key]) for key, v in out["host"][1].items())
+
+
+@pytest.mark.parametrize("micro, update", [(1, "devices"), (2, "devices"), (1, "host")])
+def test_bad_counts_on_the_devices_reject_the_step_with_nothing_applied(micro, update):
+    """Counts on the devices are checked when the step reads its losses (before backward with
+    ``update="host"``, whose optimizer steps during backward): the same errors as for counts read
+    at once, nothing applied (the next steps train bitwise as if the bad ones never ran)."""
+    model = mlp((12, 16, 5))
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 12, generator=gen), torch.randint(0, 5, (8,), generator=gen)) for _ in range(2)]
+
+    def pair(m, b, f=lambda c: c):
+        return F.cross_entropy(m(b[0]), b[1], reduction="sum"), f((b[1] >= 0).sum())
+    ref = copy.deepcopy(model)
+    train_step2(ref, ADAM, 2, data, pair, micro_batches=micro, update=update)
+    with cgdp.Trainer(model, ADAM, devs(2), micro_batches=micro, update=update) as tr:
+        tr.step(data[0], pair)
+        for f, match in [(lambda c: c * 0, "counts sum to 0"), (lambda c: c - 100, "count of -"),
+                         (lambda c: c * float("nan"), "count of nan")]:
+            with pytest.raises(ValueError, match=match):
+                tr.step(data[1], lambda m, b: pair(m, b, f))
+        assert tr.step_count == 1
+        tr.step(data[1], pair)
+        assert_replicas_identical(tr)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_weights_rounded_once_on_the_device_equal_the_nearest():
+    """``rounded_once`` (rounding to odd through float32) against the nearest 16-bit value found
+    exactly (fractions) for random weights and ties; the host's weight (a float) the same."""
+    from bisect import bisect_left
+    from cgdp.engine.trainer.losses import rounded_once
+    g = torch.Generator().manual_seed(5)
+    scale = 2.0 ** torch.randint(-30, 8, (400,), generator=g)
+    w = torch.cat([torch.rand(400, generator=g, dtype=torch.float64) * scale,
+                   1.0 / torch.arange(1, 300, dtype=torch.float64),
+                   torch.tensor([1 + 2**-8, 1 + 2**-8 + 2**-30, 1 + 3 * 2**-8, 1 + 2**-11, 1 + 2**-11 + 2**-40,
+                                 2.0**-24 + 2.0**-26, 2.0**-25, 2.0**-133, 3 * 2.0**-134], dtype=torch.float64)])
+    for dtype in (torch.bfloat16, torch.float16):
+        top = 0x7F80 if dtype == torch.bfloat16 else 0x7C00
+        values = torch.arange(0, top, dtype=torch.int32).to(torch.int16).view(dtype).double().tolist()
+        got = rounded_once(w, dtype).double().tolist()
+        for x, y in zip(w.tolist(), got):
+            i = min(bisect_left(values, x), len(values) - 1)
+            near = [(abs(Fraction(values[b]) - Fraction(x)), b & 1, values[b]) for b in (i - 1, i) if b >= 0]
+            assert y == min(near)[2], (x, y, min(near))
+            assert backward_weight(x, dtype, torch.device("cpu")).item() == y

@@ -32,10 +32,11 @@ def clip_coefficient(norm: float, max_norm: float | None) -> torch.Tensor | None
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
-def device_norm(flat: torch.Tensor) -> float:
-    """The 2-norm of one flat gradient buffer, accumulated in float64 (no host accumulator)."""
-    # note: CPU-GPU sync point
-    return float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+def device_norm(flat: torch.Tensor, read: bool = True) -> float | torch.Tensor:
+    """The 2-norm of one flat gradient buffer, accumulated in float64 (no host accumulator);
+    ``read=False``: the float64 scalar on the buffer's device, for the caller to read with others."""
+    norm = torch.linalg.vector_norm(flat, dtype=torch.float64)
+    return float(norm) if read else norm  # note: CPU-GPU sync point where read
 
 
 def scale_gradients(flat: torch.Tensor, coef: torch.Tensor) -> None:

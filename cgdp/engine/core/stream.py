@@ -310,17 +310,17 @@ class GradientStream:
         if self.host is not None:
             self.host.want_sumsq = bool(on)
 
-    def grad_norm(self) -> float:
+    def grad_norm(self, read: bool = True) -> float | torch.Tensor:
         """The total 2-norm of this step's averaged gradient (over every rank, when the host
         sums across ranks), once the gradients are back (after :meth:`wait_returned` on every
         device). With a host accumulator (``want_norm`` set before the step) it was computed while
         summing, with no extra pass over the gradient; otherwise from device 0's flat buffer,
-        which then holds the averaged gradient."""
+        which then holds the averaged gradient (``read=False``: left there, a float64 scalar)."""
         if self.host is not None:
             if not self.host.want_sumsq:
                 raise RuntimeError("set stream.want_norm = True before the step to get its gradient norm")
             return math.sqrt(self.host.sum_of_squares())
-        return device_norm(self.flats[0])
+        return device_norm(self.flats[0], read)
 
     def scale_grads(self, coef: torch.Tensor, j: int | None = None) -> None:
         """Multiply device j's gradients (every device's if ``j`` is None) by ``coef``, e.g. the

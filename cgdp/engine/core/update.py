@@ -27,8 +27,9 @@ What a third strategy (the host-side optimizer, ``update="host"``) must provide:
 * :meth:`~Update.begin_step`: before each step's first forward (the host update refreshes its
   masters there and readies its per-chunk updates);
 * :meth:`~Update.reduce`: after backward, on the caller's thread, the gradient the update reads
-  in place; its NaN/Inf count on this rank (the engine agrees on it across ranks and rejects the
-  step before :meth:`~Update.step` if it is not zero);
+  in place; its NaN/Inf count on this rank, a float or a device's scalar (read with the step's
+  losses, in its one host read; the engine agrees on it across ranks and rejects the step before
+  :meth:`~Update.step` if it is not zero);
 * :meth:`~Update.step`: scale that gradient by the clipping coefficient, apply the update, and
   leave every replica's parameters bitwise identical to replica 0's; per device, the stamps
   (``Device.stamp``) around its update, None where it ran none (``Trainer.stats``, traces);
@@ -88,8 +89,9 @@ class Update(ABC):
         return views
 
     @abstractmethod
-    def reduce(self, stream: GradientStream) -> float:
-        """After backward: the gradient the update reads in place; its NaN/Inf count."""
+    def reduce(self, stream: GradientStream) -> float | torch.Tensor:
+        """After backward: the gradient the update reads in place; its NaN/Inf count (a device's
+        scalar is read with the step's losses)."""
 
     @abstractmethod
     def step(self, coef: torch.Tensor | None, stream: GradientStream,
@@ -134,7 +136,7 @@ class Typical(Update):
     def hook_views(self, views: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         return views[:1]  # replica 0's update is broadcast
 
-    def reduce(self, stream: GradientStream) -> float:
+    def reduce(self, stream: GradientStream) -> torch.Tensor:
         return gather_on_first(self.devs, stream.flats)
 
     def step(self, coef: torch.Tensor | None, stream: GradientStream,
@@ -148,21 +150,22 @@ class Typical(Update):
         return [(u0, dev.stamp())] + [None] * (len(self.devs) - 1)
 
 
-def gather_on_first(devs: Sequence[Device], flats: list[torch.Tensor]) -> float:
-    """Device 0's flat buffer ← the sum of every device's, in device order; the NaN/Inf count.
+def gather_on_first(devs: Sequence[Device], flats: list[torch.Tensor]) -> torch.Tensor:
+    """Device 0's flat buffer ← the sum of every device's, in device order; the NaN/Inf count, on
+    device 0 (no host wait: the step reads it with its losses, before the update).
     16-bit gradients are summed in float32 and rounded once, as the host does. On GPUs, float32
     and float64 buffers are reduced with one collective (:func:`~cgdp.engine.backend.cuda.reduce_to_first`)."""
     first = flats[0]
     if devs[0].is_cuda and sum_dtype(first.dtype) == first.dtype:
         from cgdp.engine.backend.cuda import reduce_to_first
         reduce_to_first(devs, flats)
-        return float((~torch.isfinite(first)).sum())  # note: CPU-GPU sync point
+        return (~torch.isfinite(first)).sum()
     total = first.to(sum_dtype(first.dtype))  # first itself for float32/float64
     for flat in flats[1:]:
         total.add_(flat.to(first.device, non_blocking=True))
     if total is not first:
         first.copy_(total)
-    return float((~torch.isfinite(first)).sum())  # note: CPU-GPU sync point
+    return (~torch.isfinite(first)).sum()
 
 
 def broadcast_parameters(devs: Sequence[Device], params: list[list[nn.Parameter]]) -> None:

@@ -6,7 +6,10 @@ averaged gradient. This module holds what the trainer does to all of them alike:
 * :func:`check_hyperparameters`: before each update, every optimizer's param-group values (not its
   state) must equal optimizer 0's. A change made on one replica only (``optimizers[0]``'s
   ``lr``, a scheduler built for one optimizer) is an error, never a silent drift. The check reads
-  a few dozen Python values per step.
+  a few dozen Python values per step. A tensor value on a device (``lr=torch.tensor(...,
+  device=...)``, as ``capturable`` optimizers take it) is compared there, without a host wait:
+  the count of differing elements is read with the step's losses, in its one host read, and a
+  difference rejects the step then, after backward and before the update (:func:`verdict`).
 * :func:`agree_on_step` (MPI): the step's one small allreduce after backward, which also carries
   a digest of the hyperparameters, so that every rank rejects the same step when they differ.
 * :class:`Schedulers`: one learning-rate scheduler per optimizer, from the user's factory,
@@ -35,11 +38,23 @@ class HyperparameterMismatchError(ValueError):
     """The optimizers' param groups differ between replicas; the update was not applied."""
 
 
-def _same(a: Any, b: Any) -> bool:
+_HOST = torch.device("cpu")
+
+
+def _same(a: Any, b: Any, differ: list[torch.Tensor] | None = None) -> bool:
+    """``a == b``; two tensors of the same shape of which one is on a device are compared there
+    when ``differ`` is a list: the count of differing elements (a device scalar) is appended to
+    it, to be read later, and the answer is True for now."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
-        return a.shape == b.shape and torch.equal(a.detach().cpu(), b.detach().cpu())
+        if a.shape != b.shape:
+            return False
+        if differ is not None and _HOST not in (a.device, b.device):
+            with torch.no_grad():  # device to device: no host wait (NaN differs, as in torch.equal)
+                differ.append((a.detach() != b.detach().to(a.device, non_blocking=True)).sum())
+            return True
+        return torch.equal(a.detach().cpu(), b.detach().cpu())
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     return type(a) is type(b) and a == b
@@ -62,12 +77,16 @@ def _plain_values(opt: torch.optim.Optimizer) -> list[tuple] | None:
     return out
 
 
-def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer],
+                          on_devices: bool = False) -> torch.Tensor | None:
     """Raise :class:`HyperparameterMismatchError` if any optimizer's param-group values (every key
-    but ``params``) differ from optimizer 0's."""
+    but ``params``) differ from optimizer 0's. ``on_devices``: tensor values on a device are
+    compared there; returns how many of their elements differ, a scalar on the first such
+    device, for :func:`verdict` (None if there were none)."""
     fast = _plain_values(optimizers[0])
     if fast is not None and all(_plain_values(o) == fast for o in optimizers[1:]):
-        return  # every value a plain number, string or tuple, and all equal (the per-step case)
+        return None  # every value a plain number, string or tuple, and all equal (the per-step case)
+    differ: list[torch.Tensor] | None = [] if on_devices else None
     first = optimizers[0].param_groups
     for j, opt in enumerate(optimizers[1:], start=1):
         groups = opt.param_groups
@@ -78,13 +97,29 @@ def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer]) -> None:
         for g, (a, b) in enumerate(zip(first, groups)):
             keys = (set(a) | set(b)) - {"params"}
             for key in sorted(keys):
-                if key not in a or key not in b or not _same(a[key], b[key]):
+                if key not in a or key not in b or not _same(a[key], b[key], differ):
                     raise HyperparameterMismatchError(
                         f"trainer.optimizers[{j}].param_groups[{g}][{key!r}] is {b.get(key)!r} but "
                         f"optimizers[0] has {a.get(key)!r}: the replicas would drift apart, so the "
                         f"update was not applied. Change a hyperparameter on every optimizer "
                         f"(for opt in trainer.optimizers: opt.param_groups[{g}][{key!r}] = ...), or "
                         f"pass Trainer(..., scheduler=lambda opt: ...) to schedule it")
+    if not differ:
+        return None
+    total = differ[0]
+    for d in differ[1:]:
+        total = total + d.to(total.device, non_blocking=True)  # device to device
+    return total
+
+
+def verdict(differ: float, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """After the step's read: ``differ`` elements of tensor hyperparameters on the devices differ
+    between the replicas; compare them again on the host (reads, on this failure only) for the
+    message, and reject the step."""
+    if differ:
+        check_hyperparameters(optimizers)
+        raise HyperparameterMismatchError("the optimizers' tensor hyperparameters differ between the replicas; "
+                                          "the update was not applied")
 
 
 def hyperparameter_digest(optimizers: Sequence[torch.optim.Optimizer]) -> list[float]:

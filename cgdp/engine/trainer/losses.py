@@ -16,12 +16,19 @@ whatever the split. A pair gets w_j = 1 / C with C = Σ count over all devices a
 Σ_j loss_sum_j / C is the mean over the global batch's items, exactly the loss one device computes
 on the whole batch (a padded language-model loss is a mean over tokens, not samples: weighting it
 by samples is exact only when every part has as many tokens per sample as the global batch).
-The counts are known only after every forward; with MPI, one small allreduce sums them (and checks
-that every rank returned the same form).
+The counts are known only after every forward. A count returned as a tensor stays where it is:
+C is summed on the first device in float64 (in the order Python's ``sum`` adds, so the same value
+as on the host), 1 / C is made there (:class:`DeviceWeight`), copied to every device (device to
+device) and each backward starts from it, rounded there: the host does not wait for any count
+before backward. The counts and C are read with the step's losses, in its one host read
+(:func:`cgdp.engine.trainer.passes.loss_values`), and checked then: a negative or non-finite
+count, or a total of 0, rejects the step after backward, before the update. With MPI, one small
+allreduce sums them (and checks that every rank returned the same form): it is on the host, so
+each rank reads its counts first, gathered on its first device, in one read.
 
 The backward weight (:func:`backward_weight`) is computed in float64 and rounded once to the
-loss's dtype: autograd needs a gradient of the loss's own dtype, and torch converts a Python float
-to bfloat16/float16 through float32, which can round twice.
+loss's dtype: autograd needs a gradient of the loss's own dtype, and torch converts float64 to
+bfloat16/float16 through float32, which can round twice (:func:`rounded_once`).
 
 Autocast (:func:`cgdp.engine.core.threads.caller_context`): autocast state is thread-local, and forwards run on cgdp's
 device threads; the caller's state for the devices' type is captured in ``step`` and entered again
@@ -31,7 +38,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from fractions import Fraction
 from functools import partial
 from typing import Any, Callable, Sequence
 
@@ -47,8 +53,9 @@ from cgdp.engine.trainer.batch import split_batch, split_nested, to_device
 class DeviceLoss:
     loss: torch.Tensor
     """The scalar backward starts from (a mean over samples, or the pair's ``loss_sum``)."""
-    count: float | None
-    """The pair's count; None for a mean over the part's samples."""
+    count: float | torch.Tensor | None
+    """The pair's count; None for a mean over the part's samples. A tensor on the device stays
+    there (a float64 scalar), checked when the step's losses are read."""
 
 
 @dataclass
@@ -121,7 +128,7 @@ def _model_loss(loss_fn: Callable, model: nn.Module, part: Any, device: torch.de
             raise TypeError(f"loss_fn returned a pair; its first element must be a scalar tensor, the "
                             f"sum of the loss over the part's items, got {_kind(loss_sum)}")
         _check_trainable(loss_sum, "the pair's loss_sum")
-        return DeviceLoss(loss_sum, _count(count))
+        return DeviceLoss(loss_sum, _count(count, loss_sum.device))
     if not isinstance(result, torch.Tensor) or result.dim() != 0:
         raise TypeError(f"loss_fn(model, batch) must return a scalar loss tensor (the mean over the "
                         f"part's samples) or a pair (loss_sum, count), got {_kind(result)}; for a "
@@ -136,9 +143,14 @@ def _check_trainable(loss: torch.Tensor, what: str) -> None:
                          f"check that loss_fn uses the model's output")
 
 
-def _count(count: Any) -> float:
+def _count(count: Any, device: torch.device) -> float | torch.Tensor:
+    """The count as a float64 scalar where it is (a device's tensor: no host wait; checked with
+    the losses, :func:`check_counts`), or as a float, checked now (a number, a host tensor)."""
     if isinstance(count, torch.Tensor) and count.numel() == 1 and count.dtype != torch.bool:
-        value = float(count.detach())  # note: CPU-GPU sync point; the weights need every count
+        if count.device == _HOST != device:
+            value = float(count.detach())  # host memory: no wait
+        else:
+            return count.detach().reshape(()).to(torch.float64)
     elif isinstance(count, (int, float, np.integer, np.floating)) and not isinstance(count, bool):
         value = float(count)
     elif isinstance(count, torch.Tensor) and count.dtype == torch.bool:
@@ -147,9 +159,64 @@ def _count(count: Any) -> float:
     else:
         raise TypeError(f"loss_fn returned a pair; its second element must be the number of items "
                         f"summed (an int or a one-element tensor), got {_kind(count)}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"loss_fn returned a count of {value}; it must be a finite number >= 0")
+    check_counts([value])
     return value
+
+
+_HOST = torch.device("cpu")
+
+
+def check_counts(counts: Sequence[float], total: float | None = None) -> None:
+    """Every count a finite number >= 0, and their ``total`` (if given) > 0."""
+    for value in counts:
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"loss_fn returned a count of {value}; it must be a finite number >= 0")
+    if total is not None and not total > 0:
+        raise ValueError("loss_fn's counts sum to 0 over the global batch: there is nothing to average "
+                         "(every item masked out?)")
+
+
+def _total(counts: Sequence[float | torch.Tensor], device: torch.device) -> float | torch.Tensor:
+    """``sum(counts)`` in Python's order, in float64: on ``device`` if a count is a tensor (copied
+    there device to device), so that the total is the one the host would compute."""
+    total: float | torch.Tensor = 0
+    for c in counts:
+        if isinstance(c, torch.Tensor):
+            c = c.to(device, non_blocking=True)  # device to device, or the device's own: no host wait
+        total = total + c
+    return total
+
+
+def read_at_once(values: Sequence[float | torch.Tensor], device: torch.device) -> list[float]:
+    """``values`` as floats; the tensors among them gathered on ``device`` as float64 (which holds
+    a loss, a count or a NaN/Inf count exactly) and read in one host wait."""
+    at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    out = [v if isinstance(v, torch.Tensor) else float(v) for v in values]
+    if at:
+        with torch.no_grad():
+            gathered = torch.stack([values[i].detach().reshape(()).to(device, torch.float64, non_blocking=True)
+                                    for i in at])
+        for i, v in zip(at, gathered.tolist()):  # note: CPU-GPU sync point, one for all of them
+            out[i] = v
+    return out
+
+
+@dataclass
+class DeviceWeight:
+    """The weight 1 / C of a step's ``(loss_sum, count)`` losses while the counts are on the
+    devices: nothing is read before backward; the step's one read takes ``total`` and ``counts``
+    along with the losses and checks them (:meth:`value`)."""
+    total: torch.Tensor
+    """C, float64, on the first device."""
+    counts: list[float | torch.Tensor]
+    """Every count of the step (each device's, each micro-batch's)."""
+    per_device: list[torch.Tensor]
+    """1 / C (float64) on each device, for its backward and its held micro-batches' rescale."""
+
+    def value(self, read: Sequence[float]) -> float:
+        """1 / C from ``read``: ``[total, *counts]`` as read; raises if a count is bad."""
+        check_counts(read[1:], read[0])
+        return 1.0 / read[0]
 
 
 def _kind(value: Any) -> str:
@@ -159,26 +226,42 @@ def _kind(value: Any) -> str:
 
 
 def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], comm: Comm | None,
-                 nested: bool, held: "HeldMicroBatches | None" = None) -> list[float]:
+                 nested: bool, held: "HeldMicroBatches | None" = None,
+                 read: bool = False) -> list[float | DeviceWeight]:
     """Each device's backward weight, once every forward is done (see the module docstring);
-    ``held``: the step's earlier micro-batches, whose counts add to the total."""
-    pairs = sum(r.count is not None for r in results)
-    vec = np.array([sum(r.count or 0.0 for r in results), pairs, len(results)], np.float64)
+    ``held``: the step's earlier micro-batches, whose counts add to the total. A
+    :class:`DeviceWeight` where the counts are on the devices, unless they must be read before
+    backward: with MPI, or ``read`` (``update="host"``, whose optimizer steps during backward,
+    so that a bad count found after it would leave that optimizer's state advanced)."""
+    first = results[0].loss.device
+    counts = [r.count for r in results if r.count is not None]
+    count = _total(counts, first)
+    vec = np.array([0.0, len(counts), len(results)], np.float64)
     if held is not None:
-        vec += (held.count, held.pairs, held.results)
-    if comm is not None and nested:  # every rank passes here: the sum is over all of them
+        vec += (0.0, held.pairs, held.results)
+        count, counts = _total([count, held.count], first), held.counts + counts
+    mpi = comm is not None and nested
+    if isinstance(count, torch.Tensor) and (mpi or read):  # read this rank's counts, in one wait
+        values = read_at_once([count, *counts], first)
+        check_counts(values[1:])
+        count = values[0]
+    if mpi:  # every rank passes here: the sum is over all of them
+        vec[0] = count
         vec = comm.allreduce_small(vec)
-    count, pairs, devices = float(vec[0]), int(vec[1]), int(vec[2])
+        count = float(vec[0])
+    pairs, devices = int(vec[1]), int(vec[2])
     if pairs == 0:
         return sample_weights
     if pairs != devices:
         where = "devices and micro-batches" if held is not None and held.results else "devices"
         raise TypeError(f"loss_fn returned (loss_sum, count) on {pairs} of {devices} {where} and a scalar "
                         f"on the others; return the same form on every device")
-    if count <= 0:
-        raise ValueError("loss_fn's counts sum to 0 over the global batch: there is nothing to average "
-                         "(every item masked out?)")
-    return [1.0 / count] * len(results)
+    if not isinstance(count, torch.Tensor):
+        check_counts([], count)
+        return [1.0 / count] * len(results)
+    w = count.reciprocal()  # 1 / C in float64, correctly rounded, as on the host
+    per_device = [w.to(r.loss.device, non_blocking=True) for r in results]  # device to device
+    return [DeviceWeight(count, counts, per_device)] * len(results)
 
 
 @dataclass
@@ -193,24 +276,29 @@ class HeldMicroBatches:
     a scale of the right order, so that 16-bit gradients neither overflow nor underflow) and,
     once C is known, multiplies what it holds by guess_j / C before the last backward (one pass
     over its flat buffer, on the device). The result is sum_i grad(loss_sum_i) / C, the token mean
-    of the whole batch, to two roundings; the host sees only the k-th backward, as before.
+    of the whole batch, to two roundings; the host sees only the k-th backward, as before. Where
+    the counts are tensors on the devices, guess_j, 1 / guess_j and guess_j / C are made there
+    (float64, the values the host would compute), and the counts are read with the step's losses.
     """
     devices: int
     k: int
     values: list[float] = field(default_factory=list)
     """Each earlier micro-batch's loss value, per device (round by round)."""
-    used: list[float] = field(default_factory=list)
+    used: list[float | torch.Tensor] = field(default_factory=list)
     """The weight each of those backwards ran with (mean losses: final)."""
-    count: float = 0.0
-    """This rank's summed counts of the earlier micro-batches (pairs)."""
+    count: float | torch.Tensor = 0.0
+    """This rank's summed counts of the earlier micro-batches (pairs); on the first device if
+    one of them is a tensor."""
+    counts: list[float | torch.Tensor] = field(default_factory=list)
+    """Each of those counts (checked when read)."""
     pairs: int = 0
     """How many of the earlier micro-batches' losses were pairs."""
     results: int = 0
     """How many earlier losses there were (devices x rounds)."""
-    guess: list[float] | None = None
+    guess: list[float | torch.Tensor] | None = None
     seconds: float = 0.0
 
-    def weights(self, results: Sequence[DeviceLoss], sample_weights: list[float]) -> list[float]:
+    def weights(self, results: Sequence[DeviceLoss], sample_weights: list[float]) -> list[float | torch.Tensor]:
         """The weights one earlier round's backwards run with."""
         pairs = sum(r.count is not None for r in results)
         self.pairs += pairs
@@ -221,34 +309,62 @@ class HeldMicroBatches:
         if not pairs:
             self.used += sample_weights
             return sample_weights
-        if self.guess is None:
-            self.guess = [max(r.count, 1.0) * self.k for r in results]
-        self.count += sum(r.count for r in results)
-        w = [1.0 / guess for guess in self.guess]
+        counts = [r.count for r in results]
+        if self.guess is None:  # max(count, 1) * k, on the count's device if it is there
+            self.guess = [c.clamp(min=1.0) * self.k if isinstance(c, torch.Tensor) else max(c, 1.0) * self.k
+                          for c in counts]
+        first = results[0].loss.device
+        self.count = _total([self.count, _total(counts, first)], first)
+        self.counts += counts
+        w = [g.reciprocal() if isinstance(g, torch.Tensor) else 1.0 / g for g in self.guess]
         self.used += w
         return w
 
-    def rescale(self, final: float) -> list[torch.Tensor | None]:
-        """Per device, the factor its held gradients take once the final weight 1 / C is known."""
+    def rescale(self, final: float | DeviceWeight) -> list[torch.Tensor | None]:
+        """Per device, the factor its held gradients take once the final weight 1 / C is known
+        (float64; on the device where a count or C is)."""
         if self.guess is None:
             return [None] * self.devices
-        return [torch.tensor(guess * final, dtype=torch.float64) for guess in self.guess]
+        if isinstance(final, DeviceWeight):
+            return [guess * w for guess, w in zip(self.guess, final.per_device)]
+        return [guess * final if isinstance(guess, torch.Tensor) else torch.tensor(guess * final, dtype=torch.float64)
+                for guess in self.guess]
 
-    def final_weights(self, final: float) -> list[float]:
+    def final_weights(self, final: float | DeviceWeight) -> list[float | DeviceWeight]:
         """The weight of each earlier loss value in the step's loss."""
         return [final] * len(self.values) if self.guess is not None else self.used
 
 
-def backward_weight(w: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``w`` as a scalar of the loss's dtype, rounded once to nearest (ties to even)."""
-    value = w
-    if dtype in (torch.bfloat16, torch.float16) and w > 0:
-        # torch rounds a float to float32 first, then to 16 bits: a second rounding; pick the
-        # nearest of that result and its two neighbours (w > 0: adjacent bit patterns are
-        # adjacent values), exactly, ties to the even pattern
-        bits = int(torch.tensor(w, dtype=torch.float64).to(dtype).view(torch.int16))
-        near = [(v, b) for b in (bits - 1, bits, bits + 1)
-                if math.isfinite(v := float(torch.tensor(b, dtype=torch.int16).view(dtype)))]
-        value = min(near, key=lambda vb: (abs(Fraction(vb[0]) - Fraction(w)), vb[1] & 1))[0]
+def backward_weight(w: float | torch.Tensor | DeviceWeight, dtype: torch.dtype, device: torch.device,
+                    j: int = 0) -> torch.Tensor:
+    """``w`` as a scalar of the loss's dtype on ``device``, rounded once to nearest (ties to even);
+    a float64 tensor ``w`` on ``device`` (device ``j``'s weight for a :class:`DeviceWeight`) is
+    rounded there, with no host wait."""
+    if isinstance(w, DeviceWeight):
+        w = w.per_device[j]
+    if isinstance(w, torch.Tensor):
+        return rounded_once(w, dtype)
+    if dtype in _SIXTEEN:  # on the host (host tensors: no wait)
+        w = rounded_once(torch.tensor(w, dtype=torch.float64), dtype).item()
     # exact: the value is representable in dtype, so torch.full's conversion does not round it
-    return torch.full((), value, dtype=dtype, device=device)
+    return torch.full((), w, dtype=dtype, device=device)
+
+
+_SIXTEEN = (torch.bfloat16, torch.float16)
+
+
+def rounded_once(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float64 scalar ``w`` rounded once to ``dtype`` (nearest, ties to even), where it is.
+
+    torch converts float64 to bfloat16/float16 through float32: two roundings, which can differ
+    from one (1 + 2**-8 + 2**-30 goes to 1 + 2**-8, then to 1 by ties to even; nearest is
+    1 + 2**-7). Rounding to float32 *to odd* instead (toward zero, then the last bit set if that
+    was inexact) keeps what the second rounding needs, since float32 has more than two bits more
+    than either 16-bit format: the rounding to 16 bits that follows is then the correct one."""
+    if dtype not in _SIXTEEN:
+        return w.to(dtype)  # one rounding (or none)
+    f = w.to(torch.float32)
+    away = f.to(torch.float64).abs() > w.abs()  # rounded away from zero: one step back toward it
+    bits = f.view(torch.int32) - away.to(torch.int32)  # (sign and magnitude: -1 shrinks the magnitude)
+    inexact = bits.view(torch.float32).to(torch.float64) != w
+    return (bits | inexact.to(torch.int32)).view(torch.float32).to(dtype)

@@ -20,6 +20,7 @@ into ``Trainer.stats`` and traces (:mod:`cgdp.engine.trainer.timing`).
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -31,7 +32,7 @@ from cgdp.engine.core.buffers import copy_from_first
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.sync import Guard
-from cgdp.engine.trainer.losses import DeviceLoss, HeldMicroBatches, backward_weight
+from cgdp.engine.trainer.losses import DeviceLoss, DeviceWeight, HeldMicroBatches, backward_weight, read_at_once
 from cgdp.engine.trainer.timing import Timing
 
 Forward = tuple[DeviceLoss, Any, Any]
@@ -110,18 +111,18 @@ class DevicePasses:
         held.seconds = time.perf_counter() - t0
         return held
 
-    def _held_backward_on(self, j: int, loss: torch.Tensor, w: float) -> float:
+    def _held_backward_on(self, j: int, loss: torch.Tensor, w: float | torch.Tensor) -> torch.Tensor:
         with self.stream.holding(j), self.threads.computing(loss.device.type == "cpu"):  # as in _backward_on
             torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
         return loss.detach()  # read with the step's other losses (loss_values): one host wait
 
-    def backward_all(self, losses: list[torch.Tensor | None], weights: list[float],
+    def backward_all(self, losses: list[torch.Tensor | None], weights: list[float | DeviceWeight],
                      rescale: list[torch.Tensor | None]) -> list[Backward]:
         """Backward of ``losses[j]`` with weight ``weights[j]`` on every device, until its gradients
         are back. ``rescale[j]``: the factor the held micro-batches' gradients take first."""
         return self.threads.run_all(lambda j: self._backward_on(j, losses, weights[j], rescale[j]), turns=True)
 
-    def _backward_on(self, j: int, losses: list[torch.Tensor | None], w: float,
+    def _backward_on(self, j: int, losses: list[torch.Tensor | None], w: float | DeviceWeight,
                      rescale: torch.Tensor | None = None) -> Backward:
         """``losses[j]`` is taken out (its graph is freed here)."""
         dev, loss, losses[j] = self.devs[j], losses[j], None
@@ -134,7 +135,7 @@ class DevicePasses:
         busy = j < self.used
         with self.threads.computing(busy and loss.device.type == "cpu"):
             if busy:
-                torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device))
+                torch.autograd.backward(loss, grad_tensors=backward_weight(w, loss.dtype, loss.device, j))
         if self.timing.events is not None:
             dev.backward_issued()
         self.stream.flush(j)
@@ -144,11 +145,20 @@ class DevicePasses:
         return value, b0, b1, dev.stamp()
 
 
-def loss_values(losses: Sequence[Any], device: torch.device) -> list[float]:
-    """The values of every device's (and micro-batch's) loss, read in one host wait: gathered on
-    ``device`` (the first device) as float64, which holds each exactly, then read at once."""
-    if not any(isinstance(v, torch.Tensor) for v in losses):
-        return [float(v) for v in losses]
-    with torch.no_grad():
-        gathered = torch.stack([v.reshape(()).to(device, torch.float64, non_blocking=True) for v in losses])
-    return gathered.tolist()  # note: the step's one host read of the device
+def loss_values(losses: Sequence[Any], weights: Sequence[float | DeviceWeight],
+                flags: Sequence[float | torch.Tensor | None], device: torch.device) -> tuple[float, list[float]]:
+    """The step's loss, Σ w·loss over every device's (and micro-batch's) loss, and ``flags`` as
+    floats (None: 0), from one host read: every loss, the counts and their total where they are on
+    the devices (:class:`DeviceWeight`, checked here: a bad count rejects the step), and the flags
+    that are devices' scalars (``mode="typical"``'s NaN/Inf count, how many elements of tensor
+    hyperparameters differ), gathered on ``device`` (the first device) as float64, which holds
+    each exactly, then read at once."""
+    dw = next((w for w in weights if isinstance(w, DeviceWeight)), None)
+    counts = [dw.total, *dw.counts] if dw is not None else []
+    flags = [0.0 if f is None else f for f in flags]
+    read = read_at_once([*losses, *counts, *flags], device)  # the step's one host read
+    n = len(losses)
+    if dw is not None:
+        final = dw.value(read[n:n + len(counts)])
+        weights = [final if isinstance(w, DeviceWeight) else w for w in weights]
+    return math.fsum(w * v for w, v in zip(weights, read[:n])), read[len(read) - len(flags):]

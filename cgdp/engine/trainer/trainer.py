@@ -38,7 +38,6 @@ them on the device.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -65,7 +64,7 @@ from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.sync import Guard
 from cgdp.engine.trainer.batch import micro_rounds
 from cgdp.engine.trainer.hyperparameters import (HyperparameterMismatchError, Schedulers, agree_on_step,
-                                                 check_hyperparameters)
+                                                 check_hyperparameters, verdict)
 from cgdp.engine.trainer.losses import loss_weights, parse_step
 from cgdp.engine.core.padding import OwnLossCheck, labels_of
 from cgdp.engine.trainer.options import check_arguments, make_update, refusal, stopped
@@ -286,7 +285,7 @@ class Trainer:
             fw = self._passes.forward_all(parts, call.compute, amp, restore)                 # 2. forward
             losses = [f[0].loss for f in fw]
             phase = "backward"  # with MPI the weights are a collective: ranks agree from here on
-            weights = loss_weights([f[0] for f in fw], weights, self._comm, call.nested, held)
+            weights = loss_weights([f[0] for f in fw], weights, self._comm, call.nested, held, self._host_update)
             if call.nested and fw[0][0].count is None:  # a mean per sample: under uneven padding, said once
                 self._own_loss.check([labels_of(p) for p in call.parts])
             # (loss_sum, count) micro-batches: the held gradients were summed with weight
@@ -384,8 +383,8 @@ class Trainer:
     def _prepare(self, call: Any) -> tuple[list, int, Any]:
         """Before anything runs: the checks, each device's share of the batch and micro-batch
         rounds, and the caller's autocast; (rounds, global batch size, autocast)."""
-        if self._comm is None:  # before anything runs (with a comm: in the step's allreduce)
-            check_hyperparameters(self.optimizers)
+        # before anything runs (with a comm: in the step's allreduce); on the devices: read with the losses
+        self._differ = check_hyperparameters(self.optimizers, on_devices=True) if self._comm is None else None
         for d in self._devs:
             d.check_caller()
         self._weights, total = batch_weights(call.sizes, self._comm)
@@ -405,13 +404,13 @@ class Trainer:
             self._param_hooks.take()
         self._update.begin_step(bool(self._param_hooks.held))
 
-    def _finish_backward(self, losses: list[float], weights: list[float]) -> float:
+    def _finish_backward(self, losses: list[Any], weights: list[Any]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""
         touched = self._stream.touched()
-        losses = loss_values(losses, self._devs[0].torch_device)
-        loss = math.fsum(w * l for w, l in zip(weights, losses))
-        bad = self._update.reduce(self._stream)  # the gradient the update reads, in place
-        self._grad_norm = self._stream.grad_norm() if self._max_norm is not None else 0.0
+        flags = [self._update.reduce(self._stream), self._differ]  # the gradient the update reads; its NaN/Inf
+        flags.append(self._stream.grad_norm(read=False) if self._max_norm is not None else 0.0)  # of that gradient
+        loss, (bad, differ, self._grad_norm) = loss_values(losses, weights, flags, self._devs[0].torch_device)
+        verdict(differ, self.optimizers)  # tensor hyperparameters on the devices, compared there
         if self._comm is not None:  # every rank takes the same values (rank 0's clipping norm)
             self._comm.fence(self._timeout_s)
             loss, bad, self._grad_norm, touched = agree_on_step(self._comm, loss, bad, self._grad_norm, touched,
