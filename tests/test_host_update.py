@@ -439,3 +439,53 @@ def test_close_stops_the_host_update_thread():
     assert any(t.name == "cgdp-host-update" for t in threading.enumerate())
     tr.close()  # tr still referenced: only close() can stop it
     assert not any(t.name == "cgdp-host-update" for t in threading.enumerate())
+
+
+class _WritesThenRaises(torch.optim.AdamW):
+    """An optimizer of the user's whose step raises once after it wrote parameters and state."""
+
+    fail = False
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        if self.fail:
+            self.fail = False
+            raise ValueError("the step fails once")
+        return out
+
+
+@pytest.mark.parametrize("how", ["pre_hook", "post_hook", "optimizer"])
+def test_a_step_raising_after_backward_changes_nothing_and_training_goes_on(how):
+    """The update runs after backward (a step hook; clipping). Its step raises once, before or
+    after it wrote the masters and the state: step() raises that error, no replica changed, and
+    the Trainer goes on: skipping that batch, or doing it again, trains as one device does."""
+    make = partial(_WritesThenRaises, lr=1e-2, weight_decay=0.1) if how == "optimizer" else OPTIMIZERS["adamw"]
+    model, data = mlp(), batches(4)
+    clip = dict(clip_grad_norm=1e9) if how == "optimizer" else {}  # after backward without a hook
+    for redo in (False, True):
+        kept = data if redo else [d for i, d in enumerate(data) if i != 1]
+        ref, _ = reference(model, partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), kept, F.cross_entropy)
+        with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=2, update="host", **clip) as tr:
+            opt, fail = tr.optimizers[0], [False]
+
+            def hook(*_):
+                if fail[0]:
+                    fail[0] = False
+                    raise ValueError("the step fails once")
+            if how != "optimizer":
+                getattr(opt, f"register_step_{how}")(hook)
+            for i, (x, y) in enumerate(data):
+                if i == 1:
+                    fail[0] = opt.fail = True
+                    before = [p.detach().clone() for p in tr.replicas[0].parameters()]
+                    with pytest.raises(ValueError, match="fails once"):
+                        tr.step(x, y, F.cross_entropy)
+                    assert tr.stats["host_update_overlapped"] == 0.0
+                    assert all(map(torch.equal, before, tr.replicas[0].parameters()))
+                    assert_replicas_identical(tr)
+                    if not redo:
+                        continue
+                tr.step(x, y, F.cross_entropy)
+            assert {int(s["step"]) for s in opt.state.values()} == {len(kept)}
+            assert_params_close(tr.replicas[0], ref)
+            assert_replicas_identical(tr)

@@ -7,10 +7,18 @@ device's failed step does (untouched). :class:`StateSnapshot` copies a chunk's o
 aside before its step (``torch._foreach_copy_`` into buffers kept from step to step: no allocation
 after the first step) and puts it back on failure. Runs on the host update thread (save) and on
 the caller's thread with nothing in flight (restore).
+
+The update after backward (:func:`step_or_undo`) is undone the same way when the optimizer's step
+raises: a step hook (a logger, an EMA) or an optimizer of the user's, once. No replica was written
+yet, so the masters retake the replicas' parameters, and the state goes back to what it was: the
+failed ``Trainer.step()`` changes nothing, as a step rejected for a NaN/Inf does.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 
 class StateSnapshot:
@@ -63,3 +71,33 @@ class StateSnapshot:
                     else:
                         s[k] = v.clone() if isinstance(v, torch.Tensor) else v
         self._saved = []
+
+
+def may_write_then_raise(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step()`` may raise after writing its state: a step post-hook (the optimizer's
+    own, or a user's global one), or a step that is not torch's own (a subclass outside
+    ``torch.optim``, an instance's ``step`` replaced). A pre-hook raises before anything is written."""
+    if opt._optimizer_step_post_hooks or "step" in vars(opt) or not type(opt).__module__.startswith("torch.optim"):
+        return True
+    return any(not getattr(h, "__module__", "").startswith("cgdp.")
+               for h in torch_optimizer._global_optimizer_post_hooks.values())
+
+
+def step_or_undo(opt: torch.optim.Optimizer, states: StateSnapshot, masters: list[torch.Tensor],
+                 refresh: Callable[[], None]) -> None:
+    """``opt.step()`` over ``masters``; if it raises, ``refresh()`` (the masters retake the
+    replicas' parameters) and ``opt``'s state as before, then the error. The state is copied
+    aside first only when the step may raise after writing it (:func:`may_write_then_raise`:
+    8 bytes per AdamW parameter read and written, on the caller's thread); torch's own step
+    without post-hooks raises before it writes (a pre-hook, its checks of the gradients)."""
+    keep = may_write_then_raise(opt)
+    states.clear()
+    if keep:
+        states.save(opt.state, masters)
+    try:
+        opt.step()
+    except BaseException:
+        refresh()
+        if keep:
+            states.restore(opt.state)
+        raise

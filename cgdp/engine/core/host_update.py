@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from cgdp.engine.backend.base import Device
-from cgdp.engine.core.host_state import StateSnapshot
+from cgdp.engine.core.host_state import StateSnapshot, step_or_undo
 from cgdp.engine.core.lifetime import Resources, weak_call
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
@@ -257,6 +257,8 @@ class HostUpdate(Update):
         self._with_backward = self._hooked = False  # this step's
         self._states = StateSnapshot()  # of the chunks stepped with backward, for a failure
         self._seconds = 0.0
+        self.undone = False
+        """The step raised after backward and was undone: no replica written, the state as before."""
 
     def attach(self, stream: GradientStream, clipping: bool, guard: Guard, resources: Resources) -> None:
         """Once the stream exists: read the host's sum row in place if it can, and then send no
@@ -298,7 +300,7 @@ class HostUpdate(Update):
                 m.refresh()
             self._open = False
         m.follow()
-        self._seconds = 0.0
+        self._seconds, self.undone = 0.0, False
         # the optimizer's step hooks (its own or torch's global ones) would run once per chunk and
         # see part of the parameters: with any, this step's update runs once, after backward
         self._hooked = has_step_hooks(self.optimizer)
@@ -419,7 +421,9 @@ class HostUpdate(Update):
                 grads = [g.grad for g in m.masters if g.grad is not None]
                 if grads:
                     torch._foreach_mul_(grads, coef.to(torch.float32).cpu())
-            self.optimizer.step()
+            self.undone = True  # until it returns: a failure changed nothing (the Trainer stays usable)
+            step_or_undo(self.optimizer, self._states, m.masters, m.refresh)
+            self.undone = False
             self._seconds = time.perf_counter() - t0
         self._open = False
         self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped),

@@ -479,7 +479,7 @@ class Trainer:
             return
         self._guard.fail(exc)
         self._life.broken = drain_after_failure(self._devs, self._stream.host)
-        if phase == "update":
+        if phase == "update" and not getattr(self._update, "undone", False):  # update="host" undoes its own
             self._life.broken = f"a failure during the update may have left replicas different ({exc!r})"
         if self._comm is not None and phase != "forward":
             self._life.broken = f"a failure in a step with MPI peers leaves them out of step ({exc!r})"
