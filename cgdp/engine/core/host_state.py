@@ -15,7 +15,7 @@ failed ``Trainer.step()`` changes nothing, as a step rejected for a NaN/Inf does
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -83,21 +83,24 @@ def may_write_then_raise(opt: torch.optim.Optimizer) -> bool:
                for h in torch_optimizer._global_optimizer_post_hooks.values())
 
 
-def step_or_undo(opt: torch.optim.Optimizer, states: StateSnapshot, masters: list[torch.Tensor],
-                 refresh: Callable[[], None]) -> None:
-    """``opt.step()`` over ``masters``; if it raises, ``refresh()`` (the masters retake the
-    replicas' parameters) and ``opt``'s state as before, then the error. The state is copied
-    aside first only when the step may raise after writing it (:func:`may_write_then_raise`:
-    8 bytes per AdamW parameter read and written, on the caller's thread); torch's own step
-    without post-hooks raises before it writes (a pre-hook, its checks of the gradients)."""
+def step_or_undo(opt: torch.optim.Optimizer, states: StateSnapshot, masters: Any) -> None:
+    """``opt.step()`` over ``masters`` (a :class:`~cgdp.engine.core.host_update.HostMasters`);
+    if it raises, the masters and ``opt``'s state as before, then the error. Both are copied
+    aside first only when the step may raise after writing them (:func:`may_write_then_raise`:
+    the state, 8 bytes per AdamW parameter read and written, on the caller's thread; the masters
+    retake the replicas' parameters, or with a bf16 wire, which rounds them, a copy of them);
+    torch's own step without post-hooks raises before it writes (a pre-hook, its checks of the
+    gradients) and costs nothing."""
     keep = may_write_then_raise(opt)
     states.clear()
     if keep:
-        states.save(opt.state, masters)
+        states.save(opt.state, masters.masters)
+        if masters.wire is not None:
+            masters.wire.save()
     try:
         opt.step()
     except BaseException:
-        refresh()
         if keep:
+            masters.wire.restore() if masters.wire is not None else masters.refresh()
             states.restore(opt.state)
         raise

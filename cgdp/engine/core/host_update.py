@@ -43,6 +43,7 @@ from torch import nn
 
 from cgdp.engine.backend.base import Device
 from cgdp.engine.core.host_state import StateSnapshot, step_or_undo
+from cgdp.engine.core.host_wire import Bf16Wire, masters_in_state_dict
 from cgdp.engine.core.lifetime import Resources, weak_call
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
@@ -81,6 +82,8 @@ class HostMasters:
         """Host gradients when the accumulator's sum row cannot be read in place (allocated once)."""
         self._attached: tuple | None = None
         self._selected: tuple = (None,)
+        self.wire: Any = None
+        """With ``grad_transfer="bf16"``: the :class:`~cgdp.engine.core.host_wire.Bf16Wire` back."""
         self._viewed: list[nn.Parameter] = []
         self.refresh()
 
@@ -99,16 +102,25 @@ class HostMasters:
             torch._foreach_copy_(self.masters, [p.detach() for p in self.params[0]])
         self._versions = list(map(_VERSION, self.params[0]))
 
-    def follow(self) -> None:
+    def follow(self, round_replicas: bool = False) -> None:
         """The masters of the parameters anything but the engine wrote since (a load, a user's
-        edit, a forward writing in place: ``nn.Embedding(max_norm=)``) retake replica 0's."""
+        edit, a forward writing in place: ``nn.Embedding(max_norm=)``) retake replica 0's; with
+        ``round_replicas`` (before a step's forward) and a bf16 wire, the replicas then take their rounding."""
         now = list(map(_VERSION, self.params[0]))
         if now == self._versions:
             return
         moved = [pid for pid, (a, b) in enumerate(zip(now, self._versions)) if a != b]
         with torch.no_grad():
             torch._foreach_copy_([self.masters[pid] for pid in moved], [self.params[0][pid].detach() for pid in moved])
+        if round_replicas and self.wire is not None:
+            self.wire.round_replicas(moved)
+            now = list(map(_VERSION, self.params[0]))
         self._versions = now
+
+    def follow_rounded(self) -> None:
+        """Every replica's parameters ← the masters' bf16 rounding (the wire's)."""
+        self.wire.round_replicas(range(len(self.masters)))
+        self._versions = list(map(_VERSION, self.params[0]))
 
     def grads_from_row(self, row: torch.Tensor, offsets: Sequence[int], none: Sequence[int]) -> None:
         """Every master's gradient: a view of ``row`` (the flat layout's ``offsets``); None for ``none``."""
@@ -147,6 +159,10 @@ class HostMasters:
     def to_devices(self, threads: DeviceThreads, pids: Sequence[int] | None = None) -> list[Stamps]:
         """Every replica's parameters ← the masters (those numbered ``pids``, or all), on each
         device's thread; per device the stamps."""
+        if self.wire is not None and pids is None:  # bf16 over the bus
+            stamps = self.wire.to_devices(threads)
+            self._versions = list(map(_VERSION, self.params[0]))
+            return stamps
         if pids is None:
             masters, params = self.masters, self.params
         else:  # the lists of the last ``pids`` (the same object from step to step) kept
@@ -260,11 +276,18 @@ class HostUpdate(Update):
         self.undone = False
         """The step raised after backward and was undone: no replica written, the state as before."""
 
-    def attach(self, stream: GradientStream, clipping: bool, guard: Guard, resources: Resources) -> None:
+    def attach(self, stream: GradientStream, clipping: bool, guard: Guard, resources: Resources,
+               module: nn.Module | None = None) -> None:
         """Once the stream exists: read the host's sum row in place if it can, and then send no
         gradient back during backward (only the parameters travel back); overlap if allowed (the
-        host update thread then stops with the engine's ``resources``)."""
+        host update thread then stops with the engine's ``resources``). With a bf16 wire the
+        parameters go back in bf16 and replica 0's ``module.state_dict()`` holds the masters."""
         self._stream, self._guard = stream, guard
+        if stream.stages and stream.transfer == torch.bfloat16 and stream.stages[0].numel() >= self.masters.flat.numel():
+            self.masters.wire = Bf16Wire(self.masters, stream.stages)
+            self.masters.follow_rounded()  # from the first forward on, the replicas hold the masters' rounding
+            if module is not None:
+                resources.push(masters_in_state_dict(module, self.masters).remove)
         host = stream.host
         if host is None or host.sum_row() is None:
             return
@@ -299,7 +322,7 @@ class HostUpdate(Update):
             else:
                 m.refresh()
             self._open = False
-        m.follow()
+        m.follow(round_replicas=True)
         self._seconds, self.undone = 0.0, False
         # the optimizer's step hooks (its own or torch's global ones) would run once per chunk and
         # see part of the parameters: with any, this step's update runs once, after backward
@@ -422,13 +445,15 @@ class HostUpdate(Update):
                 if grads:
                     torch._foreach_mul_(grads, coef.to(torch.float32).cpu())
             self.undone = True  # until it returns: a failure changed nothing (the Trainer stays usable)
-            step_or_undo(self.optimizer, self._states, m.masters, m.refresh)
+            step_or_undo(self.optimizer, self._states, m)
             self.undone = False
             self._seconds = time.perf_counter() - t0
         self._open = False
         self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped),
                         "host_update_step_hooks": float(self._hooked)}
-        return m.to_devices(threads)
+        stamps = m.to_devices(threads)
+        self.figures["host_update_bytes_back"] = float(m.wire.sent_bytes if m.wire is not None else m.nbytes)
+        return stamps
 
 
 def _stop(q: queue.SimpleQueue, thread: threading.Thread) -> None:

@@ -11,7 +11,8 @@ say nothing):
 * ``"optimizer_state"``: the state tensors of the optimizers that step this device's replica (on
   the host: the host optimizer's);
 * ``"transfer"``: cgdp's buffers for the round trip: the bf16 stage of ``grad_transfer="bf16"`` on
-  a device; the registered slots and sum row on the host.
+  a device; the registered slots and sum row on the host (with ``update="host"`` and a bf16 wire,
+  also the masters' bf16 copy sent back).
 
 Keys: the device strings as given to the face, and ``"host"``.
 """
@@ -65,6 +66,8 @@ def memory_report(devices: Sequence[str], params: Sequence[Sequence[torch.Tensor
         masters, opts = host_update
         host["parameters"] = masters.nbytes
         host["gradients"] = masters.grad_bytes
+        if masters.wire is not None:  # the masters' bf16 rounding, sent to the devices
+            host["transfer"] += _nbytes([masters.wire.flat16])
         host["optimizer_state"] = sum(optimizer_state_bytes(o) for o in opts)
     out["host"] = host
     return out

@@ -217,7 +217,7 @@ class Trainer:
         res.push(self._stream.close)
         self._stream.set_plan(plan)
         if self._host_update:
-            self._update.attach(self._stream, self._max_norm is not None, self._guard, res)
+            self._update.attach(self._stream, self._max_norm is not None, self._guard, res, self.replicas[0])
         self._stream.want_norm = self._max_norm is not None
         self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._guard,
                                     self._timing, after_forward(self._follow.after_forward, self._update))

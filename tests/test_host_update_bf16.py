@@ -1,0 +1,115 @@
+"""``Trainer(update="host", grad_transfer="bf16")``: float32 masters on the host, the updated
+parameters sent back to every device in bf16 (half the bytes); every replica holds the masters'
+bf16 rounding, bitwise, and training equals one device that keeps float32 masters, runs forward
+and backward on their rounding and reads the gradient the bf16 wire documents (docs/cuda.md)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cgdp
+from helpers import mlp
+from test_grad_transfer import device_grads
+from test_host_update import batches
+
+MAKE = partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, foreach=False)  # the same kernel on both sides
+
+
+def reference(model, data, g):
+    """One device: float32 masters; weights = their bf16 rounding; the gradient
+    bf16(sum_j float32(bf16(g_j))) in device order (g_j: device j's weighted gradient)."""
+    masters = [p.detach().clone() for p in model.parameters()]
+    opt = MAKE(masters)
+    for x, y in data:
+        m = copy.deepcopy(model)
+        with torch.no_grad():
+            for p, w in zip(m.parameters(), masters):
+                p.copy_(w.bfloat16())
+        parts = device_grads(m, x, y, g)
+        for k, w in enumerate(masters):
+            s = parts[0][k].bfloat16().float()
+            for j in range(1, g):
+                s = s + parts[j][k].bfloat16().float()
+            w.grad = s.bfloat16().float()
+        opt.step()
+    return masters
+
+
+def check(tr, masters):
+    """Replica 0's state_dict() holds the masters, every replica their rounding, bitwise."""
+    sd = tr.state_dict()["model"]
+    names = [n for n, _ in tr.replicas[0].named_parameters()]
+    for n, w in zip(names, masters):
+        assert torch.equal(sd[n], w), n
+    for r in tr.replicas:
+        for (n, p), w in zip(r.named_parameters(), masters):
+            assert p.dtype == torch.float32 and torch.equal(p.detach().cpu(), w.bfloat16().float()), n
+
+
+@pytest.mark.parametrize("devices", [["cpu:0", "cpu:1"], ["cuda:0", "cuda:1"]])
+def test_parameters_go_back_in_bf16_and_equal_one_device_with_float32_masters(devices):
+    from cgdp.testing import simulated_cuda
+    model, data = mlp(), batches(3, n=12)
+    masters = reference(model, data, 2)
+    sent = {}
+    for transfer in (None, "bf16"):
+        with simulated_cuda(2, seed=2) if devices[0].startswith("cuda") else contextlib.nullcontext() as sim:
+            with cgdp.Trainer(copy.deepcopy(model), MAKE, devices, chunks=2, update="host",
+                              grad_transfer=transfer) as tr:
+                for x, y in data:
+                    tr.step(x, y, F.cross_entropy)
+                sent[transfer] = tr.stats["host_update_bytes_back"]
+                if transfer:
+                    check(tr, masters)
+                    report = tr.memory_report()["host"]
+        if sim is not None:
+            assert not sim.errors
+    n = sum(p.numel() for p in model.parameters())
+    assert sent == {None: 4 * n, "bf16": 2 * n}  # per device, per step
+    assert report["transfer"] >= 2 * n
+
+
+def test_a_checkpoint_holds_the_masters_and_resumes_exactly():
+    """state_dict() saves the float32 masters (not the rounded replicas); a new Trainer loads
+    them, rounds its replicas, and goes on as the uninterrupted run."""
+    model, data = mlp(), batches(4, n=12)
+    masters = reference(model, data, 2)
+    kw = dict(chunks=1, update="host", grad_transfer="bf16")
+    with cgdp.Trainer(copy.deepcopy(model), MAKE, ["cpu:0", "cpu:1"], **kw) as tr:
+        for x, y in data[:2]:
+            tr.step(x, y, F.cross_entropy)
+        saved = copy.deepcopy(tr.state_dict())
+        assert all(not torch.equal(v, v.bfloat16().float()) for v in saved["model"].values())
+        clone = copy.deepcopy(tr.replicas[0])  # a deep copy of the module keeps its own (rounded) values
+        assert all(map(torch.equal, clone.state_dict().values(), [p.detach() for p in tr.replicas[0].parameters()]))
+    with cgdp.Trainer(copy.deepcopy(model), MAKE, ["cpu:0", "cpu:1"], **kw) as tr:
+        tr.load_state_dict(saved)
+        for x, y in data[2:]:
+            tr.step(x, y, F.cross_entropy)
+        check(tr, masters)
+
+
+def test_a_failed_step_keeps_the_masters_unrounded():
+    """A step post-hook raises once: the masters come back from their copy, not from the rounded
+    replicas, and training equals one device skipping that batch."""
+    model, data = mlp(), batches(3, n=12)
+    masters = reference(model, [data[0], data[2]], 2)
+    with cgdp.Trainer(copy.deepcopy(model), MAKE, ["cpu:0", "cpu:1"], chunks=1, update="host",
+                      grad_transfer="bf16") as tr:
+        calls = []
+
+        def hook(*_):
+            calls.append(1)
+            if len(calls) == 2:
+                raise ValueError("once")
+        tr.optimizers[0].register_step_post_hook(hook)
+        tr.step(*data[0], F.cross_entropy)
+        with pytest.raises(ValueError, match="once"):
+            tr.step(*data[1], F.cross_entropy)
+        tr.step(*data[2], F.cross_entropy)
+        check(tr, masters)
