@@ -489,3 +489,22 @@ def test_a_step_raising_after_backward_changes_nothing_and_training_goes_on(how)
             assert {int(s["step"]) for s in opt.state.values()} == {len(kept)}
             assert_params_close(tr.replicas[0], ref)
             assert_replicas_identical(tr)
+
+
+def test_memory_report_on_gpus_adds_what_the_allocator_holds(monkeypatch):
+    """On GPUs each device also reports torch.cuda.memory_allocated of its own GPU, asked of the
+    runtime cgdp's devices use. The simulated runtime has no allocator: the key is absent there,
+    and a stand-in on its torch.cuda shows which GPU each device asks (untested on a real GPU)."""
+    from cgdp.engine.backend.cuda_runtime import runtime
+    from cgdp.testing import simulated_cuda
+    with simulated_cuda(2, seed=1):
+        with cgdp.Trainer(mlp(), OPTIMIZERS["adamw"], ["cuda:0", "cuda:1"], update="host", chunks=1) as tr:
+            tr.step(*batches(1)[0], F.cross_entropy)
+            report = tr.memory_report()
+            assert "allocated" not in report["cuda:0"] and report["cuda:0"]["optimizer_state"] == 0
+            asked = []
+            monkeypatch.setattr(runtime().cuda, "memory_allocated", lambda d: asked.append(d) or 1000 + d.index,
+                                raising=False)
+            report = tr.memory_report()
+    assert [report[d].get("allocated") for d in ("cuda:0", "cuda:1", "host")] == [1000, 1001, None]
+    assert [d.index for d in asked] == [0, 1]  # the runtime's own device objects
