@@ -27,9 +27,11 @@ optimizer's masters are copied back.
 The user's object keeps working: ``param_groups`` hold the model's parameters between steps,
 ``state_dict()`` is keyed by them and holds host tensors, ``load_state_dict()`` brings the loaded
 state to the host (a load post-hook), and ``close()`` gives the optimizer its state back on the
-parameters' device, so it steps replica 0 alone as before wrapping. A step whose body raised
-(torch runs no post-hook) is undone by the model's next operation: the swap is reverted and the
-masters retake replica 0's parameters (the replicas were never changed).
+parameters' device, so it steps replica 0 alone as before wrapping. A step that raised after
+the pre-hook (a user's step hook, the body; torch runs no post-hook) is finished at once by the
+optimizer's outermost ``step`` (:meth:`HostMirror.raised`): the swap is reverted and every replica
+takes the masters as the step left them, what one device holds after its step raised, as the
+device mirrors' resync gives with ``update="devices"``.
 """
 from __future__ import annotations
 
@@ -171,11 +173,23 @@ class HostMirror:
             if dp is not None:
                 dp.end()
 
+    def raised(self) -> None:
+        """The user's ``step()`` raised after :meth:`before` (a step pre- or post-hook of the
+        user's, the body; torch runs no post-hook): at once, as :meth:`after` would, the optimizer
+        gets its parameters back (a ``zero_grad()`` next must clear theirs, not the masters') and
+        every replica takes the masters as the step left them: what one device holds after its
+        step raised (unchanged if it raised before the body, stepped if in a post-hook)."""
+        if self.depth and self.thread is threading.current_thread():
+            self.depth = 0
+            self.after()
+
     def failed_on_replica_0(self) -> None:
-        """The clean-up of a step whose body raised: nothing reached a replica; the masters retake
-        replica 0's parameters."""
+        """The clean-up, at the model's next operation, of a step that raised where
+        :meth:`raised` did not see it (``type(opt).step(opt)``): the same result."""
         self._give_back()
-        self.host.refresh()
+        dp = self.dp()
+        if dp is not None:
+            dp.host_copy_back(self._flat)
 
     def detach(self) -> None:
         """The model closed: the optimizer gets its state back on the parameters' device."""
