@@ -113,3 +113,19 @@ def test_a_failed_step_keeps_the_masters_unrounded():
             tr.step(*data[1], F.cross_entropy)
         tr.step(*data[2], F.cross_entropy)
         check(tr, masters)
+
+
+def test_a_load_into_the_model_reaches_every_replica_and_the_masters():
+    """model.load_state_dict() between steps: the replicas' follower reads replica 0's loaded
+    values (not the masters, which take them before the next step), and the next step starts
+    from them on every replica, rounded."""
+    model, data = mlp(), batches(2, n=12)
+    masters = reference(model, data[1:], 2)
+    with cgdp.Trainer(mlp(), MAKE, ["cpu:0", "cpu:1"], chunks=1, update="host", grad_transfer="bf16") as tr:
+        tr.step(*data[0], F.cross_entropy)
+        tr.optimizers[0].state.clear()
+        tr.replicas[0].load_state_dict(model.state_dict())
+        for r in tr.replicas:
+            assert all(map(torch.equal, r.parameters(), model.parameters()))
+        tr.step(*data[1], F.cross_entropy)
+        check(tr, masters)

@@ -88,6 +88,11 @@ class HostMasters:
         self.refresh()
 
     @property
+    def versions(self) -> list[int]:
+        """Replica 0's parameters' version counters when the masters last took or gave them."""
+        return self._versions
+
+    @property
     def nbytes(self) -> int:
         return self.flat.numel() * 4
 
@@ -286,6 +291,7 @@ class HostUpdate(Update):
         if stream.stages and stream.transfer == torch.bfloat16 and stream.stages[0].numel() >= self.masters.flat.numel():
             self.masters.wire = Bf16Wire(self.masters, stream.stages)
             self.masters.follow_rounded()  # from the first forward on, the replicas hold the masters' rounding
+            resources.push(functools.partial(setattr, self.masters, "wire", None))  # close() frees the stages
             if module is not None:
                 resources.push(masters_in_state_dict(module, self.masters).remove)
         host = stream.host

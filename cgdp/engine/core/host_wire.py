@@ -91,8 +91,9 @@ class Bf16Wire:
 
 def masters_in_state_dict(module: nn.Module, masters: Any) -> Any:
     """``module.state_dict()`` holds copies of the float32 masters for its trainable parameters
-    (not the replica's rounded values; ``keep_vars=True`` keeps the parameters, and a deep copy
-    of the module its own values); the hook's handle (removed by ``close()``)."""
+    (not the replica's rounded values; ``keep_vars=True`` keeps the parameters, a deep copy of the
+    module its own values, and so does a parameter written since the masters last took it: a
+    load, read back by the replicas' follower); the hook's handle (removed by ``close()``)."""
     names = {id(p): name for name, p in module.named_parameters()}
     keys = [(names[id(p)], k) for k, p in enumerate(masters.params[0]) if id(p) in names]
     own = weakref.ref(module)
@@ -100,7 +101,10 @@ def masters_in_state_dict(module: nn.Module, masters: Any) -> Any:
     def hook(mod: nn.Module, state: dict, prefix: str, meta: Any) -> None:
         if mod is not own():  # a deep copy of the module, which copied its hooks: its own values
             return
+        params, seen = masters.params[0], masters.versions
         for name, k in keys:
-            if not isinstance(state.get(prefix + name), nn.Parameter):
+            # a parameter written since the masters last took it (a load, an edit, before the next
+            # step's follow): its own value, which the master will take
+            if params[k]._version == seen[k] and not isinstance(state.get(prefix + name), nn.Parameter):
                 state[prefix + name] = masters.masters[k].detach().clone()
     return module.register_state_dict_post_hook(hook)
