@@ -508,3 +508,19 @@ def test_memory_report_on_gpus_adds_what_the_allocator_holds(monkeypatch):
             report = tr.memory_report()
     assert [report[d].get("allocated") for d in ("cuda:0", "cuda:1", "host")] == [1000, 1001, None]
     assert [d.index for d in asked] == [0, 1]  # the runtime's own device objects
+
+
+def test_the_state_is_copied_aside_only_where_a_step_may_raise_after_writing():
+    """A post-hook, a replaced or foreign step: copied aside; torch's own step, also under an LR
+    scheduler's counter (every Trainer with a scheduler), or with a pre-hook only: not."""
+    from cgdp.engine.core.host_state import may_write_then_raise
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    pre = opt.register_step_pre_hook(lambda *_: None)
+    assert not may_write_then_raise(opt)
+    post = opt.register_step_post_hook(lambda *_: None)
+    assert may_write_then_raise(opt)
+    pre.remove(), post.remove()
+    assert may_write_then_raise(_WritesThenRaises([torch.nn.Parameter(torch.zeros(2))]))
+    opt.step = lambda: None
+    assert may_write_then_raise(opt)

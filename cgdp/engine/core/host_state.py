@@ -76,8 +76,13 @@ class StateSnapshot:
 def may_write_then_raise(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt.step()`` may raise after writing its state: a step post-hook (the optimizer's
     own, or a user's global one), or a step that is not torch's own (a subclass outside
-    ``torch.optim``, an instance's ``step`` replaced). A pre-hook raises before anything is written."""
-    if opt._optimizer_step_post_hooks or "step" in vars(opt) or not type(opt).__module__.startswith("torch.optim"):
+    ``torch.optim``, an instance's ``step`` replaced; an LR scheduler's counter around it is not
+    a replacement). A pre-hook raises before anything is written."""
+    own = vars(opt).get("step")
+    while getattr(own, "_wrapped_by_lr_sched", False):  # an LR scheduler's counter around the class's step
+        own = own.__wrapped__
+    if (opt._optimizer_step_post_hooks or own not in (None, type(opt).step)
+            or not type(opt).__module__.startswith("torch.optim")):
         return True
     return any(not getattr(h, "__module__", "").startswith("cgdp.")
                for h in torch_optimizer._global_optimizer_post_hooks.values())
