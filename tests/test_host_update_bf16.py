@@ -87,11 +87,14 @@ def test_a_checkpoint_holds_the_masters_and_resumes_exactly():
         assert all(not torch.equal(v, v.bfloat16().float()) for v in saved["model"].values())
         clone = copy.deepcopy(tr.replicas[0])  # a deep copy of the module keeps its own (rounded) values
         assert all(map(torch.equal, clone.state_dict().values(), [p.detach() for p in tr.replicas[0].parameters()]))
-    with cgdp.Trainer(copy.deepcopy(model), MAKE, ["cpu:0", "cpu:1"], **kw) as tr:
+    mine = copy.deepcopy(model)
+    with cgdp.Trainer(mine, MAKE, ["cpu:0", "cpu:1"], **kw) as tr:
         tr.load_state_dict(saved)
         for x, y in data[2:]:
             tr.step(x, y, F.cross_entropy)
         check(tr, masters)
+    assert all(map(torch.equal, mine.parameters(), masters))  # close(): the model takes the masters
+    assert all(map(torch.equal, mine.state_dict().values(), masters))
 
 
 def test_a_failed_step_keeps_the_masters_unrounded():

@@ -35,7 +35,6 @@ import threading
 import time
 import warnings
 import weakref
-from collections import defaultdict
 from typing import Any, Callable, Sequence
 
 import torch
@@ -291,7 +290,7 @@ class HostUpdate(Update):
         if stream.stages and stream.transfer == torch.bfloat16 and stream.stages[0].numel() >= self.masters.flat.numel():
             self.masters.wire = Bf16Wire(self.masters, stream.stages)
             self.masters.follow_rounded()  # from the first forward on, the replicas hold the masters' rounding
-            resources.push(functools.partial(setattr, self.masters, "wire", None))  # close() frees the stages
+            resources.push(self.masters.wire.close)
             if module is not None:
                 resources.push(masters_in_state_dict(module, self.masters).remove)
         host = stream.host
@@ -478,26 +477,3 @@ def _update_loop(q: queue.SimpleQueue, update: Callable[[int], None], fail: Call
             c() if callable(c) else update(c)
         except BaseException as exc:
             fail(exc)
-
-
-def optimizer_state_bytes(opt: torch.optim.Optimizer, device: torch.device | None = None) -> int:
-    """Bytes of ``opt``'s state tensors (on ``device``, or all)."""
-    total = 0
-    for s in opt.state.values():
-        for v in s.values():
-            if isinstance(v, torch.Tensor) and (device is None or v.device == device):
-                total += v.numel() * v.element_size()
-    return total
-
-
-def keyed_state(state: dict, keys: dict[int, torch.Tensor]) -> defaultdict:
-    """``state`` (an optimizer's, keyed by parameter) re-keyed by ``keys[id(param)]``, the same
-    per-parameter dicts (shared, not copied), tensors moved to the host."""
-    out: defaultdict = defaultdict(dict)
-    for p, s in state.items():
-        for k, v in list(s.items()):
-            if isinstance(v, torch.Tensor) and v.device.type != "cpu":
-                s[k] = v.to("cpu")
-        out[keys[id(p)]] = s
-    return out
-

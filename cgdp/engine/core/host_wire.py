@@ -14,6 +14,7 @@ What follows from the replicas holding rounded copies:
   checkpoint, a user's ``model.state_dict()``) holds them (float32, host, copies), so a resumed
   run equals an uninterrupted one; a ``load_state_dict`` gives the masters the loaded values and
   the replicas their rounding (:meth:`Bf16Wire.round_replicas`, before the next step's forward);
+* ``close()`` gives replica 0, the user's model, the masters themselves;
 * the masters never retake replica 0's values after a failed step (that would round them): the
   update copies them aside first where it may fail after writing them (:meth:`Bf16Wire.save`).
 
@@ -67,6 +68,14 @@ class Bf16Wire:
         stamps = threads.run_all(copy, computing=True)
         self.sent_bytes = self.flat16.numel() * self.flat16.element_size()
         return stamps
+
+    def close(self) -> None:
+        """``close()``: replica 0 (the user's model) takes the masters themselves, the training's
+        float32 result, not their rounding; the stages' views are dropped."""
+        m = self.masters
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in m.params[0]], m.masters)
+        m.wire = None
 
     def round_replicas(self, pids: Sequence[int]) -> None:
         """The parameters numbered ``pids`` on every replica ← the masters' rounding (at the start,

@@ -28,7 +28,15 @@ from typing import Any, Sequence
 
 import torch
 
-from cgdp.engine.core.host_update import optimizer_state_bytes
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer, device: torch.device | None = None) -> int:
+    """Bytes of ``opt``'s state tensors (on ``device``, or all)."""
+    total = 0
+    for s in opt.state.values():
+        for v in s.values():
+            if isinstance(v, torch.Tensor) and (device is None or v.device == device):
+                total += v.numel() * v.element_size()
+    return total
 
 
 def _nbytes(ts: Sequence[torch.Tensor | None]) -> int:

@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import defaultdict
 from typing import Any
 
 import torch
 
-from cgdp.engine.core.host_update import HostMasters, grad_of, is_none, keyed_state, prefer_fused
+from cgdp.engine.core.host_update import HostMasters, grad_of, is_none, prefer_fused
 from cgdp.engine.dataparallel.mirror import _ATTR, _install_outermost, _remove_outermost
 
 
@@ -202,3 +203,14 @@ class HostMirror:
         if self.opt.state:
             self.opt.load_state_dict(self.opt.state_dict())  # torch's own placement of each state tensor
 
+
+def keyed_state(state: dict, keys: dict[int, torch.Tensor]) -> defaultdict:
+    """``state`` (an optimizer's, keyed by parameter) re-keyed by ``keys[id(param)]``, the same
+    per-parameter dicts (shared, not copied), tensors moved to the host."""
+    out: defaultdict = defaultdict(dict)
+    for p, s in state.items():
+        for k, v in list(s.items()):
+            if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+                s[k] = v.to("cpu")
+        out[keys[id(p)]] = s
+    return out
