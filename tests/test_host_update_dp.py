@@ -281,24 +281,26 @@ class _WritesThenRaises(torch.optim.AdamW):
     def step(self, closure=None):
         out = super().step(closure)
         self.calls = getattr(self, "calls", 0) + 1
-        if self.calls == 2:
+        if self.calls == self.fail_at:
             raise ValueError("the step fails once")
         return out
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["second_step", "first_step"])
 @pytest.mark.parametrize("how", ["pre_hook", "post_hook", "optimizer"])
-def test_a_step_raising_once_leaves_what_one_device_holds(how):
-    """The user's step hook (before or after the body) or optimizer raises once; the user's loop
-    catches it and goes on (its zero_grad() next): every replica holds what one device running
-    the same loop holds, as with update='devices' (skipped for a pre-hook, stepped after)."""
+def test_a_step_raising_once_leaves_what_one_device_holds(how, first):
+    """The user's step hook (before or after the body) or optimizer raises once, at the first
+    step or a later one; the user's loop catches it and goes on (its zero_grad() next): every
+    replica holds what one device running the same loop holds, as with update='devices'
+    (skipped for a pre-hook, stepped after)."""
     def loop(model):
         opt = _WritesThenRaises(model.parameters(), lr=1e-2) if how == "optimizer" else OPTIMIZERS["adamw"](
             model.parameters())
-        calls = []
+        calls, opt.fail_at = [], 1 if first else 2
 
         def hook(*_):
             calls.append(1)
-            if len(calls) == 2:
+            if len(calls) == opt.fail_at:
                 raise ValueError("the step fails once")
         if how != "optimizer":
             getattr(opt, f"register_step_{how}")(hook)

@@ -186,11 +186,20 @@ class HostMirror:
 
     def failed_on_replica_0(self) -> None:
         """The clean-up, at the model's next operation, of a step that raised where
-        :meth:`raised` did not see it (``type(opt).step(opt)``): the same result."""
+        :meth:`raised` did not see it (the optimizer's first step, which ran before its outermost
+        ``step`` was installed; ``type(opt).step(opt)``): the same result. A ``zero_grad()``
+        called in between found the masters lent: the gradients it dropped there are dropped on
+        replica 0's parameters, whose they were meant to be."""
+        if self._lent is not None:
+            masters, params = self.host.masters, self.host.params[0]
+            for k in self._flat:
+                if masters[k].grad is None and params[k].grad is not None:
+                    params[k].grad = None
         self._give_back()
         dp = self.dp()
         if dp is not None:
             dp.host_copy_back(self._flat)
+            dp.resynced()  # every replica took the masters: no edit of the user's to follow
 
     def detach(self) -> None:
         """The model closed: the optimizer gets its state back on the parameters' device."""
