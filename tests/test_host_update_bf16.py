@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import cgdp
 from helpers import mlp
+from test_comm_inproc import on_ranks
 from test_grad_transfer import device_grads
 from test_host_update import batches
 
@@ -63,12 +64,14 @@ def test_parameters_go_back_in_bf16_and_equal_one_device_with_float32_masters(de
                               grad_transfer=transfer) as tr:
                 for x, y in data:
                     tr.step(x, y, F.cross_entropy)
+                    assert tr.stats["host_update_overlapped"] == 1.0  # chunk by chunk, with backward
                 sent[transfer] = tr.stats["host_update_bytes_back"]
                 if transfer:
                     check(tr, masters)
                     report = tr.memory_report()["host"]
         if sim is not None:
             assert not sim.errors
+            assert sim.copied_bytes["h2d"] == 0  # no gradient comes back: the host reads its own bf16 sum
     n = sum(p.numel() for p in model.parameters())
     assert sent == {None: 4 * n, "bf16": 2 * n}  # per device, per step
     assert report["transfer"] >= 2 * n
@@ -132,3 +135,21 @@ def test_a_load_into_the_model_reaches_every_replica_and_the_masters():
             assert all(map(torch.equal, r.parameters(), model.parameters()))
         tr.step(*data[1], F.cross_entropy)
         check(tr, masters)
+
+
+def test_two_ranks_allreduce_then_round_once_and_stay_identical():
+    """With ranks the bf16 sum is rounded once after the float32 allreduce: two ranks of one
+    device each train as two devices do, bitwise, and hold the same masters."""
+    model, data = mlp(), batches(3, n=12)
+    masters = reference(model, data, 2)
+
+    def rank(comm):
+        with cgdp.Trainer(copy.deepcopy(model), MAKE, ["cpu:0"], comm=comm, chunks=2, update="host",
+                          grad_transfer="bf16", timeout_s=30) as tr:
+            for x, y in data:
+                tr.step(torch.tensor_split(x, 2)[comm.rank], torch.tensor_split(y, 2)[comm.rank], F.cross_entropy)
+            check(tr, masters)
+            return tr.state_dict()["model"]
+
+    states = on_ranks(2, rank, timeout_s=60)
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])

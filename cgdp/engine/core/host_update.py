@@ -3,13 +3,14 @@
 Shared by both faces. :class:`HostMasters` holds float32 *master* copies of replica 0's trainable
 parameters in one host allocation (pinned on CUDA: ``Device.host_empty``), each master a view into
 it, and the gradient every master reads: a view into the host accumulator's sum row when that row
-holds the averaged gradient as is (full-size rows, float32 on the wire: no copy at all), otherwise
-a host buffer filled from replica 0's gradients (one copy per step). One ``torch.optim`` optimizer
-steps the masters; then every device copies the masters into its replica's parameters, so the
-replicas are bitwise identical (the same float32 values on every device) and no device holds
-optimizer state.
+holds the averaged gradient as is (full-size rows, float32 on the wire: no copy at all), a view
+into a float32 buffer the bf16 sum row is widened into (a bf16 wire), otherwise a host buffer
+filled from replica 0's gradients (a ring of slots: one copy per step). One ``torch.optim``
+optimizer steps the masters; then every device copies the masters into its replica's parameters
+(their bf16 rounding with a bf16 wire: :mod:`cgdp.engine.core.host_wire`), so the replicas are
+bitwise identical and no device holds optimizer state.
 
-Invariants: masters equal replica 0's parameters between steps (the masters are refreshed from
+Invariants: masters equal replica 0's parameters between steps (with a bf16 wire, their rounding) (the masters are refreshed from
 replica 0 whenever a parameter's version counter moved, i.e. something other than the engine wrote
 it: a ``load_state_dict``, a user's edit); float32 parameters only (masters of 16-bit parameters
 would make training differ from one device: refused).
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 
 from cgdp.engine.backend.base import Device
-from cgdp.engine.core.host_state import StateSnapshot, step_or_undo
+from cgdp.engine.core.host_state import StateSnapshot, has_step_hooks, step_or_undo
 from cgdp.engine.core.host_wire import Bf16Wire, masters_in_state_dict
 from cgdp.engine.core.lifetime import Resources, weak_call
 from cgdp.engine.core.stream import GradientStream
@@ -78,6 +79,7 @@ class HostMasters:
         self.pid = {id(p): pid for pid, p in enumerate(self.params[0])}
         """id(replica 0's parameter) -> its number (the masters' order)."""
         self._grad_buf: torch.Tensor | None = None
+        self._wide: torch.Tensor | None = None
         """Host gradients when the accumulator's sum row cannot be read in place (allocated once)."""
         self._attached: tuple | None = None
         self._selected: tuple = (None,)
@@ -98,7 +100,17 @@ class HostMasters:
     @property
     def grad_bytes(self) -> int:
         """Host bytes held for gradients besides the accumulator's rows."""
-        return 0 if self._grad_buf is None else self._grad_buf.numel() * 4
+        return sum(b.numel() * 4 for b in (self._grad_buf, self._wide) if b is not None)
+
+    def widened(self, rounded: torch.Tensor) -> torch.Tensor:
+        """The float32 buffer (allocated once) that ``rounded`` (a bf16 sum row) is widened into."""
+        if self._wide is None or self._wide.numel() != rounded.numel():
+            self._wide = torch.empty(rounded.shape, dtype=torch.float32)
+        return self._wide
+
+    def widen(self, rounded: torch.Tensor, lo: int, hi: int) -> None:
+        """Elements ``lo:hi`` of the bf16 sum row, widened into :meth:`widened` (exact)."""
+        self.widened(rounded)[lo:hi].copy_(rounded[lo:hi])
 
     def refresh(self) -> None:
         """Masters ← replica 0's parameters (at start, after a failed step)."""
@@ -226,16 +238,6 @@ def prefer_fused(opt: torch.optim.Optimizer) -> list[int]:
     return changed
 
 
-def has_step_hooks(opt: torch.optim.Optimizer) -> bool:
-    """Whether a step pre- or post-hook is registered on ``opt``, or one of the user's on every
-    optimizer (not cgdp.DataParallel's own, which leave an optimizer they do not own alone)."""
-    from torch.optim import optimizer as torch_optimizer
-    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
-        return True
-    hooks = (*torch_optimizer._global_optimizer_pre_hooks.values(), *torch_optimizer._global_optimizer_post_hooks.values())
-    return any(not getattr(h, "__module__", "").startswith("cgdp.") for h in hooks)
-
-
 PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
                  torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD)
 """Optimizers whose update of a parameter reads only that parameter, its gradient and its state:
@@ -277,6 +279,7 @@ class HostUpdate(Update):
         self._with_backward = self._hooked = False  # this step's
         self._states = StateSnapshot()  # of the chunks stepped with backward, for a failure
         self._seconds = 0.0
+        self._rounded: torch.Tensor | None = None
         self.undone = False
         """The step raised after backward and was undone: no replica written, the state as before."""
 
@@ -294,7 +297,10 @@ class HostUpdate(Update):
             if module is not None:
                 resources.push(masters_in_state_dict(module, self.masters).remove)
         host = stream.host
-        if host is None or host.sum_row() is None:
+        # the host's own sum is read in place: float32, or a bf16 wire's rounded row widened
+        # chunk by chunk into a float32 buffer (no gradient goes back to the devices either way)
+        self._rounded = None if host is None or host.sum_row() is not None else host.rounded_row()
+        if host is None or (host.sum_row() is None and self._rounded is None):
             return
         host.send_back = False
         if not clipping and type(self.optimizer) in PER_PARAMETER:
@@ -343,7 +349,7 @@ class HostUpdate(Update):
                 self._chunk_pids[c].append(pid)
             where = {id(p): k for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
             self._group = [where.get(id(p)) for p in m.masters]
-        m.grads_from_row(self._stream.host.sum_row(), lay.offsets, ())  # again if zero_grad() dropped them
+        m.grads_from_row(self._sum_row(), lay.offsets, ())  # again if zero_grad() dropped them
         self._left = [len(r) for r in lay.chunk_segments]
         self._stepped: list[int] = []
         self._states.clear()
@@ -351,6 +357,15 @@ class HostUpdate(Update):
         self._poisoned: int | None = None
         self._updated.reset()
         self._open = True
+
+    def _sum_row(self, widen: bool = False) -> torch.Tensor:
+        """The float32 row the masters' gradients view: the host's sum row, or with a bf16 wire
+        the buffer its rounded row is widened into (all of it now with ``widen``)."""
+        if self._rounded is None:
+            return self._stream.host.sum_row()
+        if widen:
+            self.masters.widen(self._rounded, 0, self._rounded.numel())
+        return self.masters.widened(self._rounded)
 
     def _summed(self, s: int) -> None:
         """The thread that made segment ``s`` final: when its chunk is complete, queue its update."""
@@ -372,10 +387,12 @@ class HostUpdate(Update):
                 bad = any(host.bad[t] for t in lay.chunk_segments[c])
             else:  # another rank's NaN arrives through the allreduce: look at the global sum
                 lo, hi = lay.chunk_bounds[c]
-                bad = not bool(torch.isfinite(host.sum_row()[lo:hi]).all())
+                bad = not bool(torch.isfinite((host.sum_row() if self._rounded is None else self._rounded)[lo:hi]).all())
             if bad:
                 self._poisoned = c
                 return
+            if self._rounded is not None:  # this chunk's gradient, widened to float32
+                self.masters.widen(self._rounded, *lay.chunk_bounds[c])
             t0 = time.perf_counter()
             groups = self.optimizer.param_groups
             lent = [[] for _ in groups]
@@ -440,7 +457,7 @@ class HostUpdate(Update):
         if not overlapped:
             t0 = time.perf_counter()
             host = stream.host
-            row = host.sum_row() if host is not None and not host.send_back else None
+            row = self._sum_row(widen=True) if host is not None and not host.send_back else None
             if row is not None:
                 m.grads_from_row(row, stream.layout.offsets, stream.none_pids)
             else:  # replica 0 holds the averaged gradient (a bf16 wire, a ring of host slots)
