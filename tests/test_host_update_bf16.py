@@ -153,3 +153,29 @@ def test_two_ranks_allreduce_then_round_once_and_stay_identical():
 
     states = on_ranks(2, rank, timeout_s=60)
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_a_backward_failing_after_chunks_were_stepped_keeps_the_masters_unrounded():
+    """Overlapped: a backward that raises after the host stepped the last layer's chunk undoes it
+    from the masters' own copy (not the rounded replicas'); training equals one device skipping
+    that batch."""
+    from test_dataparallel import _Boom
+    from test_host_update import _FailsPartway
+    torch.manual_seed(0)
+    model, data = _FailsPartway(), batches(3, n=12)
+    _Boom.fail = False
+    masters = reference(model, [data[0], data[2]], 2)
+    with cgdp.Trainer(copy.deepcopy(model), MAKE, ["cpu:0", "cpu:1"], chunks=2, update="host",
+                      grad_transfer="bf16") as tr:
+        try:
+            for i, (x, y) in enumerate(data):
+                _Boom.fail = i == 1
+                if i == 1:
+                    with pytest.raises(RuntimeError, match="^boom$"):
+                        tr.step(x, y, F.cross_entropy)
+                else:
+                    tr.step(x, y, F.cross_entropy)
+                    assert tr.stats["host_update_overlapped"] == 1.0
+        finally:
+            _Boom.fail = True  # that module's default
+        check(tr, masters)

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from cgdp.engine.backend.base import Device
-from cgdp.engine.core.host_state import StateSnapshot, has_step_hooks, step_or_undo
+from cgdp.engine.core.host_state import StateSnapshot, has_step_hooks, prefer_fused, step_or_undo
 from cgdp.engine.core.host_wire import Bf16Wire, masters_in_state_dict
 from cgdp.engine.core.lifetime import Resources, weak_call
 from cgdp.engine.core.stream import GradientStream
@@ -219,25 +219,6 @@ def after_forward(replicas_follow: Callable[[int], None], update: Update) -> Cal
     return hook
 
 
-FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-"""Optimizers whose ``fused=True`` CPU kernel the host uses when the user chose no implementation:
-measured 3-9x faster than the default single-tensor loop on CPU (``bench/bench_host_update.py``)."""
-
-
-def prefer_fused(opt: torch.optim.Optimizer) -> list[int]:
-    """Set ``fused=True`` in the groups of ``opt`` that chose neither ``fused`` nor ``foreach``
-    (an explicit ``foreach=False`` or ``fused=False`` is kept; results agree with the default to
-    float32 rounding); the indices of the groups changed."""
-    if type(opt) not in FUSED_CPU:
-        return []
-    changed = []
-    for k, g in enumerate(opt.param_groups):
-        if g.get("fused") is None and g.get("foreach") is None and not g.get("differentiable"):
-            g["fused"] = True
-            changed.append(k)
-    return changed
-
-
 PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
                  torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD)
 """Optimizers whose update of a parameter reads only that parameter, its gradient and its state:
@@ -353,6 +334,8 @@ class HostUpdate(Update):
         self._left = [len(r) for r in lay.chunk_segments]
         self._stepped: list[int] = []
         self._states.clear()
+        if m.wire is not None:
+            m.wire.forget()
         self._unsaved: int | None = None
         self._poisoned: int | None = None
         self._updated.reset()
@@ -401,6 +384,8 @@ class HostUpdate(Update):
                 k = self._group[pid]
                 if k is not None and any(h.touched[pid] for h in st.hooks):  # untouched: skipped, as on one device
                     lent[k].append(masters[pid])
+            if self.masters.wire is not None:  # the replicas hold the masters' rounding: keep the masters
+                self.masters.wire.keep(self._chunk_pids[c])
             if len(self._stepped) < len(lay.plan) - 1:  # a later failure may undo this step: keep its state
                 self._states.save(self.optimizer.state, [p for ps in lent for p in ps])
             else:  # the last chunk: every gradient is summed, nothing of this step is left to fail
@@ -421,7 +406,8 @@ class HostUpdate(Update):
     def _undo(self) -> None:
         """A failed or rejected overlapped step: the masters retake the replicas' parameters and
         the optimizer state of the chunks it stepped goes back to what it was before."""
-        self.masters.refresh()
+        m = self.masters  # with a bf16 wire from the masters' own copy (the replicas' are rounded)
+        m.wire.put_back() if m.wire is not None else m.refresh()
         self._states.restore(self.optimizer.state)
         if self._unsaved is not None:
             warnings.warn(f"the step failed after the host optimizer stepped its last chunk ({self._unsaved}) "

@@ -16,7 +16,7 @@ What follows from the replicas holding rounded copies:
   the replicas their rounding (:meth:`Bf16Wire.round_replicas`, before the next step's forward);
 * ``close()`` gives replica 0, the user's model, the masters themselves;
 * the masters never retake replica 0's values after a failed step (that would round them): the
-  update copies them aside first where it may fail after writing them (:meth:`Bf16Wire.save`).
+  update copies them aside first where it may fail after writing them (:meth:`Bf16Wire.keep`).
 
 Threads: :meth:`Bf16Wire.to_devices` copies on each device's thread; the rest runs on the
 caller's thread, with nothing in flight.
@@ -47,6 +47,8 @@ class Bf16Wire:
         shapes = [(o, m.numel(), m.shape) for o, m in zip(masters.offsets, masters.masters)]
         self.views = [[st[o:o + n].view(s) for o, n, s in shapes] for st in self.stages]
         self._backup: torch.Tensor | None = None
+        self._aside: list[torch.Tensor] = []
+        self._kept: Sequence[int] = []
         self.sent_bytes = 0
         """Bytes each device received in the last copy back."""
 
@@ -86,16 +88,33 @@ class Bf16Wire:
             for ps in self.masters.params:
                 torch._foreach_copy_([ps[k].data for k in pids], masters)
 
-    def save(self) -> None:
-        """The masters copied aside (before an update that may fail after writing them)."""
+    def keep(self, pids: Sequence[int] | None = None) -> None:
+        """The masters numbered ``pids`` (all: None) copied aside, before an update that may fail
+        after writing them (a chunk stepped with backward; a step after it that may raise)."""
+        m = self.masters
         if self._backup is None:
-            self._backup = torch.empty_like(self.masters.flat)
-        self._backup.copy_(self.masters.flat)
-
-    def restore(self) -> None:
-        """The masters as :meth:`save` found them."""
+            self._backup = torch.empty_like(m.flat)
+            self._aside = [self._backup[o:o + x.numel()].view(x.shape) for o, x in zip(m.offsets, m.masters)]
         with torch.no_grad():
-            self.masters.flat.copy_(self._backup)
+            if pids is None:
+                self._backup.copy_(m.flat)
+                self._kept = range(len(m.masters))
+            else:
+                torch._foreach_copy_([self._aside[k] for k in pids], [m.masters[k] for k in pids])
+                self._kept = [*self._kept, *pids]
+
+    def put_back(self) -> None:
+        """The masters :meth:`keep` copied aside since :meth:`forget`, as they were."""
+        m, kept = self.masters, self._kept
+        with torch.no_grad():
+            if len(kept) == len(m.masters):
+                m.flat.copy_(self._backup)
+            elif kept:
+                torch._foreach_copy_([m.masters[k] for k in kept], [self._aside[k] for k in kept])
+        self._kept = []
+
+    def forget(self) -> None:
+        self._kept = []
 
 
 def masters_in_state_dict(module: nn.Module, masters: Any) -> Any:

@@ -13,7 +13,7 @@ the optimizer's own step body:
    swapped for the masters' (the same per-parameter state dicts, keyed by the masters);
 2. the optimizer's own ``step()`` then runs on the host, unchanged (its class, groups,
    hyperparameters, schedulers), with torch's fused CPU kernel for Adam, AdamW and SGD where the
-   user chose no implementation (:func:`~cgdp.engine.core.host_update.prefer_fused`);
+   user chose no implementation (:func:`~cgdp.engine.core.host_state.prefer_fused`);
 3. after it (the post-hook): the swap is undone and every replica's parameters are copied from
    the masters (:meth:`HostMasters.to_devices`): bitwise identical replicas, no device state.
 
@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from cgdp.engine.core.host_update import HostMasters, grad_of, is_none, prefer_fused
+from cgdp.engine.core.host_state import prefer_fused
+from cgdp.engine.core.host_update import HostMasters, grad_of, is_none
 from cgdp.engine.dataparallel.mirror import _ATTR, _install_outermost, _remove_outermost
 
 
