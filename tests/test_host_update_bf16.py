@@ -179,3 +179,16 @@ def test_a_backward_failing_after_chunks_were_stepped_keeps_the_masters_unrounde
         finally:
             _Boom.fail = True  # that module's default
         check(tr, masters)
+
+
+def test_after_backward_the_whole_row_is_widened():
+    """Clipping keeps the update after backward: the whole bf16 row is widened then; no norm
+    reached the bound here, so it trains as the reference."""
+    model, data = mlp(), batches(2, n=12)
+    masters = reference(model, data, 2)
+    with cgdp.Trainer(copy.deepcopy(model), MAKE, ["cpu:0", "cpu:1"], chunks=2, update="host",
+                      grad_transfer="bf16", clip_grad_norm=1e9) as tr:
+        for x, y in data:
+            tr.step(x, y, F.cross_entropy)
+            assert tr.stats["host_update_overlapped"] == 0.0
+        check(tr, masters)
