@@ -16,6 +16,11 @@ Three measurements, each checked before it is timed:
    Checked: after two steps, both updates hold the same parameters (rtol 1e-5).
 3. The cost model's rate, learned from measurement 1 (:class:`HostUpdateCost.observe`).
 
+``--wire`` measures instead ``grad_transfer="bf16"`` with ``update="host"`` (the parameters go
+back in bf16, the host reads its own bf16 sum) against float32 on the wire and against
+``update="devices"`` with the bf16 wire: the 4x2048 MLP, G = 2, AdamW; step time, what is left
+after backward, and the bytes each device receives back per step (``bench/results/host_update_bf16.md``).
+
 On emulated devices the "devices" run G optimizers on the same 2 cores the host uses, so the
 ratio here says what moving G optimizer steps to one host step costs in CPU, not a GPU figure.
 """
@@ -123,13 +128,55 @@ def step_times(rounds: int, gs: list[int]) -> list[dict]:
     return rows
 
 
+def wire_times(rounds: int) -> list[dict]:
+    """``--wire``: update='host' with float32 and bf16 on the wire, update='devices' with bf16."""
+    cases = {"host, float32 wire": dict(update="host"), "host, bf16 wire": dict(update="host", grad_transfer="bf16"),
+             "devices, bf16 wire": dict(update="devices", grad_transfer="bf16")}
+    x, y = mlp_batch(32)
+    trainers = {k: cgdp.Trainer(mlp4x2048(), OPTS["adamw"], ["cpu:0", "cpu:1"], chunks=2, **kw)
+                for k, kw in cases.items()}
+    try:
+        times = interleaved({k: (lambda tr=tr: tr.step(x, y, F.cross_entropy)) for k, tr in trainers.items()},
+                            rounds, warmup=2)
+        n = sum(p.numel() for p in trainers["host, bf16 wire"].replicas[0].parameters())
+        rows = []
+        for k, tr in trainers.items():
+            st = tr.stats
+            back = int(st.get("host_update_bytes_back", 2 * n))  # devices, bf16 wire: the averaged gradient
+            rows.append({"case": k, "params": n, "step_s": median(times[k]), "exposed_update_s": st["update_s"],
+                         "overlapped": bool(st.get("host_update_overlapped", 0.0)), "bytes_back": back,
+                         "gradient_bytes_back": 0 if "host" in k else 2 * n})
+        return rows
+    finally:
+        for tr in trainers.values():
+            tr.close()
+
+
+def main_wire(args: argparse.Namespace) -> None:
+    info = machine()
+    rows = wire_times(3 if args.quick else 7)
+    md = [f"# update='host' with grad_transfer='bf16' (emulated devices)\n\n{machine_md(info)}\n\n"
+          f"Command: `{command_line()}`\n",
+          table(["case", "params", "step ms", "update phase ms", "host update", "bytes back per device"],
+                [[r["case"], r["params"], fmt(r["step_s"] * 1e3, 1), fmt(r["exposed_update_s"] * 1e3, 1),
+                  ("with backward" if r["overlapped"] else "after backward") if "host" in r["case"] else "-",
+                  r["bytes_back"]] for r in rows]),
+          "\n'bytes back per device': per step, the parameters (update='host') or the averaged gradient "
+          "(update='devices'); with update='host' no gradient comes back. 'update phase ms': what is left "
+          "after backward (the copy back, and the device optimizers with update='devices').\n"]
+    write_results("\n".join(md), {"wire": rows}, info, command_line(), args.md, args.json)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--elements", type=int, default=8 << 20, help="elements for the optimizer bandwidth")
     ap.add_argument("--md")
     ap.add_argument("--json")
+    ap.add_argument("--wire", action="store_true", help="only: the bf16 wire with update='host'")
     args = ap.parse_args()
+    if args.wire:
+        return main_wire(args)
     rounds = 3 if args.quick else 5
     info = machine()
     bw = optimizer_bandwidth(args.elements if not args.quick else 1 << 20, rounds)

@@ -81,15 +81,15 @@ def test_clipping_scheduler_uneven_split_and_state_dict_round_trip():
         assert tr.optimizers[0].param_groups[0]["lr"] == pytest.approx(s.get_last_lr()[0])
 
 
-@pytest.mark.parametrize("kw", [dict(grad_transfer="bf16"), dict(host_memory=1 << 16, segment_bytes=1024)])
-def test_bf16_wire_and_host_slot_ring_read_the_gradient_from_replica_0(kw):
+def test_host_slot_ring_reads_the_gradient_from_replica_0():
     """Without a float32 sum row to read in place, the host copies replica 0's averaged gradient:
-    the same as update='devices' with the same wire."""
+    the same as update='devices' with the same ring."""
     make = partial(torch.optim.SGD, lr=0.1, momentum=0.9)
     model, data = mlp(), batches()
     out = []
     for update in ("devices", "host"):
-        with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=2, update=update, **kw) as tr:
+        with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=2, update=update,
+                          host_memory=1 << 16, segment_bytes=1024) as tr:
             for x, y in data:
                 tr.step(x, y, F.cross_entropy)
                 assert_replicas_identical(tr)
@@ -439,3 +439,88 @@ def test_close_stops_the_host_update_thread():
     assert any(t.name == "cgdp-host-update" for t in threading.enumerate())
     tr.close()  # tr still referenced: only close() can stop it
     assert not any(t.name == "cgdp-host-update" for t in threading.enumerate())
+
+
+class _WritesThenRaises(torch.optim.AdamW):
+    """An optimizer of the user's whose step raises once after it wrote parameters and state."""
+
+    fail = False
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        if self.fail:
+            self.fail = False
+            raise ValueError("the step fails once")
+        return out
+
+
+@pytest.mark.parametrize("how", ["pre_hook", "post_hook", "optimizer"])
+def test_a_step_raising_after_backward_changes_nothing_and_training_goes_on(how):
+    """The update runs after backward (a step hook; clipping). Its step raises once, before or
+    after it wrote the masters and the state: step() raises that error, no replica changed, and
+    the Trainer goes on: skipping that batch, or doing it again, trains as one device does."""
+    make = partial(_WritesThenRaises, lr=1e-2, weight_decay=0.1) if how == "optimizer" else OPTIMIZERS["adamw"]
+    model, data = mlp(), batches(4)
+    clip = dict(clip_grad_norm=1e9) if how == "optimizer" else {}  # after backward without a hook
+    for redo in (False, True):
+        kept = data if redo else [d for i, d in enumerate(data) if i != 1]
+        ref, _ = reference(model, partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), kept, F.cross_entropy)
+        with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=2, update="host", **clip) as tr:
+            opt, fail = tr.optimizers[0], [False]
+
+            def hook(*_):
+                if fail[0]:
+                    fail[0] = False
+                    raise ValueError("the step fails once")
+            if how != "optimizer":
+                getattr(opt, f"register_step_{how}")(hook)
+            for i, (x, y) in enumerate(data):
+                if i == 1:
+                    fail[0] = opt.fail = True
+                    before = [p.detach().clone() for p in tr.replicas[0].parameters()]
+                    with pytest.raises(ValueError, match="fails once"):
+                        tr.step(x, y, F.cross_entropy)
+                    assert tr.stats["host_update_overlapped"] == 0.0
+                    assert all(map(torch.equal, before, tr.replicas[0].parameters()))
+                    assert_replicas_identical(tr)
+                    if not redo:
+                        continue
+                tr.step(x, y, F.cross_entropy)
+            assert {int(s["step"]) for s in opt.state.values()} == {len(kept)}
+            assert_params_close(tr.replicas[0], ref)
+            assert_replicas_identical(tr)
+
+
+def test_memory_report_on_gpus_adds_what_the_allocator_holds(monkeypatch):
+    """On GPUs each device also reports torch.cuda.memory_allocated of its own GPU, asked of the
+    runtime cgdp's devices use. The simulated runtime has no allocator: the key is absent there,
+    and a stand-in on its torch.cuda shows which GPU each device asks (untested on a real GPU)."""
+    from cgdp.engine.backend.cuda_runtime import runtime
+    from cgdp.testing import simulated_cuda
+    with simulated_cuda(2, seed=1):
+        with cgdp.Trainer(mlp(), OPTIMIZERS["adamw"], ["cuda:0", "cuda:1"], update="host", chunks=1) as tr:
+            tr.step(*batches(1)[0], F.cross_entropy)
+            report = tr.memory_report()
+            assert "allocated" not in report["cuda:0"] and report["cuda:0"]["optimizer_state"] == 0
+            asked = []
+            monkeypatch.setattr(runtime().cuda, "memory_allocated", lambda d: asked.append(d) or 1000 + d.index,
+                                raising=False)
+            report = tr.memory_report()
+    assert [report[d].get("allocated") for d in ("cuda:0", "cuda:1", "host")] == [1000, 1001, None]
+    assert [d.index for d in asked] == [0, 1]  # the runtime's own device objects
+
+
+def test_the_state_is_copied_aside_only_where_a_step_may_raise_after_writing():
+    """A post-hook, a replaced or foreign step: copied aside; torch's own step, also under an LR
+    scheduler's counter (every Trainer with a scheduler), or with a pre-hook only: not."""
+    from cgdp.engine.core.host_state import may_write_then_raise
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    pre = opt.register_step_pre_hook(lambda *_: None)
+    assert not may_write_then_raise(opt)
+    post = opt.register_step_post_hook(lambda *_: None)
+    assert may_write_then_raise(opt)
+    pre.remove(), post.remove()
+    assert may_write_then_raise(_WritesThenRaises([torch.nn.Parameter(torch.zeros(2))]))
+    opt.step = lambda: None
+    assert may_write_then_raise(opt)

@@ -273,3 +273,54 @@ def test_edited_gradients_are_copied_into_page_locked_host_memory():
             assert sum(sim.registered.values()) - before >= sum(p.numel() * 4 for p in dp.parameters())
             assert_identical(dp)
     assert not sim.errors
+
+
+class _WritesThenRaises(torch.optim.AdamW):
+    """An optimizer of the user's whose second step raises after it stepped."""
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == self.fail_at:
+            raise ValueError("the step fails once")
+        return out
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["second_step", "first_step"])
+@pytest.mark.parametrize("how", ["pre_hook", "post_hook", "optimizer"])
+def test_a_step_raising_once_leaves_what_one_device_holds(how, first):
+    """The user's step hook (before or after the body) or optimizer raises once, at the first
+    step or a later one; the user's loop catches it and goes on (its zero_grad() next): every
+    replica holds what one device running the same loop holds, as with update='devices'
+    (skipped for a pre-hook, stepped after)."""
+    def loop(model):
+        opt = _WritesThenRaises(model.parameters(), lr=1e-2) if how == "optimizer" else OPTIMIZERS["adamw"](
+            model.parameters())
+        calls, opt.fail_at = [], 1 if first else 2
+
+        def hook(*_):
+            calls.append(1)
+            if len(calls) == opt.fail_at:
+                raise ValueError("the step fails once")
+        if how != "optimizer":
+            getattr(opt, f"register_step_{how}")(hook)
+        raised = 0
+        for x, y in batches(4):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            try:
+                opt.step()
+            except ValueError:
+                raised += 1
+        assert raised == 1
+        return opt
+
+    model = mlp()
+    ref = copy.deepcopy(model)
+    ref_opt = loop(ref)
+    with cgdp.DataParallel(copy.deepcopy(model), DEVS, update="host") as dp:
+        opt = loop(dp)
+        assert [p for g in opt.param_groups for p in g["params"]] == list(dp.module.parameters())
+        assert {int(s["step"]) for s in opt.state.values()} == {int(s["step"]) for s in ref_opt.state.values()}
+        assert_params_close(dp.module, ref)
+        assert_identical(dp)

@@ -286,6 +286,13 @@ class HostAccumulator:
             return None
         return self._host[len(self.devices)]
 
+    def rounded_row(self) -> torch.Tensor | None:
+        """With a 16-bit wire and full-size rows: the row that holds every segment's sum rounded
+        once (what the devices would receive), in the flat layout; None otherwise."""
+        if self.ring or self._host is None or sum_dtype(self.dtype) == self.dtype:
+            return None
+        return self._host[len(self.devices)]
+
     def sum_of_squares(self) -> float:
         """Of this step's averaged gradient, once every segment is back (segment order)."""
         total = 0.0

@@ -3,13 +3,14 @@
 Shared by both faces. :class:`HostMasters` holds float32 *master* copies of replica 0's trainable
 parameters in one host allocation (pinned on CUDA: ``Device.host_empty``), each master a view into
 it, and the gradient every master reads: a view into the host accumulator's sum row when that row
-holds the averaged gradient as is (full-size rows, float32 on the wire: no copy at all), otherwise
-a host buffer filled from replica 0's gradients (one copy per step). One ``torch.optim`` optimizer
-steps the masters; then every device copies the masters into its replica's parameters, so the
-replicas are bitwise identical (the same float32 values on every device) and no device holds
-optimizer state.
+holds the averaged gradient as is (full-size rows, float32 on the wire: no copy at all), a view
+into a float32 buffer the bf16 sum row is widened into (a bf16 wire), otherwise a host buffer
+filled from replica 0's gradients (a ring of slots: one copy per step). One ``torch.optim``
+optimizer steps the masters; then every device copies the masters into its replica's parameters
+(their bf16 rounding with a bf16 wire: :mod:`cgdp.engine.core.host_wire`), so the replicas are
+bitwise identical and no device holds optimizer state.
 
-Invariants: masters equal replica 0's parameters between steps (the masters are refreshed from
+Invariants: masters equal replica 0's parameters between steps (with a bf16 wire, their rounding) (the masters are refreshed from
 replica 0 whenever a parameter's version counter moved, i.e. something other than the engine wrote
 it: a ``load_state_dict``, a user's edit); float32 parameters only (masters of 16-bit parameters
 would make training differ from one device: refused).
@@ -35,14 +36,14 @@ import threading
 import time
 import warnings
 import weakref
-from collections import defaultdict
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from cgdp.engine.backend.base import Device
-from cgdp.engine.core.host_state import StateSnapshot
+from cgdp.engine.core.host_state import StateSnapshot, has_step_hooks, prefer_fused, step_or_undo
+from cgdp.engine.core.host_wire import Bf16Wire, masters_in_state_dict
 from cgdp.engine.core.lifetime import Resources, weak_call
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
@@ -78,11 +79,19 @@ class HostMasters:
         self.pid = {id(p): pid for pid, p in enumerate(self.params[0])}
         """id(replica 0's parameter) -> its number (the masters' order)."""
         self._grad_buf: torch.Tensor | None = None
+        self._wide: torch.Tensor | None = None
         """Host gradients when the accumulator's sum row cannot be read in place (allocated once)."""
         self._attached: tuple | None = None
         self._selected: tuple = (None,)
+        self.wire: Any = None
+        """With ``grad_transfer="bf16"``: the :class:`~cgdp.engine.core.host_wire.Bf16Wire` back."""
         self._viewed: list[nn.Parameter] = []
         self.refresh()
+
+    @property
+    def versions(self) -> list[int]:
+        """Replica 0's parameters' version counters when the masters last took or gave them."""
+        return self._versions
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +100,17 @@ class HostMasters:
     @property
     def grad_bytes(self) -> int:
         """Host bytes held for gradients besides the accumulator's rows."""
-        return 0 if self._grad_buf is None else self._grad_buf.numel() * 4
+        return sum(b.numel() * 4 for b in (self._grad_buf, self._wide) if b is not None)
+
+    def widened(self, rounded: torch.Tensor) -> torch.Tensor:
+        """The float32 buffer (allocated once) that ``rounded`` (a bf16 sum row) is widened into."""
+        if self._wide is None or self._wide.numel() != rounded.numel():
+            self._wide = torch.empty(rounded.shape, dtype=torch.float32)
+        return self._wide
+
+    def widen(self, rounded: torch.Tensor, lo: int, hi: int) -> None:
+        """Elements ``lo:hi`` of the bf16 sum row, widened into :meth:`widened` (exact)."""
+        self.widened(rounded)[lo:hi].copy_(rounded[lo:hi])
 
     def refresh(self) -> None:
         """Masters ← replica 0's parameters (at start, after a failed step)."""
@@ -99,16 +118,25 @@ class HostMasters:
             torch._foreach_copy_(self.masters, [p.detach() for p in self.params[0]])
         self._versions = list(map(_VERSION, self.params[0]))
 
-    def follow(self) -> None:
+    def follow(self, round_replicas: bool = False) -> None:
         """The masters of the parameters anything but the engine wrote since (a load, a user's
-        edit, a forward writing in place: ``nn.Embedding(max_norm=)``) retake replica 0's."""
+        edit, a forward writing in place: ``nn.Embedding(max_norm=)``) retake replica 0's; with
+        ``round_replicas`` (before a step's forward) and a bf16 wire, the replicas then take their rounding."""
         now = list(map(_VERSION, self.params[0]))
         if now == self._versions:
             return
         moved = [pid for pid, (a, b) in enumerate(zip(now, self._versions)) if a != b]
         with torch.no_grad():
             torch._foreach_copy_([self.masters[pid] for pid in moved], [self.params[0][pid].detach() for pid in moved])
+        if round_replicas and self.wire is not None:
+            self.wire.round_replicas(moved)
+            now = list(map(_VERSION, self.params[0]))
         self._versions = now
+
+    def follow_rounded(self) -> None:
+        """Every replica's parameters ← the masters' bf16 rounding (the wire's)."""
+        self.wire.round_replicas(range(len(self.masters)))
+        self._versions = list(map(_VERSION, self.params[0]))
 
     def grads_from_row(self, row: torch.Tensor, offsets: Sequence[int], none: Sequence[int]) -> None:
         """Every master's gradient: a view of ``row`` (the flat layout's ``offsets``); None for ``none``."""
@@ -147,6 +175,10 @@ class HostMasters:
     def to_devices(self, threads: DeviceThreads, pids: Sequence[int] | None = None) -> list[Stamps]:
         """Every replica's parameters ← the masters (those numbered ``pids``, or all), on each
         device's thread; per device the stamps."""
+        if self.wire is not None and pids is None:  # bf16 over the bus
+            stamps = self.wire.to_devices(threads)
+            self._versions = list(map(_VERSION, self.params[0]))
+            return stamps
         if pids is None:
             masters, params = self.masters, self.params
         else:  # the lists of the last ``pids`` (the same object from step to step) kept
@@ -185,35 +217,6 @@ def after_forward(replicas_follow: Callable[[int], None], update: Update) -> Cal
         replicas_follow(used)
         masters.follow()
     return hook
-
-
-FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-"""Optimizers whose ``fused=True`` CPU kernel the host uses when the user chose no implementation:
-measured 3-9x faster than the default single-tensor loop on CPU (``bench/bench_host_update.py``)."""
-
-
-def prefer_fused(opt: torch.optim.Optimizer) -> list[int]:
-    """Set ``fused=True`` in the groups of ``opt`` that chose neither ``fused`` nor ``foreach``
-    (an explicit ``foreach=False`` or ``fused=False`` is kept; results agree with the default to
-    float32 rounding); the indices of the groups changed."""
-    if type(opt) not in FUSED_CPU:
-        return []
-    changed = []
-    for k, g in enumerate(opt.param_groups):
-        if g.get("fused") is None and g.get("foreach") is None and not g.get("differentiable"):
-            g["fused"] = True
-            changed.append(k)
-    return changed
-
-
-def has_step_hooks(opt: torch.optim.Optimizer) -> bool:
-    """Whether a step pre- or post-hook is registered on ``opt``, or one of the user's on every
-    optimizer (not cgdp.DataParallel's own, which leave an optimizer they do not own alone)."""
-    from torch.optim import optimizer as torch_optimizer
-    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
-        return True
-    hooks = (*torch_optimizer._global_optimizer_pre_hooks.values(), *torch_optimizer._global_optimizer_post_hooks.values())
-    return any(not getattr(h, "__module__", "").startswith("cgdp.") for h in hooks)
 
 
 PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
@@ -257,14 +260,28 @@ class HostUpdate(Update):
         self._with_backward = self._hooked = False  # this step's
         self._states = StateSnapshot()  # of the chunks stepped with backward, for a failure
         self._seconds = 0.0
+        self._rounded: torch.Tensor | None = None
+        self.undone = False
+        """The step raised after backward and was undone: no replica written, the state as before."""
 
-    def attach(self, stream: GradientStream, clipping: bool, guard: Guard, resources: Resources) -> None:
+    def attach(self, stream: GradientStream, clipping: bool, guard: Guard, resources: Resources,
+               module: nn.Module | None = None) -> None:
         """Once the stream exists: read the host's sum row in place if it can, and then send no
         gradient back during backward (only the parameters travel back); overlap if allowed (the
-        host update thread then stops with the engine's ``resources``)."""
+        host update thread then stops with the engine's ``resources``). With a bf16 wire the
+        parameters go back in bf16 and replica 0's ``module.state_dict()`` holds the masters."""
         self._stream, self._guard = stream, guard
+        if stream.stages and stream.transfer == torch.bfloat16 and stream.stages[0].numel() >= self.masters.flat.numel():
+            self.masters.wire = Bf16Wire(self.masters, stream.stages)
+            self.masters.follow_rounded()  # from the first forward on, the replicas hold the masters' rounding
+            resources.push(self.masters.wire.close)
+            if module is not None:
+                resources.push(masters_in_state_dict(module, self.masters).remove)
         host = stream.host
-        if host is None or host.sum_row() is None:
+        # the host's own sum is read in place: float32, or a bf16 wire's rounded row widened
+        # chunk by chunk into a float32 buffer (no gradient goes back to the devices either way)
+        self._rounded = None if host is None or host.sum_row() is not None else host.rounded_row()
+        if host is None or (host.sum_row() is None and self._rounded is None):
             return
         host.send_back = False
         if not clipping and type(self.optimizer) in PER_PARAMETER:
@@ -297,8 +314,8 @@ class HostUpdate(Update):
             else:
                 m.refresh()
             self._open = False
-        m.follow()
-        self._seconds = 0.0
+        m.follow(round_replicas=True)
+        self._seconds, self.undone = 0.0, False
         # the optimizer's step hooks (its own or torch's global ones) would run once per chunk and
         # see part of the parameters: with any, this step's update runs once, after backward
         self._hooked = has_step_hooks(self.optimizer)
@@ -313,14 +330,25 @@ class HostUpdate(Update):
                 self._chunk_pids[c].append(pid)
             where = {id(p): k for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
             self._group = [where.get(id(p)) for p in m.masters]
-        m.grads_from_row(self._stream.host.sum_row(), lay.offsets, ())  # again if zero_grad() dropped them
+        m.grads_from_row(self._sum_row(), lay.offsets, ())  # again if zero_grad() dropped them
         self._left = [len(r) for r in lay.chunk_segments]
         self._stepped: list[int] = []
         self._states.clear()
+        if m.wire is not None:
+            m.wire.forget()
         self._unsaved: int | None = None
         self._poisoned: int | None = None
         self._updated.reset()
         self._open = True
+
+    def _sum_row(self, widen: bool = False) -> torch.Tensor:
+        """The float32 row the masters' gradients view: the host's sum row, or with a bf16 wire
+        the buffer its rounded row is widened into (all of it now with ``widen``)."""
+        if self._rounded is None:
+            return self._stream.host.sum_row()
+        if widen:
+            self.masters.widen(self._rounded, 0, self._rounded.numel())
+        return self.masters.widened(self._rounded)
 
     def _summed(self, s: int) -> None:
         """The thread that made segment ``s`` final: when its chunk is complete, queue its update."""
@@ -342,10 +370,12 @@ class HostUpdate(Update):
                 bad = any(host.bad[t] for t in lay.chunk_segments[c])
             else:  # another rank's NaN arrives through the allreduce: look at the global sum
                 lo, hi = lay.chunk_bounds[c]
-                bad = not bool(torch.isfinite(host.sum_row()[lo:hi]).all())
+                bad = not bool(torch.isfinite((host.sum_row() if self._rounded is None else self._rounded)[lo:hi]).all())
             if bad:
                 self._poisoned = c
                 return
+            if self._rounded is not None:  # this chunk's gradient, widened to float32
+                self.masters.widen(self._rounded, *lay.chunk_bounds[c])
             t0 = time.perf_counter()
             groups = self.optimizer.param_groups
             lent = [[] for _ in groups]
@@ -354,6 +384,8 @@ class HostUpdate(Update):
                 k = self._group[pid]
                 if k is not None and any(h.touched[pid] for h in st.hooks):  # untouched: skipped, as on one device
                     lent[k].append(masters[pid])
+            if self.masters.wire is not None:  # the replicas hold the masters' rounding: keep the masters
+                self.masters.wire.keep(self._chunk_pids[c])
             if len(self._stepped) < len(lay.plan) - 1:  # a later failure may undo this step: keep its state
                 self._states.save(self.optimizer.state, [p for ps in lent for p in ps])
             else:  # the last chunk: every gradient is summed, nothing of this step is left to fail
@@ -374,7 +406,8 @@ class HostUpdate(Update):
     def _undo(self) -> None:
         """A failed or rejected overlapped step: the masters retake the replicas' parameters and
         the optimizer state of the chunks it stepped goes back to what it was before."""
-        self.masters.refresh()
+        m = self.masters  # with a bf16 wire from the masters' own copy (the replicas' are rounded)
+        m.wire.put_back() if m.wire is not None else m.refresh()
         self._states.restore(self.optimizer.state)
         if self._unsaved is not None:
             warnings.warn(f"the step failed after the host optimizer stepped its last chunk ({self._unsaved}) "
@@ -410,7 +443,7 @@ class HostUpdate(Update):
         if not overlapped:
             t0 = time.perf_counter()
             host = stream.host
-            row = host.sum_row() if host is not None and not host.send_back else None
+            row = self._sum_row(widen=True) if host is not None and not host.send_back else None
             if row is not None:
                 m.grads_from_row(row, stream.layout.offsets, stream.none_pids)
             else:  # replica 0 holds the averaged gradient (a bf16 wire, a ring of host slots)
@@ -419,12 +452,16 @@ class HostUpdate(Update):
                 grads = [g.grad for g in m.masters if g.grad is not None]
                 if grads:
                     torch._foreach_mul_(grads, coef.to(torch.float32).cpu())
-            self.optimizer.step()
+            self.undone = True  # until it returns: a failure changed nothing (the Trainer stays usable)
+            step_or_undo(self.optimizer, self._states, m)
+            self.undone = False
             self._seconds = time.perf_counter() - t0
         self._open = False
         self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped),
                         "host_update_step_hooks": float(self._hooked)}
-        return m.to_devices(threads)
+        stamps = m.to_devices(threads)
+        self.figures["host_update_bytes_back"] = float(m.wire.sent_bytes if m.wire is not None else m.nbytes)
+        return stamps
 
 
 def _stop(q: queue.SimpleQueue, thread: threading.Thread) -> None:
@@ -443,26 +480,3 @@ def _update_loop(q: queue.SimpleQueue, update: Callable[[int], None], fail: Call
             c() if callable(c) else update(c)
         except BaseException as exc:
             fail(exc)
-
-
-def optimizer_state_bytes(opt: torch.optim.Optimizer, device: torch.device | None = None) -> int:
-    """Bytes of ``opt``'s state tensors (on ``device``, or all)."""
-    total = 0
-    for s in opt.state.values():
-        for v in s.values():
-            if isinstance(v, torch.Tensor) and (device is None or v.device == device):
-                total += v.numel() * v.element_size()
-    return total
-
-
-def keyed_state(state: dict, keys: dict[int, torch.Tensor]) -> defaultdict:
-    """``state`` (an optimizer's, keyed by parameter) re-keyed by ``keys[id(param)]``, the same
-    per-parameter dicts (shared, not copied), tensors moved to the host."""
-    out: defaultdict = defaultdict(dict)
-    for p, s in state.items():
-        for k, v in list(s.items()):
-            if isinstance(v, torch.Tensor) and v.device.type != "cpu":
-                s[k] = v.to("cpu")
-        out[keys[id(p)]] = s
-    return out
-

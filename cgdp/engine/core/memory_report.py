@@ -11,7 +11,14 @@ say nothing):
 * ``"optimizer_state"``: the state tensors of the optimizers that step this device's replica (on
   the host: the host optimizer's);
 * ``"transfer"``: cgdp's buffers for the round trip: the bf16 stage of ``grad_transfer="bf16"`` on
-  a device; the registered slots and sum row on the host.
+  a device; the registered slots and sum row on the host (with ``update="host"`` and a bf16 wire,
+  also the masters' bf16 copy sent back).
+
+On a GPU each device also says ``"allocated"``: ``torch.cuda.memory_allocated`` of that GPU (every
+tensor the caching allocator holds for this process there: activations and the user's tensors
+too, and all replicas' when several share the GPU). Absent on emulated devices, and on the
+simulated CUDA runtime (``cgdp.testing.simulated_cuda``), whose ``torch.cuda`` has no allocator:
+this branch has run there only with a stand-in function, never on a GPU.
 
 Keys: the device strings as given to the face, and ``"host"``.
 """
@@ -21,7 +28,15 @@ from typing import Any, Sequence
 
 import torch
 
-from cgdp.engine.core.host_update import optimizer_state_bytes
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer, device: torch.device | None = None) -> int:
+    """Bytes of ``opt``'s state tensors (on ``device``, or all)."""
+    total = 0
+    for s in opt.state.values():
+        for v in s.values():
+            if isinstance(v, torch.Tensor) and (device is None or v.device == device):
+                total += v.numel() * v.element_size()
+    return total
 
 
 def _nbytes(ts: Sequence[torch.Tensor | None]) -> int:
@@ -43,6 +58,21 @@ def grad_bytes(params: Sequence[torch.Tensor], flat: torch.Tensor | None) -> int
     return total
 
 
+def allocated(name: Any) -> int | None:
+    """``torch.cuda.memory_allocated`` of the GPU ``name`` (``"cuda:N"``), from the CUDA runtime
+    cgdp's devices use; None for another device, or a runtime without it (the simulated one)."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        return None
+    if dev.type != "cuda":
+        return None
+    from cgdp.engine.backend.cuda_runtime import runtime
+    rt = runtime()
+    fn = getattr(rt.cuda, "memory_allocated", None)
+    return None if fn is None else int(fn(rt.torch_device(dev.index or 0)))
+
+
 def memory_report(devices: Sequence[str], params: Sequence[Sequence[torch.Tensor]],
                   optimizers: Sequence[Sequence[torch.optim.Optimizer]], stream: Any,
                   host_update: Any = None) -> dict[str, dict[str, int]]:
@@ -59,12 +89,17 @@ def memory_report(devices: Sequence[str], params: Sequence[Sequence[torch.Tensor
             "optimizer_state": sum(optimizer_state_bytes(o) for o in optimizers[j]),
             "transfer": _nbytes([stages[j]]),
         }
+        gpu = allocated(name)
+        if gpu is not None:
+            out[str(name)]["allocated"] = gpu
     host = {"parameters": 0, "gradients": 0, "optimizer_state": 0,
             "transfer": stream.host.registered_bytes if stream is not None and stream.host is not None else 0}
     if host_update is not None:
         masters, opts = host_update
         host["parameters"] = masters.nbytes
         host["gradients"] = masters.grad_bytes
+        if masters.wire is not None:  # the masters' bf16 rounding, sent to the devices
+            host["transfer"] += _nbytes([masters.wire.flat16])
         host["optimizer_state"] = sum(optimizer_state_bytes(o) for o in opts)
     out["host"] = host
     return out

@@ -13,7 +13,7 @@ the optimizer's own step body:
    swapped for the masters' (the same per-parameter state dicts, keyed by the masters);
 2. the optimizer's own ``step()`` then runs on the host, unchanged (its class, groups,
    hyperparameters, schedulers), with torch's fused CPU kernel for Adam, AdamW and SGD where the
-   user chose no implementation (:func:`~cgdp.engine.core.host_update.prefer_fused`);
+   user chose no implementation (:func:`~cgdp.engine.core.host_state.prefer_fused`);
 3. after it (the post-hook): the swap is undone and every replica's parameters are copied from
    the masters (:meth:`HostMasters.to_devices`): bitwise identical replicas, no device state.
 
@@ -27,19 +27,23 @@ optimizer's masters are copied back.
 The user's object keeps working: ``param_groups`` hold the model's parameters between steps,
 ``state_dict()`` is keyed by them and holds host tensors, ``load_state_dict()`` brings the loaded
 state to the host (a load post-hook), and ``close()`` gives the optimizer its state back on the
-parameters' device, so it steps replica 0 alone as before wrapping. A step whose body raised
-(torch runs no post-hook) is undone by the model's next operation: the swap is reverted and the
-masters retake replica 0's parameters (the replicas were never changed).
+parameters' device, so it steps replica 0 alone as before wrapping. A step that raised after
+the pre-hook (a user's step hook, the body; torch runs no post-hook) is finished at once by the
+optimizer's outermost ``step`` (:meth:`HostMirror.raised`): the swap is reverted and every replica
+takes the masters as the step left them, what one device holds after its step raised, as the
+device mirrors' resync gives with ``update="devices"``.
 """
 from __future__ import annotations
 
 import threading
 import weakref
+from collections import defaultdict
 from typing import Any
 
 import torch
 
-from cgdp.engine.core.host_update import HostMasters, grad_of, is_none, keyed_state, prefer_fused
+from cgdp.engine.core.host_state import prefer_fused
+from cgdp.engine.core.host_update import HostMasters, grad_of, is_none
 from cgdp.engine.dataparallel.mirror import _ATTR, _install_outermost, _remove_outermost
 
 
@@ -171,11 +175,32 @@ class HostMirror:
             if dp is not None:
                 dp.end()
 
+    def raised(self) -> None:
+        """The user's ``step()`` raised after :meth:`before` (a step pre- or post-hook of the
+        user's, the body; torch runs no post-hook): at once, as :meth:`after` would, the optimizer
+        gets its parameters back (a ``zero_grad()`` next must clear theirs, not the masters') and
+        every replica takes the masters as the step left them: what one device holds after its
+        step raised (unchanged if it raised before the body, stepped if in a post-hook)."""
+        if self.depth and self.thread is threading.current_thread():
+            self.depth = 0
+            self.after()
+
     def failed_on_replica_0(self) -> None:
-        """The clean-up of a step whose body raised: nothing reached a replica; the masters retake
-        replica 0's parameters."""
+        """The clean-up, at the model's next operation, of a step that raised where
+        :meth:`raised` did not see it (the optimizer's first step, which ran before its outermost
+        ``step`` was installed; ``type(opt).step(opt)``): the same result. A ``zero_grad()``
+        called in between found the masters lent: the gradients it dropped there are dropped on
+        replica 0's parameters, whose they were meant to be."""
+        if self._lent is not None:
+            masters, params = self.host.masters, self.host.params[0]
+            for k in self._flat:
+                if masters[k].grad is None and params[k].grad is not None:
+                    params[k].grad = None
         self._give_back()
-        self.host.refresh()
+        dp = self.dp()
+        if dp is not None:
+            dp.host_copy_back(self._flat)
+            dp.resynced()  # every replica took the masters: no edit of the user's to follow
 
     def detach(self) -> None:
         """The model closed: the optimizer gets its state back on the parameters' device."""
@@ -188,3 +213,14 @@ class HostMirror:
         if self.opt.state:
             self.opt.load_state_dict(self.opt.state_dict())  # torch's own placement of each state tensor
 
+
+def keyed_state(state: dict, keys: dict[int, torch.Tensor]) -> defaultdict:
+    """``state`` (an optimizer's, keyed by parameter) re-keyed by ``keys[id(param)]``, the same
+    per-parameter dicts (shared, not copied), tensors moved to the host."""
+    out: defaultdict = defaultdict(dict)
+    for p, s in state.items():
+        for k, v in list(s.items()):
+            if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+                s[k] = v.to("cpu")
+        out[keys[id(p)]] = s
+    return out

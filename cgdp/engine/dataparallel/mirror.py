@@ -156,6 +156,10 @@ def _post_hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         mirror.after()
 
 
+def _nothing() -> None:
+    pass
+
+
 def _install_outermost(opt: torch.optim.Optimizer) -> None:
     """Give ``opt`` an outermost ``step`` of its instance, over the one it has (its class's, or a
     scheduler's counter around it): the count of nested calls starts afresh at each call of this
@@ -172,7 +176,11 @@ def _install_outermost(opt: torch.optim.Optimizer) -> None:
         if mirror and mirror.thread is threading.current_thread():
             mirror.depth = 0
         fn, is_method = self.__dict__[_INNER]
-        return fn(self, *args, **kwargs) if is_method else fn(*args, **kwargs)
+        try:
+            return fn(self, *args, **kwargs) if is_method else fn(*args, **kwargs)
+        except BaseException:
+            getattr(self.__dict__.get(_ATTR), "raised", _nothing)()  # update="host": give the masters back now
+            raise
 
     ref = weakref.ref(opt)
 

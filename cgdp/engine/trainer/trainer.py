@@ -216,7 +216,7 @@ class Trainer:
         res.push(self._stream.close)
         self._stream.set_plan(plan)
         if self._host_update:
-            self._update.attach(self._stream, self._max_norm is not None, self._guard, res)
+            self._update.attach(self._stream, self._max_norm is not None, self._guard, res, self.replicas[0])
         self._stream.want_norm = self._max_norm is not None
         self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._guard,
                                     self._timing, after_forward(self._follow.after_forward, self._update))
@@ -478,7 +478,7 @@ class Trainer:
             return
         self._guard.fail(exc)
         self._life.broken = drain_after_failure(self._devs, self._stream.host)
-        if phase == "update":
+        if phase == "update" and not getattr(self._update, "undone", False):  # update="host" undoes its own
             self._life.broken = f"a failure during the update may have left replicas different ({exc!r})"
         if self._comm is not None and phase != "forward":
             self._life.broken = f"a failure in a step with MPI peers leaves them out of step ({exc!r})"

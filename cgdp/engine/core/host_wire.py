@@ -1,0 +1,138 @@
+"""``update="host"`` with ``grad_transfer="bf16"``: the updated parameters go back in bf16.
+
+The host keeps float32 masters (:class:`~cgdp.engine.core.host_update.HostMasters`); after each
+update it rounds them once to bf16 (round to nearest even) into a host buffer (page-locked on
+CUDA), and every device copies that buffer into its bf16 stage (the one the gradients cross the
+bus through, idle after backward) and widens it into its float32 parameters. Half the bytes of a
+float32 copy cross the bus, and every replica holds ``float32(bf16(master))``: bitwise identical
+replicas, each the masters rounded once, as in mixed-precision training with float32 masters
+and bf16 weights for the forward and backward.
+
+What follows from the replicas holding rounded copies:
+
+* the masters are the parameters of training: replica 0's ``state_dict()`` (the Trainer's
+  checkpoint, a user's ``model.state_dict()``) holds them (float32, host, copies), so a resumed
+  run equals an uninterrupted one; a ``load_state_dict`` gives the masters the loaded values and
+  the replicas their rounding (:meth:`Bf16Wire.round_replicas`, before the next step's forward);
+* ``close()`` gives replica 0, the user's model, the masters themselves;
+* the masters never retake replica 0's values after a failed step (that would round them): the
+  update copies them aside first where it may fail after writing them (:meth:`Bf16Wire.keep`).
+
+Threads: :meth:`Bf16Wire.to_devices` copies on each device's thread; the rest runs on the
+caller's thread, with nothing in flight.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from cgdp.engine.core.threads import DeviceThreads
+
+Stamps = tuple[Any, Any]
+
+
+class Bf16Wire:
+    """The masters' bf16 copy on the host and each device's views of its stage."""
+
+    def __init__(self, masters: Any, stages: Sequence[torch.Tensor]):
+        """``masters``: the :class:`HostMasters`; ``stages[j]``: device j's bf16 stage (at least as
+        many elements as the masters: the flat buffer covers every trainable parameter)."""
+        self.masters = masters
+        total = masters.flat.numel()
+        self.flat16 = masters.devs[0].host_empty((total,), torch.bfloat16)
+        self.stages = [st[:total] for st in stages]
+        shapes = [(o, m.numel(), m.shape) for o, m in zip(masters.offsets, masters.masters)]
+        self.views = [[st[o:o + n].view(s) for o, n, s in shapes] for st in self.stages]
+        self._backup: torch.Tensor | None = None
+        self._aside: list[torch.Tensor] = []
+        self._kept: Sequence[int] = []
+        self.sent_bytes = 0
+        """Bytes each device received in the last copy back."""
+
+    def to_devices(self, threads: DeviceThreads) -> list[Stamps]:
+        """Every replica's parameters ← float32(bf16(masters)), half the bytes over the bus."""
+        with torch.no_grad():
+            self.flat16.copy_(self.masters.flat)  # rounded once, on the host
+        params, devs = self.masters.params, self.masters.devs
+
+        def copy(j: int) -> Stamps:
+            dev = devs[j]
+            t0 = dev.stamp()
+            with torch.no_grad():
+                # page-locked source: asynchronous on a GPU; the host writes it again only after
+                # the next backward, which runs after this copy on the same stream
+                self.stages[j].copy_(self.flat16, non_blocking=dev.is_cuda)
+                torch._foreach_copy_(params[j], self.views[j])  # widened on the device
+            return t0, dev.stamp()
+        stamps = threads.run_all(copy, computing=True)
+        self.sent_bytes = self.flat16.numel() * self.flat16.element_size()
+        return stamps
+
+    def close(self) -> None:
+        """``close()``: replica 0 (the user's model) takes the masters themselves, the training's
+        float32 result, not their rounding; the stages' views are dropped."""
+        m = self.masters
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in m.params[0]], m.masters)
+        m.wire = None
+
+    def round_replicas(self, pids: Sequence[int]) -> None:
+        """The parameters numbered ``pids`` on every replica ← the masters' rounding (at the start,
+        after a load; between steps). Written through ``.data``, whose version counter is not the
+        parameter's: every replica alike, so nothing for the replicas' follower to copy or report."""
+        masters = [self.masters.masters[k].to(torch.bfloat16) for k in pids]
+        with torch.no_grad():
+            for ps in self.masters.params:
+                torch._foreach_copy_([ps[k].data for k in pids], masters)
+
+    def keep(self, pids: Sequence[int] | None = None) -> None:
+        """The masters numbered ``pids`` (all: None) copied aside, before an update that may fail
+        after writing them (a chunk stepped with backward; a step after it that may raise)."""
+        m = self.masters
+        if self._backup is None:
+            self._backup = torch.empty_like(m.flat)
+            self._aside = [self._backup[o:o + x.numel()].view(x.shape) for o, x in zip(m.offsets, m.masters)]
+        with torch.no_grad():
+            if pids is None:
+                self._backup.copy_(m.flat)
+                self._kept = range(len(m.masters))
+            else:
+                torch._foreach_copy_([self._aside[k] for k in pids], [m.masters[k] for k in pids])
+                self._kept = [*self._kept, *pids]
+
+    def put_back(self) -> None:
+        """The masters :meth:`keep` copied aside since :meth:`forget`, as they were."""
+        m, kept = self.masters, self._kept
+        with torch.no_grad():
+            if len(kept) == len(m.masters):
+                m.flat.copy_(self._backup)
+            elif kept:
+                torch._foreach_copy_([m.masters[k] for k in kept], [self._aside[k] for k in kept])
+        self._kept = []
+
+    def forget(self) -> None:
+        self._kept = []
+
+
+def masters_in_state_dict(module: nn.Module, masters: Any) -> Any:
+    """``module.state_dict()`` holds copies of the float32 masters for its trainable parameters
+    (not the replica's rounded values; ``keep_vars=True`` keeps the parameters, a deep copy of the
+    module its own values, and so does a parameter written since the masters last took it: a
+    load, read back by the replicas' follower); the hook's handle (removed by ``close()``)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    keys = [(names[id(p)], k) for k, p in enumerate(masters.params[0]) if id(p) in names]
+    own = weakref.ref(module)
+
+    def hook(mod: nn.Module, state: dict, prefix: str, meta: Any) -> None:
+        if mod is not own():  # a deep copy of the module, which copied its hooks: its own values
+            return
+        params, seen = masters.params[0], masters.versions
+        for name, k in keys:
+            # a parameter written since the masters last took it (a load, an edit, before the next
+            # step's follow): its own value, which the master will take
+            if params[k]._version == seen[k] and not isinstance(state.get(prefix + name), nn.Parameter):
+                state[prefix + name] = masters.masters[k].detach().clone()
+    return module.register_state_dict_post_hook(hook)
