@@ -14,7 +14,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import cgdp
 from test_comm_inproc import on_ranks
 from test_dataparallel import _Boom
-from helpers import assert_params_close, assert_ranks_equal_reference, assert_replicas_identical, mlp, reference
+from helpers import (TokenLM, assert_params_close, assert_ranks_equal_reference, assert_replicas_identical, mlp,
+                     reference, reference_step2, token_batches, token_sum)
 
 OPTIMIZERS = {
     "adamw": partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
@@ -137,6 +138,20 @@ def test_parameters_unused_in_a_step_keep_no_update_as_on_one_device():
             tr.step(x, y, F.cross_entropy)
         assert_params_close(tr.replicas[0], ref)
         assert torch.equal(tr.replicas[0].b.weight, model.b.weight)
+
+
+def test_a_layer_whose_only_parameter_is_tied_to_another_layer_steps_as_on_one_device():
+    """A tied output layer (its weight is the embedding's) owns no parameter, so its chunk sends
+    nothing: the overlapped host update waited for that chunk's update for ever."""
+    make = OPTIMIZERS["adamw"]
+    model, data = TokenLM(), token_batches(3, 4)
+    ref, _ = reference_step2(model, make, data, token_sum)
+    with cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], update="host", chunks=[[2], [1], [0]],
+                      timeout_s=60) as tr:
+        for b in data:
+            tr.step(b, token_sum)
+        assert_replicas_identical(tr)
+        assert_params_close(tr.replicas[0], ref)
 
 
 def test_unsupported_combinations_are_refused_with_a_sentence():

@@ -332,6 +332,7 @@ class HostUpdate(Update):
             self._group = [where.get(id(p)) for p in m.masters]
         m.grads_from_row(self._sum_row(), lay.offsets, ())  # again if zero_grad() dropped them
         self._left = [len(r) for r in lay.chunk_segments]
+        self._chunks = sum(1 for n in self._left if n)  # a layer without parameters of its own has no update
         self._stepped: list[int] = []
         self._states.clear()
         if m.wire is not None:
@@ -386,7 +387,7 @@ class HostUpdate(Update):
                     lent[k].append(masters[pid])
             if self.masters.wire is not None:  # the replicas hold the masters' rounding: keep the masters
                 self.masters.wire.keep(self._chunk_pids[c])
-            if len(self._stepped) < len(lay.plan) - 1:  # a later failure may undo this step: keep its state
+            if len(self._stepped) < self._chunks - 1:  # a later failure may undo this step: keep its state
                 self._states.save(self.optimizer.state, [p for ps in lent for p in ps])
             else:  # the last chunk: every gradient is summed, nothing of this step is left to fail
                 self._unsaved = c
@@ -425,7 +426,7 @@ class HostUpdate(Update):
         if self._open:  # overlapped (nothing else opens a step)
             # note: host waits for the host update thread to step every chunk
             try:
-                self._updated.wait(len(self._layout.plan), self._guard, "the host's update of every chunk")
+                self._updated.wait(self._chunks, self._guard, "the host's update of every chunk")
             except StepAborted:
                 if self._guard.error is None:
                     raise
