@@ -62,7 +62,7 @@ import torch
 from cgdp.testing import fake_cuda
 from cgdp.testing.host_syncs import HostSyncs
 from cgdp.testing.page_locked import PageLockedMemory
-from cgdp.testing.stream_check import AccessMode, StreamChecker, StreamRaceError
+from cgdp.testing.stream_check import AccessMode, StreamChecker, StreamRaceError, stream_key
 
 __all__ = ["simulated_cuda", "SimulatedCuda"]
 
@@ -99,7 +99,7 @@ class SimulatedCuda(PageLockedMemory):
         self._local = threading.local()
         self._lock = threading.Lock()
         self._streams: list[Any] = []
-        self._by_id: dict[int, Any] = {}
+        self._by_id: dict[tuple[int, int], Any] = {}
         self._side: dict[int, Any] = {}
         self._pool: dict[int, list[Any]] = {}
         self._handed: dict[int, int] = {}
@@ -222,14 +222,14 @@ class SimulatedCuda(PageLockedMemory):
         with self._lock:
             n = len(self._streams)
             s.sim, s.device_index, s.compute = self, index, compute
-            s.stream_id = s.cuda_stream = 0x1000 + n
+            s.stream_id = s.cuda_stream = 0 if compute else 0x1000 + n  # (torch's: 0 on every device)
             s.name = f"cuda:{index}/{'default' if compute else f'stream{n}'}"
             s._rng = random.Random(self.seed * 7919 + n)
             s._q = queue.SimpleQueue()
             s._pending = 0
             s._thread = threading.Thread(target=self._work, args=(s,), daemon=True, name=f"sim-{s.name}")
             self._streams.append(s)
-            self._by_id[s.stream_id] = s
+            self._by_id[stream_key(s)] = s
         s.idle = lambda: s._pending == 0
         s._thread.start()
         if not compute:
@@ -237,12 +237,12 @@ class SimulatedCuda(PageLockedMemory):
             self.need_context(index, "stream creation")
         return s
 
-    def stream_by_id(self, stream_id: int) -> Any:
-        return self._by_id[stream_id]
+    def stream_by_id(self, stream_id: int, device_index: int) -> Any:
+        return self._by_id[(device_index, stream_id)]
 
-    def _stream_name(self, stream_id: int) -> str:
-        s = self._by_id.get(stream_id)
-        return s.name if s is not None else hex(stream_id)
+    def _stream_name(self, key: Any) -> str:
+        s = self._by_id.get(key)
+        return s.name if s is not None else str(key)
 
     def _submit(self, s: Any, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -294,7 +294,7 @@ class SimulatedCuda(PageLockedMemory):
         if gate is None:
             return  # an event never recorded: nothing to wait for (as in CUDA)
         self.counts["wait_event"] += 1
-        self._fire("EventWaitCallbacks", ev.event_id, s.cuda_stream)
+        self._fire(s.device_index, "EventWaitCallbacks", ev.event_id, s.cuda_stream)
         if s.compute:
             # the kernels after this wait run on the host when issued: they must not run before
             # the event's work (a physical hold; logically the wait stays device-side)
@@ -307,7 +307,7 @@ class SimulatedCuda(PageLockedMemory):
         self.need_context(s.device_index, "cudaStreamSynchronize")
         self.syncs.count("synchronize")
         self._drain(s)
-        self._fire("StreamSynchronizationCallbacks", s.cuda_stream)
+        self._fire(s.device_index, "StreamSynchronizationCallbacks", s.cuda_stream)
         self.raise_pending()
 
     def synchronize_device(self, index: int) -> None:
@@ -319,7 +319,7 @@ class SimulatedCuda(PageLockedMemory):
             for s in list(self._streams):
                 if s.device_index == index:
                     self._drain(s)
-                    self._fire("StreamSynchronizationCallbacks", s.cuda_stream)
+        self._fire(index, "DeviceSynchronizationCallbacks")
         self.raise_pending()
 
     def busy(self, seconds: float) -> None:
@@ -357,7 +357,7 @@ class SimulatedCuda(PageLockedMemory):
         self.need_context(s.device_index, "cudaEventRecord")
         gate = threading.Event()
         ev._gate, ev._t, ev._stream = gate, None, s
-        self._fire("EventRecordCallbacks", ev.event_id, s.cuda_stream)
+        self._fire(s.device_index, "EventRecordCallbacks", ev.event_id, s.cuda_stream)
 
         def fire() -> None:
             if ev._gate is gate:
@@ -383,7 +383,7 @@ class SimulatedCuda(PageLockedMemory):
             self.counts["spin_waits"] += 1  # a real GPU would spin a core here
         if ev._gate is not None:
             self._hold(ev._gate, "Event.synchronize")
-            self._fire("EventSynchronizationCallbacks", ev.event_id)
+            self._fire(None, "EventSynchronizationCallbacks", ev.event_id)
         self.raise_pending()
 
     def elapsed_time(self, start: Any, end: Any) -> float:
@@ -394,11 +394,16 @@ class SimulatedCuda(PageLockedMemory):
             raise RuntimeError("CUDA error: device not ready (an event of elapsed_time has not completed)")
         return (end._t - start._t) * 1e3
 
-    @staticmethod
-    def _fire(registry: str, *args: Any) -> None:
-        """What torch's C++ does on a GPU: call the Python GPU-trace callbacks."""
+    def _fire(self, device: int | None, registry: str, *args: Any) -> None:
+        """What torch's C++ does on a GPU: call the Python GPU-trace callbacks, under a guard of
+        ``device`` (the stream's: the callbacks name a stream by its handle only)."""
         import torch.cuda._gpu_trace as gt
-        getattr(gt, registry).fire_callbacks(*args)
+        prev = self.exchange_device(device) if device is not None else None
+        try:
+            getattr(gt, registry).fire_callbacks(*args)
+        finally:
+            if prev is not None:
+                self.maybe_exchange_device(prev)
 
     # ---------------------------------------------------------------- kernels (the dispatch mode)
     def _explicit(self) -> bool:
@@ -409,10 +414,10 @@ class SimulatedCuda(PageLockedMemory):
         cur = self.current_device()
         return t.bound or t.streams.get(cur, self._default[cur]) is not self._default[cur]
 
-    def _stream_of(self, tensors: list[torch.Tensor]) -> int | None:
+    def _stream_of(self, tensors: list[torch.Tensor]) -> Any:
         if not self._explicit():
             return None
-        return self.current_stream(self.current_device()).cuda_stream
+        return stream_key(self.current_stream(self.current_device()))
 
     def _take_dest(self) -> int | None:
         dest, self._local.dest = getattr(self._local, "dest", None), None
@@ -461,7 +466,7 @@ class SimulatedCuda(PageLockedMemory):
         if fake_cuda._sim is not None:
             raise RuntimeError("a simulated CUDA runtime is already active; nest no simulated_cuda()")
         fake_cuda._sim = self
-        self.checker.install_trace()
+        self.checker.install_trace(self.current_device)
         self._watch()
 
     def close(self) -> None:

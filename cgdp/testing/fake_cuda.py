@@ -46,7 +46,7 @@ class Stream:
     def __new__(cls, device=None, priority=0, **kwargs):
         sim = active()
         if "stream_id" in kwargs:
-            return sim.stream_by_id(kwargs["stream_id"])
+            return sim.stream_by_id(kwargs["stream_id"], kwargs.get("device_index", sim.current_device()))
         idx = _index(device)
         with _guard(idx):  # as torch: created under a guard of its device
             return sim.new_stream(cls, idx, compute=False)

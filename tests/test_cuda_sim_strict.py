@@ -1,0 +1,86 @@
+"""The strict simulator where CUDA is stricter than a plain reading of the code suggests.
+
+Each test here failed before the simulator or checker change it names: the ordering checker keys
+each device's default stream apart (torch hands out handle 0 for every device's default stream),
+kernels of every thread are checked, and the host may run ahead of the streams for copies.
+"""
+import pytest
+import torch
+
+from cgdp.testing import simulated_cuda
+from cgdp.testing.stream_check import StreamChecker, StreamRaceError, stream_key
+
+
+# ------------------------------------------------------------------- default streams of two devices
+def test_default_streams_have_torch_handle_0_on_every_device():
+    with simulated_cuda(2, max_delay_s=0.0) as sim:
+        s0, s1 = sim.runtime.default_stream(0), sim.runtime.default_stream(1)
+        assert s0.cuda_stream == s1.cuda_stream == 0 and stream_key(s0) != stream_key(s1)
+        assert sim.cuda.Stream(stream_id=0, device_index=1, device_type=1) is s1
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_two_devices_default_streams_race_on_one_host_buffer(ordered):
+    """GPU 0's default stream copies into page-locked bytes, GPU 1's copies them out: without an
+    event between the two it is a race (keyed by handle alone, both were "stream 0": hidden)."""
+    with simulated_cuda(2, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        host = rt.host_alloc(64, torch.float32)
+        a, b = torch.ones(64), torch.zeros(64)
+        rt.set_device(0)
+        rt.copy(host, a)  # on cuda:0's default stream
+        if ordered:
+            ev = rt.Event()
+            ev.record(rt.default_stream(0))
+            rt.default_stream(1).wait_event(ev)
+        rt.set_device(1)
+        rt.copy(b, host)  # on cuda:1's default stream
+        if not ordered:
+            with pytest.raises(StreamRaceError, match="cuda:1/default .* cuda:0/default"):
+                sim.synchronize_device(1)
+        sim.synchronize_device(0)
+        sim.synchronize_device(1)
+        rt.host_free(host)
+
+
+def test_device_synchronize_orders_only_that_devices_streams():
+    """``torch.cuda.synchronize(0)`` waits for GPU 0 only (cudaDeviceSynchronize on the current
+    device): host memory GPU 1 still copies into is in flight after it."""
+    with simulated_cuda(2, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        host = rt.host_alloc(64, torch.float32)
+        rt.set_device(1)
+        rt.copy(host, torch.ones(64))
+        sim.synchronize_device(0)
+        with pytest.raises(StreamRaceError, match="cudaHostUnregister .* cuda:1/default"):
+            rt.host_free(host)
+            sim.raise_pending()
+
+
+def test_torch_trace_callbacks_are_keyed_by_the_current_device():
+    """On a GPU, torch fires the trace callbacks with the stream's handle under a guard of its
+    device: the checker keys by (current device, handle)."""
+    import torch.cuda._gpu_trace as gt
+    dev = {"d": 0}
+    chk = StreamChecker()
+    chk.install_trace(lambda: dev["d"])
+    try:
+        buf = (1000, 2000)
+        chk.access((0, 0), [], [buf], "write on GPU 0")
+        dev["d"] = 1
+        chk.access((1, 0), [buf], [], "read on GPU 1")
+        assert len(chk.errors) == 1
+        dev["d"] = 0
+        gt.EventRecordCallbacks.fire_callbacks(77, 0)
+        dev["d"] = 1
+        gt.EventWaitCallbacks.fire_callbacks(77, 0)
+        chk.access((1, 0), [buf], [], "read on GPU 1")
+        assert len(chk.errors) == 1, "the event orders GPU 0's default stream before GPU 1's"
+        chk.access((0, 0), [], [(3000, 4000)], "another write on GPU 0")
+        gt.DeviceSynchronizationCallbacks.fire_callbacks()  # GPU 1 only
+        assert chk.unsettled() == ["another write on GPU 0 on (0, 0)"]  # not known complete
+        dev["d"] = 0
+        gt.DeviceSynchronizationCallbacks.fire_callbacks()
+        assert chk.unsettled() == []
+    finally:
+        chk.uninstall_trace()
