@@ -84,3 +84,59 @@ def test_torch_trace_callbacks_are_keyed_by_the_current_device():
         assert chk.unsettled() == []
     finally:
         chk.uninstall_trace()
+
+
+# ------------------------------------------------------------------- kernels of every thread
+def _side_copy_into(sim, d, host):
+    """A ``non_blocking`` copy from page-locked memory into ``d`` on a side stream of cuda:0,
+    still in flight when this returns."""
+    rt = sim.runtime
+    side = rt.Stream(0)
+    with rt.stream(side):
+        rt.cuda._sleep(int(0.05e9))  # the copy lands 50 ms later
+        rt.copy(d, host)
+    return side
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_a_kernel_of_a_thread_that_never_chose_a_device_is_checked(ordered):
+    """A thread that never called torch.cuda (nor chose a device) adds into device memory a side
+    stream still copies into: on a GPU its kernel runs on cuda:0's default stream, unordered with
+    the copy. Before, such a thread's kernels were not recorded at all."""
+    import threading
+    with simulated_cuda(1, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        host = rt.host_alloc(64, torch.float32)
+        host.fill_(1.0)
+        d = torch.zeros(64, device=rt.torch_device(0))
+        side = _side_copy_into(sim, d, host)
+        if ordered:
+            side.synchronize()
+        out = {}
+
+        def user():
+            out["sum"] = float(d.add_(1.0).sum())
+        t = threading.Thread(target=user, name="never-bound")
+        t.start()
+        t.join()
+        if ordered:
+            assert out["sum"] == 128.0
+            side.synchronize()
+        else:
+            with pytest.raises(StreamRaceError, match=r"add_.*never-bound.*cuda:0/default.*copy_"):
+                side.synchronize()
+        rt.host_free(host)
+
+
+def test_copies_between_devices_are_ordered_as_torch_orders_them():
+    """A copy from cuda:0 to cuda:1 (on any thread) runs on cuda:0's stream between two barriers
+    (Copy.cu): what cuda:1 then computes from it needs no event of the caller's; the result is right."""
+    with simulated_cuda(2, max_delay_s=0.001) as sim:
+        a = torch.arange(64.0, device=sim.runtime.torch_device(0))
+        b = a.to(sim.runtime.torch_device(1))
+        c = b * 2
+        assert sim.syncs.device_of(b) == 1 and sim.syncs.device_of(c) == 1
+        assert torch.equal(c.cpu(), torch.arange(64.0) * 2)
+        a.add_(1)  # cuda:0 writes its source again: ordered after the copy, on cuda:0's stream
+        sim.synchronize_device(0)
+        sim.synchronize_device(1)

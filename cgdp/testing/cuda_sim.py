@@ -16,8 +16,13 @@ difference could hide a defect:
   issuing thread until the event completes (the kernels after it run on the host at once); that
   hold gives the host no knowledge: every check below treats the wait as device-side, as CUDA does.
 * **Ordering checks** (:mod:`cgdp.testing.stream_check`): the fakes fire torch's own GPU trace
-  callbacks, and a dispatch mode records every kernel's bytes on the stream it runs on, on every
-  thread that touches CUDA. A race between streams, a block of the caching allocator reused while
+  callbacks, and a dispatch mode records every kernel's bytes on the stream it runs on
+  (:mod:`cgdp.testing.sim_kernels`: the issuing thread's current stream of its tensors' device;
+  copies between devices with Copy.cu's two barriers; blocking copies and host reads synchronise
+  their stream), on every thread: the modes are pushed on each thread started while the simulator
+  is active (``threading.setprofile``) and on any other that calls ``torch.cuda``, so a thread
+  that never chose a device (the caller's buffer zeroing and relays, a user's optimizer step) is
+  checked too. Streams are keyed by (device, handle): every default stream is handle 0. A race between streams, a block of the caching allocator reused while
   another stream may still use it, or page-locked memory unregistered while a copy may still use
   it, is a :class:`~cgdp.testing.stream_check.StreamRaceError`, raised at the next host
   synchronisation (or when the ``with`` block ends): a wrong order fails even when the random
@@ -52,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import random
+import sys
 import threading
 import time
 from collections import Counter
@@ -62,7 +68,8 @@ import torch
 from cgdp.testing import fake_cuda
 from cgdp.testing.host_syncs import HostSyncs
 from cgdp.testing.page_locked import PageLockedMemory
-from cgdp.testing.stream_check import AccessMode, StreamChecker, StreamRaceError, stream_key
+from cgdp.testing.sim_kernels import KernelMode
+from cgdp.testing.stream_check import StreamChecker, StreamRaceError, stream_key
 
 __all__ = ["simulated_cuda", "SimulatedCuda"]
 
@@ -100,13 +107,14 @@ class SimulatedCuda(PageLockedMemory):
         self._lock = threading.Lock()
         self._streams: list[Any] = []
         self._by_id: dict[tuple[int, int], Any] = {}
+        self._workers: set[threading.Thread] = set()
         self._side: dict[int, Any] = {}
         self._pool: dict[int, list[Any]] = {}
         self._handed: dict[int, int] = {}
         self._events = 0
         self.checker = StreamChecker(self._stream_name)
         self.checker.on_error = self.violations.append
-        self.mode = AccessMode(self.checker, self._stream_of, self._execute)
+        self.mode = KernelMode(self)
         self.syncs = HostSyncs(self._pinned_at)
         self.mode.on_fresh = lambda inputs, fresh: self.syncs.computed(inputs, fresh, self._take_dest())
         self.torch, self.cuda = fake_cuda.namespaces(self)
@@ -230,6 +238,7 @@ class SimulatedCuda(PageLockedMemory):
             s._thread = threading.Thread(target=self._work, args=(s,), daemon=True, name=f"sim-{s.name}")
             self._streams.append(s)
             self._by_id[stream_key(s)] = s
+            self._workers.add(s._thread)
         s.idle = lambda: s._pending == 0
         s._thread.start()
         if not compute:
@@ -239,6 +248,10 @@ class SimulatedCuda(PageLockedMemory):
 
     def stream_by_id(self, stream_id: int, device_index: int) -> Any:
         return self._by_id[(device_index, stream_id)]
+
+    def stream_by_key(self, key: Any) -> Any:
+        """The stream of a checker key (:func:`~cgdp.testing.stream_check.stream_key`)."""
+        return self._by_id[key]
 
     def _stream_name(self, key: Any) -> str:
         s = self._by_id.get(key)
@@ -431,11 +444,14 @@ class SimulatedCuda(PageLockedMemory):
             self._launch_check()
         if func is not torch.ops.aten.copy_.default:
             return func(*args, **kwargs)
-        s = self.current_stream(self.current_device())
+        s = self.stream_by_key(stream) if stream is not None else None
         self.counts["copies"] += 1
-        if s.compute:
+        if s is None or s.compute:
             return func(*args, **kwargs)  # compute runs when issued
         dst, src = args[0], args[1]
+        if self.syncs.device_of(src) is None and not self.syncs.locked(src) and self.syncs.device_of(dst) is not None:
+            src = src.clone()  # from pageable memory: CUDA stages the source when issued
+            args = (dst, src, *args[2:])
         host = [self._registered_range(x) for x in (dst, src)]
         kind = "d2h" if host[0] else "h2d" if host[1] else "d2d"
         self.copied_bytes[kind] += dst.numel() * dst.element_size()
@@ -468,8 +484,19 @@ class SimulatedCuda(PageLockedMemory):
         fake_cuda._sim = self
         self.checker.install_trace(self.current_device)
         self._watch()
+        self._profile = threading.getprofile()
+        threading.setprofile(self._thread_starts)
+
+    def _thread_starts(self, frame: Any, event: str, arg: Any) -> None:
+        """Every thread started while the simulator is active (``threading.setprofile``: called
+        once, on the thread's first call) is watched from its start, whether or not it ever calls
+        ``torch.cuda``: the kernels it issues on simulated devices are checked."""
+        sys.setprofile(self._profile)
+        if fake_cuda._sim is self and threading.current_thread() not in self._workers:
+            self._watch()
 
     def close(self) -> None:
+        threading.setprofile(getattr(self, "_profile", None))
         self.checker.unwatch_thread(self.mode)
         if getattr(self._local, "syncing", False):
             _pop_function_mode(self.syncs.mode)

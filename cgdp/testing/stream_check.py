@@ -382,7 +382,7 @@ class AccessMode(TorchDispatchMode):
             elif arg.alias_info.is_write:
                 writes += ts
             # a view's argument (alias, not written) is metadata only
-        stream = self.stream_of(reads + writes)
+        stream = self.stream_for(func, args, kwargs, reads, writes)
         if func is torch.ops.aten.record_stream.default:
             rng = tensor_bytes(args[0])
             target = self.stream_of_object(args[1])
@@ -403,13 +403,34 @@ class AccessMode(TorchDispatchMode):
         if stream is None:  # not recorded; but memory it allocated starts a new history
             if fresh:
                 self.checker.forget(fresh)
+            self.finish(func, args, kwargs, stream, reads, writes)
             return out
         rr = [r for t in reads if (r := tensor_bytes(t)) is not None]
         ww = [r for t in writes if (r := tensor_bytes(t)) is not None]
         if not _UNINITIALISED.match(schema.name):
             ww += fresh  # an empty() allocates without writing (and may be host memory)
-        self.checker.access(stream, rr, ww, f"{func.__name__} ({threading.current_thread().name})", fresh)
+        what = f"{func.__name__} ({threading.current_thread().name})"
+        home = self.alloc_stream(func, kwargs, stream)
+        if home != stream and fresh:
+            self.checker.access(home, [], [], what, fresh)  # allocated on another stream first
+            fresh = []
+        self.checker.access(stream, rr, ww, what, fresh)
+        self.finish(func, args, kwargs, stream, reads, writes)
         return out
+
+    def stream_for(self, func: Any, args: tuple, kwargs: dict, reads: list[torch.Tensor],
+                   writes: list[torch.Tensor]) -> Any:
+        """The stream an operator runs on (None: not recorded); by default ``stream_of``."""
+        return self.stream_of(reads + writes)
+
+    def alloc_stream(self, func: Any, kwargs: dict, stream: Any) -> Any:
+        """The stream whose allocator gave the operator's outputs (by default its own)."""
+        return stream
+
+    def finish(self, func: Any, args: tuple, kwargs: dict, stream: Any, reads: list[torch.Tensor],
+               writes: list[torch.Tensor]) -> None:
+        """After an operator ran and was recorded (what the environment adds: e.g. a blocking
+        copy's synchronisation)."""
 
     def stream_of_object(self, s: Any) -> Any:
         """The key of a stream object passed to ``record_stream``."""
