@@ -26,14 +26,12 @@ def test_two_devices_default_streams_race_on_one_host_buffer(ordered):
     with simulated_cuda(2, max_delay_s=0.0) as sim:
         rt = sim.runtime
         host = rt.host_alloc(64, torch.float32)
-        a, b = torch.ones(64), torch.zeros(64)
-        rt.set_device(0)
+        a, b = torch.ones(64, device=rt.torch_device(0)), torch.zeros(64, device=rt.torch_device(1))
         rt.copy(host, a)  # on cuda:0's default stream
         if ordered:
             ev = rt.Event()
             ev.record(rt.default_stream(0))
             rt.default_stream(1).wait_event(ev)
-        rt.set_device(1)
         rt.copy(b, host)  # on cuda:1's default stream
         if not ordered:
             with pytest.raises(StreamRaceError, match="cuda:1/default .* cuda:0/default"):
@@ -49,8 +47,7 @@ def test_device_synchronize_orders_only_that_devices_streams():
     with simulated_cuda(2, max_delay_s=0.0) as sim:
         rt = sim.runtime
         host = rt.host_alloc(64, torch.float32)
-        rt.set_device(1)
-        rt.copy(host, torch.ones(64))
+        rt.copy(host, torch.ones(64, device=rt.torch_device(1)))
         sim.synchronize_device(0)
         with pytest.raises(StreamRaceError, match="cudaHostUnregister .* cuda:1/default"):
             rt.host_free(host)
@@ -140,3 +137,71 @@ def test_copies_between_devices_are_ordered_as_torch_orders_them():
         a.add_(1)  # cuda:0 writes its source again: ordered after the copy, on cuda:0's stream
         sim.synchronize_device(0)
         sim.synchronize_device(1)
+
+
+# ------------------------------------------------------------------- the host runs ahead of the streams
+@pytest.mark.parametrize("ordered", [False, True])
+def test_a_host_write_into_page_locked_memory_a_queued_copy_reads(ordered):
+    """A ``non_blocking`` copy from page-locked memory on the default stream is queued behind the
+    stream's work, as on a GPU: the host writing the buffer before the copy ran is a race (and the
+    device gets the new bytes); after an event's synchronize it is right."""
+    with simulated_cuda(1, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        host = rt.host_alloc(64, torch.float32)
+        host.fill_(1.0)
+        d = torch.zeros(64, device=rt.torch_device(0))
+        rt.cuda._sleep(int(0.05e9))  # the default stream is busy for 50 ms
+        rt.copy(d, host)  # on cuda:0's default stream: queued
+        ev = rt.Event()
+        ev.record(rt.default_stream(0))
+        if ordered:
+            ev.synchronize()
+        host.fill_(2.0)  # the host reuses the staging bytes
+        if ordered:
+            assert float(d.sum()) == 64.0
+        else:
+            with pytest.raises(StreamRaceError, match=r"fill_.* on stream the host writes .* copy_"):
+                ev.synchronize()
+            assert float(d.sum()) == 128.0, "the copy read the host's later bytes, as on a GPU"
+        rt.host_free(host)
+
+
+@pytest.mark.parametrize("how", ["none", "query", "synchronize"])
+def test_a_host_read_of_page_locked_memory_a_queued_copy_writes(how):
+    """A device-to-host copy into page-locked memory on the default stream lands later: the host
+    reading it first is a race; a query that returned True, or a synchronize, orders it."""
+    with simulated_cuda(1, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        host = rt.host_alloc(64, torch.float32)
+        host.zero_()
+        d = torch.ones(64, device=rt.torch_device(0))
+        rt.cuda._sleep(int(0.02e9))
+        rt.copy(host, d)
+        ev = rt.Event()
+        ev.record(rt.default_stream(0))
+        if how == "query":
+            while not ev.query():
+                pass
+        elif how == "synchronize":
+            rt.default_stream(0).synchronize()
+        total = float(host.sum())
+        if how == "none":
+            assert total == 0.0, "the copy had not landed"
+            with pytest.raises(StreamRaceError, match=r"sum.* on stream the host reads .* copy_"):
+                ev.synchronize()
+        else:
+            assert total == 64.0
+        rt.host_free(host)
+
+
+def test_inputs_staged_through_page_locked_memory_keep_their_bytes():
+    """``upload`` stages each input in a fresh page-locked block (torch's caching host allocator
+    reuses a block only after its copy ran): with the copies queued behind a busy default stream,
+    each device tensor still gets its own input."""
+    from cgdp.engine.backend.cuda_runtime import upload
+    with simulated_cuda(1, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        rt.cuda._sleep(int(0.02e9))
+        outs = [upload(torch.full((1000,), float(i)), rt.torch_device(0)) for i in range(6)]
+        assert [float(o.sum()) for o in outs] == [1000.0 * i for i in range(6)]
+        assert sim.counts["queued_copies"] == 6, "each was queued on the default stream"

@@ -9,8 +9,15 @@ difference could hide a defect:
 * **Asynchrony.** Every stream is an in-order worker thread that sleeps a random (seeded) time
   before each item, so completions on different streams and devices come in varying orders. A
   ``copy_(..., non_blocking=True)`` issued on a side stream runs on that stream's worker, later:
-  a copy that is not ordered reads or writes at the wrong time and the result is wrong.
-* **The compute stream.** PyTorch's CPU kernels run when issued (an infinitely fast GPU); events
+  a copy that is not ordered reads or writes at the wrong time and the result is wrong. So does
+  a ``non_blocking`` copy between page-locked host memory and a device on a *default* stream
+  (``copy_``, or a move ``.to(device, non_blocking=True)`` from page-locked memory): the host runs
+  ahead of it, and writing its source or reading its destination before a synchronisation is
+  wrong as on a GPU. The host's own kernels on page-locked memory are checked as a stream of
+  their own (``stream_check.HOST``), ordered only by what the host waited for (a synchronize, an
+  event's synchronize, a query that returned True).
+* **The compute stream.** PyTorch's CPU kernels run when issued (an infinitely fast GPU), after
+  the copies queued before them on that stream (a physical hold, no knowledge); events
   recorded on a default stream complete on its worker after a random lag, and :meth:`busy` or
   ``torch.cuda._sleep`` put device time there. A default stream's ``wait_event`` must hold the
   issuing thread until the event completes (the kernels after it run on the host at once); that
@@ -22,7 +29,8 @@ difference could hide a defect:
   their stream), on every thread: the modes are pushed on each thread started while the simulator
   is active (``threading.setprofile``) and on any other that calls ``torch.cuda``, so a thread
   that never chose a device (the caller's buffer zeroing and relays, a user's optimizer step) is
-  checked too. Streams are keyed by (device, handle): every default stream is handle 0. A race between streams, a block of the caching allocator reused while
+  checked too. Streams are keyed by (device, handle): every default stream is handle 0. A race
+  between streams, a block of the caching allocator reused while
   another stream may still use it, or page-locked memory unregistered while a copy may still use
   it, is a :class:`~cgdp.testing.stream_check.StreamRaceError`, raised at the next host
   synchronisation (or when the ``with`` block ends): a wrong order fails even when the random
@@ -55,6 +63,7 @@ tests of gradients produced on a side stream, is :class:`cgdp.testing.side_strea
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import queue
 import random
 import sys
@@ -69,7 +78,8 @@ from cgdp.testing import fake_cuda
 from cgdp.testing.host_syncs import HostSyncs
 from cgdp.testing.page_locked import PageLockedMemory
 from cgdp.testing.sim_kernels import KernelMode
-from cgdp.testing.stream_check import StreamChecker, StreamRaceError, stream_key
+from cgdp.testing.page_locked import _poison
+from cgdp.testing.stream_check import HOST, StreamChecker, StreamRaceError, stream_key
 
 __all__ = ["simulated_cuda", "SimulatedCuda"]
 
@@ -94,7 +104,9 @@ class SimulatedCuda(PageLockedMemory):
         self.clock = time.perf_counter
         self.counts: Counter = Counter()
         self.copied_bytes: Counter = Counter()
-        """Bytes moved by asynchronous copies, by direction ('d2h', 'h2d', 'd2d')."""
+        """Bytes moved by asynchronous copies on side streams, by direction ('d2h', 'h2d', 'd2d');
+        those queued on a default stream (``non_blocking`` from page-locked memory) count in
+        ``counts['queued_copies']``."""
         self.contexts: dict[int, str] = {}
         """Device → who created its primary context (thread name and the call)."""
         self.thread_devices: dict[str, set[int]] = {}
@@ -115,7 +127,7 @@ class SimulatedCuda(PageLockedMemory):
         self.checker = StreamChecker(self._stream_name)
         self.checker.on_error = self.violations.append
         self.mode = KernelMode(self)
-        self.syncs = HostSyncs(self._pinned_at)
+        self.syncs = HostSyncs(self._pinned_at, lambda lo, hi: self.checker.forget([(lo, hi)]))
         self.mode.on_fresh = lambda inputs, fresh: self.syncs.computed(inputs, fresh, self._take_dest())
         self.torch, self.cuda = fake_cuda.namespaces(self)
         self._default = [self.new_stream(fake_cuda.Stream, i, compute=True) for i in range(num_devices)]
@@ -125,7 +137,7 @@ class SimulatedCuda(PageLockedMemory):
     def _tls(self) -> Any:
         loc = self._local
         if not hasattr(loc, "device"):
-            loc.device, loc.target, loc.streams, loc.bound, loc.last_error = 0, -1, {}, False, 0
+            loc.device, loc.target, loc.streams, loc.last_error = 0, -1, {}, 0
         return loc
 
     def check(self) -> None:
@@ -192,7 +204,6 @@ class SimulatedCuda(PageLockedMemory):
     def set_device(self, index: int) -> None:
         self.check()
         self._set(index)
-        self._tls().bound = True
 
     def exchange_device(self, index: int) -> int:
         self.check()
@@ -235,6 +246,7 @@ class SimulatedCuda(PageLockedMemory):
             s._rng = random.Random(self.seed * 7919 + n)
             s._q = queue.SimpleQueue()
             s._pending = 0
+            s._copied = None  # (a default stream: set when its last queued copy has run)
             s._thread = threading.Thread(target=self._work, args=(s,), daemon=True, name=f"sim-{s.name}")
             self._streams.append(s)
             self._by_id[stream_key(s)] = s
@@ -381,7 +393,10 @@ class SimulatedCuda(PageLockedMemory):
     def query_event(self, ev: Any) -> bool:
         self.check()
         self.need_context(None, "cudaEventQuery")
-        return ev._gate is None or ev._gate.is_set()
+        done = ev._gate is None or ev._gate.is_set()
+        if done:  # the host now knows (torch fires no trace callback for a query)
+            self.checker.event_synchronize(ev.event_id)
+        return done
 
     def synchronize_event(self, ev: Any) -> None:
         self.check()
@@ -419,19 +434,6 @@ class SimulatedCuda(PageLockedMemory):
                 self.maybe_exchange_device(prev)
 
     # ---------------------------------------------------------------- kernels (the dispatch mode)
-    def _explicit(self) -> bool:
-        """Whether the thread chose its device, or runs in a stream context: its kernels' stream is
-        then known (a thread that did neither is host code: its reads of results are copies that
-        synchronise on a GPU, which this simulator cannot see, so they are not recorded)."""
-        t = self._tls()
-        cur = self.current_device()
-        return t.bound or t.streams.get(cur, self._default[cur]) is not self._default[cur]
-
-    def _stream_of(self, tensors: list[torch.Tensor]) -> Any:
-        if not self._explicit():
-            return None
-        return stream_key(self.current_stream(self.current_device()))
-
     def _take_dest(self) -> int | None:
         dest, self._local.dest = getattr(self._local, "dest", None), None
         return dest
@@ -439,27 +441,51 @@ class SimulatedCuda(PageLockedMemory):
     def _execute(self, func: Any, args: tuple, kwargs: dict, stream: int | None) -> Any:
         if func is torch.ops.aten._to_copy.default:  # its output lives on its device= (see on_fresh)
             self._local.dest = self.syncs.index(kwargs.get("device"))
-        if stream is not None:
+        s = self.stream_by_key(stream) if stream not in (None, HOST) else None
+        if s is not None:
             self.check()
             self._launch_check()
-        if func is not torch.ops.aten.copy_.default:
+            if s._copied is not None:  # in order behind the copies queued on a default stream
+                self._hold(s._copied, "a copy queued on the default stream")
+        to_copy = func is torch.ops.aten._to_copy.default
+        if not (func is torch.ops.aten.copy_.default or to_copy) or s is None:
             return func(*args, **kwargs)
-        s = self.stream_by_key(stream) if stream is not None else None
-        self.counts["copies"] += 1
-        if s is None or s.compute:
-            return func(*args, **kwargs)  # compute runs when issued
+        if to_copy:  # a move to a device from page-locked memory, non_blocking: queued as well
+            src = args[0]
+            if not (kwargs.get("non_blocking") and self.syncs.locked(src) and self._local.dest is not None
+                    and src.is_contiguous()):
+                return func(*args, **kwargs)
+            dst = func(*args, **kwargs)
+            if not dst.is_contiguous():
+                return dst
+            _poison(dst)  # (written when the copy runs, which leaves its version as autograd saw it)
+            args, kwargs, func = (dst, src), {}, _write_raw
         dst, src = args[0], args[1]
+        self.counts["copies"] += 1
+        non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) or to_copy
+        if s.compute and not (non_blocking and (self.syncs.locked(dst) or self.syncs.locked(src))):
+            return func(*args, **kwargs)  # compute runs when issued (a copy the host waits for too)
         if self.syncs.device_of(src) is None and not self.syncs.locked(src) and self.syncs.device_of(dst) is not None:
             src = src.clone()  # from pageable memory: CUDA stages the source when issued
             args = (dst, src, *args[2:])
         host = [self._registered_range(x) for x in (dst, src)]
-        kind = "d2h" if host[0] else "h2d" if host[1] else "d2d"
-        self.copied_bytes[kind] += dst.numel() * dst.element_size()
+        locked = [False, True] if to_copy else [bool(r) or self.syncs.locked(x) for r, x in zip(host, (dst, src))]
+        kind = "d2h" if locked[0] else "h2d" if locked[1] else "d2d"
+        if s.compute:
+            self.counts["queued_copies"] += 1  # (a default stream's: not in copied_bytes)
+        else:
+            self.copied_bytes[kind] += dst.numel() * dst.element_size()
         self.need_context(s.device_index, "cudaMemcpyAsync")
+        done = threading.Event()
+        if s.compute:
+            s._copied = done
 
         def run() -> None:
-            self._check_registered(host, dst, s.name)
-            func(*args, **kwargs)
+            try:
+                self._check_registered(host, dst, s.name)
+                func(*args, **kwargs)
+            finally:
+                done.set()
         self._submit(s, run)
         return dst
 
@@ -510,6 +536,13 @@ class SimulatedCuda(PageLockedMemory):
             s._q.put(None)
         for s in self._streams:
             s._thread.join(timeout=5)
+
+
+def _write_raw(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for contiguous tensors, without counting a version of ``dst`` (the write
+    of a move that autograd recorded as done when issued)."""
+    tmp = src.to(dst.dtype).contiguous()
+    ctypes.memmove(dst.data_ptr(), tmp.data_ptr(), dst.numel() * dst.element_size())
 
 
 def _push_function_mode(mode: Any) -> None:

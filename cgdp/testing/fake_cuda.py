@@ -65,7 +65,11 @@ class Stream:
 
     def query(self) -> bool:
         self.sim.check()
-        return self.idle()
+        done = self.idle()
+        if done:  # the host now knows (torch fires no trace callback for a query)
+            from cgdp.testing.stream_check import stream_key
+            self.sim.checker.stream_synchronize(stream_key(self))
+        return done
 
     def synchronize(self) -> None:
         self.sim.synchronize_stream(self)

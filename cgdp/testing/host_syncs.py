@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -57,13 +58,16 @@ def _storage(t: torch.Tensor) -> int | None:
 class HostSyncs:
     """The counts, which storages are simulated device memory, and which are page-locked."""
 
-    def __init__(self, pinned_range: Any):
+    def __init__(self, pinned_range: Any, freed: Any = None):
+        """``pinned_range(ptr)``: the registered range holding ``ptr``, if any; ``freed(lo, hi)``:
+        page-locked bytes of :meth:`pin_memory` went back to the allocator."""
         self.counts: Counter = Counter()
         self._device: dict[int, int] = {}
         """Storage data pointer → the simulated device it lives on."""
         self.pinned: set[int] = set()
         """Storage data pointers of page-locked staging memory (``pin_memory()``)."""
         self._pinned_range = pinned_range
+        self._freed = freed
         self._lock = threading.Lock()
         self.mode = SyncMode(self)
 
@@ -125,8 +129,19 @@ class HostSyncs:
             return t  # (torch refuses a CUDA tensor; the backend asks only of host tensors)
         out = aligned_as(t, t.clone())  # (differentiable, as torch's pin_memory)
         self.place(out, None)
-        self.pinned.add(_storage(out))
+        key = _storage(out)
+        self.pinned.add(key)
+        # freed when the last tensor of it goes (a queued copy holds its operands: torch's caching
+        # host allocator reuses a block only after the copies recorded on it ran); the address may
+        # then be pageable memory
+        weakref.finalize(out, self._unpin, key, out.untyped_storage().nbytes())
         return out
+
+    def _unpin(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            self.pinned.discard(key)
+        if self._freed is not None:
+            self._freed(key, key + nbytes)
 
 
 def aligned_as(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

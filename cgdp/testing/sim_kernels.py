@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-from cgdp.testing.stream_check import AccessMode, stream_key, tensor_bytes
+from cgdp.testing.stream_check import HOST, AccessMode, stream_key, tensor_bytes
 
 __all__ = ["KernelMode"]
 
@@ -46,7 +46,7 @@ class KernelMode(AccessMode):
     """The simulator's access mode: every operator on the stream torch would run it on."""
 
     def __init__(self, sim: Any):
-        super().__init__(sim.checker, sim._stream_of, self._run)
+        super().__init__(sim.checker, lambda tensors: None, self._run)
         self.sim = sim
 
     # ------------------------------------------------------------------ which stream
@@ -77,21 +77,21 @@ class KernelMode(AccessMode):
             devs = self._devices(reads + writes)
             if len(devs) > 1:
                 return None  # several devices: the host reads each (finish)
-        if not devs:
-            return self.sim._stream_of(reads + writes)  # host tensors only
+        if not devs:  # host work: recorded where it touches page-locked memory a copy may use
+            return HOST if any(self.sim.syncs.locked(t) for t in reads + writes) else None
         return stream_key(self.sim.current_stream(devs[0]))
 
     def alloc_stream(self, func, kwargs, stream):
         if func is aten._to_copy.default and getattr(self.sim._local, "force", None) is None:
             d = self.sim.syncs.index(kwargs.get("device"))
-            if d is not None and stream is not None and d != stream[0]:
+            if d is not None and stream not in (None, HOST) and d != stream[0]:
                 return stream_key(self.sim.current_stream(d))  # (empty on the destination, then copy_)
         return stream
 
     # ------------------------------------------------------------------ around the operator
     def _run(self, func: Any, args: tuple, kwargs: dict, stream: Any) -> Any:
         sim = self.sim
-        if stream is not None and func in COPIES and getattr(sim._local, "force", None) is None:
+        if stream not in (None, HOST) and func in COPIES and getattr(sim._local, "force", None) is None:
             s = sim.stream_by_key(stream)
             for d in self._others(func, kwargs, s):
                 self.barrier(sim.current_stream(d), s)  # the copy waits for the destination
@@ -121,6 +121,8 @@ class KernelMode(AccessMode):
                     self.checker.access(stream_key(s), rr, [], f"{func.__name__} (host read by "
                                         f"{threading.current_thread().name})")
                     self.synchronize(s)
+            return
+        if stream == HOST:
             return
         s = sim.stream_by_key(stream)
         if func in COPIES:

@@ -38,11 +38,15 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
-__all__ = ["StreamChecker", "StreamRaceError", "AccessMode", "checked", "tensor_bytes", "stream_key"]
+__all__ = ["StreamChecker", "StreamRaceError", "AccessMode", "checked", "tensor_bytes", "stream_key", "HOST"]
 
 
 Key = Any
 """A stream's key: any hashable; cgdp's are (device, handle) (:func:`stream_key`)."""
+HOST = "host"
+"""The key of the host's own accesses (e.g. to page-locked memory): a stream whose clock is the
+host's knowledge, so what it does is ordered after exactly what the host has waited for, and
+before whatever it issues next."""
 
 
 class StreamRaceError(RuntimeError):
@@ -97,13 +101,15 @@ class StreamChecker:
         self._seq = 0
         self._starts: list[int] = []
         self._spans: list[Span] = []
-        self.stream_name = stream_name
+        self.stream_name = lambda s: "the host" if s == HOST else stream_name(s)
         self.errors: list[StreamRaceError] = []
         self.on_error: Callable[[StreamRaceError], None] | None = None
         self.accesses = 0
 
     # ------------------------------------------------------------------ happens-before
     def _state(self, s: Key) -> dict[Key, int]:
+        if s == HOST:
+            return self._host
         st = self._streams.get(s)
         if st is None:
             st = self._streams[s] = dict(self._host)
@@ -234,8 +240,8 @@ class StreamChecker:
     def _allocate(self, lo: int, hi: int, stream: Key, what: str) -> None:
         """A new block at [lo, hi) on ``stream``: what the previous owner's block left behind."""
         for sp in self._covering(lo, hi, fill=False):
-            if sp.alloc != stream:
-                continue  # CUDA's allocator reuses a block only on the stream it was allocated on
+            if sp.alloc != stream or stream == HOST:
+                continue  # (host memory: a queued copy keeps its operands alive)  # CUDA's allocator reuses a block only on the stream it was allocated on
             uses = [*sp.reads.values(), *([sp.write] if sp.write else [])]
             for u in uses:
                 if u.stream != stream and u.stream not in sp.recorded and not self._ordered(stream, u):
