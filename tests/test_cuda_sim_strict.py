@@ -205,3 +205,51 @@ def test_inputs_staged_through_page_locked_memory_keep_their_bytes():
         outs = [upload(torch.full((1000,), float(i)), rt.torch_device(0)) for i in range(6)]
         assert [float(o.sum()) for o in outs] == [1000.0 * i for i in range(6)]
         assert sim.counts["queued_copies"] == 6, "each was queued on the default stream"
+
+
+# ------------------------------------------------------------------- autograd's device threads
+def test_each_devices_backward_runs_on_its_own_autograd_thread():
+    """As autograd's engine on a GPU: a graph on cuda:d runs (hooks included) on the device
+    thread for d, which does not see the caller's thread-locals and has d as its current device;
+    two devices' backwards issued from two threads run their hooks at once."""
+    import threading
+    with simulated_cuda(2, max_delay_s=0.0) as sim:
+        mine = threading.local()
+        both = threading.Barrier(2, timeout=20)
+        seen = {}
+
+        def work(d):
+            mine.caller = d
+            w = torch.ones(4, device=sim.runtime.torch_device(d), requires_grad=True)
+
+            def hook(g):
+                seen[d] = (threading.current_thread().name, getattr(mine, "caller", None),
+                           sim.cuda.current_device())
+                both.wait()  # the other device's hook runs at the same time
+                return g
+            w.register_hook(hook)
+            (w * 2).sum().backward()
+            seen[f"grad{d}"] = float(w.grad.sum())
+        threads = [threading.Thread(target=work, args=(d,), name=f"caller-{d}") for d in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert seen == {0: ("pt_autograd_0", None, 0), 1: ("pt_autograd_1", None, 1),
+                        "grad0": 8.0, "grad1": 8.0}
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_a_move_to_the_host_is_waited_for_unless_non_blocking(non_blocking):
+    """``.to("cpu")`` waits for the device's stream; with ``non_blocking=True`` torch copies into
+    page-locked memory and returns at once: the host reading it before a synchronisation races."""
+    with simulated_cuda(1, max_delay_s=0.0) as sim:
+        d = torch.ones(64, device=sim.runtime.torch_device(0)) * 3
+        h = d.to("cpu", non_blocking=non_blocking)
+        h2 = h * 2  # the host reads it
+        if non_blocking:
+            assert sim.syncs.is_pinned(h)
+            with pytest.raises(StreamRaceError, match=r"mul.* on stream the host reads"):
+                sim.synchronize_device(0)
+        else:
+            assert float(h2.sum()) == 384.0

@@ -40,6 +40,10 @@ difference could hide a defect:
   refuses a range sharing a page with a registered one (712), setting the thread's last error,
   which its next kernel launch raises unless cleared; ``cudaHostUnregister`` poisons the bytes,
   and a copy that runs after it fails with an illegal-address error.
+* **Autograd's device threads** (:mod:`cgdp.testing.sim_autograd`). A backward whose roots live
+  on one simulated device runs, hooks included, on that device's thread (``pt_autograd_d``), with
+  its own thread-locals and current device, while the caller waits: two devices' backwards run
+  their hooks at once. (A graph spanning devices runs on the thread of its roots' device.)
 * **Devices and contexts.** Each thread has its own current device (c10's bookkeeping, lazy
   ``MaybeSetDevice`` included). A call that needs a context creates the primary context of the
   thread's current device, which is device 0 for a thread that never chose one; ``sim.contexts``
@@ -77,6 +81,7 @@ import torch
 from cgdp.testing import fake_cuda
 from cgdp.testing.host_syncs import HostSyncs
 from cgdp.testing.page_locked import PageLockedMemory
+from cgdp.testing.sim_autograd import BACKWARDS, AutogradThreads
 from cgdp.testing.sim_kernels import KernelMode
 from cgdp.testing.page_locked import _poison
 from cgdp.testing.stream_check import HOST, StreamChecker, StreamRaceError, stream_key
@@ -128,6 +133,9 @@ class SimulatedCuda(PageLockedMemory):
         self.checker.on_error = self.violations.append
         self.mode = KernelMode(self)
         self.syncs = HostSyncs(self._pinned_at, lambda lo, hi: self.checker.forget([(lo, hi)]))
+        self.autograd = AutogradThreads(self)
+        self.syncs.backwards, self.syncs.run_backward = BACKWARDS, self.autograd.run
+        self.syncs.synced = lambda d: self.mode.synchronize(self.current_stream(d))
         self.mode.on_fresh = lambda inputs, fresh: self.syncs.computed(inputs, fresh, self._take_dest())
         self.torch, self.cuda = fake_cuda.namespaces(self)
         self._default = [self.new_stream(fake_cuda.Stream, i, compute=True) for i in range(num_devices)]
@@ -532,6 +540,7 @@ class SimulatedCuda(PageLockedMemory):
         self.checker.uninstall_trace()
         if fake_cuda._sim is self:
             fake_cuda._sim = None
+        self.autograd.close()
         for s in self._streams:
             s._q.put(None)
         for s in self._streams:
