@@ -253,3 +253,28 @@ def test_a_move_to_the_host_is_waited_for_unless_non_blocking(non_blocking):
                 sim.synchronize_device(0)
         else:
             assert float(h2.sum()) == 384.0
+
+
+def test_the_gpu_checker_watches_every_thread_started_while_in_use():
+    """``stream_check.checked`` (the GPU run's checker) pushes its mode on threads that never call
+    the runtime, as the simulator does."""
+    import threading
+    import types
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    from cgdp.testing.stream_check import checked
+    fake = types.SimpleNamespace(current_device=lambda: 0, current_stream=lambda d: None)
+    wrapped = checked(types.SimpleNamespace(cuda=fake))
+    seen = []
+
+    def look():
+        seen.append(_get_current_dispatch_mode() is wrapped.mode)
+    try:
+        t = threading.Thread(target=look)
+        t.start()
+        t.join()
+    finally:
+        wrapped.close()
+    t = threading.Thread(target=look)
+    t.start()
+    t.join()
+    assert seen == [True, False]

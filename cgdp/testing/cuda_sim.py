@@ -70,7 +70,6 @@ import contextlib
 import ctypes
 import queue
 import random
-import sys
 import threading
 import time
 from collections import Counter
@@ -84,7 +83,7 @@ from cgdp.testing.page_locked import PageLockedMemory
 from cgdp.testing.sim_autograd import BACKWARDS, AutogradThreads
 from cgdp.testing.sim_kernels import KernelMode
 from cgdp.testing.page_locked import _poison
-from cgdp.testing.stream_check import HOST, StreamChecker, StreamRaceError, stream_key
+from cgdp.testing.stream_check import HOST, StreamChecker, StreamRaceError, on_new_threads, stream_key
 
 __all__ = ["simulated_cuda", "SimulatedCuda"]
 
@@ -518,19 +517,17 @@ class SimulatedCuda(PageLockedMemory):
         fake_cuda._sim = self
         self.checker.install_trace(self.current_device)
         self._watch()
-        self._profile = threading.getprofile()
-        threading.setprofile(self._thread_starts)
+        self._unhook = on_new_threads(self._thread_starts)
 
-    def _thread_starts(self, frame: Any, event: str, arg: Any) -> None:
-        """Every thread started while the simulator is active (``threading.setprofile``: called
-        once, on the thread's first call) is watched from its start, whether or not it ever calls
-        ``torch.cuda``: the kernels it issues on simulated devices are checked."""
-        sys.setprofile(self._profile)
+    def _thread_starts(self) -> None:
+        """Every thread started while the simulator is active is watched from its start, whether
+        or not it ever calls ``torch.cuda``: the kernels it issues on simulated devices are checked."""
         if fake_cuda._sim is self and threading.current_thread() not in self._workers:
             self._watch()
 
     def close(self) -> None:
-        threading.setprofile(getattr(self, "_profile", None))
+        if hasattr(self, "_unhook"):
+            self._unhook()
         self.checker.unwatch_thread(self.mode)
         if getattr(self._local, "syncing", False):
             _pop_function_mode(self.syncs.mode)

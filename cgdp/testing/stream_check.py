@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import re
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -38,7 +39,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
-__all__ = ["StreamChecker", "StreamRaceError", "AccessMode", "checked", "tensor_bytes", "stream_key", "HOST"]
+__all__ = ["StreamChecker", "StreamRaceError", "AccessMode", "checked", "tensor_bytes", "stream_key", "HOST",
+           "on_new_threads"]
 
 
 Key = Any
@@ -324,6 +326,19 @@ class StreamChecker:
 _tls = threading.local()
 
 
+def on_new_threads(start: Callable[[], None]) -> Callable[[], None]:
+    """Call ``start()`` on every thread started from now on, on its first Python call
+    (``threading.setprofile``), so a mode can be pushed on threads that never call ``torch.cuda``;
+    returns what stops it."""
+    prev = threading.getprofile()
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        sys.setprofile(prev)
+        start()
+    threading.setprofile(hook)
+    return lambda: threading.setprofile(prev)
+
+
 class _Trace:
     """One registration with torch's trace registries (they cannot be removed), forwarding to the
     checker in use."""
@@ -452,8 +467,9 @@ _UNINITIALISED = re.compile(r"aten::(new_)?empty(_like|_strided|_permuted)?$")
 
 class checked:
     """A runtime object (``cgdp.engine.backend.cuda_runtime.use_runtime``) that records, on a GPU,
-    what every cgdp thread issues: ``set_device`` (each cgdp thread's first CUDA call) pushes the
-    access mode on that thread; ``host_free`` reports page-locked memory unregistered while still
+    what every thread issues: the access mode is pushed on the caller's thread, on each thread
+    started while it is in use (:func:`on_new_threads`), and by ``set_device`` and ``stream`` on
+    any other (autograd's device threads inherit it from the thread that calls backward); ``host_free`` reports page-locked memory unregistered while still
     in use. Everything else is the wrapped runtime's."""
 
     def __init__(self, rt: Any):
@@ -467,6 +483,7 @@ class checked:
             return None if dev is None else stream_key(cuda.current_stream(dev))
         self.mode = AccessMode(self.checker, stream_of)
         self.checker.watch_thread(self.mode)  # the caller's thread zeroes and relays buffers
+        self._unhook = on_new_threads(lambda: self.mode.enabled and self.checker.watch_thread(self.mode))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._rt, name)
@@ -488,6 +505,7 @@ class checked:
         self._rt.host_free(t)
 
     def close(self) -> None:
+        self._unhook()
         self.checker.unwatch_thread(self.mode)
         self.checker.uninstall_trace()
         self.mode.enabled = False
