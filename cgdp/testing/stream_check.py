@@ -19,11 +19,16 @@ compared with the buffer and with every other slice (the sanitizer keys accesses
 Its inputs are the ones PyTorch gives on a GPU: ``torch.cuda._gpu_trace`` callbacks (event
 record, stream wait, event / stream / device synchronisation), which torch fires from C++ on a
 GPU and :mod:`cgdp.testing.cuda_sim` fires the same way; and :class:`AccessMode`, a dispatch mode
-that records each operator's tensors on the stream it runs on. The mode stack is per thread, so
-the mode must be pushed on *every* thread that issues work (:meth:`StreamChecker.watch_thread`):
-cgdp binds each of its threads to its device through the runtime's ``set_device``, and
-:func:`checked` wraps a runtime so that binding also pushes the mode (autograd's device threads
-inherit it from the thread that calls backward).
+that records each operator's tensors on the stream it runs on. A stream is keyed by (device,
+handle) (:func:`stream_key`): the callbacks name a stream by its handle only, which is 0 for every
+device's default stream, and torch fires them under a guard of the stream's device, so the
+current device completes the key. The host's own operators on page-locked memory may be recorded
+as a stream of their own (:data:`HOST`), ordered by exactly what the host waited for. The mode
+stack is per thread, so the mode must be pushed on *every* thread that issues work
+(:meth:`StreamChecker.watch_thread`): :func:`checked` pushes it on the caller's thread, on every
+thread started while it is in use (:func:`on_new_threads`) and on any that binds a device or
+enters a stream through the runtime (autograd's device threads inherit it from the thread that
+calls backward).
 """
 from __future__ import annotations
 
