@@ -307,10 +307,8 @@ def test_simulator_waits_are_device_side():
         rt = cuda_runtime.runtime()
         side = rt.Stream(0)
         host = rt.host_alloc(64, torch.float32)
-        dev = torch.ones(64)
+        dev = torch.ones(64, device=rt.torch_device(0))
         with rt.stream(side):
-            sim.checker.watch_thread(sim.mode)
-            rt.set_device(0)
             rt.copy(host, dev)
         ev = rt.Event()
         ev.record(side)

@@ -9,15 +9,28 @@ difference could hide a defect:
 * **Asynchrony.** Every stream is an in-order worker thread that sleeps a random (seeded) time
   before each item, so completions on different streams and devices come in varying orders. A
   ``copy_(..., non_blocking=True)`` issued on a side stream runs on that stream's worker, later:
-  a copy that is not ordered reads or writes at the wrong time and the result is wrong.
-* **The compute stream.** PyTorch's CPU kernels run when issued (an infinitely fast GPU); events
+  a copy that is not ordered reads or writes at the wrong time and the result is wrong. So does
+  a ``non_blocking`` copy between page-locked host memory and a device on a *default* stream
+  (``copy_``, or a move ``.to(device, non_blocking=True)`` from page-locked memory): the host runs
+  ahead of it, and writing its source or reading its destination before a synchronisation is
+  wrong as on a GPU. The host's own kernels on page-locked memory are checked as a stream of
+  their own (``stream_check.HOST``), ordered only by what the host waited for (a synchronize, an
+  event's synchronize, a query that returned True).
+* **The compute stream.** PyTorch's CPU kernels run when issued (an infinitely fast GPU), after
+  the copies queued before them on that stream (a physical hold, no knowledge); events
   recorded on a default stream complete on its worker after a random lag, and :meth:`busy` or
   ``torch.cuda._sleep`` put device time there. A default stream's ``wait_event`` must hold the
   issuing thread until the event completes (the kernels after it run on the host at once); that
   hold gives the host no knowledge: every check below treats the wait as device-side, as CUDA does.
 * **Ordering checks** (:mod:`cgdp.testing.stream_check`): the fakes fire torch's own GPU trace
-  callbacks, and a dispatch mode records every kernel's bytes on the stream it runs on, on every
-  thread that touches CUDA. A race between streams, a block of the caching allocator reused while
+  callbacks, and a dispatch mode records every kernel's bytes on the stream it runs on
+  (:mod:`cgdp.testing.sim_kernels`: the issuing thread's current stream of its tensors' device;
+  copies between devices with Copy.cu's two barriers; blocking copies and host reads synchronise
+  their stream), on every thread: the modes are pushed on each thread started while the simulator
+  is active (``threading.setprofile``) and on any other that calls ``torch.cuda``, so a thread
+  that never chose a device (the caller's buffer zeroing and relays, a user's optimizer step) is
+  checked too. Streams are keyed by (device, handle): every default stream is handle 0. A race
+  between streams, a block of the caching allocator reused while
   another stream may still use it, or page-locked memory unregistered while a copy may still use
   it, is a :class:`~cgdp.testing.stream_check.StreamRaceError`, raised at the next host
   synchronisation (or when the ``with`` block ends): a wrong order fails even when the random
@@ -27,6 +40,10 @@ difference could hide a defect:
   refuses a range sharing a page with a registered one (712), setting the thread's last error,
   which its next kernel launch raises unless cleared; ``cudaHostUnregister`` poisons the bytes,
   and a copy that runs after it fails with an illegal-address error.
+* **Autograd's device threads** (:mod:`cgdp.testing.sim_autograd`). A backward whose roots live
+  on one simulated device runs, hooks included, on that device's thread (``pt_autograd_d``), with
+  its own thread-locals and current device, while the caller waits: two devices' backwards run
+  their hooks at once. (A graph spanning devices runs on the thread of its roots' device.)
 * **Devices and contexts.** Each thread has its own current device (c10's bookkeeping, lazy
   ``MaybeSetDevice`` included). A call that needs a context creates the primary context of the
   thread's current device, which is device 0 for a thread that never chose one; ``sim.contexts``
@@ -50,6 +67,7 @@ tests of gradients produced on a side stream, is :class:`cgdp.testing.side_strea
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import queue
 import random
 import threading
@@ -62,7 +80,10 @@ import torch
 from cgdp.testing import fake_cuda
 from cgdp.testing.host_syncs import HostSyncs
 from cgdp.testing.page_locked import PageLockedMemory
-from cgdp.testing.stream_check import AccessMode, StreamChecker, StreamRaceError
+from cgdp.testing.sim_autograd import BACKWARDS, AutogradThreads
+from cgdp.testing.sim_kernels import KernelMode
+from cgdp.testing.page_locked import _poison
+from cgdp.testing.stream_check import HOST, StreamChecker, StreamRaceError, on_new_threads, stream_key
 
 __all__ = ["simulated_cuda", "SimulatedCuda"]
 
@@ -87,7 +108,9 @@ class SimulatedCuda(PageLockedMemory):
         self.clock = time.perf_counter
         self.counts: Counter = Counter()
         self.copied_bytes: Counter = Counter()
-        """Bytes moved by asynchronous copies, by direction ('d2h', 'h2d', 'd2d')."""
+        """Bytes moved by asynchronous copies on side streams, by direction ('d2h', 'h2d', 'd2d');
+        those queued on a default stream (``non_blocking`` from page-locked memory) count in
+        ``counts['queued_copies']``."""
         self.contexts: dict[int, str] = {}
         """Device → who created its primary context (thread name and the call)."""
         self.thread_devices: dict[str, set[int]] = {}
@@ -99,15 +122,19 @@ class SimulatedCuda(PageLockedMemory):
         self._local = threading.local()
         self._lock = threading.Lock()
         self._streams: list[Any] = []
-        self._by_id: dict[int, Any] = {}
+        self._by_id: dict[tuple[int, int], Any] = {}
+        self._workers: set[threading.Thread] = set()
         self._side: dict[int, Any] = {}
         self._pool: dict[int, list[Any]] = {}
         self._handed: dict[int, int] = {}
         self._events = 0
         self.checker = StreamChecker(self._stream_name)
         self.checker.on_error = self.violations.append
-        self.mode = AccessMode(self.checker, self._stream_of, self._execute)
-        self.syncs = HostSyncs(self._pinned_at)
+        self.mode = KernelMode(self)
+        self.syncs = HostSyncs(self._pinned_at, lambda lo, hi: self.checker.forget([(lo, hi)]))
+        self.autograd = AutogradThreads(self)
+        self.syncs.backwards, self.syncs.run_backward = BACKWARDS, self.autograd.run
+        self.syncs.synced = lambda d: self.mode.synchronize(self.current_stream(d))
         self.mode.on_fresh = lambda inputs, fresh: self.syncs.computed(inputs, fresh, self._take_dest())
         self.torch, self.cuda = fake_cuda.namespaces(self)
         self._default = [self.new_stream(fake_cuda.Stream, i, compute=True) for i in range(num_devices)]
@@ -117,7 +144,7 @@ class SimulatedCuda(PageLockedMemory):
     def _tls(self) -> Any:
         loc = self._local
         if not hasattr(loc, "device"):
-            loc.device, loc.target, loc.streams, loc.bound, loc.last_error = 0, -1, {}, False, 0
+            loc.device, loc.target, loc.streams, loc.last_error = 0, -1, {}, 0
         return loc
 
     def check(self) -> None:
@@ -184,7 +211,6 @@ class SimulatedCuda(PageLockedMemory):
     def set_device(self, index: int) -> None:
         self.check()
         self._set(index)
-        self._tls().bound = True
 
     def exchange_device(self, index: int) -> int:
         self.check()
@@ -222,14 +248,16 @@ class SimulatedCuda(PageLockedMemory):
         with self._lock:
             n = len(self._streams)
             s.sim, s.device_index, s.compute = self, index, compute
-            s.stream_id = s.cuda_stream = 0x1000 + n
+            s.stream_id = s.cuda_stream = 0 if compute else 0x1000 + n  # (torch's: 0 on every device)
             s.name = f"cuda:{index}/{'default' if compute else f'stream{n}'}"
             s._rng = random.Random(self.seed * 7919 + n)
             s._q = queue.SimpleQueue()
             s._pending = 0
+            s._copied = None  # (a default stream: set when its last queued copy has run)
             s._thread = threading.Thread(target=self._work, args=(s,), daemon=True, name=f"sim-{s.name}")
             self._streams.append(s)
-            self._by_id[s.stream_id] = s
+            self._by_id[stream_key(s)] = s
+            self._workers.add(s._thread)
         s.idle = lambda: s._pending == 0
         s._thread.start()
         if not compute:
@@ -237,12 +265,16 @@ class SimulatedCuda(PageLockedMemory):
             self.need_context(index, "stream creation")
         return s
 
-    def stream_by_id(self, stream_id: int) -> Any:
-        return self._by_id[stream_id]
+    def stream_by_id(self, stream_id: int, device_index: int) -> Any:
+        return self._by_id[(device_index, stream_id)]
 
-    def _stream_name(self, stream_id: int) -> str:
-        s = self._by_id.get(stream_id)
-        return s.name if s is not None else hex(stream_id)
+    def stream_by_key(self, key: Any) -> Any:
+        """The stream of a checker key (:func:`~cgdp.testing.stream_check.stream_key`)."""
+        return self._by_id[key]
+
+    def _stream_name(self, key: Any) -> str:
+        s = self._by_id.get(key)
+        return s.name if s is not None else str(key)
 
     def _submit(self, s: Any, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -294,7 +326,7 @@ class SimulatedCuda(PageLockedMemory):
         if gate is None:
             return  # an event never recorded: nothing to wait for (as in CUDA)
         self.counts["wait_event"] += 1
-        self._fire("EventWaitCallbacks", ev.event_id, s.cuda_stream)
+        self._fire(s.device_index, "EventWaitCallbacks", ev.event_id, s.cuda_stream)
         if s.compute:
             # the kernels after this wait run on the host when issued: they must not run before
             # the event's work (a physical hold; logically the wait stays device-side)
@@ -307,7 +339,7 @@ class SimulatedCuda(PageLockedMemory):
         self.need_context(s.device_index, "cudaStreamSynchronize")
         self.syncs.count("synchronize")
         self._drain(s)
-        self._fire("StreamSynchronizationCallbacks", s.cuda_stream)
+        self._fire(s.device_index, "StreamSynchronizationCallbacks", s.cuda_stream)
         self.raise_pending()
 
     def synchronize_device(self, index: int) -> None:
@@ -319,7 +351,7 @@ class SimulatedCuda(PageLockedMemory):
             for s in list(self._streams):
                 if s.device_index == index:
                     self._drain(s)
-                    self._fire("StreamSynchronizationCallbacks", s.cuda_stream)
+        self._fire(index, "DeviceSynchronizationCallbacks")
         self.raise_pending()
 
     def busy(self, seconds: float) -> None:
@@ -357,7 +389,7 @@ class SimulatedCuda(PageLockedMemory):
         self.need_context(s.device_index, "cudaEventRecord")
         gate = threading.Event()
         ev._gate, ev._t, ev._stream = gate, None, s
-        self._fire("EventRecordCallbacks", ev.event_id, s.cuda_stream)
+        self._fire(s.device_index, "EventRecordCallbacks", ev.event_id, s.cuda_stream)
 
         def fire() -> None:
             if ev._gate is gate:
@@ -368,7 +400,10 @@ class SimulatedCuda(PageLockedMemory):
     def query_event(self, ev: Any) -> bool:
         self.check()
         self.need_context(None, "cudaEventQuery")
-        return ev._gate is None or ev._gate.is_set()
+        done = ev._gate is None or ev._gate.is_set()
+        if done:  # the host now knows (torch fires no trace callback for a query)
+            self.checker.event_synchronize(ev.event_id)
+        return done
 
     def synchronize_event(self, ev: Any) -> None:
         self.check()
@@ -383,7 +418,7 @@ class SimulatedCuda(PageLockedMemory):
             self.counts["spin_waits"] += 1  # a real GPU would spin a core here
         if ev._gate is not None:
             self._hold(ev._gate, "Event.synchronize")
-            self._fire("EventSynchronizationCallbacks", ev.event_id)
+            self._fire(None, "EventSynchronizationCallbacks", ev.event_id)
         self.raise_pending()
 
     def elapsed_time(self, start: Any, end: Any) -> float:
@@ -394,26 +429,18 @@ class SimulatedCuda(PageLockedMemory):
             raise RuntimeError("CUDA error: device not ready (an event of elapsed_time has not completed)")
         return (end._t - start._t) * 1e3
 
-    @staticmethod
-    def _fire(registry: str, *args: Any) -> None:
-        """What torch's C++ does on a GPU: call the Python GPU-trace callbacks."""
+    def _fire(self, device: int | None, registry: str, *args: Any) -> None:
+        """What torch's C++ does on a GPU: call the Python GPU-trace callbacks, under a guard of
+        ``device`` (the stream's: the callbacks name a stream by its handle only)."""
         import torch.cuda._gpu_trace as gt
-        getattr(gt, registry).fire_callbacks(*args)
+        prev = self.exchange_device(device) if device is not None else None
+        try:
+            getattr(gt, registry).fire_callbacks(*args)
+        finally:
+            if prev is not None:
+                self.maybe_exchange_device(prev)
 
     # ---------------------------------------------------------------- kernels (the dispatch mode)
-    def _explicit(self) -> bool:
-        """Whether the thread chose its device, or runs in a stream context: its kernels' stream is
-        then known (a thread that did neither is host code: its reads of results are copies that
-        synchronise on a GPU, which this simulator cannot see, so they are not recorded)."""
-        t = self._tls()
-        cur = self.current_device()
-        return t.bound or t.streams.get(cur, self._default[cur]) is not self._default[cur]
-
-    def _stream_of(self, tensors: list[torch.Tensor]) -> int | None:
-        if not self._explicit():
-            return None
-        return self.current_stream(self.current_device()).cuda_stream
-
     def _take_dest(self) -> int | None:
         dest, self._local.dest = getattr(self._local, "dest", None), None
         return dest
@@ -421,24 +448,51 @@ class SimulatedCuda(PageLockedMemory):
     def _execute(self, func: Any, args: tuple, kwargs: dict, stream: int | None) -> Any:
         if func is torch.ops.aten._to_copy.default:  # its output lives on its device= (see on_fresh)
             self._local.dest = self.syncs.index(kwargs.get("device"))
-        if stream is not None:
+        s = self.stream_by_key(stream) if stream not in (None, HOST) else None
+        if s is not None:
             self.check()
             self._launch_check()
-        if func is not torch.ops.aten.copy_.default:
+            if s._copied is not None:  # in order behind the copies queued on a default stream
+                self._hold(s._copied, "a copy queued on the default stream")
+        to_copy = func is torch.ops.aten._to_copy.default
+        if not (func is torch.ops.aten.copy_.default or to_copy) or s is None:
             return func(*args, **kwargs)
-        s = self.current_stream(self.current_device())
-        self.counts["copies"] += 1
-        if s.compute:
-            return func(*args, **kwargs)  # compute runs when issued
+        if to_copy:  # a move to a device from page-locked memory, non_blocking: queued as well
+            src = args[0]
+            if not (kwargs.get("non_blocking") and self.syncs.locked(src) and self._local.dest is not None
+                    and src.is_contiguous()):
+                return func(*args, **kwargs)
+            dst = func(*args, **kwargs)
+            if not dst.is_contiguous():
+                return dst
+            _poison(dst)  # (written when the copy runs, which leaves its version as autograd saw it)
+            args, kwargs, func = (dst, src), {}, _write_raw
         dst, src = args[0], args[1]
+        self.counts["copies"] += 1
+        non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) or to_copy
+        if s.compute and not (non_blocking and (self.syncs.locked(dst) or self.syncs.locked(src))):
+            return func(*args, **kwargs)  # compute runs when issued (a copy the host waits for too)
+        if self.syncs.device_of(src) is None and not self.syncs.locked(src) and self.syncs.device_of(dst) is not None:
+            src = src.clone()  # from pageable memory: CUDA stages the source when issued
+            args = (dst, src, *args[2:])
         host = [self._registered_range(x) for x in (dst, src)]
-        kind = "d2h" if host[0] else "h2d" if host[1] else "d2d"
-        self.copied_bytes[kind] += dst.numel() * dst.element_size()
+        locked = [False, True] if to_copy else [bool(r) or self.syncs.locked(x) for r, x in zip(host, (dst, src))]
+        kind = "d2h" if locked[0] else "h2d" if locked[1] else "d2d"
+        if s.compute:
+            self.counts["queued_copies"] += 1  # (a default stream's: not in copied_bytes)
+        else:
+            self.copied_bytes[kind] += dst.numel() * dst.element_size()
         self.need_context(s.device_index, "cudaMemcpyAsync")
+        done = threading.Event()
+        if s.compute:
+            s._copied = done
 
         def run() -> None:
-            self._check_registered(host, dst, s.name)
-            func(*args, **kwargs)
+            try:
+                self._check_registered(host, dst, s.name)
+                func(*args, **kwargs)
+            finally:
+                done.set()
         self._submit(s, run)
         return dst
 
@@ -461,10 +515,19 @@ class SimulatedCuda(PageLockedMemory):
         if fake_cuda._sim is not None:
             raise RuntimeError("a simulated CUDA runtime is already active; nest no simulated_cuda()")
         fake_cuda._sim = self
-        self.checker.install_trace()
+        self.checker.install_trace(self.current_device)
         self._watch()
+        self._unhook = on_new_threads(self._thread_starts)
+
+    def _thread_starts(self) -> None:
+        """Every thread started while the simulator is active is watched from its start, whether
+        or not it ever calls ``torch.cuda``: the kernels it issues on simulated devices are checked."""
+        if fake_cuda._sim is self and threading.current_thread() not in self._workers:
+            self._watch()
 
     def close(self) -> None:
+        if hasattr(self, "_unhook"):
+            self._unhook()
         self.checker.unwatch_thread(self.mode)
         if getattr(self._local, "syncing", False):
             _pop_function_mode(self.syncs.mode)
@@ -474,10 +537,18 @@ class SimulatedCuda(PageLockedMemory):
         self.checker.uninstall_trace()
         if fake_cuda._sim is self:
             fake_cuda._sim = None
+        self.autograd.close()
         for s in self._streams:
             s._q.put(None)
         for s in self._streams:
             s._thread.join(timeout=5)
+
+
+def _write_raw(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for contiguous tensors, without counting a version of ``dst`` (the write
+    of a move that autograd recorded as done when issued)."""
+    tmp = src.to(dst.dtype).contiguous()
+    ctypes.memmove(dst.data_ptr(), tmp.data_ptr(), dst.numel() * dst.element_size())
 
 
 def _push_function_mode(mode: Any) -> None:

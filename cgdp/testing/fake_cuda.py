@@ -46,7 +46,7 @@ class Stream:
     def __new__(cls, device=None, priority=0, **kwargs):
         sim = active()
         if "stream_id" in kwargs:
-            return sim.stream_by_id(kwargs["stream_id"])
+            return sim.stream_by_id(kwargs["stream_id"], kwargs.get("device_index", sim.current_device()))
         idx = _index(device)
         with _guard(idx):  # as torch: created under a guard of its device
             return sim.new_stream(cls, idx, compute=False)
@@ -65,7 +65,11 @@ class Stream:
 
     def query(self) -> bool:
         self.sim.check()
-        return self.idle()
+        done = self.idle()
+        if done:  # the host now knows (torch fires no trace callback for a query)
+            from cgdp.testing.stream_check import stream_key
+            self.sim.checker.stream_synchronize(stream_key(self))
+        return done
 
     def synchronize(self) -> None:
         self.sim.synchronize_stream(self)
@@ -230,16 +234,35 @@ def _nccl_reduce(inputs, output=None, root=0, op=0, streams=None, comms=None, *,
     sim.check()
     sim.counts["reduce"] += 1
     out = inputs[root] if output is None else output
-    for j, t in enumerate(inputs):
-        if j != root:
-            out.add_(t)
+    devs = [_on(sim, t) for t in inputs]
+    reads: dict[int, list] = {}
+    for d, t in zip(devs, inputs):
+        reads.setdefault(d, []).append(t)
+    sim.mode.collective(reads, {}, devs[root], "nccl.reduce")
+    with sim.mode.forced(None):
+        for j, t in enumerate(inputs):
+            if j != root:
+                out.add_(t)
+    sim.mode.collective({}, {devs[root]: [out]}, devs[root], "nccl.reduce")
 
 
 def _broadcast_coalesced(tensors, devices, buffer_size=10485760):
     sim = active()
     sim.check()
     sim.counts["broadcast_coalesced"] += 1
-    return [list(tensors)] + [[t.detach().clone() for t in tensors] for _ in list(devices)[1:]]
+    idx = [_index(d) for d in devices]
+    with sim.mode.forced(None):
+        out = [list(tensors)] + [[t.detach().clone() for t in tensors] for _ in idx[1:]]
+    for d, copies in zip(idx[1:], out[1:]):
+        sim.syncs.place(copies, d)
+    sim.mode.collective({idx[0]: list(tensors)}, dict(zip(idx[1:], out[1:])), idx[0], "broadcast_coalesced")
+    return out
+
+
+def _on(sim: Any, t: torch.Tensor) -> int:
+    """The simulated device of ``t`` (the current one for memory the simulator does not know)."""
+    d = sim.syncs.device_of(t)
+    return sim.current_device() if d is None else d
 
 
 def namespaces(sim: Any) -> tuple[Any, Any]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -57,13 +58,21 @@ def _storage(t: torch.Tensor) -> int | None:
 class HostSyncs:
     """The counts, which storages are simulated device memory, and which are page-locked."""
 
-    def __init__(self, pinned_range: Any):
+    def __init__(self, pinned_range: Any, freed: Any = None):
+        """``pinned_range(ptr)``: the registered range holding ``ptr``, if any; ``freed(lo, hi)``:
+        page-locked bytes of :meth:`pin_memory` went back to the allocator."""
         self.counts: Counter = Counter()
         self._device: dict[int, int] = {}
         """Storage data pointer → the simulated device it lives on."""
         self.pinned: set[int] = set()
         """Storage data pointers of page-locked staging memory (``pin_memory()``)."""
         self._pinned_range = pinned_range
+        self._freed = freed
+        self.backwards: set = set()
+        self.run_backward: Any = None
+        self.synced: Any = None
+        """``synced(device)``: the host waited for the device's current stream (a blocking copy)."""
+        """Runs ``backward`` / ``autograd.grad`` (the simulator's autograd device threads)."""
         self._lock = threading.Lock()
         self.mode = SyncMode(self)
 
@@ -125,8 +134,23 @@ class HostSyncs:
             return t  # (torch refuses a CUDA tensor; the backend asks only of host tensors)
         out = aligned_as(t, t.clone())  # (differentiable, as torch's pin_memory)
         self.place(out, None)
-        self.pinned.add(_storage(out))
+        return self.mark_pinned(out)
+
+    def mark_pinned(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` is a block of torch's caching host allocator (page-locked)."""
+        key = _storage(out)
+        self.pinned.add(key)
+        # freed when the last tensor of it goes (a queued copy holds its operands: torch's caching
+        # host allocator reuses a block only after the copies recorded on it ran); the address may
+        # then be pageable memory
+        weakref.finalize(out, self._unpin, key, out.untyped_storage().nbytes())
         return out
+
+    def _unpin(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            self.pinned.discard(key)
+        if self._freed is not None:
+            self._freed(key, key + nbytes)
 
 
 def aligned_as(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -188,6 +212,8 @@ class SyncMode(TorchFunctionMode):
             if index is None or _from_torch(sys._getframe(1)):
                 return func(*args, **kwargs)
             return torch.device("cpu", index)
+        if func in s.backwards and s.run_backward is not None:
+            return s.run_backward(func, args, kwargs)
         if func in _READS:
             if any(s.device_of(a) is not None for a in args[:2]):
                 s.count("read")
@@ -242,4 +268,9 @@ class SyncMode(TorchFunctionMode):
         if isinstance(out, torch.Tensor):
             out = aligned_as(t, out)
         s.place(out, target)
+        if target is None and isinstance(out, torch.Tensor):
+            if non_blocking:
+                s.mark_pinned(out)  # torch's move to the host, non_blocking: into page-locked memory
+            elif s.synced is not None:
+                s.synced(source)  # a blocking copy: the host waited for the device's stream
         return out

@@ -19,17 +19,23 @@ compared with the buffer and with every other slice (the sanitizer keys accesses
 Its inputs are the ones PyTorch gives on a GPU: ``torch.cuda._gpu_trace`` callbacks (event
 record, stream wait, event / stream / device synchronisation), which torch fires from C++ on a
 GPU and :mod:`cgdp.testing.cuda_sim` fires the same way; and :class:`AccessMode`, a dispatch mode
-that records each operator's tensors on the stream it runs on. The mode stack is per thread, so
-the mode must be pushed on *every* thread that issues work (:meth:`StreamChecker.watch_thread`):
-cgdp binds each of its threads to its device through the runtime's ``set_device``, and
-:func:`checked` wraps a runtime so that binding also pushes the mode (autograd's device threads
-inherit it from the thread that calls backward).
+that records each operator's tensors on the stream it runs on. A stream is keyed by (device,
+handle) (:func:`stream_key`): the callbacks name a stream by its handle only, which is 0 for every
+device's default stream, and torch fires them under a guard of the stream's device, so the
+current device completes the key. The host's own operators on page-locked memory may be recorded
+as a stream of their own (:data:`HOST`), ordered by exactly what the host waited for. The mode
+stack is per thread, so the mode must be pushed on *every* thread that issues work
+(:meth:`StreamChecker.watch_thread`): :func:`checked` pushes it on the caller's thread, on every
+thread started while it is in use (:func:`on_new_threads`) and on any that binds a device or
+enters a stream through the runtime (autograd's device threads inherit it from the thread that
+calls backward).
 """
 from __future__ import annotations
 
 import bisect
 import contextlib
 import re
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -38,7 +44,16 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
-__all__ = ["StreamChecker", "StreamRaceError", "AccessMode", "checked", "tensor_bytes"]
+__all__ = ["StreamChecker", "StreamRaceError", "AccessMode", "checked", "tensor_bytes", "stream_key", "HOST",
+           "on_new_threads"]
+
+
+Key = Any
+"""A stream's key: any hashable; cgdp's are (device, handle) (:func:`stream_key`)."""
+HOST = "host"
+"""The key of the host's own accesses (e.g. to page-locked memory): a stream whose clock is the
+host's knowledge, so what it does is ordered after exactly what the host has waited for, and
+before whatever it issues next."""
 
 
 class StreamRaceError(RuntimeError):
@@ -48,7 +63,7 @@ class StreamRaceError(RuntimeError):
 @dataclass
 class Access:
     write: bool
-    stream: int
+    stream: Key
     seq: int
     what: str
 
@@ -58,10 +73,16 @@ class Span:
     """Bytes [lo, hi) with one history: the last write and the reads since, per stream."""
     lo: int
     hi: int
-    alloc: int | None = None  # stream the block was allocated on (None: not seen)
+    alloc: Key | None = None  # stream the block was allocated on (None: not seen)
     write: Access | None = None
-    reads: dict[int, Access] = field(default_factory=dict)
-    recorded: set[int] = field(default_factory=set)  # streams given to record_stream
+    reads: dict[Key, Access] = field(default_factory=dict)
+    recorded: set[Key] = field(default_factory=set)  # streams given to record_stream
+
+
+def stream_key(s: Any) -> tuple[int, int]:
+    """A stream's key in the checker: (device, ``cuda_stream``). The handle alone does not tell
+    devices apart: every device's default stream is handle 0."""
+    return s.device_index, s.cuda_stream
 
 
 def tensor_bytes(t: torch.Tensor) -> tuple[int, int] | None:
@@ -79,45 +100,47 @@ def tensor_bytes(t: torch.Tensor) -> tuple[int, int] | None:
 class StreamChecker:
     """Vector clocks of streams, events and the host, and the access history of every byte range."""
 
-    def __init__(self, stream_name: Callable[[int], str] = str):
+    def __init__(self, stream_name: Callable[[Key], str] = str):
         self._lock = threading.RLock()
-        self._streams: dict[int, dict[int, int]] = {}
-        self._events: dict[int, dict[int, int]] = {}
-        self._host: dict[int, int] = {}
+        self._streams: dict[Key, dict[Key, int]] = {}
+        self._events: dict[int, dict[Key, int]] = {}
+        self._host: dict[Key, int] = {}
         self._seq = 0
         self._starts: list[int] = []
         self._spans: list[Span] = []
-        self.stream_name = stream_name
+        self.stream_name = lambda s: "the host" if s == HOST else stream_name(s)
         self.errors: list[StreamRaceError] = []
         self.on_error: Callable[[StreamRaceError], None] | None = None
         self.accesses = 0
 
     # ------------------------------------------------------------------ happens-before
-    def _state(self, s: int) -> dict[int, int]:
+    def _state(self, s: Key) -> dict[Key, int]:
+        if s == HOST:
+            return self._host
         st = self._streams.get(s)
         if st is None:
             st = self._streams[s] = dict(self._host)
         return st
 
     @staticmethod
-    def _merge(into: dict[int, int], other: dict[int, int]) -> None:
+    def _merge(into: dict[Key, int], other: dict[Key, int]) -> None:
         for k, v in other.items():
             if into.get(k, 0) < v:
                 into[k] = v
 
-    def _tick(self, s: int) -> int:
+    def _tick(self, s: Key) -> int:
         st = self._state(s)
         self._merge(st, self._host)  # work issued after the host learned X is ordered after X
         self._seq += 1
         st[s] = self._seq
         return self._seq
 
-    def event_record(self, event: int, stream: int) -> None:
+    def event_record(self, event: int, stream: Key) -> None:
         with self._lock:
             self._tick(stream)
             self._events[event] = dict(self._state(stream))
 
-    def event_wait(self, event: int, stream: int) -> None:
+    def event_wait(self, event: int, stream: Key) -> None:
         with self._lock:
             self._merge(self._state(stream), self._events.get(event, {}))
 
@@ -125,16 +148,19 @@ class StreamChecker:
         with self._lock:
             self._merge(self._host, self._events.get(event, {}))
 
-    def stream_synchronize(self, stream: int) -> None:
+    def stream_synchronize(self, stream: Key) -> None:
         with self._lock:
             self._merge(self._host, self._state(stream))
 
-    def device_synchronize(self, streams: Any = None) -> None:
+    def device_synchronize(self, device: int | None = None) -> None:
+        """``cudaDeviceSynchronize``: the streams of ``device`` (keys ``(device, handle)``, as
+        :func:`stream_key` makes them); None: every stream."""
         with self._lock:
-            for s in list(self._streams if streams is None else streams):
-                self._merge(self._host, self._state(s))
+            for s in list(self._streams):
+                if device is None or (isinstance(s, tuple) and s[0] == device):
+                    self._merge(self._host, self._state(s))
 
-    def _ordered(self, s: int | None, a: Access) -> bool:
+    def _ordered(self, s: Key | None, a: Access) -> bool:
         """Whether access ``a`` is ordered before new work on stream ``s`` (None: the host)."""
         known = self._host if s is None else self._state(s)
         return a.seq <= known.get(a.stream, 0)
@@ -191,7 +217,7 @@ class StreamChecker:
                      f"{self.stream_name(old.stream)}, and no event or host synchronisation orders "
                      f"the two ({sp.hi - sp.lo} bytes at {sp.lo:#x})")
 
-    def access(self, stream: int, reads: list[tuple[int, int]], writes: list[tuple[int, int]],
+    def access(self, stream: Key, reads: list[tuple[int, int]], writes: list[tuple[int, int]],
                what: str, fresh: list[tuple[int, int]] = ()) -> None:
         """A kernel on ``stream`` read ``reads``, wrote ``writes`` and allocated ``fresh``."""
         with self._lock:
@@ -218,11 +244,11 @@ class StreamChecker:
                 self._race(a, w, sp)
             sp.reads[a.stream] = a
 
-    def _allocate(self, lo: int, hi: int, stream: int, what: str) -> None:
+    def _allocate(self, lo: int, hi: int, stream: Key, what: str) -> None:
         """A new block at [lo, hi) on ``stream``: what the previous owner's block left behind."""
         for sp in self._covering(lo, hi, fill=False):
-            if sp.alloc != stream:
-                continue  # CUDA's allocator reuses a block only on the stream it was allocated on
+            if sp.alloc != stream or stream == HOST:
+                continue  # (host memory: a queued copy keeps its operands alive)  # CUDA's allocator reuses a block only on the stream it was allocated on
             uses = [*sp.reads.values(), *([sp.write] if sp.write else [])]
             for u in uses:
                 if u.stream != stream and u.stream not in sp.recorded and not self._ordered(stream, u):
@@ -241,7 +267,7 @@ class StreamChecker:
             for lo, hi in ranges:
                 self._drop(lo, hi)
 
-    def record_stream(self, lo: int, hi: int, stream: int) -> None:
+    def record_stream(self, lo: int, hi: int, stream: Key) -> None:
         """``Tensor.record_stream``: the allocator will not reuse the block before ``stream`` is done."""
         with self._lock:
             for sp in self._covering(lo, hi, fill=False):
@@ -274,9 +300,13 @@ class StreamChecker:
             return sorted(set(out))
 
     # ------------------------------------------------------------------ torch's trace callbacks
-    def install_trace(self) -> None:
-        """Receive ``torch.cuda._gpu_trace`` callbacks (GPU: fired by torch; simulator: by the fakes)."""
-        _Trace.target = self
+    def install_trace(self, current_device: Callable[[], int]) -> None:
+        """Receive ``torch.cuda._gpu_trace`` callbacks (GPU: fired by torch; simulator: by the fakes).
+        They name a stream by its handle only (0 for every device's default stream); torch fires
+        them under a guard of the stream's device (``CUDAEvent::record`` and ``block``,
+        ``CUDAStream::synchronize``, ``device_synchronize``), so ``current_device()`` completes
+        the key."""
+        _Trace.target, _Trace.device = self, current_device
         _Trace.register()
 
     def uninstall_trace(self) -> None:
@@ -301,10 +331,24 @@ class StreamChecker:
 _tls = threading.local()
 
 
+def on_new_threads(start: Callable[[], None]) -> Callable[[], None]:
+    """Call ``start()`` on every thread started from now on, on its first Python call
+    (``threading.setprofile``), so a mode can be pushed on threads that never call ``torch.cuda``;
+    returns what stops it."""
+    prev = threading.getprofile()
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        sys.setprofile(prev)
+        start()
+    threading.setprofile(hook)
+    return lambda: threading.setprofile(prev)
+
+
 class _Trace:
     """One registration with torch's trace registries (they cannot be removed), forwarding to the
     checker in use."""
     target: StreamChecker | None = None
+    device: Callable[[], int] = staticmethod(lambda: 0)
     registered = False
 
     @classmethod
@@ -314,12 +358,12 @@ class _Trace:
         import torch.cuda._gpu_trace as gt
         if hasattr(torch._C, "_activate_gpu_trace") and torch.cuda.is_available():
             torch._C._activate_gpu_trace()
-        fwd = cls._forward
-        gt.register_callback_for_event_record(lambda e, s: fwd("event_record", e, s))
-        gt.register_callback_for_event_wait(lambda e, s: fwd("event_wait", e, s))
+        fwd, dev = cls._forward, lambda: cls.device()
+        gt.register_callback_for_event_record(lambda e, s: fwd("event_record", e, (dev(), s)))
+        gt.register_callback_for_event_wait(lambda e, s: fwd("event_wait", e, (dev(), s)))
         gt.register_callback_for_event_synchronization(lambda e: fwd("event_synchronize", e))
-        gt.register_callback_for_stream_synchronization(lambda s: fwd("stream_synchronize", s))
-        gt.register_callback_for_device_synchronization(lambda: fwd("device_synchronize"))
+        gt.register_callback_for_stream_synchronization(lambda s: fwd("stream_synchronize", (dev(), s)))
+        gt.register_callback_for_device_synchronization(lambda: fwd("device_synchronize", dev()))
         cls.registered = True
 
     @classmethod
@@ -364,7 +408,7 @@ class AccessMode(TorchDispatchMode):
             elif arg.alias_info.is_write:
                 writes += ts
             # a view's argument (alias, not written) is metadata only
-        stream = self.stream_of(reads + writes)
+        stream = self.stream_for(func, args, kwargs, reads, writes)
         if func is torch.ops.aten.record_stream.default:
             rng = tensor_bytes(args[0])
             target = self.stream_of_object(args[1])
@@ -385,17 +429,38 @@ class AccessMode(TorchDispatchMode):
         if stream is None:  # not recorded; but memory it allocated starts a new history
             if fresh:
                 self.checker.forget(fresh)
+            self.finish(func, args, kwargs, stream, reads, writes)
             return out
         rr = [r for t in reads if (r := tensor_bytes(t)) is not None]
         ww = [r for t in writes if (r := tensor_bytes(t)) is not None]
         if not _UNINITIALISED.match(schema.name):
             ww += fresh  # an empty() allocates without writing (and may be host memory)
-        self.checker.access(stream, rr, ww, f"{func.__name__} ({threading.current_thread().name})", fresh)
+        what = f"{func.__name__} ({threading.current_thread().name})"
+        home = self.alloc_stream(func, kwargs, stream)
+        if home != stream and fresh:
+            self.checker.access(home, [], [], what, fresh)  # allocated on another stream first
+            fresh = []
+        self.checker.access(stream, rr, ww, what, fresh)
+        self.finish(func, args, kwargs, stream, reads, writes)
         return out
 
-    def stream_of_object(self, s: Any) -> int | None:
-        """The id of a stream object passed to ``record_stream``."""
-        return getattr(s, "stream_id", None)
+    def stream_for(self, func: Any, args: tuple, kwargs: dict, reads: list[torch.Tensor],
+                   writes: list[torch.Tensor]) -> Any:
+        """The stream an operator runs on (None: not recorded); by default ``stream_of``."""
+        return self.stream_of(reads + writes)
+
+    def alloc_stream(self, func: Any, kwargs: dict, stream: Any) -> Any:
+        """The stream whose allocator gave the operator's outputs (by default its own)."""
+        return stream
+
+    def finish(self, func: Any, args: tuple, kwargs: dict, stream: Any, reads: list[torch.Tensor],
+               writes: list[torch.Tensor]) -> None:
+        """After an operator ran and was recorded (what the environment adds: e.g. a blocking
+        copy's synchronisation)."""
+
+    def stream_of_object(self, s: Any) -> Any:
+        """The key of a stream object passed to ``record_stream``."""
+        return stream_key(s) if hasattr(s, "cuda_stream") else None
 
 
 def _call(func, args, kwargs, stream):
@@ -407,22 +472,23 @@ _UNINITIALISED = re.compile(r"aten::(new_)?empty(_like|_strided|_permuted)?$")
 
 class checked:
     """A runtime object (``cgdp.engine.backend.cuda_runtime.use_runtime``) that records, on a GPU,
-    what every cgdp thread issues: ``set_device`` (each cgdp thread's first CUDA call) pushes the
-    access mode on that thread; ``host_free`` reports page-locked memory unregistered while still
+    what every thread issues: the access mode is pushed on the caller's thread, on each thread
+    started while it is in use (:func:`on_new_threads`), and by ``set_device`` and ``stream`` on
+    any other (autograd's device threads inherit it from the thread that calls backward); ``host_free`` reports page-locked memory unregistered while still
     in use. Everything else is the wrapped runtime's."""
 
     def __init__(self, rt: Any):
         self._rt = rt
         cuda = rt.cuda
         self.checker = StreamChecker()
-        self.checker.install_trace()
+        self.checker.install_trace(cuda.current_device)
 
-        def stream_of(tensors: list[torch.Tensor]) -> int | None:
+        def stream_of(tensors: list[torch.Tensor]) -> Any:
             dev = next((t.device for t in tensors if t.is_cuda), None)
-            return None if dev is None else cuda.current_stream(dev).cuda_stream
+            return None if dev is None else stream_key(cuda.current_stream(dev))
         self.mode = AccessMode(self.checker, stream_of)
-        self.mode.stream_of_object = lambda s: getattr(s, "cuda_stream", None)
         self.checker.watch_thread(self.mode)  # the caller's thread zeroes and relays buffers
+        self._unhook = on_new_threads(lambda: self.mode.enabled and self.checker.watch_thread(self.mode))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._rt, name)
@@ -444,6 +510,7 @@ class checked:
         self._rt.host_free(t)
 
     def close(self) -> None:
+        self._unhook()
         self.checker.unwatch_thread(self.mode)
         self.checker.uninstall_trace()
         self.mode.enabled = False

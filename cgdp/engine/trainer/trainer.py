@@ -275,10 +275,11 @@ class Trainer:
         call = parse_step(args, len(self._devs))                                     # 1. split
         rounds, total, amp = self._prepare(call)
         tuning = self._tuner_plan()
-        self._begin_step(tuning)
-        t_start = time.perf_counter()
         phase = "forward"
         try:
+            # its kernels (the buffers' zeroing) fail first after a sticky CUDA error
+            self._begin_step(tuning)
+            t_start = time.perf_counter()
             restore = self._buffer_watch.restore
             held = self._passes.hold_micro_batches(rounds[:-1], call.compute, amp, restore)  # micro-batches 1..k-1
             parts, weights = rounds[-1]
