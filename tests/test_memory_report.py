@@ -38,7 +38,8 @@ def test_trainer_report_counts_what_each_place_holds(update):
             # AdamW: two float32 moments per element (and a step counter per parameter)
             want = 0 if update == "host" else 8 * n
             assert want <= rep[d]["optimizer_state"] <= want + (0 if update == "host" else 8 * len(list(model.parameters())))
-        assert rep["host"]["transfer"] == inside(tr).stream.host.registered_bytes > 0
+        wire = 2 * n if update == "host" else 0  # with update="host", the masters' bf16 rounding sent back
+        assert rep["host"]["transfer"] == inside(tr).stream.host.registered_bytes + wire > wire
         if update == "host":
             assert rep["host"]["parameters"] == 4 * n
             assert 8 * n <= rep["host"]["optimizer_state"] <= 8 * n + 8 * len(list(model.parameters()))
