@@ -111,6 +111,39 @@ def test_non_finite_gradient_is_reported_not_applied():
         assert tr.step_count == 2
 
 
+def test_a_step_rejected_after_backward_keeps_its_forwards_buffer_writes_on_every_replica_alike():
+    """A tensor learning rate changed on one replica only is found on the devices after backward:
+    the step is rejected with no update, and what the forwards wrote in BatchNorm's statistics is
+    kept as one device that skips optimizer.step() keeps it, averaged on every replica (each
+    replica kept its own part's statistics before)."""
+    from cgdp.engine.trainer.hyperparameters import HyperparameterMismatchError
+    from cgdp.testing import simulated_cuda
+
+    def tensor_lr(params):  # on each replica's GPU: compared there, the verdict read with the losses
+        params = list(params)
+        return torch.optim.SGD(params, lr=torch.tensor(0.05, device=params[0].device))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(12, 12, generator=g), torch.randint(0, 4, (12,), generator=g)) for _ in range(3)]
+    with simulated_cuda(2, max_delay_s=0.0), cgdp.Trainer(model, tensor_lr, ["cuda:0", "cuda:1"], chunks=1) as tr:
+        tr.step(*data[0], F.cross_entropy)
+        params = [p.detach().clone() for p in tr.replicas[0].parameters()]
+        stats = tr.replicas[0][1].running_mean.clone()
+        with torch.no_grad():
+            tr.optimizers[0].param_groups[0]["lr"].fill_(0.01)  # replica 0 only
+        with pytest.raises(HyperparameterMismatchError):
+            tr.step(*data[1], F.cross_entropy)
+        assert all(torch.equal(a, b) for a, b in zip(params, tr.replicas[0].parameters()))
+        assert not torch.equal(stats, tr.replicas[0][1].running_mean)  # the forward's writes, kept
+        assert_replicas_identical(tr)
+        with torch.no_grad():
+            tr.optimizers[0].param_groups[0]["lr"].fill_(0.05)
+        tr.step(*data[2], F.cross_entropy)
+        assert_replicas_identical(tr)
+
+
 def test_typical_mode_reports_non_finite_too():
     with cgdp.Trainer(mlp(), SGD, ["cpu:0", "cpu:1"], mode="typical") as tr:
         bad = X.clone()

@@ -434,14 +434,17 @@ class Trainer:
         """The mode's update, then what every replica shares after it: buffers, schedulers. Per
         device, the stamps around its update (None where it has none)."""
         up = self._update.step(coef, self._stream, self._threads)
-        changed = self._buffer_watch.changed(self._comm)
-        sync_buffers(self._buffers, self._weights, self._comm, changed)
-        # a forward is done again (and the buffers restored) only on emulated devices, until
-        # their random streams take turns
-        self._buffer_watch.synced(changed, others=not (self._devs[0].is_cuda or self._rng.turns))
+        self._sync_buffers()
         self._schedulers.step(only_first_stepped=self._update.only_first_stepped)
         self._follow.stepped()  # the replicas' parameters as the update left them
         return up
+
+    def _sync_buffers(self) -> None:
+        """The forwards' buffer writes averaged on every replica (after an update, or a rejection)."""
+        changed = self._buffer_watch.changed(self._comm)
+        sync_buffers(self._buffers, self._weights, self._comm, changed)
+        # a forward is done again (buffers restored) only on emulated devices without random turns
+        self._buffer_watch.synced(changed, others=not (self._devs[0].is_cuda or self._rng.turns))
 
     def _account(self, fw: list, bw: list, up: list, times: tuple[float, float, float, float], samples: int,
                  held_s: float, coef: torch.Tensor | None, tuning: bool) -> None:
@@ -472,9 +475,11 @@ class Trainer:
         self._param_hooks.put_back()
         if isinstance(exc, (NonFiniteGradientError, HyperparameterMismatchError)):
             # a clean rejection: every rank saw the same flag and every collective has completed,
-            # so nothing needs recovering and training can go on. The copies back were only
-            # ordered on the devices: let them finish, so a caller who stops here (close(), or
-            # dropping the trainer) frees nothing a copy still uses
+            # so training can go on; after backward the buffers are kept as an applied step keeps
+            # them. The copies back were only ordered on the devices: let them finish, so a caller
+            # who stops here (close(), or dropping the trainer) frees nothing a copy still uses
+            if phase == "backward":
+                self._sync_buffers()
             self._quiesce()
             return
         self._guard.fail(exc)
