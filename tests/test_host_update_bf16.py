@@ -201,3 +201,30 @@ def test_after_backward_the_whole_row_is_widened():
             tr.step(x, y, F.cross_entropy)
             assert tr.stats["host_update_overlapped"] == 0.0
         check(tr, masters)
+
+
+def test_tied_parameters_and_submodules_hold_the_masters_in_their_state_dict():
+    """A tied parameter's every name, and a submodule's own state_dict(), hold the float32 masters
+    (only the first name did, and the top module only): a checkpoint resumes exactly."""
+    from helpers import TokenLM, token_batches, token_sum
+    data = token_batches(4, 6)
+
+    def train(batches, state=None):
+        with cgdp.Trainer(TokenLM(), MAKE, ["cpu:0", "cpu:1"], update="host", grad_transfer="bf16",
+                          chunks=1) as tr:
+            if state is not None:
+                tr.load_state_dict(state)
+            for b in batches:
+                tr.step(b, token_sum)
+            model = tr.replicas[0]
+            sd = model.state_dict()
+            assert torch.equal(sd["emb.weight"], sd["out.weight"])
+            assert torch.equal(model.emb.state_dict()["weight"], sd["emb.weight"])
+            assert torch.equal(model.mix.state_dict()["weight"], sd["mix.weight"])
+            assert not torch.equal(sd["mix.weight"], model.mix.weight.detach())  # the masters, not the rounding
+            return copy.deepcopy(tr.state_dict())
+
+    full = train(data)
+    resumed = train(data[2:], train(data[:2]))
+    for k, v in full["model"].items():
+        assert torch.equal(v, resumed["model"][k]), k

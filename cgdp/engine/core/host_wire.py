@@ -118,21 +118,39 @@ class Bf16Wire:
 
 
 def masters_in_state_dict(module: nn.Module, masters: Any) -> Any:
-    """``module.state_dict()`` holds copies of the float32 masters for its trainable parameters
-    (not the replica's rounded values; ``keep_vars=True`` keeps the parameters, a deep copy of the
-    module its own values, and so does a parameter written since the masters last took it: a
-    load, read back by the replicas' follower); the hook's handle (removed by ``close()``)."""
-    names = {id(p): name for name, p in module.named_parameters()}
-    keys = [(names[id(p)], k) for k, p in enumerate(masters.params[0]) if id(p) in names]
-    own = weakref.ref(module)
+    """``state_dict()`` of the module, or of any submodule, holds copies of the float32 masters for
+    the trainable parameters (not the replica's rounded values; a tied parameter under each of its
+    names; ``keep_vars=True`` keeps the parameters, a deep copy of the module its own values, and
+    so does a parameter written since the masters last took it: a load, read back by the replicas'
+    follower). One post-hook on each module that owns parameters (torch runs a submodule's hooks
+    within its parent's ``state_dict()``); returns what removes them (``close()``)."""
+    index = {id(p): k for k, p in enumerate(masters.params[0])}
 
-    def hook(mod: nn.Module, state: dict, prefix: str, meta: Any) -> None:
-        if mod is not own():  # a deep copy of the module, which copied its hooks: its own values
-            return
-        params, seen = masters.params[0], masters.versions
-        for name, k in keys:
-            # a parameter written since the masters last took it (a load, an edit, before the next
-            # step's follow): its own value, which the master will take
-            if params[k]._version == seen[k] and not isinstance(state.get(prefix + name), nn.Parameter):
-                state[prefix + name] = masters.masters[k].detach().clone()
-    return module.register_state_dict_post_hook(hook)
+    def hook_for(mod: nn.Module) -> Any:
+        keys = [(name, index[id(p)]) for name, p in mod.named_parameters(recurse=False) if id(p) in index]
+        own = weakref.ref(mod)
+
+        def hook(m: nn.Module, state: dict, prefix: str, meta: Any) -> None:
+            if m is not own():  # a deep copy of the module, which copied its hooks: its own values
+                return
+            params, seen = masters.params[0], masters.versions
+            for name, k in keys:
+                # a parameter written since the masters last took it (a load, an edit, before the
+                # next step's follow): its own value, which the master will take
+                if params[k]._version == seen[k] and not isinstance(state.get(prefix + name), nn.Parameter):
+                    state[prefix + name] = masters.masters[k].detach().clone()
+        return mod.register_state_dict_post_hook(hook) if keys else None
+
+    handles = [h for h in map(hook_for, module.modules()) if h is not None]
+    return _Handles(handles)
+
+
+class _Handles:
+    """Removes several hooks at once."""
+
+    def __init__(self, handles: list[Any]):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
