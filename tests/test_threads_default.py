@@ -83,3 +83,21 @@ def test_omp_num_threads_and_gpus_are_left_as_they_are(user_threads, monkeypatch
     with simulated_cuda(2, seed=0):
         trained, wrapped, _ = run_both_faces(["cuda:0", "cuda:1"])
     assert set(trained.values()) == set(wrapped.values()) == {user_threads}
+
+
+def test_the_count_new_threads_start_from_is_kept_when_another_thread_chose_it(user_threads):
+    """A worker of the user's set 1 (which sets the count threads start from, process-wide) while
+    the caller keeps every core: building either face leaves both as they were (the count new
+    threads start from was reset to the caller's before)."""
+    worker = threading.Thread(target=lambda: torch.set_num_threads(1))
+    worker.start()
+    worker.join()
+    try:
+        assert (torch.get_num_threads(), count_of_a_new_thread()) == (user_threads, 1)
+        _, _, during = run_both_faces(["cpu:0", "cpu:1"])
+        assert during == [(user_threads, 1)] * 2
+        assert (torch.get_num_threads(), count_of_a_new_thread()) == (user_threads, 1)
+    finally:
+        restore = threading.Thread(target=lambda: torch.set_num_threads(user_threads))
+        restore.start()
+        restore.join()

@@ -18,8 +18,9 @@ a stuck thread.
 Intra-op threads (:func:`intra_op_threads`): on CPU-emulated devices each device thread runs
 torch's CPU operators on one share of the cores (torch's OpenMP count is kept per thread), not on
 torch's default pool over every core, which every device thread would otherwise have; the
-caller's own count, and the count other threads start from, do not change. ``OMP_NUM_THREADS``
-and GPUs are left as they are.
+caller's own count, and the count other threads start from, are the same after the engine is
+built (while it is being built, a thread that another thread of the user's starts may begin
+from the device threads' count). ``OMP_NUM_THREADS`` and GPUs are left as they are.
 
 Turns (:meth:`DeviceThreads.computing`): while every device thread can have a core of its own,
 they all compute at once. With more devices than cores, threads that all dispatch operators hand
@@ -123,6 +124,15 @@ def threads_per_device(num_devices: int) -> int:
     return max(1, usable_cores() // num_devices)
 
 
+def _on_new_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a thread of its own (whose intra-op count starts from the process-wide one)."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()), name="cgdp-intra-op-count")
+    t.start()
+    t.join()
+    return out[0] if out else None
+
+
 @functools.lru_cache(maxsize=None)
 def _counts_per_thread() -> bool:
     """Whether torch's intra-op thread count is kept per thread: its OpenMP backend, where
@@ -153,14 +163,14 @@ class DeviceThreads:
         self._guard = guard
         self.intra_op = intra_op_threads(devs)
         """torch's intra-op threads of each device thread (None: torch's own count)."""
-        mine = torch.get_num_threads()  # also fixes the caller's own count before the threads start
+        torch.get_num_threads()  # fixes the caller's own count before the threads start
+        # the count threads starting later begin from (set_num_threads sets it, on any thread)
+        start = _on_new_thread(torch.get_num_threads) if self.intra_op is not None else None
         self._threads = [_DeviceThread(d, self.intra_op) for d in devs]
-        if self.intra_op is not None:
+        if start is not None:
             for t in self._threads:  # note: waits until each thread has set its own count (at start)
                 t.submit(lambda: None).result()
-            # set_num_threads also sets the count that threads starting later begin from: the
-            # caller's again (its own count is the same value; nothing it sees changes)
-            torch.set_num_threads(mine)
+            _on_new_thread(lambda: torch.set_num_threads(start))  # as it was; nobody's own count changes
         n = default_at_once(len(devs)) if at_once is None else max(1, min(at_once, len(devs)))
         self.at_once = n
         """Device threads computing at once (fewer than the devices: they take turns)."""
