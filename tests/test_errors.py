@@ -50,6 +50,7 @@ def test_cuda_index_beyond_count():
     (dict(chunks="fast"), "'auto'"),
     (dict(chunks=1.5), "int chunk size"),
     (dict(comm="nccl"), "comm must be None"),
+    (dict(mode="typical", comm="gloo"), "mode='typical' averages the gradient on this machine's devices only"),
     (dict(timeout_s=0), "timeout_s"),
 ])
 def test_bad_options(kw, match):

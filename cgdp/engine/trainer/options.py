@@ -67,7 +67,8 @@ class Checked:
 
 def check_arguments(model: Any, optimizer: Any, devices: Sequence[str], *, mode: str, share_devices: bool,
                     grad_transfer: str | None, timeout_s: float | None, segment_bytes: int,
-                    clip_grad_norm: float | None, micro_batches: int, update: str = "devices") -> Checked:
+                    clip_grad_norm: float | None, micro_batches: int, update: str = "devices",
+                    comm: Any = None) -> Checked:
     """Raise ``ValueError`` or ``TypeError`` for the first argument of ``Trainer(...)`` that is wrong."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -78,6 +79,10 @@ def check_arguments(model: Any, optimizer: Any, devices: Sequence[str], *, mode:
                         "e.g. lambda params: torch.optim.SGD(params, lr=0.1), so that each replica "
                         "gets its own")
     parse_devices(devices, share_devices)
+    if mode != "cgdp" and comm is not None:
+        raise ValueError(f"mode={mode!r} averages the gradient on this machine's devices only (nothing of it "
+                         f"crosses machines), so ranks would train apart: with comm=, use mode='cgdp', whose "
+                         f"host sum is what the ranks allreduce")
     if mode == "single" and len(devices) != 1:
         raise ValueError(f"mode='single' trains on one device; got {len(devices)} devices. "
                          f"Pass one device, or use mode='cgdp' for several")

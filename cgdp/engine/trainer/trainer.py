@@ -134,7 +134,8 @@ class Trainer:
                  host_memory: int | None = None, update: str = "devices"):
         checked = check_arguments(model, optimizer, devices, mode=mode, share_devices=share_devices,
                                   grad_transfer=grad_transfer, timeout_s=timeout_s, segment_bytes=segment_bytes,
-                                  clip_grad_norm=clip_grad_norm, micro_batches=micro_batches, update=update)
+                                  clip_grad_norm=clip_grad_norm, micro_batches=micro_batches, update=update,
+                                  comm=comm)
         self._host_update = checked.host_update
         self._dtype, self._transfer = checked.dtype, checked.transfer
         self._segment = segment_bytes
