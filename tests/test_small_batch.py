@@ -3,6 +3,7 @@ run it on the first n devices, one sample each, and the result is one device's. 
 samples run no forward (BatchNorm would refuse an empty batch), send zeros to the host sum and step
 their replicas with the others."""
 import copy
+import time
 import warnings
 
 import pytest
@@ -171,3 +172,24 @@ def test_devices_without_samples_on_the_cuda_backend():
         assert not sim.errors
     for face in ("trainer", "dataparallel"):
         assert_states_equal(got[face, 3], got[face, 2])
+
+
+def test_an_empty_batch_on_one_rank_is_refused_on_every_rank_at_once():
+    """Rank 1 gets no sample: both ranks refuse the step in its first collective (rank 0 waited
+    for timeout_s before), nothing is applied, and the next step trains on both."""
+    from test_comm_inproc import on_ranks
+    model, x, y = mlp(), torch.randn(4, 12), torch.randint(0, 5, (4,))
+
+    def rank(comm):
+        with cgdp.Trainer(copy.deepcopy(model), SGD, ["cpu:0", "cpu:1"], comm=comm, timeout_s=120) as tr:
+            before = [p.detach().clone() for p in tr.replicas[0].parameters()]
+            t0 = time.monotonic()
+            with pytest.raises(ValueError, match="empty batch"):
+                tr.step(x if comm.rank == 0 else x[:0], y if comm.rank == 0 else y[:0], F.cross_entropy)
+            waited = time.monotonic() - t0
+            assert all(torch.equal(a, b) for a, b in zip(before, tr.replicas[0].parameters()))
+            tr.step(x, y, F.cross_entropy)
+            return waited, [p.detach().clone() for p in tr.replicas[0].parameters()]
+    (w0, p0), (w1, p1) = on_ranks(2, rank, timeout_s=120)
+    assert max(w0, w1) < 60  # at once, not after timeout_s
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 from typing import Callable, Sequence
 
 import numpy as np
@@ -79,5 +80,9 @@ def batch_weights(sizes: list[int], comm: Comm | None) -> tuple[list[float], int
     """Each device's share of the global batch (over all ranks), and the global batch size."""
     total = sum(sizes)
     if comm is not None:
-        total = int(comm.allreduce_small(np.array([total], np.float64))[0])
+        reduced = float(comm.allreduce_small(np.array([total], np.float64))[0])
+        if math.isnan(reduced):  # a rank with an empty batch joined with NaN (trainer.losses.parse_step)
+            raise ValueError("another rank got an empty batch (first dimension 0): every rank refuses this "
+                             "step. Skip empty batches, or give every rank at least one sample")
+        total = int(reduced)
     return [n / total for n in sizes], total

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from cgdp.comm import Comm
-from cgdp.engine.trainer.batch import split_batch, split_nested, to_device
+from cgdp.engine.trainer.batch import EmptyBatchError, split_batch, split_nested, to_device
 
 
 @dataclass
@@ -72,8 +72,19 @@ class StepCall:
     """Ids of the batch's tensors that every part holds whole (micro-batches keep them whole)."""
 
 
-def parse_step(args: Sequence[Any], g: int) -> StepCall:
-    """``step(batch, loss_fn)`` or ``step(inputs, targets, loss_fn)``, split for ``g`` devices."""
+def parse_step(args: Sequence[Any], g: int, comm: Comm | None = None) -> StepCall:
+    """``step(batch, loss_fn)`` or ``step(inputs, targets, loss_fn)``, split for ``g`` devices.
+    An empty batch on one rank is refused on every rank: the others learn it from the step's first
+    collective (:func:`~cgdp.engine.core.replicas.batch_weights`), which this rank joins with NaN."""
+    try:
+        return _parse_step(args, g)
+    except EmptyBatchError:
+        if comm is not None:
+            comm.allreduce_small(np.array([math.nan]))
+        raise
+
+
+def _parse_step(args: Sequence[Any], g: int) -> StepCall:
     if len(args) not in (2, 3):
         raise TypeError(f"step takes (batch, loss_fn) or (inputs, targets, loss_fn); got {len(args)} "
                         f"argument(s)")

@@ -273,7 +273,7 @@ class Trainer:
         """
         if loss_fn is not None:
             args = (*args, loss_fn)
-        call = parse_step(args, len(self._devs))                                     # 1. split
+        call = parse_step(args, len(self._devs), self._comm)                         # 1. split
         rounds, total, amp = self._prepare(call)
         tuning = self._tuner_plan()
         phase = "forward"
