@@ -175,8 +175,9 @@ def test_devices_without_samples_on_the_cuda_backend():
 
 
 def test_an_empty_batch_on_one_rank_is_refused_on_every_rank_at_once():
-    """Rank 1 gets no sample: both ranks refuse the step in its first collective (rank 0 waited
-    for timeout_s before), nothing is applied, and the next step trains on both."""
+    """Rank 1 gets no sample (then a batch it cannot split): both ranks refuse the step in its
+    first collective (rank 0 waited for timeout_s before), nothing is applied, and the next step
+    trains on both, in step."""
     from test_comm_inproc import on_ranks
     model, x, y = mlp(), torch.randn(4, 12), torch.randint(0, 5, (4,))
 
@@ -184,9 +185,11 @@ def test_an_empty_batch_on_one_rank_is_refused_on_every_rank_at_once():
         with cgdp.Trainer(copy.deepcopy(model), SGD, ["cpu:0", "cpu:1"], comm=comm, timeout_s=120) as tr:
             before = [p.detach().clone() for p in tr.replicas[0].parameters()]
             t0 = time.monotonic()
-            with pytest.raises(ValueError, match="empty batch"):
+            with pytest.raises(ValueError, match="empty batch" if comm.rank else "another rank refused"):
                 tr.step(x if comm.rank == 0 else x[:0], y if comm.rank == 0 else y[:0], F.cross_entropy)
             waited = time.monotonic() - t0
+            with pytest.raises(TypeError if comm.rank else ValueError):  # one it cannot split, too
+                tr.step(x if comm.rank == 0 else x.tolist(), y, F.cross_entropy)
             assert all(torch.equal(a, b) for a, b in zip(before, tr.replicas[0].parameters()))
             tr.step(x, y, F.cross_entropy)
             return waited, [p.detach().clone() for p in tr.replicas[0].parameters()]

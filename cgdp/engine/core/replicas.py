@@ -81,8 +81,8 @@ def batch_weights(sizes: list[int], comm: Comm | None) -> tuple[list[float], int
     total = sum(sizes)
     if comm is not None:
         reduced = float(comm.allreduce_small(np.array([total], np.float64))[0])
-        if math.isnan(reduced):  # a rank with an empty batch joined with NaN (trainer.losses.parse_step)
-            raise ValueError("another rank got an empty batch (first dimension 0): every rank refuses this "
-                             "step. Skip empty batches, or give every rank at least one sample")
+        if math.isnan(reduced):  # a rank that refused its batch joined with NaN (trainer.losses.parse_step)
+            raise ValueError("another rank refused this step's batch (an empty batch, or one it could not "
+                             "split: its own error says which): every rank refuses this step")
         total = int(reduced)
     return [n / total for n in sizes], total

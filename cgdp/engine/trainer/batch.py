@@ -62,14 +62,10 @@ def split_batch(inputs: Any, targets: Any, g: int) -> tuple[list[Part], list[int
     return parts, [int(s.shape[0]) for s in split_y]
 
 
-class EmptyBatchError(ValueError):
-    """A step's batch (this rank's part) has no sample."""
-
-
 def check_not_empty(n: int) -> None:
     if n == 0:
-        raise EmptyBatchError("cgdp.Trainer got an empty batch (first dimension 0): there is nothing to train "
-                              "on; skip empty batches")
+        raise ValueError("cgdp.Trainer got an empty batch (first dimension 0): there is nothing to train on; "
+                         "skip empty batches")
 
 
 def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int], frozenset[int]]:

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from cgdp.comm import Comm
-from cgdp.engine.trainer.batch import EmptyBatchError, split_batch, split_nested, to_device
+from cgdp.engine.trainer.batch import split_batch, split_nested, to_device
 
 
 @dataclass
@@ -74,11 +74,12 @@ class StepCall:
 
 def parse_step(args: Sequence[Any], g: int, comm: Comm | None = None) -> StepCall:
     """``step(batch, loss_fn)`` or ``step(inputs, targets, loss_fn)``, split for ``g`` devices.
-    An empty batch on one rank is refused on every rank: the others learn it from the step's first
-    collective (:func:`~cgdp.engine.core.replicas.batch_weights`), which this rank joins with NaN."""
+    A batch refused on one rank (empty, or one it cannot split) is refused on every rank: the
+    others learn it from the step's first collective (:func:`~cgdp.engine.core.replicas.batch_weights`),
+    which this rank joins with NaN, so that no rank's collectives pair with another step's."""
     try:
         return _parse_step(args, g)
-    except EmptyBatchError:
+    except Exception:
         if comm is not None:
             comm.allreduce_small(np.array([math.nan]))
         raise
