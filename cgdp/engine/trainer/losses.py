@@ -36,6 +36,7 @@ around each device's forward and loss, as around a single-device forward.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from functools import partial
@@ -81,7 +82,8 @@ def parse_step(args: Sequence[Any], g: int, comm: Comm | None = None) -> StepCal
         return _parse_step(args, g)
     except Exception:
         if comm is not None:
-            comm.allreduce_small(np.array([math.nan]))
+            with contextlib.suppress(Exception):  # (a comm that fails here: the batch's error is the one to see)
+                comm.allreduce_small(np.array([math.nan]))
         raise
 
 
