@@ -204,15 +204,13 @@ def _total(counts: Sequence[float | torch.Tensor], device: torch.device) -> floa
 def read_at_once(values: Sequence[float | torch.Tensor], device: torch.device) -> list[float]:
     """``values`` as floats; the tensors among them gathered on ``device`` as float64 (which holds
     a loss, a count or a NaN/Inf count exactly) and read in one host wait."""
-    at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    out = [v if isinstance(v, torch.Tensor) else float(v) for v in values]
-    if at:
-        with torch.no_grad():
-            gathered = torch.stack([values[i].detach().reshape(()).to(device, torch.float64, non_blocking=True)
-                                    for i in at])
-        for i, v in zip(at, gathered.tolist()):  # note: CPU-GPU sync point, one for all of them
-            out[i] = v
-    return out
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    with torch.no_grad():
+        gathered = torch.stack([t.detach().reshape(()).to(device, torch.float64, non_blocking=True) for t in tensors])
+    read = iter(gathered.tolist())  # note: CPU-GPU sync point, one for all of them
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 @dataclass
@@ -247,8 +245,10 @@ def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], com
     :class:`DeviceWeight` where the counts are on the devices, unless they must be read before
     backward: with MPI, or ``read`` (``update="host"``, whose optimizer steps during backward,
     so that a bad count found after it would leave that optimizer's state advanced)."""
-    first = results[0].loss.device
     counts = [r.count for r in results if r.count is not None]
+    if not counts and (held is None or not held.pairs) and not (comm is not None and nested):
+        return sample_weights  # means over samples only, on this rank alone: nothing to add up
+    first = results[0].loss.device
     count = _total(counts, first)
     vec = np.array([0.0, len(counts), len(results)], np.float64)
     if held is not None:
