@@ -18,11 +18,17 @@ back changes the result; each run is compared with single-device autograd on the
    ``data_ptr()``: it sees none of cgdp's threads and never compares a slice with its buffer.)
 2. ``faults``: the same runs with ``torch.cuda._sleep`` on the D2H streams, the H2D streams, the
    default streams, and all three (:class:`cgdp.testing.fault_injection.Delayed`).
-3. ``controls``, which must fail: the update not waiting for the copies back, under H2D delays
-   (a wrong result) and under the checker (a reported race). A check whose control passes
+3. ``controls``, which must fail, run right after the first check: the update not waiting for
+   the copies back (under H2D delays: a wrong result; under the checker: a reported race), and the
+   D2H copy not waiting for its chunk's gradients (``ready``, recorded on the stream that
+   accumulated them; under compute delays and under the checker). A check whose control passes
    cannot fail, and proves nothing.
 
-Writes ``$OUT/gpu_checks.json`` and ``$OUT/gpu_checks.md`` (machine, versions, command, every check).
+DataParallel runs G >= 2 replicas too: on one GPU, two of them on ``cuda:0`` (``share_devices``).
+
+Writes ``$OUT/gpu_checks.json`` and ``$OUT/gpu_checks.md`` (machine, versions, command, every check)
+after every check, so a run stopped by its limit (SIGINT, or SIGTERM) keeps what it checked; such a
+run is marked ``"interrupted"`` and exits 1.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import contextlib
 import copy
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -98,7 +105,7 @@ def run_dataparallel(model, data, devices, runtime) -> list[torch.Tensor]:
     from cgdp.engine.backend.cuda_runtime import use_runtime
     with use_runtime(runtime):
         net = copy.deepcopy(model)
-        with cgdp.DataParallel(net, list(dict.fromkeys(devices)), chunks=1) as dp:
+        with cgdp.DataParallel(net, devices, chunks=1, share_devices=True) as dp:
             if hasattr(runtime, "attach"):
                 runtime.attach(inside(dp).devices)
             opt = SGD(net.parameters())
@@ -119,6 +126,25 @@ def no_update_wait():
         yield
     finally:
         CudaDevice.compute_wait = real
+
+
+@contextlib.contextmanager
+def no_ready_wait():
+    """The other broken ordering of the controls: a D2H copy does not wait for its chunk's gradients
+    (each ``ready`` event is never recorded, so the D2H stream's wait on it is a no-op)."""
+    from cgdp.engine.backend.cuda import CudaDevice
+    real = CudaDevice.set_routes
+
+    def set_routes(self, routes):
+        real(self, routes)
+        for ev in self._ready:
+            ev.record = lambda stream=None: None
+
+    CudaDevice.set_routes = set_routes
+    try:
+        yield
+    finally:
+        CudaDevice.set_routes = real
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +173,24 @@ def main(argv: list[str] | None = None) -> int:
     n_gpus = torch.cuda.device_count() if real else 2
     devices = ["cuda:0"] + [f"cuda:{i}" for i in range(n_gpus)]
     results: list[dict] = []
+    res = {"command": command_line(), "machine": machine(), "simulated": not real, "devices": devices,
+           "cycles": cycles, "interrupted": False, "checks": results}
+
+    def save() -> None:  # after every check: a run stopped by its limit keeps what it checked
+        bad = [r for r in results if not r["ok"]]
+        lines = ["# The first GPU run's ordering checks" + (" (SIMULATED: no GPU was used)" if not real else ""),
+                 "", machine_md(res["machine"]), "", f"Command: `{res['command']}`", "",
+                 f"Devices {devices}; injected device sleep {cycles} cycles per ordering point.", "",
+                 table(["check", "outcome", "as it must", "s"],
+                       [[r["check"], r["outcome"], "yes" if r["ok"] else "**NO**", r["seconds"]] for r in results]),
+                 "", f"{len(results) - len(bad)}/{len(results)} as they must"
+                 + (" (INTERRUPTED: the checks after these did not run)" if res["interrupted"] else "") + "."]
+        for name, text in (("gpu_checks.json", json.dumps(res, indent=1, default=str)),
+                           ("gpu_checks.md", "\n".join(lines) + "\n")):
+            tmp = os.path.join(args.out, name + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, os.path.join(args.out, name))
 
     def check(name: str, fn, must_fail: bool = False, tol: float = 1e-5) -> None:
         t0 = time.perf_counter()
@@ -165,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         entry["ok"] = failed if must_fail else not failed
         entry["seconds"] = round(time.perf_counter() - t0, 2)
         results.append(entry)
+        save()
         print(f"[gpu_checks] {'PASS' if entry['ok'] else 'FAIL'} {name}: {entry['outcome']}", flush=True)
 
     @contextlib.contextmanager
@@ -186,67 +231,77 @@ def main(argv: list[str] | None = None) -> int:
                 yield sim.runtime if kind == "checker" else Delayed(sim.runtime, where, cycles)
 
     ref_dev = torch.device("cuda", 0) if real else torch.device("cpu")
-    for mname, model in models().items():
-        if args.quick and mname != "mlp":
-            continue
-        data = batches(mname, args.steps)
+
+    def controls() -> None:
+        """The checks must be able to fail: each control drops one wait and must be caught."""
+        model = models()["mlp"]
+        data = batches("mlp", args.steps)
         ref = reference(model, data, ref_dev)
-        for wire, chunks in ((None, 1),) if args.quick else ((None, 1), (None, "layers"), ("bf16", 1)):
-            if wire == "bf16" and mname == "cnn":
-                continue
-            label = f"{mname} Trainer{' bf16 wire' if wire else ''} chunks={chunks}"
-            ch = [[i] for i in reversed(range(len([m for m in model.modules() if list(m.parameters(recurse=False))])))] \
-                if chunks == "layers" else chunks
-            tol = 1e-5 if wire is None else 1e-2  # bf16 on the wire: within its error bound
 
-            def trainer_err(kind, where=(), wire=wire, ch=ch, data=data, model=model, ref=ref):
+        def control(broken, kind, where=()):
+            with broken():
                 with runtime(kind, where) as rt:
-                    got = run_trainer(model, data, devices, rt, wire, ch)
-                return rel_err(got, ref)
-            check(f"checker: {label}", lambda: trainer_err("checker"), tol=tol)
-            points = (("d2h", "h2d", "compute"),) if args.quick else \
-                (("d2h",), ("h2d",), ("compute",), ("d2h", "h2d", "compute"))
-            for where in points:
-                check(f"faults {'+'.join(where)}: {label}", lambda where=where: trainer_err("faults", where),
-                      tol=tol)
-
-        def dp_err(kind, where=(), data=data, model=model, ref=ref):
-            with runtime(kind, where) as rt:
-                got = run_dataparallel(model, data, devices, rt)
+                    got = run_trainer(model, data, devices, rt)
             return rel_err(got, ref)
-        check(f"checker: {mname} DataParallel", lambda: dp_err("checker"))
-        check(f"faults d2h+h2d+compute: {mname} DataParallel",
-              lambda: dp_err("faults", ("d2h", "h2d", "compute")))
+        check("control (must fail): update does not wait for the copies back, H2D delayed",
+              lambda: control(no_update_wait, "faults", ("h2d",)), must_fail=True)
+        check("control (must fail): update does not wait for the copies back, under the checker",
+              lambda: control(no_update_wait, "checker"), must_fail=True)
+        check("control (must fail): D2H copy does not wait for the gradients, compute delayed",
+              lambda: control(no_ready_wait, "faults", ("compute",)), must_fail=True)
+        check("control (must fail): D2H copy does not wait for the gradients, under the checker",
+              lambda: control(no_ready_wait, "checker"), must_fail=True)
 
-    # controls: the checks must be able to fail
-    mname, model = "mlp", models()["mlp"]
-    data = batches(mname, args.steps)
-    ref = reference(model, data, ref_dev)
+    def all_checks() -> None:
+        first = True
+        for mname, model in models().items():
+            if args.quick and mname != "mlp":
+                continue
+            data = batches(mname, args.steps)
+            ref = reference(model, data, ref_dev)
+            for wire, chunks in ((None, 1),) if args.quick else ((None, 1), (None, "layers"), ("bf16", 1)):
+                if wire == "bf16" and mname == "cnn":
+                    continue
+                label = f"{mname} Trainer{' bf16 wire' if wire else ''} chunks={chunks}"
+                with_params = [m for m in model.modules() if list(m.parameters(recurse=False))]
+                ch = [[i] for i in reversed(range(len(with_params)))] if chunks == "layers" else chunks
+                tol = 1e-5 if wire is None else 1e-2  # bf16 on the wire: within its error bound
 
-    def control(kind, where=()):
-        with no_update_wait():
-            with runtime(kind, where) as rt:
-                got = run_trainer(model, data, devices, rt)
-        return rel_err(got, ref)
-    check("control (must fail): update does not wait for the copies back, H2D delayed",
-          lambda: control("faults", ("h2d",)), must_fail=True)
-    check("control (must fail): update does not wait for the copies back, under the checker",
-          lambda: control("checker"), must_fail=True)
+                def trainer_err(kind, where=(), wire=wire, ch=ch, data=data, model=model, ref=ref):
+                    with runtime(kind, where) as rt:
+                        got = run_trainer(model, data, devices, rt, wire, ch)
+                    return rel_err(got, ref)
+                check(f"checker: {label}", lambda: trainer_err("checker"), tol=tol)
+                if first:  # the controls next: what the checks are worth is known early
+                    first = False
+                    controls()
+                points = (("d2h", "h2d", "compute"),) if args.quick else \
+                    (("d2h",), ("h2d",), ("compute",), ("d2h", "h2d", "compute"))
+                for where in points:
+                    check(f"faults {'+'.join(where)}: {label}", lambda where=where: trainer_err("faults", where),
+                          tol=tol)
 
-    res = {"command": command_line(), "machine": machine(), "simulated": not real, "devices": devices,
-           "cycles": cycles, "checks": results}
-    with open(os.path.join(args.out, "gpu_checks.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
+            def dp_err(kind, where=(), data=data, model=model, ref=ref):
+                with runtime(kind, where) as rt:
+                    got = run_dataparallel(model, data, devices, rt)
+                return rel_err(got, ref)
+            check(f"checker: {mname} DataParallel", lambda: dp_err("checker"))
+            check(f"faults d2h+h2d+compute: {mname} DataParallel",
+                  lambda: dp_err("faults", ("d2h", "h2d", "compute")))
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)  # timeout's default signal: end as SIGINT does
+    try:
+        all_checks()
+    except KeyboardInterrupt:
+        res["interrupted"] = True
+        print("[gpu_checks] interrupted: the checks so far are written", flush=True)
+    save()
     bad = [r for r in results if not r["ok"]]
-    lines = ["# The first GPU run's ordering checks" + (" (SIMULATED: no GPU was used)" if not real else ""), "",
-             machine_md(res["machine"]), "", f"Command: `{res['command']}`", "",
-             f"Devices {devices}; injected device sleep {cycles} cycles per ordering point.", "",
-             table(["check", "outcome", "as it must", "s"],
-                   [[r["check"], r["outcome"], "yes" if r["ok"] else "**NO**", r["seconds"]] for r in results]), ""]
-    with open(os.path.join(args.out, "gpu_checks.md"), "w") as f:
-        f.write("\n".join(lines))
-    print(f"[gpu_checks] {len(results) - len(bad)}/{len(results)} as they must; wrote {args.out}/gpu_checks.md")
-    return 1 if bad else 0
+    print(f"[gpu_checks] {len(results) - len(bad)}/{len(results)} as they must"
+          + (", interrupted" if res["interrupted"] else "") + f"; wrote {args.out}/gpu_checks.md")
+    return 1 if bad or res["interrupted"] else 0
 
 
 if __name__ == "__main__":

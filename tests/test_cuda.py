@@ -89,6 +89,20 @@ def test_equivalence_on_cuda(gpu, mode, opt, chunks):
         assert_params_close(tr.replicas[0], ref)
 
 
+class PointerAttributes(ctypes.Structure):
+    """``cudaPointerAttributes`` as CUDA 12 and 13's driver_types.h declare it, its reserved words
+    included: ``cudaPointerGetAttributes`` writes the whole struct (88 bytes on x86-64)."""
+    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
+                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p),
+                ("reserved", ctypes.c_long * 8)]
+
+
+def test_pointer_attributes_hold_what_the_runtime_writes():
+    """The runtime writes 88 bytes: a struct without the reserved words (24) would be overrun."""
+    assert ctypes.sizeof(PointerAttributes) == 4 + 4 + 8 + 8 + 8 * 8
+    assert PointerAttributes.reserved.offset == 24
+
+
 def page_locked(ptr: int, sim) -> bool:
     """Whether the byte at ``ptr`` is page-locked host memory, as the CUDA driver sees it
     (``cudaPointerGetAttributes``). Not ``Tensor.is_pinned()``: torch asks about the storage's
@@ -96,10 +110,7 @@ def page_locked(ptr: int, sim) -> bool:
     if sim is not None:
         return sim._pinned_at(ptr) is not None
 
-    class Attributes(ctypes.Structure):  # cudaPointerAttributes (CUDA >= 11)
-        _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                    ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
-    attrs = Attributes()
+    attrs = PointerAttributes()
     lib = cuda_runtime._load_cudart()
     assert lib is not None, "libcudart is not loaded"
     assert lib.cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(ptr)) == 0
