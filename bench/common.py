@@ -123,8 +123,8 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(out)
 
 
-def fmt(x: float, digits: int = 1) -> str:
-    return "n/a" if x != x else f"{x:.{digits}f}"
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None or x != x else f"{x:.{digits}f}"
 
 
 def write_results(md: str, results: object, info: Mapping[str, str], cmd: str,

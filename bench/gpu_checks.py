@@ -131,14 +131,15 @@ def no_update_wait():
 @contextlib.contextmanager
 def no_ready_wait():
     """The other broken ordering of the controls: a D2H copy does not wait for its chunk's gradients
-    (each ``ready`` event is never recorded, so the D2H stream's wait on it is a no-op)."""
+    (each ``ready`` event is never recorded, so the D2H stream's wait on it is a no-op; the record
+    goes to another event, so that fault injection still puts its device sleep after it)."""
     from cgdp.engine.backend.cuda import CudaDevice
     real = CudaDevice.set_routes
 
     def set_routes(self, routes):
         real(self, routes)
-        for ev in self._ready:
-            ev.record = lambda stream=None: None
+        for ev in self._ready:  # recorded as before (a delayed runtime still sleeps after it), but
+            ev.record = self.rt.Event().record  # into another event: the D2H stream waits on none
 
     CudaDevice.set_routes = set_routes
     try:
