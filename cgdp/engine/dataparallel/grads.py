@@ -108,6 +108,10 @@ class GradPart:
         """After a plan switch relaid the flat buffers (their values kept)."""
 
 
+NOT_SUMMED = ("optimizer.step() after a backward inside model.no_sync() (or a backward through forwards run "
+              "inside it): each replica holds only its own part of the gradient, never summed; run the last "
+              "backward of the step outside no_sync() (forward and backward both) before optimizer.step()")
+
 _SUMMED = (GradState.SUMMED, GradState.EDITED, GradState.DROPPED)
 """States in which every replica holds the total (nothing, once dropped)."""
 
@@ -175,6 +179,8 @@ class Gradients:
             raise RuntimeError("the last backward through cgdp.DataParallel failed partway, so the "
                                "gradients are incomplete (they were dropped); call optimizer.zero_grad() "
                                "and redo this step's forward and backward before optimizer.step()")
+        if self.state is GradState.ACCUMULATING:
+            raise RuntimeError(NOT_SUMMED)
         self.follow_edits()
 
     def follow_edits(self) -> None:
