@@ -122,6 +122,18 @@ def test_modules_stay_small():
     assert not big, f"split these modules (STYLE.md: a few hundred lines): {big}"
 
 
+
+def test_engine_functions_stay_short():
+    """No function of the engine over 60 lines (issue 34): split it into named pieces."""
+    long = []
+    for f in sorted((PKG / "engine").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 60:
+                    long.append(f"{f.relative_to(PKG)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, f"split these functions (at most 60 lines each): {long}"
+
 # standard-library modules newer than Python 3.8, with the version that added them
 NEW_STDLIB = {"zoneinfo": (3, 9), "graphlib": (3, 9), "tomllib": (3, 11)}
 

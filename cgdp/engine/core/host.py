@@ -77,6 +77,14 @@ class Arrivals:
                 self._q.put(u)  # under the lock: units are queued in the order they completed
 
 
+def _places(segs: list[tuple[int, int]], ring: int, width: int) -> list[tuple[int, int]]:
+    """Where each segment lies in the rows: its own place in full-size rows, slot ``s mod ring``
+    (``width`` columns each) in a ring."""
+    if not ring:
+        return list(segs)
+    return [((s % ring) * width, (s % ring) * width + hi - lo) for s, (lo, hi) in enumerate(segs)]
+
+
 class HostAccumulator:
     def __init__(self, devices: list[Device], dtype: torch.dtype, guard: Guard, comm: Comm | None,
                  threads: int):
@@ -121,39 +129,46 @@ class HostAccumulator:
                    ring: int = 0) -> list[Routes]:
         """Lay out the rows for ``layout`` (``ring`` slots of one segment each, or 0 for full-size
         rows) and return every device's routes. Between steps only, nothing in flight."""
-        g = len(self.devices)
         segs = layout.segments
         width = max((b - a for a, b in segs), default=1) if ring else layout.total
         ring = min(ring, len(segs)) if ring else 0
         cols = max(ring * width if ring else layout.total, 1)
         wide = sum_dtype(self.dtype)
         keep_wide = wide != self.dtype and self.comm is not None  # the float32 sum for the allreduce
-        if self._host is None or self._host.shape[1] != cols or keep_wide != (len(self._rows) == 2):
-            self._release()
-            dev0 = self.devices[0]
-            # one allocation: rows 0..G-1 are the devices' slots, row G what goes back (the sum
-            # itself, unless the sum is wider than the gradients)
-            self._rows = [dev0.host_empty((g + 1, cols), self.dtype)]
-            if keep_wide:
-                self._rows.append(dev0.host_empty((cols,), wide))
-            self.registered_bytes = sum(r.numel() * r.element_size() for r in self._rows)
-            self._host = self._rows[0]
+        self._allocate_rows(cols, wide, keep_wide)
         self.ring = ring
-        host = self._host
-        rows = host_array(host)
+        places = _places(segs, ring, width)
+        self._split_rows(places, wide, keep_wide)
+        self.units = [range(s, s + 1) for s in range(len(segs))] if ring else list(layout.chunk_segments)
+        self.labels = [f"chunk {c}" for c in layout.segment_chunk]
+        self._nseg = len(segs)
+        self._elems = sum(b - a for a, b in segs)
+        return self._routes(segs, places, flats, stages)
+
+    def _allocate_rows(self, cols: int, wide: torch.dtype, keep_wide: bool) -> None:
+        """(Re)allocate the registered rows when their width, or whether a float32 row is kept,
+        changed; otherwise keep the ones there are."""
+        if self._host is not None and self._host.shape[1] == cols and keep_wide == (len(self._rows) == 2):
+            return
+        self._release()
+        dev0 = self.devices[0]
+        # one allocation: rows 0..G-1 are the devices' slots, row G what goes back (the sum
+        # itself, unless the sum is wider than the gradients)
+        self._rows = [dev0.host_empty((len(self.devices) + 1, cols), self.dtype)]
+        if keep_wide:
+            self._rows.append(dev0.host_empty((cols,), wide))
+        self.registered_bytes = sum(r.numel() * r.element_size() for r in self._rows)
+        self._host = self._rows[0]
+
+    def _split_rows(self, places: list[tuple[int, int]], wide: torch.dtype, keep_wide: bool) -> None:
+        """Each segment's views of the rows: the devices' parts, where the sum is written
+        (``_out``), what is rounded into the row that goes back (``_back``), and what the comm
+        and the sum of squares read (``_post``)."""
+        g = len(self.devices)
+        rows = host_array(self._host)
         wide_row = self._rows[1].numpy() if keep_wide else None
-        itemsize = host.element_size()
-
-        def place(s: int) -> tuple[int, int]:
-            lo, hi = segs[s]
-            if not ring:
-                return lo, hi
-            a = (s % ring) * width
-            return a, a + hi - lo
-
         self._parts, self._out, self._back, self._post = [], [], [], []
-        for s in range(len(segs)):
-            a, b = place(s)
+        for a, b in places:
             self._parts.append(tuple(rows[j, a:b] for j in range(g)))
             if wide == self.dtype:  # summed in place in the row that goes back
                 self._out.append(rows[g, a:b])
@@ -167,23 +182,26 @@ class HostAccumulator:
                 self._out.append(None)
                 self._back.append(rows[g, a:b])
                 self._post.append(None)
-        self.units = [range(s, s + 1) for s in range(len(segs))] if ring else list(layout.chunk_segments)
-        self.labels = [f"chunk {c}" for c in layout.segment_chunk]
-        self._nseg = len(segs)
-        self._elems = sum(b - a for a, b in segs)
+
+    def _routes(self, segs: list[tuple[int, int]], places: list[tuple[int, int]],
+                flats: list[torch.Tensor], stages: list[torch.Tensor] | None) -> list[Routes]:
+        """Every device's routes: each segment from its flat gradient (through its stage, if
+        any) to its slot row, and back from the sum row."""
+        g = len(self.devices)
+        host = self._host
+        itemsize = host.element_size()
         seg_bytes = [(b - a) * itemsize for a, b in segs]
         unit_bytes = [max((seg_bytes[s] for s in u), default=0) * len(u) for u in self.units]
         routes = []
         for j, flat in enumerate(flats):
             stage = stages[j] if stages else None
             d2h, h2d = [], []
-            for s, (lo, hi) in enumerate(segs):
-                a, b = place(s)
+            for (lo, hi), (a, b) in zip(segs, places):
                 st = None if stage is None else stage[lo:hi]
                 d2h.append((flat[lo:hi], host[j, a:b], st))
                 h2d.append((host[g, a:b], flat[lo:hi], st))
             routes.append(Routes(d2h, h2d, self.units, unit_bytes, seg_bytes, self.labels,
-                                 self.arrivals.arrived, ring))
+                                 self.arrivals.arrived, self.ring))
         return routes
 
     def traffic(self) -> dict[str, int]:
