@@ -10,7 +10,7 @@ Two checks run at every step of ``cgdp.DataParallel`` (the hook gates also in ``
   looked at again only when it moved. Timed alone, per step, on bench_engine's models replicated
   4 times: when nothing was registered (the usual step), and when a hook is registered at every
   step (non-reentrant ``torch.utils.checkpoint`` does that).
-* **The gradient comparison** (:func:`cgdp.engine.dataparallel.dense.same_bits`): before
+* **The gradient comparison** (:func:`cgdp.engine.core.dense_grads.same_bits`): before
   each ``optimizer.step()`` after a synced backward, replica 0's flat gradient buffer is compared
   bit for bit with replica 1's, to find edits through ``.data`` (one pass over two gradients).
   Timed in the user's loop on two emulated devices, with the comparison and with it replaced by

@@ -26,7 +26,7 @@ autograd's final callback (:meth:`DataParallel._end_backward`); the user's ``opt
   weights each sample) and copies the sum back; the callback flushes the chunks never completed
   and waits until every sum is back. On CPU-emulated devices autograd runs every replica's
   backward on its one CPU thread; each replica's hooks are still only touched by that thread.
-* **The sum invariant** (:mod:`cgdp.engine.dataparallel.grads`, the one owner of the gradients'
+* **The sum invariant** (:mod:`cgdp.engine.core.gradients`, the one owner of the gradients'
   state): the true gradient is the sum over replicas of what they hold. After a synced backward every replica holds the total; the next
   backward keeps replica 0's and zeroes the others' (accumulation without ``zero_grad`` counts it
   once); inside ``no_sync()`` nothing is sent and every replica accumulates its own part, which
@@ -45,7 +45,7 @@ autograd's final callback (:meth:`DataParallel._end_backward`); the user's ``opt
 Input gradients (a frozen model, ``backward(inputs=[x])``, ``torch.autograd.grad(loss, x)``) flow
 back by autograd alone, without the engine (:mod:`cgdp.engine.dataparallel.input_grads`); a model
 with nothing to train runs forward and those only. Sparse gradients travel beside the flat buffer
-(:mod:`cgdp.engine.dataparallel.sparse`); buffers that require grad are read from replica 0 by
+(:mod:`cgdp.engine.core.sparse_grads`); buffers that require grad are read from replica 0 by
 every replica (:mod:`cgdp.engine.dataparallel.user_module`). Not supported (clear errors):
 ``torch.autograd.grad`` for the parameters, input gradients with ``create_graph=True`` while the
 model trains, ``optimizer.step(closure)``. A second backward through a retained graph accumulates, as on
@@ -80,12 +80,12 @@ from cgdp.engine.core.stream import GradientStream, check_sizes
 from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.dataparallel import mirror
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
-from cgdp.engine.dataparallel.dense import DenseGrads
-from cgdp.engine.dataparallel.grads import GradPart, Gradients, UserFault
+from cgdp.engine.core.dense_grads import DenseGrads
+from cgdp.engine.core.gradients import GradPart, Gradients, UserFault
 from cgdp.engine.dataparallel.steps import ReplicaSteps
 from cgdp.engine.dataparallel.replica_state import ReplicaState
 from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
-from cgdp.engine.dataparallel.sparse import SparseGrads, sparse_parameters
+from cgdp.engine.core.sparse_grads import SparseGrads, sparse_parameters
 from cgdp.engine.dataparallel.user_module import GradBuffers
 from cgdp.engine.core.user_warning import warn_user
 from cgdp.engine.sync import Guard, StepAborted, check_timeout

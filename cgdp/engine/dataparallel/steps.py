@@ -30,7 +30,7 @@ from cgdp.engine.core.host_update import HostMasters
 from cgdp.engine.core.lifetime import Lifetime
 from cgdp.engine.core.plan import tuned_plan
 from cgdp.engine.core.threads import DeviceThreads
-from cgdp.engine.dataparallel.grads import Gradients, GradState
+from cgdp.engine.core.gradients import Gradients, GradState
 from cgdp.engine.dataparallel.host_mirror import HostMirror, lends_to_host
 from cgdp.engine.dataparallel.mirror import Mirror
 from cgdp.engine.dataparallel.replica_state import ReplicaState

@@ -19,7 +19,7 @@ and takes another path:
   overlapped), on the thread that finishes backward: small next to the dense gradient for the
   embedding tables this is meant for.
 
-A part of :class:`cgdp.engine.dataparallel.grads.Gradients`, whose sum invariant holds here too (the true
+A part of :class:`cgdp.engine.core.gradients.Gradients`, whose sum invariant holds here too (the true
 gradient is the sum of the replicas' ``.grad``): after a synced backward every replica holds the
 total, the next backward keeps replica 0's and clears the others', inside ``no_sync()`` every
 replica keeps its own part; ``zero_grad()`` (replica 0's ``.grad`` None) clears them all; a
@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from cgdp.engine.dataparallel.grads import GradPart
+from cgdp.engine.core.gradients import GradPart
 
 
 def sparse_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -1,6 +1,6 @@
 """The dense part of a ``DataParallel``'s gradients: the flat buffers that stream through the host.
 
-A part of :class:`cgdp.engine.dataparallel.grads.Gradients` (see there for the states). It keeps
+A part of :class:`cgdp.engine.core.gradients.Gradients` (see there for the states). It keeps
 the flat buffers of all replicas (:mod:`cgdp.engine.core.flatgrad`) consistent with what the
 user's loop does to replica 0's ``.grad``, so that
 
@@ -33,7 +33,7 @@ from cgdp.comm import Comm
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.stream import GradientStream
-from cgdp.engine.dataparallel.grads import GradPart, UserFault
+from cgdp.engine.core.gradients import GradPart, UserFault
 from cgdp.engine.core.user_warning import warn_user
 
 

@@ -29,8 +29,8 @@ gradients are kept, as on one device; ``SUMMED`` becomes ``EDITED``: arming the 
 host's sum of squares). :meth:`Gradients.drop` is the one reset point.
 
 The gradients come in *parts* behind one small protocol (:class:`GradPart`): the dense part
-(:mod:`cgdp.engine.dataparallel.dense`: the flat buffers that stream through the host during
-backward) and the sparse part (:mod:`cgdp.engine.dataparallel.sparse`: embeddings with
+(:mod:`cgdp.engine.core.dense_grads`: the flat buffers that stream through the host during
+backward) and the sparse part (:mod:`cgdp.engine.core.sparse_grads`: embeddings with
 ``sparse=True``, joined after backward). A model without dense trainable parameters has an empty
 dense part (a plain :class:`GradPart`), not a branch at every call site.
 
