@@ -24,7 +24,7 @@ user's loop does to replica 0's ``.grad``, so that
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -296,9 +296,45 @@ class DenseGrads(GradPart):
 
     def set_none(self) -> None:
         """Parameters without a gradient since the last zero_grad: ``.grad`` None everywhere."""
-        for pid in np.flatnonzero(~self.has_grad):
+        self.none_pids = np.flatnonzero(~self.has_grad).tolist()
+        for pid in self.none_pids:
             for params in self.stream.params:
                 params[pid].grad = None
+
+    def fresh(self, timing: bool, sink: Any) -> None:
+        """A ``Trainer`` step's gradient starts from zero (its one reset point): the views of the
+        parameters that had none come back, the flat buffers are zeroed, the stream armed."""
+        st = self.stream
+        if self.none_pids:
+            for params, hooks in zip(st.params, st.hooks):
+                views = hooks.views
+                for pid in self.none_pids:
+                    params[pid].grad = views[pid]
+            self.none_pids = []
+        if st.streaming and st.large:
+            for params, hooks, small in zip(st.params, st.hooks, st.small_views):
+                # the large gradients arrive whole (autograd hands them over into .grad = None);
+                # only the small ones are added into zeroed views
+                if small:
+                    torch._foreach_zero_(small)
+                for pid in st.large:
+                    params[pid].grad = None
+                hooks.stolen[:] = st.large_mask
+        else:
+            for flat in st.flats:
+                flat.zero_()
+        st.arm(timing, sink)
+
+    def settle(self, touched: np.ndarray) -> None:
+        """After a ``Trainer`` step's backward: a parameter that got no gradient on any device (of
+        any rank) has ``.grad`` None, as on one device."""
+        self.has_grad = touched > 0
+        if not self.has_grad.all():
+            self.set_none()
+
+    def views(self) -> list[list[torch.Tensor]]:
+        """Per replica, every parameter's gradient view into its flat buffer."""
+        return [h.views for h in self.stream.hooks]
 
     def record(self) -> None:
         """The buffers as they are now are cgdp's doing (after a backward, a clip, a mirror)."""

@@ -1,6 +1,9 @@
-"""The one owner of a ``DataParallel`` step's gradients: explicit states, one reset point.
+"""The one owner of a step's gradients, for both faces: explicit states, one reset point each.
 
-The user's loop only sees replica 0 (``zero_grad`` sets its ``.grad`` to None, clipping and
+``Trainer`` makes each step's gradient new (:meth:`Gradients.begin_step`: zeroed, then
+``SENDING``; :meth:`Gradients.end_step`: ``SUMMED``, ``.grad`` None where no device got one).
+``DataParallel`` keeps them between backwards, as one device does, and the rest of this page is
+about it. The user's loop only sees replica 0 (``zero_grad`` sets its ``.grad`` to None, clipping and
 edits change its values, each backward adds to them). :class:`Gradients` keeps every replica's
 gradients consistent with that, so that, at any time,
 
@@ -41,6 +44,7 @@ backward, the end-of-backward callback), everything else on the caller's thread;
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 
@@ -112,6 +116,8 @@ NOT_SUMMED = ("optimizer.step() after a backward inside model.no_sync() (or a ba
               "inside it): each replica holds only its own part of the gradient, never summed; run the last "
               "backward of the step outside no_sync() (forward and backward both) before optimizer.step()")
 
+_SENDING, _SUMMED_STATE = GradState.SENDING, GradState.SUMMED
+
 _SUMMED = (GradState.SUMMED, GradState.EDITED, GradState.DROPPED)
 """States in which every replica holds the total (nothing, once dropped)."""
 
@@ -120,6 +126,7 @@ class Gradients:
     def __init__(self, dense: GradPart, sparse: GradPart | None, devices: list[torch.device]):
         """``dense``: the dense part (a plain :class:`GradPart` without dense parameters); ``sparse``: the
         sparse part, or None without sparse-gradient parameters."""
+        self.dense = dense
         self.parts: list[GradPart] = [dense] + ([sparse] if sparse is not None else [])
         self.trains = type(dense) is not GradPart or sparse is not None
         """Whether there is anything to train (else backwards are for input gradients only)."""
@@ -131,6 +138,27 @@ class Gradients:
     def summed(self) -> bool:
         """Every replica holds the total (after a backward outside ``no_sync()``, or none at all)."""
         return self.state in _SUMMED
+
+    def begin_step(self, timing: bool, sink: Any) -> None:
+        """``Trainer``: every step's gradient is new, summed from zero (``fresh``)."""
+        self.dense.fresh(timing, sink)
+        self.state = _SENDING
+
+    def end_step(self, touched: Any) -> None:
+        """``Trainer``: the step's backward is summed and back; ``touched`` as :meth:`GradientStream.touched`."""
+        self.dense.settle(touched)
+        self.state = _SUMMED_STATE
+
+    def views(self) -> list[list[torch.Tensor]]:
+        return self.parts[0].views()
+
+    def none_pids(self) -> list[int]:
+        """The parameters whose ``.grad`` is None (no gradient anywhere)."""
+        return self.parts[0].none_pids
+
+    def device_norm(self) -> float:
+        """The 2-norm of replica 0's gradient, read from its device (not the host's sum)."""
+        return self.parts[0].norm(2.0, False)
 
     def begin(self, sync: bool) -> None:
         """The gather's backward, before any replica's gradient exists."""

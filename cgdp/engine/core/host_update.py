@@ -264,13 +264,13 @@ class HostUpdate(Update):
         self.undone = False
         """The step raised after backward and was undone: no replica written, the state as before."""
 
-    def attach(self, stream: GradientStream, clipping: bool, guard: Guard, resources: Resources,
+    def attach(self, stream: GradientStream, grads: Any, clipping: bool, guard: Guard, resources: Resources,
                module: nn.Module | None = None) -> None:
         """Once the stream exists: read the host's sum row in place if it can, and then send no
         gradient back during backward (only the parameters travel back); overlap if allowed (the
         host update thread then stops with the engine's ``resources``). With a bf16 wire the
         parameters go back in bf16 and replica 0's ``module.state_dict()`` holds the masters."""
-        self._stream, self._guard = stream, guard
+        self._stream, self._grads, self._guard = stream, grads, guard
         if stream.stages and stream.transfer == torch.bfloat16 and stream.stages[0].numel() >= self.masters.flat.numel():
             self.masters.wire = Bf16Wire(self.masters, stream.stages)
             self.masters.follow_rounded()  # from the first forward on, the replicas hold the masters' rounding
@@ -446,7 +446,7 @@ class HostUpdate(Update):
             host = stream.host
             row = self._sum_row(widen=True) if host is not None and not host.send_back else None
             if row is not None:
-                m.grads_from_row(row, stream.layout.offsets, stream.none_pids)
+                m.grads_from_row(row, stream.layout.offsets, self._grads.none_pids())
             else:  # replica 0 holds the averaged gradient (a bf16 wire, a ring of host slots)
                 m.grads_from([p.grad for p in self.params[0]])
             if coef is not None:

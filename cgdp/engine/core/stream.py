@@ -27,14 +27,15 @@ and a segment whose slot is still in use waits, without blocking the hook, until
 the flush after backward sends it; only the flush waits for a slot (:meth:`flush` per device on
 its own thread, :meth:`flush_all` when one thread runs every replica's backward).
 
-Order of calls, per step: :meth:`begin_step` (nothing in flight) → backward on every device
-(hooks call :meth:`send`) → per device :meth:`flush` then :meth:`wait_returned` → :meth:`touched`
-and :meth:`bad_count` → :meth:`set_untouched`. :meth:`set_plan` only between steps. Micro-batches
-before the last run their backward inside :meth:`holding` (nothing is sent). For clipping, set
-:attr:`want_norm` between steps; after the gradients are back, :meth:`grad_norm` gives the norm
-of the averaged gradient and :meth:`scale_grads` scales every replica's gradient alike.
-``DataParallel`` keeps the buffers between backwards and calls :meth:`arm` instead of
-:meth:`begin_step` (and :meth:`disarm` after).
+The stream is transport: the gradients' state (what every replica holds, which ``.grad`` are
+None, when the buffers are zeroed) belongs to their one owner, :mod:`cgdp.engine.core.gradients`,
+which calls it. Order of calls, per backward: :meth:`arm` (nothing in flight) → backward on every
+device (hooks call :meth:`send`) → per device :meth:`flush` then :meth:`wait_returned` →
+:meth:`touched` and :meth:`bad_count` → :meth:`disarm`. :meth:`set_plan` only between steps.
+Micro-batches before the last run their backward inside :meth:`holding` (nothing is sent). For
+clipping, set :attr:`want_norm` between steps; after the gradients are back, :meth:`grad_norm`
+gives the norm of the averaged gradient and :meth:`scale_grads` scales every replica's gradient
+alike.
 """
 from __future__ import annotations
 
@@ -81,8 +82,6 @@ class GradientStream:
         self.flats: list[torch.Tensor] = []
         self.stages: list[torch.Tensor] | None = None
         self.layout: Layout | None = None
-        self.none_pids: list[int] = []
-        """Parameters that got no gradient anywhere last step (their ``.grad`` is None)."""
         self.hooks: list[DeviceHooks] = []
         self.host: HostAccumulator | None = None
         self.ring = 0 if host_memory is None or not streaming else ring_slots(
@@ -121,9 +120,7 @@ class GradientStream:
             for flat in self.flats:
                 relay(flat, self.layout, layout)
         for j, params in enumerate(self.params):
-            views = attach_grads(self.flats[j], params, layout)
-            for pid in self.none_pids:
-                params[pid].grad = None
+            views = attach_grads(self.flats[j], params, layout)  # the owner sets .grad None where it has none
             self.hooks[j].set_layout(layout.param_chunk, layout.chunk_params, views)
         self.layout = layout
         self._split_large()
@@ -132,36 +129,13 @@ class GradientStream:
                 dev.set_routes(routes)
 
     def _split_large(self) -> None:
-        """Which parameters arrive whole in :meth:`begin_step` (see :data:`LARGE_ELEMS`)."""
-        self._large = [pid for pid, n in enumerate(self.numels) if n >= LARGE_ELEMS]
+        """Which parameters arrive whole in a Trainer's step (see :data:`LARGE_ELEMS`)."""
+        self.large = [pid for pid, n in enumerate(self.numels) if n >= LARGE_ELEMS]
         mask = bytearray(len(self.numels))
-        for pid in self._large:
+        for pid in self.large:
             mask[pid] = 1
-        self._large_mask = bytes(mask)
-        self._small_views = [[v for pid, v in enumerate(h.views) if not mask[pid]] for h in self.hooks]
-
-    def begin_step(self, timing: bool, sink: TraceSink | None) -> None:
-        """Zero the flat buffers, give back the views of last step's untouched parameters, arm
-        the hooks and the host."""
-        if self.none_pids:
-            for j, params in enumerate(self.params):
-                views = self.hooks[j].views
-                for pid in self.none_pids:
-                    params[pid].grad = views[pid]
-            self.none_pids = []
-        if self.streaming and self._large:
-            for j, params in enumerate(self.params):
-                # the large gradients arrive whole (autograd hands them over into .grad = None);
-                # only the small ones are added into zeroed views
-                if self._small_views[j]:
-                    torch._foreach_zero_(self._small_views[j])
-                for pid in self._large:
-                    params[pid].grad = None
-                self.hooks[j].stolen[:] = self._large_mask
-        else:
-            for flat in self.flats:
-                flat.zero_()
-        self.arm(timing, sink)
+        self.large_mask = bytes(mask)
+        self.small_views = [[v for pid, v in enumerate(h.views) if not mask[pid]] for h in self.hooks]
 
     def arm(self, timing: bool = False, sink: TraceSink | None = None, sending: bool = True) -> None:
         """Ready the hooks and the host for one backward, keeping the flat buffers' contents
@@ -242,7 +216,7 @@ class GradientStream:
         if not self.streaming:
             return
         hooks = self.hooks[j]
-        for pid in self._large:
+        for pid in self.large:
             if hooks.stolen[pid] and not hooks.touched[pid]:
                 # unused here this step: its view still holds last step's average, and it is sent
                 hooks.views[pid].zero_()
@@ -327,15 +301,6 @@ class GradientStream:
         clipping coefficient; on the thread that drives device j."""
         for flat in (self.flats if j is None else [self.flats[j]]):
             scale_gradients(flat, coef)
-
-    def set_untouched(self, touched: np.ndarray) -> None:
-        """Parameters that got no gradient on any device (of any rank) get ``.grad = None``."""
-        untouched = np.flatnonzero(touched == 0)
-        if untouched.size:
-            self.none_pids = untouched.tolist()
-            for params in self.params:
-                for pid in self.none_pids:
-                    params[pid].grad = None
 
     def close(self) -> None:
         for h in self.hooks:

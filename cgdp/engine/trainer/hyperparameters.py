@@ -61,19 +61,30 @@ def _same(a: Any, b: Any, differ: list[torch.Tensor] | None = None) -> bool:
 
 
 _PLAIN = (int, float, bool, str, type(None))
+_PLAIN_TYPES = frozenset(_PLAIN)
+_WITH_TUPLES = _PLAIN_TYPES | {tuple}
 
 
-def _plain_values(opt: torch.optim.Optimizer) -> list[tuple] | None:
-    """The param groups' values as tuples, or None if one of them is not a plain Python value."""
+def _is_nan(v: object) -> bool:
+    return v != v
+
+
+def _plain_values(opt: torch.optim.Optimizer) -> list[list] | None:
+    """The param groups' values as sorted (key, type, value) rows, or None if one of them is not
+    a plain Python value (exactly int, float, bool, str, None, or a tuple of those) or is NaN.
+    Built with C-level calls only: it runs every step, on every replica's optimizer."""
     out = []
     for g in opt.param_groups:
-        row = tuple(sorted((k, type(v).__name__, v) for k, v in g.items() if k != "params"))
-        for _, _, v in row:
-            if not isinstance(v, _PLAIN) and not (isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v)):
-                return None
-            if v != v:  # NaN: equal only to itself in the detailed check
-                return None
-        out.append(row)
+        d = dict(g)
+        del d["params"]
+        values = d.values()
+        types = set(map(type, values))
+        if not types <= _PLAIN_TYPES and not (
+                types <= _WITH_TUPLES and all(set(map(type, v)) <= _PLAIN_TYPES for v in values if type(v) is tuple)):
+            return None
+        if float in types and any(map(_is_nan, values)):  # NaN: equal only to itself in the detailed check
+            return None
+        out.append(sorted(zip(d, map(type, values), values)))
     return out
 
 

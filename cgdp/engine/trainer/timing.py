@@ -16,7 +16,6 @@ from typing import Any, Callable, Sequence
 from cgdp.engine.backend.base import Device
 from cgdp.engine.core.flatgrad import Layout
 from cgdp.engine.core.hooks import DeviceHooks
-from cgdp.engine.core.stream import GradientStream
 from cgdp.planning.profile import ChunkTiming, StepProfile
 
 Event = tuple[str, str, str, float, float]
@@ -50,8 +49,9 @@ class Timing:
         self.tracing = self.trace_once
         self.profile_once = self.trace_once = False
 
-    def start(self, devs: Sequence[Device], stream: GradientStream) -> None:
-        """Before the first forward (nothing in flight): the sink of this step's events, or none."""
+    def start(self, devs: Sequence[Device]) -> tuple[bool, Any]:
+        """Before the first forward (nothing in flight): whether this step is timed, and the sink
+        of its events (or None)."""
         timing = self.profiling or self.tracing
         events: list[Event] | None = [] if timing else None
         self.events = events
@@ -61,7 +61,7 @@ class Timing:
             d.trace = sink
             if timing:
                 d.begin_timing()
-        stream.begin_step(timing, sink)
+        return timing, sink
 
     def finish(self, devs: Sequence[Device], fw, bw, up, t_start: float,
                profile_inputs: Callable[[], dict[str, Any]]) -> None:

@@ -19,21 +19,18 @@ One iteration (``step``), for G devices (and R ranks when a comm is attached):
    stream waits for the last H2D copy, and the mode's update strategy
    (:mod:`cgdp.engine.core.update`) applies the update: each device steps its own optimizer
    (``"cgdp"``, ``"single"``), or device 0 gathers, steps and broadcasts (``"typical"``).
-   Parameters that got no gradient anywhere get ``.grad = None`` first, as in single-device
-   training. Floating buffers the step wrote (BatchNorm statistics) are set to their
-   batch-weighted mean on every replica. Around the update
+   Parameters that got no gradient anywhere get ``.grad = None`` first, as on one device; buffers
+   the step wrote (BatchNorm statistics) take their batch-weighted mean. Around the update
    (:mod:`cgdp.engine.trainer.hyperparameters`): hyperparameter check, clipping, schedulers.
 With ``micro_batches=k``, steps 2-3 run k-1 times first with the hooks holding (nothing is sent);
 ``(loss_sum, count)`` losses are rescaled on the device once the last forward has given the
 total count (:class:`cgdp.engine.trainer.losses.HeldMicroBatches`).
 
-Ownership: the flat buffers, hooks and host buffers are the trainer's. The user's ``model`` is
-replica 0 (moved to ``devices[0]`` in place, trained in place, its ``.grad`` views of the flat
-buffer until ``close()``); the other replicas are deep copies. A step returns after device-side
-waits only: on a GPU the last copies back (H2D) may still be running, reading the host rows and
-writing the flat buffers. Whatever frees or relays buffers synchronises first (``close()``,
-``set_plan``, ``load_state_dict``, a rejected step), and the next step's work is ordered after
-them on the device.
+Ownership: the step's gradients belong to their one owner (:mod:`cgdp.engine.core.gradients`,
+new every step); the stream moves them. The user's ``model`` is replica 0 (moved to
+``devices[0]`` and trained in place); the other replicas are deep copies. A step returns after
+device-side waits only: whatever frees or relays buffers synchronises first (``close()``,
+``set_plan``, ``load_state_dict``, a rejected step).
 """
 from __future__ import annotations
 
@@ -49,11 +46,13 @@ from cgdp.comm import Comm, make_comm
 from cgdp.engine.backend import host_threads, make_devices, make_rng
 from cgdp.engine.core.buffers import BufferWatch, copy_from_first, sync_buffers
 from cgdp.engine.core.claims import claim
-from cgdp.engine.core.clip import clip_coefficient, device_norm
+from cgdp.engine.core.clip import clip_coefficient
 from cgdp.engine.core.drain import drain_after_failure, quiesce
 from cgdp.engine.core.layers import LayerInfo, number_params
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.follow import Follow
+from cgdp.engine.core.dense_grads import DenseGrads
+from cgdp.engine.core.gradients import Gradients
 from cgdp.engine.core.host_update import after_forward
 from cgdp.engine.core.memory_report import memory_report
 from cgdp.engine.core.param_hooks import ParamHooks
@@ -111,17 +110,13 @@ class Trainer:
             during the last one's backward only.
         share_devices: allow a GPU to be listed more than once (one replica per entry, each with
             its own copy streams), e.g. ``["cuda:0", "cuda:0"]``: the G > 1 data path on one GPU.
-        grad_transfer: ``"bf16"`` casts float32 gradients to bf16 on the device for the round trip
-            through the host (half the bytes each way; the host sums in float32); see
-            :mod:`cgdp.engine.core.host` for the error bound. ``None``: gradients travel in their dtype.
-        host_memory: bytes of registered (pinned) host memory for the host slots: a ring of
-            ``segment_bytes`` slots that does not grow with the model, with back-pressure when it
-            is full (:mod:`cgdp.engine.core.host`); results are bitwise those of full-size slots.
-            ``None``: (G + 1) x the gradient bytes, one place per segment.
-        update: ``"devices"`` (each device steps its own optimizer) or ``"host"``: one optimizer,
-            ``optimizer(params)`` over float32 masters in host memory, steps after backward; the
-            parameters go back to every device instead of the gradients, and no device holds
-            optimizer state (``.optimizers`` is that one optimizer; :mod:`cgdp.engine.core.host_update`).
+        grad_transfer: ``"bf16"``: float32 gradients travel in bf16 (half the bytes; summed in
+            float32; the error bound in :mod:`cgdp.engine.core.host`). ``None``: in their dtype.
+        host_memory: bytes of pinned host memory for a ring of ``segment_bytes`` slots (bitwise the
+            results of ``None``: (G + 1) x the gradient bytes; :mod:`cgdp.engine.core.host`).
+        update: ``"devices"`` (each device steps its own optimizer) or ``"host"``: one optimizer
+            over float32 masters in host memory; the parameters go back to every device, and no
+            device holds optimizer state (``.optimizers``: that one; :mod:`cgdp.engine.core.host_update`).
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
@@ -216,8 +211,10 @@ class Trainer:
             host_threads=host_threads(self._devs), transfer=self._transfer, host_memory=self._host_memory)
         res.push(self._stream.close)
         self._stream.set_plan(plan)
+        self._grads = Gradients(DenseGrads(self._stream, [None] * len(self._params[0]), self._param_hooks,
+                                           self._comm, self._timeout_s), None, [d.torch_device for d in self._devs])
         if self._host_update:
-            self._update.attach(self._stream, self._max_norm is not None, self._guard, res, self.replicas[0])
+            self._update.attach(self._stream, self._grads, self._max_norm is not None, self._guard, res, self.replicas[0])
         self._stream.want_norm = self._max_norm is not None
         self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._guard,
                                     self._timing, after_forward(self._follow.after_forward, self._update))
@@ -241,8 +238,7 @@ class Trainer:
         for d in self._devs:
             d.check_caller("Trainer.set_plan()")
         new = resolve_plan(plan, len(self.layers))
-        self._quiesce()
-        self._stream.set_plan(new)
+        self._relay(new)
 
     def profile_next(self) -> None:
         """Profile the next step: ``last_profile`` then holds its :class:`StepProfile`."""
@@ -340,8 +336,7 @@ class Trainer:
             self.tuner.load_state_dict(state["tuner"])
             self._tuning = True  # the next step applies the tuner's plan (its final one if done)
         if state.get("plan") is not None:
-            self._quiesce()
-            self._stream.set_plan(validate_plan(state["plan"], len(self.layers)))
+            self._relay(validate_plan(state["plan"], len(self.layers)))
 
     def close(self) -> None:
         """Remove every hook, stop every thread, free the flat and pinned buffers.
@@ -376,8 +371,7 @@ class Trainer:
             return False
         plan, done = tuned_plan(self.tuner, self._comm, len(self.layers))
         if plan != self._stream.plan:
-            self._quiesce()
-            self._stream.set_plan(plan)
+            self._relay(plan)
         if done:  # the final plan is in place; no more measurements
             self._tuning = False
         return self._tuning
@@ -401,7 +395,7 @@ class Trainer:
             self._buffers, others = split_buffers(self.replicas)
             self._buffer_watch = BufferWatch(self._buffers, others)
         self._guard.reset()
-        self._timing.start(self._devs, self._stream)
+        self._grads.begin_step(*self._timing.start(self._devs))  # the step's gradient, from zero
         if self._update.sums:  # the user's gradient hooks wait for the sum (_finish_backward)
             self._param_hooks.take()
         self._update.begin_step(bool(self._param_hooks.held))
@@ -423,12 +417,12 @@ class Trainer:
                 f"{self._stream.bad_layers(self.layer_names)}); the update was not applied. Lower the learning rate, "
                 f"check the inputs, or clip gradients")
         if self._param_hooks.held:  # the user's gradient hooks, on the average (core/param_hooks.py)
-            self._param_hooks.run(touched, self._update.hook_views([h.views for h in self._stream.hooks]))
+            self._param_hooks.run(touched, self._update.hook_views(self._grads.views()))
             if self._max_norm is not None:  # the norm of their result (rank 0's, as the host's)
-                norm = device_norm(self._stream.flats[0])
+                norm = self._grads.device_norm()
                 self._grad_norm = norm if self._comm is None else float(
                     self._comm.allreduce_small(np.array([norm if self._comm.rank == 0 else 0.0]))[0])
-        self._stream.set_untouched(touched)
+        self._grads.end_step(touched)
         return loss
 
     def _apply_update(self, coef: torch.Tensor | None) -> list[tuple[Any, Any] | None]:
@@ -469,6 +463,12 @@ class Trainer:
     def _quiesce(self) -> None:
         """Wait until no copy is in flight on any device (before buffers are relaid)."""
         quiesce(self._devs, self._stream.host, self._timeout_s)
+
+    def _relay(self, plan: Plan) -> None:
+        """The flat buffers laid out for ``plan``, with nothing in flight (``.grad`` kept)."""
+        self._quiesce()
+        self._stream.set_plan(plan)
+        self._grads.relaid()
 
     def _recover(self, exc: BaseException, phase: str) -> None:
         """After a failed step: the user's gradient hooks back on their parameters; then, unless the
