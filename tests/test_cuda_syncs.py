@@ -1,8 +1,10 @@
 """Every blocking wait of the host, counted by the simulated CUDA runtime (``sim.host_syncs()``), and
 pinned per face and feature: what docs/cuda.md states as the waits of a steady-state step."""
+import copy
 import threading
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -68,6 +70,28 @@ def test_moves_behave_as_torch_moves():
         torch.testing.assert_close(x_grad, w, rtol=0, atol=0)
         sparse = torch.randn(4, 4).to_sparse().to(d1)
         torch.testing.assert_close(sparse.to("cpu").to_dense(), sparse.to_dense())
+
+
+def test_a_freed_device_storage_leaves_its_bytes_to_the_host():
+    """Simulated device memory is host memory: a device storage freed gives its bytes back to the
+    host's allocator, which may hand them to a host tensor made by a call no mode sees allocate
+    (``torch.tensor(0)``, as BatchNorm makes ``num_batches_tracked``; ``torch.from_numpy``). That
+    tensor is host memory: its deep copy is host work, and moving the copy to another device is
+    ordered as any upload (a device mark outliving its storage made the deep copy a write on the
+    freed storage's device, which the move then read from another device's stream: a race
+    reported now and then when a replica's buffer was made at such an address)."""
+    with simulated_cuda(3, max_delay_s=0.0) as sim:
+        d1, d2 = sim.runtime.torch_device(1), sim.runtime.torch_device(2)
+        memory = np.zeros(1, np.int64)
+        on1 = torch.from_numpy(memory)
+        sim.syncs.place(on1, 1)  # a cuda:1 storage at these bytes (the allocator's reuse, made exact)
+        assert on1.device == d1
+        del on1
+        host = torch.from_numpy(memory)  # the same bytes, the host's now
+        assert host.device == torch.device("cpu") and sim.syncs.device_of(host) is None
+        moved = copy.deepcopy(host).to(d2)
+        assert moved.device == d2 and moved.item() == 0
+        sim.synchronize_device(2)
 
 
 def mlp(bn=False):

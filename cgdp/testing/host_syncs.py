@@ -22,6 +22,10 @@ report that device as theirs, as a CUDA tensor reports ``cuda:N``, except to tor
 code, to which they are the host tensors they are), a
 torch function mode on every thread that uses the runtime marks what is created on, or moved
 to, such a device, and the dispatch mode marks whatever an operator computes from device data.
+A mark lasts as long as its storage holds those bytes: when the storage is freed, its address
+goes back to the host's allocator, and a host tensor made there by a call the modes do not see
+as an allocation (``torch.tensor(0)``, as BatchNorm makes ``num_batches_tracked``;
+``torch.from_numpy``) is host memory, not the freed device storage.
 """
 from __future__ import annotations
 
@@ -62,8 +66,9 @@ class HostSyncs:
         """``pinned_range(ptr)``: the registered range holding ``ptr``, if any; ``freed(lo, hi)``:
         page-locked bytes of :meth:`pin_memory` went back to the allocator."""
         self.counts: Counter = Counter()
-        self._device: dict[int, int] = {}
-        """Storage data pointer → the simulated device it lives on."""
+        self._device: dict[int, tuple[int, Any]] = {}
+        """Storage data pointer → the simulated device it lives on, and a weak reference to the
+        storage that was placed there (the mark ends with it: :meth:`device_of`)."""
         self.pinned: set[int] = set()
         """Storage data pointers of page-locked staging memory (``pin_memory()``)."""
         self._pinned_range = pinned_range
@@ -91,10 +96,17 @@ class HostSyncs:
         if not isinstance(t, torch.Tensor):
             return None
         key = _storage(t)
-        return None if key is None else self._device.get(key)
+        entry = None if key is None else self._device.get(key)
+        if entry is None:
+            return None
+        index, ref = entry
+        if ref is not None and ((st := ref()) is None or st.data_ptr() != key):
+            return None  # that storage was freed (or moved its bytes): the address is the host's now
+        return index
 
     def place(self, out: Any, index: int | None) -> None:
-        """Every tensor of ``out`` lives on simulated device ``index`` (None: in host memory)."""
+        """Every tensor of ``out`` lives on simulated device ``index`` (None: in host memory), for
+        as long as its storage holds those bytes."""
         for t in pytree.tree_leaves(out):
             key = _storage(t) if isinstance(t, torch.Tensor) else None
             if key is None:
@@ -103,8 +115,20 @@ class HostSyncs:
                 if index is None:
                     self._device.pop(key, None)
                 else:
-                    self._device[key] = index
+                    self._device[key] = (index, self._watch(t.untyped_storage(), key))
                     self.pinned.discard(key)
+
+    def _watch(self, storage: Any, key: int) -> Any:
+        """A weak reference to the storage at ``key`` whose death ends its mark (None for an
+        empty storage: every one of them is at address 0, and none has bytes to reuse)."""
+        if key == 0:
+            return None
+        marks = self._device
+
+        def freed(ref: Any) -> None:  # (no lock: it may run inside a locked section, at a collection)
+            if marks.get(key, (None, None))[1] is ref:
+                marks.pop(key, None)
+        return weakref.ref(storage, freed)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         """As torch computes it: whether the storage's first byte is page-locked host memory."""
