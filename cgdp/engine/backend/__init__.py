@@ -1,14 +1,13 @@
 """The devices: streams, events, pinned memory; CUDA (``cuda.py``) or CPU-emulated.
 
-Only the CUDA backend's runtime (``cuda_runtime.py``, beneath ``cuda.py``'s devices) touches
-``torch.cuda``. May import ``engine.sync`` only. This module is device selection in one place:
-device strings → :class:`~cgdp.engine.backend.base.Device` objects.
+Only the CUDA backend's runtime (``cuda_runtime.py``, beneath ``cuda.py``'s devices) touches ``torch.cuda``. May import
+``engine.sync`` only. This module is device selection in one place: device strings →
+:class:`~cgdp.engine.backend.base.Device` objects.
 
-``"cpu:N"`` are CPU-emulated devices (any N, each a separate replica in host memory);
-``"cuda:N"`` are real GPUs (or simulated ones inside ``cgdp.testing.simulated_cuda``). One trainer
-uses one kind. A GPU may hold several replicas only when asked (``share=True``): that runs the
-data path of G > 1 (real copies, a real host sum) on a machine with one GPU, for tests and
-measurements; it is slower than one replica per GPU.
+``"cpu:N"`` are CPU-emulated devices (any N, each a separate replica in host memory); ``"cuda:N"`` are real GPUs (or
+simulated ones inside ``cgdp.testing.simulated_cuda``). One trainer uses one kind. A GPU may hold several replicas only
+when asked (``share=True``): that runs the data path of G > 1 (real copies, a real host sum) on a machine with one GPU,
+for tests and measurements; it is slower than one replica per GPU.
 """
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ _DEVICE = re.compile(r"^(cpu|cuda):(\d+)$")
 
 
 def parse_devices(devices: Sequence[str], share: bool = False) -> tuple[str, list[int]]:
-    """Validate the ``devices`` argument; return (kind, indices). ``share``: a CUDA device may be
-    listed more than once (one replica per entry, each with its own streams)."""
+    """Validate the ``devices`` argument; return (kind, indices). ``share``: a CUDA device may be listed more than once
+    (one replica per entry, each with its own streams)."""
     if isinstance(devices, str) or not isinstance(devices, Sequence):
         raise TypeError(f"devices must be a list of device strings such as ['cuda:0', 'cuda:1'] or "
                         f"['cpu:0', 'cpu:1']; got {devices!r}")
@@ -86,10 +85,9 @@ def make_rng(devs: Sequence[Device]) -> Any:
 
 
 def host_threads(devs: Sequence[Device]) -> int:
-    """Threads of the host sum. With GPUs the host cores are free but for the device threads,
-    which issue kernels: leave them one core each. Emulated devices already keep every core
-    busy computing; one thread then runs at memory speed without waiting for a descheduled
-    helper thread."""
+    """Threads of the host sum. With GPUs the host cores are free but for the device threads, which issue kernels: leave
+    them one core each. Emulated devices already keep every core busy computing; one thread then runs at memory speed
+    without waiting for a descheduled helper thread."""
     if devs[0].is_cuda:
         from cgdp.engine.backend.cuda import host_threads as cuda_host_threads
         return cuda_host_threads(len(devs))

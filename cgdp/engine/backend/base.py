@@ -1,24 +1,21 @@
 """The device interface: everything the engine does that depends on the kind of device.
 
-One :class:`Device` per entry of ``devices``. It owns three in-order queues of work: the compute
-stream (the device's own host thread issues forward, backward and update onto it), a D2H stream
-and an H2D stream. The engine talks to a device only through these methods, so the hooks, the
-chunk plan, the host accumulator, the MPI tier and the tuner run unchanged on CUDA and on
-CPU-emulated devices.
+One :class:`Device` per entry of ``devices``. It owns three in-order queues of work: the compute stream (the device's
+own host thread issues forward, backward and update onto it), a D2H stream and an H2D stream. The engine talks to a
+device only through these methods, so the hooks, the chunk plan, the host accumulator, the MPI tier and the tuner run
+unchanged on CUDA and on CPU-emulated devices.
 
-The gradient path is set up once per chunk plan (:meth:`Device.set_routes`): a :class:`Routes`
-holds, per segment, the device and host views each copy reads and writes, built once, so that a
-step creates no Python object per segment. Then per step, with ``u`` a *unit* (a chunk, or one
-segment of a chunk when the host slots are a ring) and ``s`` a segment:
+The gradient path is set up once per chunk plan (:meth:`Device.set_routes`): a :class:`Routes` holds, per segment, the
+device and host views each copy reads and writes, built once, so that a step creates no Python object per segment. Then
+per step, with ``u`` a *unit* (a chunk, or one segment of a chunk when the host slots are a ring) and ``s`` a segment:
 
-* ``send(u)``: the thread that runs backward for this device (inside a gradient hook) issues the
-  unit's copies to the host and calls ``routes.sent(u)``; it must not wait for them.
-* ``wait_arrived(s)``: the host thread, before it sums segment ``s``, waits until this device's
-  copy of it has landed (CUDA: on the copy's event; emulated: on the D2H stream's progress).
-* ``give_back(s)`` (host or comm thread) issues the copy of the summed segment back;
-  ``wait_given_back(s)`` waits until it has completed (ring slots, before a slot is reused);
-  ``h2d_marker`` marks every copy back issued so far, and ``compute_wait`` (the device's own
-  thread) makes later compute wait for a marker.
+* ``send(u)``: the thread that runs backward for this device (inside a gradient hook) issues the unit's copies to the
+  host and calls ``routes.sent(u)``; it must not wait for them.
+* ``wait_arrived(s)``: the host thread, before it sums segment ``s``, waits until this device's copy of it has landed
+  (CUDA: on the copy's event; emulated: on the D2H stream's progress).
+* ``give_back(s)`` (host or comm thread) issues the copy of the summed segment back; ``wait_given_back(s)`` waits until
+  it has completed (ring slots, before a slot is reused); ``h2d_marker`` marks every copy back issued so far, and
+  ``compute_wait`` (the device's own thread) makes later compute wait for a marker.
 """
 from __future__ import annotations
 
@@ -42,11 +39,11 @@ class Routes:
     """Where one device's segments travel, for one chunk plan (built by the host between steps)."""
 
     d2h: list[Copy]
-    """Per segment: (the flat buffer's slice, the host slot it lands in, the stage of the wire
-    dtype it is cast through on the device, or None)."""
+    """Per segment: (the flat buffer's slice, the host slot it lands in, the stage of the wire dtype it is cast through
+    on the device, or None)."""
     h2d: list[Copy]
-    """Per segment: (the host row the sum is read from, the flat buffer's slice, the stage it is
-    widened through, or None)."""
+    """Per segment: (the host row the sum is read from, the flat buffer's slice, the stage it is widened through, or
+    None)."""
     units: list[range]
     """The segments of each unit, in unit order: a unit is what ``send`` issues at once."""
     unit_bytes: list[int]
@@ -77,9 +74,9 @@ class Device(ABC):
         """Called once on the device's own host thread (forward, backward and update run there)."""
 
     def check_caller(self, what: str = "Trainer.step()") -> None:
-        """Called on the caller's thread at the start of every step, and before the engine builds
-        or relays buffers or the user's optimizer steps: raise if its stream context would break
-        the ordering the engine relies on (``what``: the call, for the message)."""
+        """Called on the caller's thread at the start of every step, and before the engine builds or relays buffers or
+        the user's optimizer steps: raise if its stream context would break the ordering the engine relies on (``what``:
+        the call, for the message)."""
 
     note_stream: Callable[[int], None] | None = None
     """Called in each gradient hook with the gradient's chunk (CUDA only: see ``send``)."""
@@ -97,9 +94,8 @@ class Device(ABC):
 
     @abstractmethod
     def send(self, unit: int) -> None:
-        """After all compute work issued so far, copy each segment of ``unit`` to the host on the
-        D2H stream (cast through its stage on the device, if it has one), then call
-        ``routes.sent(unit)``. Never waits for the copies."""
+        """After all compute work issued so far, copy each segment of ``unit`` to the host on the D2H stream (cast
+        through its stage on the device, if it has one), then call ``routes.sent(unit)``. Never waits for the copies."""
 
     @abstractmethod
     def wait_arrived(self, s: int, guard: Guard) -> None:
@@ -107,13 +103,13 @@ class Device(ABC):
 
     @abstractmethod
     def give_back(self, s: int) -> None:
-        """Copy segment ``s`` of the host sum back into the flat buffer on the H2D stream (widened
-        through its stage on the device, if it has one). Never waits for the copy."""
+        """Copy segment ``s`` of the host sum back into the flat buffer on the H2D stream (widened through its stage on
+        the device, if it has one). Never waits for the copy."""
 
     @abstractmethod
     def wait_given_back(self, s: int, guard: Guard) -> None:
-        """Host thread: block until the copy back of segment ``s`` (given back this step) has
-        completed, i.e. the host row it reads may be overwritten."""
+        """Host thread: block until the copy back of segment ``s`` (given back this step) has completed, i.e. the host
+        row it reads may be overwritten."""
 
     @abstractmethod
     def h2d_marker(self) -> Any:
@@ -128,11 +124,10 @@ class Device(ABC):
         """Block the host until all streams of this device are idle."""
 
     def wait_marker(self, marker: Any, guard: Guard) -> None:
-        """Block the host until ``marker`` has completed (timed steps only, so that phase times
-        are true)."""
+        """Block the host until ``marker`` has completed (timed steps only, so that phase times are true)."""
 
-    # Timing for profiles and traces. Emulated devices use the host clock directly; CUDA records
-    # device events and resolves them against an anchor after the step.
+    # Timing for profiles and traces. Emulated devices use the host clock directly; CUDA records device events and
+    # resolves them against an anchor after the step.
     def begin_timing(self) -> None:
         """Start of a profiled or traced step."""
 
@@ -149,8 +144,8 @@ class Device(ABC):
         return self.stamp()
 
     def end_timing(self) -> None:
-        """After the step (and after its stamps were resolved): emit the copies timed on the
-        device to ``self.trace``."""
+        """After the step (and after its stamps were resolved): emit the copies timed on the device to
+        ``self.trace``."""
 
     def close(self) -> None:
         pass
