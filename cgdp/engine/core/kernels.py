@@ -1,18 +1,11 @@
 """The host sum's Numba kernels: every compiled loop behind :mod:`cgdp.engine.core.accumulate`.
 
-``accumulate`` checks the arguments and picks a kernel (parallel or serial, float or 16-bit, by part count); what runs
-is here. Invariants:
-
-* The work is cut into cache-sized blocks (``BLOCK``); each block is summed in L1/L2 while the parts stream through
-  once, so the bytes moved are (len(parts) reads + 1 write) of the output size, no more. Within a block, parts are added
-  left to right, in the order given.
-* The non-finite count, the sum of squares (``want_sq``: float64, each block's right after it is written, the blocks'
-  sums added in block order) and the rounding to 16 bits (``back``) are taken in that same pass, while the block is in
-  L1: no second read of memory, and the same bits for any thread count.
-* Every kernel is ``nogil`` (the accumulator thread runs them while the device threads execute Python) and compiled
-  twice, parallel (``prange`` over blocks) and serial.
-* Every compiled function and all it calls live in this one file: Numba's on-disk cache (``cache=True``) notices a
-  change to a kernel's own file only, not to a callee in another file.
+* Work is cut into cache-sized blocks (``BLOCK``), summed in L1/L2 while the parts stream through once; within a block
+  parts are added left to right.
+* The non-finite count, the sum of squares (``want_sq``, blocks' sums added in block order) and the rounding to 16 bits
+  (``back``) are taken in that pass: the same bits for any thread count.
+* Every kernel is ``nogil`` and compiled twice, parallel (``prange`` over blocks) and serial.
+* Every compiled function and its callees live in this file: Numba's cache sees changes to a kernel's own file only.
 """
 from __future__ import annotations
 
@@ -236,10 +229,8 @@ def _wadd2(o, a, b, half):
 
 @njit(nogil=True, inline="never", cache=True, fastmath={"reassoc", "nsz"})
 def _sumsq(o):
-    """Sum of squares of one block in float64. ``reassoc`` lets LLVM vectorise the sum (4x faster than eight scalar
-    lanes, which LLVM leaves unvectorised): the order within a block is then the compiled code's vector order, fixed for
-    a build and CPU (the same bits on every run and any thread count, but CPUs with other vector widths may differ in
-    the last bits: the trainer makes MPI ranks agree by using rank 0's value)."""
+    """Sum of squares of one block in float64. ``reassoc`` lets LLVM vectorise it (4x): the order is then fixed for a
+    build and CPU, but other vector widths may differ in the last bits (the trainer uses rank 0's value)."""
     a = 0.0
     for i in range(o.shape[0]):
         x = np.float64(o[i])
@@ -365,9 +356,8 @@ def _body(out, parts, scale, want_sq):
 
 
 def _body_wide(out, parts, scale, want_sq, half, back):
-    """16-bit parts (bf16 or fp16 bits), widened to float32 on the fly; with a non-empty ``back``, each block's float32
-    result is also rounded into it, while the block is in L1. An empty ``out`` keeps each float32 block in a scratch of
-    its own: only ``back`` is written."""
+    """16-bit parts widened to float32 on the fly; a non-empty ``back`` also gets each block rounded; an empty ``out``
+    keeps each block in a scratch."""
     n = parts[0].shape[0]
     nparts = len(parts)
     nblocks = (n + BLOCK - 1) // BLOCK

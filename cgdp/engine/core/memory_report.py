@@ -6,8 +6,8 @@
 * ``"optimizer_state"``: the state of the optimizers stepping this replica (host: the host optimizer's);
 * ``"transfer"``: the bf16 stage on a device; the registered slots, sum row and bf16 masters' copy on the host.
 
-A GPU also reports ``"allocated"`` (``torch.cuda.memory_allocated``: everything the process holds there; so far run only with a stand-in, never on a GPU). Keys: the
-device strings as given, and ``"host"``.
+A GPU also reports ``"allocated"`` (``torch.cuda.memory_allocated``: everything the process holds there; so far run only
+with a stand-in, never on a GPU). Keys: the device strings as given, and ``"host"``.
 """
 from __future__ import annotations
 
