@@ -1,10 +1,9 @@
 """How threads of one step wait for each other without ever hanging.
 
-Every thread the engine owns (device threads, stream workers, the accumulator, the comm thread)
-reports its exception to one :class:`Guard`. Every place where a thread waits goes through
-:meth:`Guard.wait`, which wakes up regularly to check whether another thread failed or the
-timeout has passed. So a failure anywhere surfaces as an exception in ``Trainer.step()`` and a
-lost message as a ``TimeoutError`` naming what never came, never as a hang.
+Every thread the engine owns (device threads, stream workers, the accumulator, the comm thread) reports its exception to
+one :class:`Guard`. Every place where a thread waits goes through :meth:`Guard.wait`, which wakes up regularly to check
+whether another thread failed or the timeout has passed. So a failure anywhere surfaces as an exception in
+``Trainer.step()`` and a lost message as a ``TimeoutError`` naming what never came, never as a hang.
 """
 from __future__ import annotations
 
@@ -59,18 +58,10 @@ class Guard:
 
 
 class Progress:
-    """A count that only grows between resets, and a wait for it to reach a value.
-
-    What a stream worker or the host thread has finished, counted instead of signalled with one
-    object per item: the producer calls :meth:`advance`, a consumer :meth:`wait` until the count
-    reaches its target. A waiter wakes every :data:`POLL_S` to look at the guard, so a failure
-    elsewhere never leaves it hanging.
-
-    Only one thread advances a given count (a stream's worker, the host thread), so the count
-    itself needs no lock; the condition is taken only when somebody waits. (A waiter announces
-    itself before it reads the count, and the producer reads the waiters after it wrote the
-    count, so one of the two always sees the other: no wake-up is lost.)
-    """
+    """A count that only grows between resets, and a wait for it to reach a value; a waiter wakes every :data:`POLL_S`
+    to check the guard. One thread advances a given count, so it needs no lock; the condition is taken only when someone
+    waits (a waiter announces itself before reading the count, the producer reads the waiters after writing it: no
+    wake-up is lost)."""
 
     __slots__ = ("done", "_waiters", "_cond")
 

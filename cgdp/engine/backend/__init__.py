@@ -1,14 +1,8 @@
-"""The devices: streams, events, pinned memory; CUDA (``cuda.py``) or CPU-emulated.
+"""The devices: device strings → :class:`~cgdp.engine.backend.base.Device` objects, in one place. May import
+``engine.sync`` only; only ``cuda_runtime.py`` touches ``torch.cuda``.
 
-Only the CUDA backend's runtime (``cuda_runtime.py``, beneath ``cuda.py``'s devices) touches
-``torch.cuda``. May import ``engine.sync`` only. This module is device selection in one place:
-device strings → :class:`~cgdp.engine.backend.base.Device` objects.
-
-``"cpu:N"`` are CPU-emulated devices (any N, each a separate replica in host memory);
-``"cuda:N"`` are real GPUs (or simulated ones inside ``cgdp.testing.simulated_cuda``). One trainer
-uses one kind. A GPU may hold several replicas only when asked (``share=True``): that runs the
-data path of G > 1 (real copies, a real host sum) on a machine with one GPU, for tests and
-measurements; it is slower than one replica per GPU.
+``"cpu:N"``: CPU-emulated replicas in host memory; ``"cuda:N"``: GPUs (or ``cgdp.testing.simulated_cuda``'s). One kind
+per trainer. ``share=True`` lets a GPU hold several replicas (the G > 1 data path on one GPU, for tests).
 """
 from __future__ import annotations
 
@@ -21,8 +15,7 @@ _DEVICE = re.compile(r"^(cpu|cuda):(\d+)$")
 
 
 def parse_devices(devices: Sequence[str], share: bool = False) -> tuple[str, list[int]]:
-    """Validate the ``devices`` argument; return (kind, indices). ``share``: a CUDA device may be
-    listed more than once (one replica per entry, each with its own streams)."""
+    """Validate ``devices``; return (kind, indices). ``share``: a CUDA device may be listed more than once."""
     if isinstance(devices, str) or not isinstance(devices, Sequence):
         raise TypeError(f"devices must be a list of device strings such as ['cuda:0', 'cuda:1'] or "
                         f"['cpu:0', 'cpu:1']; got {devices!r}")
@@ -86,10 +79,8 @@ def make_rng(devs: Sequence[Device]) -> Any:
 
 
 def host_threads(devs: Sequence[Device]) -> int:
-    """Threads of the host sum. With GPUs the host cores are free but for the device threads,
-    which issue kernels: leave them one core each. Emulated devices already keep every core
-    busy computing; one thread then runs at memory speed without waiting for a descheduled
-    helper thread."""
+    """Threads of the host sum: with GPUs, every core but one per device thread; emulated devices keep the cores busy,
+    so one."""
     if devs[0].is_cuda:
         from cgdp.engine.backend.cuda import host_threads as cuda_host_threads
         return cuda_host_threads(len(devs))

@@ -1,24 +1,16 @@
 """The device interface: everything the engine does that depends on the kind of device.
 
-One :class:`Device` per entry of ``devices``. It owns three in-order queues of work: the compute
-stream (the device's own host thread issues forward, backward and update onto it), a D2H stream
-and an H2D stream. The engine talks to a device only through these methods, so the hooks, the
-chunk plan, the host accumulator, the MPI tier and the tuner run unchanged on CUDA and on
-CPU-emulated devices.
+One :class:`Device` per entry of ``devices``, owning three in-order queues: the compute stream (fed by the device's own
+host thread), a D2H and an H2D stream. The rest of the engine runs unchanged on CUDA and CPU-emulated devices.
 
-The gradient path is set up once per chunk plan (:meth:`Device.set_routes`): a :class:`Routes`
-holds, per segment, the device and host views each copy reads and writes, built once, so that a
-step creates no Python object per segment. Then per step, with ``u`` a *unit* (a chunk, or one
-segment of a chunk when the host slots are a ring) and ``s`` a segment:
+:meth:`Device.set_routes` sets the gradient path up once per plan (:class:`Routes`: per segment, the views each copy
+reads and writes), so a step creates no Python object per segment. Per step, with ``u`` a unit (a chunk, or a segment in
+a ring) and ``s`` a segment:
 
-* ``send(u)``: the thread that runs backward for this device (inside a gradient hook) issues the
-  unit's copies to the host and calls ``routes.sent(u)``; it must not wait for them.
-* ``wait_arrived(s)``: the host thread, before it sums segment ``s``, waits until this device's
-  copy of it has landed (CUDA: on the copy's event; emulated: on the D2H stream's progress).
-* ``give_back(s)`` (host or comm thread) issues the copy of the summed segment back;
-  ``wait_given_back(s)`` waits until it has completed (ring slots, before a slot is reused);
-  ``h2d_marker`` marks every copy back issued so far, and ``compute_wait`` (the device's own
-  thread) makes later compute wait for a marker.
+* ``send(u)``: in a gradient hook, issue the unit's copies and call ``routes.sent(u)``; never wait.
+* ``wait_arrived(s)``: the host thread waits until this device's copy of ``s`` has landed.
+* ``give_back(s)``: issue the copy of the sum back; ``wait_given_back(s)`` waits for it (before a ring slot is reused);
+  ``compute_wait`` makes later compute wait for an ``h2d_marker``.
 """
 from __future__ import annotations
 
@@ -42,11 +34,9 @@ class Routes:
     """Where one device's segments travel, for one chunk plan (built by the host between steps)."""
 
     d2h: list[Copy]
-    """Per segment: (the flat buffer's slice, the host slot it lands in, the stage of the wire
-    dtype it is cast through on the device, or None)."""
+    """Per segment: (flat buffer slice, host slot, wire-dtype stage on the device or None)."""
     h2d: list[Copy]
-    """Per segment: (the host row the sum is read from, the flat buffer's slice, the stage it is
-    widened through, or None)."""
+    """Per segment: (host sum row, flat buffer slice, widening stage or None)."""
     units: list[range]
     """The segments of each unit, in unit order: a unit is what ``send`` issues at once."""
     unit_bytes: list[int]
@@ -77,9 +67,8 @@ class Device(ABC):
         """Called once on the device's own host thread (forward, backward and update run there)."""
 
     def check_caller(self, what: str = "Trainer.step()") -> None:
-        """Called on the caller's thread at the start of every step, and before the engine builds
-        or relays buffers or the user's optimizer steps: raise if its stream context would break
-        the ordering the engine relies on (``what``: the call, for the message)."""
+        """On the caller's thread before every step, build, relay or user optimizer step: raise if its stream context
+        would break the engine's ordering."""
 
     note_stream: Callable[[int], None] | None = None
     """Called in each gradient hook with the gradient's chunk (CUDA only: see ``send``)."""
@@ -97,9 +86,8 @@ class Device(ABC):
 
     @abstractmethod
     def send(self, unit: int) -> None:
-        """After all compute work issued so far, copy each segment of ``unit`` to the host on the
-        D2H stream (cast through its stage on the device, if it has one), then call
-        ``routes.sent(unit)``. Never waits for the copies."""
+        """After all compute issued so far, copy ``unit``'s segments to the host on the D2H stream, then
+        ``routes.sent(unit)``."""
 
     @abstractmethod
     def wait_arrived(self, s: int, guard: Guard) -> None:
@@ -107,13 +95,11 @@ class Device(ABC):
 
     @abstractmethod
     def give_back(self, s: int) -> None:
-        """Copy segment ``s`` of the host sum back into the flat buffer on the H2D stream (widened
-        through its stage on the device, if it has one). Never waits for the copy."""
+        """Copy segment ``s`` of the host sum back into the flat buffer on the H2D stream, without waiting."""
 
     @abstractmethod
     def wait_given_back(self, s: int, guard: Guard) -> None:
-        """Host thread: block until the copy back of segment ``s`` (given back this step) has
-        completed, i.e. the host row it reads may be overwritten."""
+        """Host thread: block until segment ``s``'s copy back has completed (its host row may be overwritten)."""
 
     @abstractmethod
     def h2d_marker(self) -> Any:
@@ -128,11 +114,10 @@ class Device(ABC):
         """Block the host until all streams of this device are idle."""
 
     def wait_marker(self, marker: Any, guard: Guard) -> None:
-        """Block the host until ``marker`` has completed (timed steps only, so that phase times
-        are true)."""
+        """Block the host until ``marker`` has completed (timed steps only, so that phase times are true)."""
 
-    # Timing for profiles and traces. Emulated devices use the host clock directly; CUDA records
-    # device events and resolves them against an anchor after the step.
+    # Timing for profiles and traces. Emulated devices use the host clock directly; CUDA records device events and
+    # resolves them against an anchor after the step.
     def begin_timing(self) -> None:
         """Start of a profiled or traced step."""
 
@@ -149,8 +134,7 @@ class Device(ABC):
         return self.stamp()
 
     def end_timing(self) -> None:
-        """After the step (and after its stamps were resolved): emit the copies timed on the
-        device to ``self.trace``."""
+        """After the step's stamps are resolved: emit the device-timed copies to ``self.trace``."""
 
     def close(self) -> None:
         pass

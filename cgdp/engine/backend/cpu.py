@@ -1,20 +1,12 @@
 """CPU-emulated devices ``"cpu:N"``: replicas in host memory, streams as in-order worker threads.
 
-The compute stream is the device's own host thread: work issued there has already run when the
-next line executes, so a compute "event" is always complete. The D2H and H2D streams are worker
-threads that execute copies in submission order, exactly like CUDA streams, and count what they
-have finished (a :class:`~cgdp.engine.sync.Progress`): a marker is a count to reach, waiting for a
-copy is waiting for its stream's count. Copies are real memory copies (``Tensor.copy_``, which
-releases the GIL), so the emulation moves the same bytes as a GPU would.
+The compute stream is the device's own thread: a compute "event" is always complete. D2H and H2D streams are workers
+that copy in order and count what they finished (a :class:`~cgdp.engine.sync.Progress`): a marker is a count to reach.
+Copies are real (``Tensor.copy_``, GIL released).
 
-A hand-off to a stream worker (a queue, a wake-up, the GIL taken again on the other side) costs
-more CPU than copying a few hundred KiB, and on a GPU neither side would pay it. So a unit of at
-most :data:`INLINE_BYTES` is copied to the host by the thread that sends it (the device thread,
-inside the hook: on an emulated device that thread is the compute stream, and the chunk is
-complete), and a segment of at most that size is copied back by the thread that gives it back
-(the host thread, before it reports the segment returned). Larger copies go to the workers, where
-they overlap the device's compute and each other. Either way a copy completes before anything
-that waits for it, so results never depend on which thread made it.
+A hand-off to a worker costs more CPU than copying a few hundred KiB, so copies of at most :data:`INLINE_BYTES` are made
+by the thread that issues them (the device thread in its hook, the host thread giving back); larger ones go to the
+workers. Either way a copy completes before anything that waits for it.
 """
 from __future__ import annotations
 
@@ -35,10 +27,8 @@ INLINE_BYTES = 256 << 10
 
 
 class Worker:
-    """One in-order queue of work on its own thread (an emulated stream), with its progress.
-
-    ``progress`` counts the copies finished; every item advances it by the copies it was
-    submitted for, also when it fails (the failure goes to ``fail``), so nobody waits forever."""
+    """One in-order queue on its own thread (an emulated stream); ``progress`` counts copies finished, also on failure.
+    """
 
     def __init__(self, name: str, fail: Callable[[BaseException], None]):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -50,8 +40,7 @@ class Worker:
         self._thread.start()
 
     def submit(self, fn: Callable[[Progress], None], copies: int) -> int:
-        """Run ``fn(progress)`` after everything submitted before; ``fn`` advances the progress
-        once per copy it makes. Returns the progress count at which its last copy is done."""
+        """Run ``fn(progress)`` after everything before it; returns the count at which its last copy is done."""
         self.submitted += copies
         self._q.put((fn, copies, self.submitted))
         return self.submitted

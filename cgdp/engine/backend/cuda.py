@@ -1,44 +1,20 @@
 """CUDA devices ``"cuda:N"``: the default compute stream, a D2H stream, an H2D stream, pinned memory.
 
-:class:`CudaDevice` (sends, completion waits, copies back, timing), the coalesced collectives of
-mode "typical" and the replicas' random streams. Every CUDA call goes through one object, the
-*runtime* (:func:`~cgdp.engine.backend.cuda_runtime.runtime`, a
-:class:`~cgdp.engine.backend.cuda_runtime.TorchCuda`), which lives in
-:mod:`cgdp.engine.backend.cuda_runtime`, the only module of cgdp that touches ``torch.cuda``; this
-one does not. ``cgdp.testing``'s simulated runtime sits *beneath* ``TorchCuda`` (fakes of
-``torch.cuda`` with torch's signatures), so CI runs every line of both modules.
+Every CUDA call goes through the *runtime* (:func:`~cgdp.engine.backend.cuda_runtime.runtime`), the only module that
+touches ``torch.cuda``; ``cgdp.testing``'s simulated runtime sits beneath it, so CI runs every line here.
 
-* ``send`` runs inside a gradient hook on the thread that runs backward for this device. Each
-  gradient accumulates on the stream of the forward op that used its parameter (the hook notes
-  that stream, :meth:`CudaDevice.note_stream`); per chunk, ``send`` records one event on the
-  current stream, one more on every other stream a gradient accumulated on (a model that runs
-  part of its forward on a side stream), and makes the D2H stream wait on them (device-side waits:
-  the host does not synchronise, unlike the paper's per-layer host sync); per segment it enqueues
-  one copy into page-locked host memory and records the segment's blocking-sync event. Then it
-  tells the host the unit is on its way. No thread waits per device: the host thread, which must
-  have a segment from every device before it sums it, waits on each device's event of that
-  segment in turn (sleeping, GIL released, instead of spinning a core the host sum needs), so one
-  thread polls the completions of all devices.
-* The events are made once per chunk plan and recorded again every step (a record replaces the
-  previous one; every wait on it was issued before): an untimed step creates no CUDA objects.
-* ``give_back`` enqueues the host-to-device copy on the H2D stream; ``compute_wait`` makes the
-  compute stream wait on an H2D event, again without a host synchronisation. So a step returns
-  while its last copies back may still run: ``close()`` synchronises before it unregisters the
-  host rows, and everything that frees or relays buffers synchronises first.
-* Threads: every thread that calls CUDA works under a guard of the device it works for (the
-  device threads bind theirs, the host thread binds its first device's; stream contexts and host
-  registration make theirs current), so a process that uses ``cuda:1`` only never creates a
-  context on GPU 0.
-* The flat gradient buffer and the host slots live for the whole run, so no allocation is
-  freed while a side stream still uses it (no ``record_stream`` needed). Host slots are
-  page-locked by the runtime (``TorchCuda.host_alloc``: exactly the bytes needed, on pages of
-  their own), under a guard of the device whose context owns them.
-* Several replicas may share one GPU (``share_devices=True``): each has its own D2H and H2D
-  streams and its own random stream; they share the GPU's default (compute) stream.
-* Timing (profiled or traced steps only): every timestamp is a device event, resolved after the
-  step against an anchor event whose host time is known. Untimed steps record no timing events;
-  the host waits only for the copies' arrivals (the host sum's thread) and reads the step's
-  losses once, for all devices (``cgdp.engine.trainer.passes.loss_values``).
+* ``send`` runs in a gradient hook on the device's backward thread. Per chunk it records an event on the current stream
+  and on every other stream a gradient accumulated on (:meth:`CudaDevice.note_stream`), makes the D2H stream wait on
+  them (device-side: no host sync), enqueues one copy per segment into pinned memory and records its blocking-sync
+  event. The single host thread waits on each device's event of a segment in turn (sleeping, GIL released).
+* Events are made once per plan and re-recorded every step: an untimed step creates no CUDA objects.
+* ``give_back`` enqueues the H2D copy; ``compute_wait`` makes the compute stream wait on it, without a host sync. A step
+  may return with copies back still running: ``close()`` and anything that frees or relays buffers synchronises first.
+* Every thread that calls CUDA works under a guard of its device, so using only ``cuda:1`` never touches GPU 0.
+* Flat buffers and host slots live for the whole run (no ``record_stream`` needed); host slots are page-locked by
+  ``TorchCuda.host_alloc``.
+* Replicas sharing a GPU (``share_devices=True``) have their own copy streams and random stream, one compute stream.
+* Timing (profiled or traced steps only): timestamps are device events resolved after the step against an anchor.
 """
 from __future__ import annotations
 
@@ -60,8 +36,7 @@ def cuda_count() -> int:
 
 
 def host_threads(num_replicas: int) -> int:
-    """Threads of the host sum next to GPUs: every core but one per device thread (each issues
-    kernels and is busy during backward); the host thread sleeps on blocking events between sums."""
+    """Host-sum threads next to GPUs: every core but one per device thread."""
     return max(1, (os.cpu_count() or 2) - num_replicas)
 
 
@@ -100,8 +75,8 @@ class CudaDevice(Device):
         numel = 1
         for n in shape:
             numel *= n
-        # any stream of this device: what matters is that cuda:N is current, so the registration
-        # uses its context (and creates none on the caller's current device)
+        # any stream of this device: what matters is that cuda:N is current, so the registration uses its context (and
+        # creates none on the caller's current device)
         with self.rt.stream(self.h2d):
             t = self.rt.host_alloc(numel, dtype).view(shape)
         self._hosts.append(t)
@@ -115,9 +90,8 @@ class CudaDevice(Device):
                 return
 
     def note_stream(self, c: int) -> None:
-        """A gradient of chunk ``c`` has just accumulated (in its hook), on the current stream: the
-        stream of the forward op that used its parameter, which for a model that runs part of its
-        forward on a side stream is not the stream of the hook that completes the chunk."""
+        """A gradient of chunk ``c`` accumulated on the current stream: that of the forward op that used it, which may
+        be a side stream rather than the one whose hook completes the chunk."""
         s = self.rt.current_stream(self.index)
         if s not in self._grad_streams:
             self._grad_streams.append(s)
@@ -241,8 +215,7 @@ class CudaDevice(Device):
         self.trace = None  # later stamps are host times; this step's stay resolvable
 
     def close(self) -> None:
-        """Unregister the host rows, once every copy is done: a step returns after a device-side
-        wait only, so its last copies back may still read them."""
+        """Unregister the host rows once every copy is done (a step's last copies back may still read them)."""
         first: BaseException | None = None
         try:
             self.rt.synchronize(self.index)  # note: host sync before the rows are unregistered
@@ -261,8 +234,8 @@ class CudaDevice(Device):
 
 # ------------------------------------------------------------------------- typical mode
 def reduce_to_first(devs: Sequence[CudaDevice], flats: Sequence[torch.Tensor]) -> None:
-    """``flats[0]`` ← the sum of all: the flat buffers are already coalesced, so this is one
-    reduce (NCCL where the GPUs are distinct); replicas sharing a GPU are added in device order."""
+    """``flats[0]`` ← the sum of all: one reduce (NCCL across GPUs); replicas sharing a GPU are added in device order.
+    """
     indices = [d.index for d in devs]
     if len(set(indices)) < len(indices) or len(flats) == 1:
         for flat in flats[1:]:
@@ -286,14 +259,9 @@ def broadcast_from_first(devs: Sequence[CudaDevice], params: list[list[nn.Parame
 
 # ------------------------------------------------------------------------- random streams
 class CudaRNG:
-    """One random stream per replica, derived from torch's seed.
-
-    ``torch.manual_seed`` seeds every GPU's generator alike, so replicas on different GPUs would
-    draw the same dropout masks. Each replica gets its own generator state instead, swapped into
-    its GPU's generator around its forward (a host-side swap, no synchronisation). Replicas that
-    share a generator (several on one GPU, or a simulated runtime) take turns under a lock.
-    Same interface as :class:`cgdp.engine.backend.rng.EmulatedRNG`.
-    """
+    """One random stream per replica (``manual_seed`` seeds every GPU alike), swapped into its GPU's generator around
+    its forward, host-side. Replicas sharing a generator take turns under a lock. Interface of
+    :class:`cgdp.engine.backend.rng.EmulatedRNG`."""
 
     def __init__(self, devs: Sequence[CudaDevice]):
         self._devs = list(devs)
@@ -304,8 +272,7 @@ class CudaRNG:
                            for k in {d.rt.rng_key(d.index) for d in devs}}
 
     def forward_all(self, run: Callable[[], Any], restore: Callable[[], None] = lambda: None) -> Any:
-        """``run()``: each replica has its own stream from the start, so no forward is done again
-        (``restore`` is never needed)."""
+        """Each replica has its own stream from the start: no forward is redone (``restore`` is never needed)."""
         return run()
 
     def on_device(self, j: int, fn: Callable[[], Any]) -> Any:

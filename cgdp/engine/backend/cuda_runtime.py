@@ -1,22 +1,12 @@
-"""The CUDA runtime: :class:`TorchCuda`, the one object through which cgdp calls ``torch.cuda``.
+"""The CUDA runtime: :class:`TorchCuda`, the one object through which cgdp calls ``torch.cuda`` (and libcudart for what
+``torch.cuda.cudart()`` lacks). ``cgdp.testing``'s simulated runtime sits beneath it, so CI runs every line;
+:func:`use_runtime` sets the runtime that devices created inside use.
 
-Part of the CUDA backend, beneath the devices of :mod:`cgdp.engine.backend.cuda`, and the only
-module of cgdp that touches ``torch.cuda`` (and libcudart, for the calls ``torch.cuda.cudart()``
-lacks). Every method of ``TorchCuda`` is one ``torch.cuda`` call (or two): streams, events,
-stream contexts, asynchronous copies, page-locked host memory, coalesced reduce and broadcast,
-the devices' random generators. ``cgdp.testing``'s simulated runtime sits *beneath*
-``TorchCuda`` (fakes of ``torch.cuda`` with torch's signatures, passed as ``torch_module``), so CI
-runs every line of this module; :func:`use_runtime` sets the runtime that devices created inside
-use (the simulated one, ``cgdp.testing.null_cuda``'s, or a wrapper of the real one).
-
-* A stream context makes the stream's device current first (a device guard): a thread that
-  never chose a device creates no context on GPU 0. Host memory is registered with the current
-  device's context, so callers register inside such a guard (``CudaDevice.host_empty`` does).
-* Host memory is an ordinary allocation registered with ``cudaHostRegister`` on pages of its own
-  (the host's page size: 64 KiB on some arm64 hosts), exactly the bytes needed, unlike the
-  caching host allocator, which rounds ``pin_memory=True`` up to a power of two and keeps it. A
-  failed registration or unregistration raises a clear error and clears the thread's last CUDA
-  error, so that no later kernel launch reports it as its own.
+* A stream context makes its device current first: a thread that never chose a device creates no context on GPU 0. Host
+  memory is registered with the current device's context, so callers register inside such a guard.
+* Host memory is registered with ``cudaHostRegister`` on pages of its own, exactly the bytes needed (the caching
+  allocator rounds up to a power of two). A failed (un)registration raises a clear error and clears the thread's last
+  CUDA error, so no later kernel launch reports it.
 """
 from __future__ import annotations
 
@@ -44,8 +34,7 @@ _CUDA_ERRORS = {2: "out of memory: raise the locked-memory limit (ulimit -l) or 
 
 
 def _load_cudart() -> Any:
-    """The libcudart this process already loaded (for ``cudaGetLastError``, which
-    ``torch.cuda.cudart()`` does not expose), or None."""
+    """The libcudart this process already loaded (for ``cudaGetLastError``), or None."""
     import ctypes
     try:
         with open("/proc/self/maps") as f:
@@ -61,12 +50,8 @@ def _load_cudart() -> Any:
 
 
 class TorchCuda:
-    """The CUDA runtime, as cgdp uses it. Every method is one ``torch.cuda`` call (or two).
-
-    ``torch_module`` is ``torch`` on a GPU; ``cgdp.testing.simulated_cuda`` passes
-    :mod:`cgdp.testing.fake_cuda`'s namespaces (torch 2.13's signatures over a simulated
-    runtime), so that this class's own code runs in CI. ``native`` loads libcudart for the
-    calls ``torch.cuda.cudart()`` lacks; ``page_size`` is the host's."""
+    """The CUDA runtime, as cgdp uses it: every method is one ``torch.cuda`` call (or two). ``torch_module``: ``torch``,
+    or the simulated namespaces of :mod:`cgdp.testing.fake_cuda`."""
 
     simulated = False
 
@@ -101,10 +86,10 @@ class TorchCuda:
 
     @contextlib.contextmanager
     def stream(self, s: Any) -> Iterator[None]:
-        # the stream's device is made current first (a device guard: restored lazily, without
-        # cudaSetDevice on a device that has no context). A bare torch.cuda.stream(s) on a thread
-        # that never chose a device would leave through set_stream(device 0's stream), i.e.
-        # cudaSetDevice(0): a CUDA context on GPU 0 for a process that uses another GPU.
+        # the stream's device is made current first (a device guard: restored lazily, without cudaSetDevice on a device
+        # that has no context). A bare torch.cuda.stream(s) on a thread that never chose a device would leave through
+        # set_stream(device 0's stream), i.e. cudaSetDevice(0): a CUDA context on GPU 0 for a process that uses another
+        # GPU.
         with self.cuda.device(s.device_index), self.cuda.stream(s):
             yield
 
@@ -125,9 +110,8 @@ class TorchCuda:
         dst.copy_(src, non_blocking=True)
 
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Page-locked host memory of exactly ``numel`` elements, on pages of its own (the
-        registration pins whole pages: one shared with another allocation would make that one's
-        registration fail). Register under a guard of the device whose context should own it."""
+        """Page-locked host memory of exactly ``numel`` elements on pages of its own (a shared page would fail another
+        registration); register under a guard of the owning device."""
         page = self.page_size
         itemsize = torch.tensor([], dtype=dtype).element_size()
         nbytes = max(numel, 1) * itemsize
@@ -150,16 +134,14 @@ class TorchCuda:
                                f"{_CUDA_ERRORS.get(err, 'see cudaError_t')})")
 
     def _clear_last_error(self) -> None:
-        """A failed runtime call leaves the thread's last error set, and the next kernel launch on
-        this thread would raise it as its own (``C10_CUDA_KERNEL_LAUNCH_CHECK``): clear it."""
+        """Clear the thread's last error, which the next kernel launch would otherwise raise as its own."""
         lib = self._native()
         if lib is not None:
             lib.cudaGetLastError()
 
     def reduce_into_first(self, tensors: Sequence[torch.Tensor]) -> None:
-        """``tensors[0]`` += the others, one tensor per distinct device: one in-place NCCL reduce
-        where NCCL is available (what ``torch.cuda.comm.reduce_add`` does, without its new output
-        tensor), else copies to the first device and adds in device order."""
+        """``tensors[0]`` += the others (one per device): an in-place NCCL reduce where available, else copies and adds
+        in order."""
         nccl = self.cuda.nccl
         if nccl.is_available(list(tensors)):
             nccl.reduce(list(tensors), output=tensors[0], root=0)
@@ -186,11 +168,8 @@ class TorchCuda:
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t.to(device, non_blocking=True)``, staged through page-locked memory when ``t`` is pageable
-    host memory and ``device`` a CUDA device: from pageable memory CUDA stages the copy itself and
-    returns only once it is staged, a host wait per tensor. ``pin_memory()`` takes the block from
-    torch's caching host allocator, which records the copy's stream and reuses the block only after
-    the copy has read it, so the staging copy may be dropped at once."""
+    """``t.to(device, non_blocking=True)``, staged through pinned memory for pageable host tensors (CUDA would otherwise
+    wait per tensor); the caching host allocator keeps the block until the copy has read it."""
     rt = _runtime
     if t.device.type == "cpu" and not t.is_sparse and t.numel() and rt.is_device(device) \
             and not rt.torch.Tensor.is_pinned(t):

@@ -1,14 +1,8 @@
 """Random numbers on CPU-emulated devices: one stream per device, independent of thread timing.
 
-Emulated devices share torch's one CPU generator. A model that draws no random numbers runs its
-forwards concurrently. Once a forward draws (dropout), every emulated device gets its own random
-stream, derived from torch's seed, swapped in under a lock: forward passes then take turns, and
-results do not depend on which thread ran first. GPUs have a generator each and never take turns.
-
-Device j's stream is seeded with a 64-bit word that NumPy's ``SeedSequence`` draws from
-``(torch.initial_seed(), j)``: defined for every seed torch can hold (0 to 2**64-1, which is
-also what ``torch.manual_seed(-1)`` stores), the same in every run with the same seed, and
-independent streams for different devices.
+Emulated devices share torch's one CPU generator. Forwards run concurrently until one draws (dropout); then each device
+gets its own stream, swapped in under a lock, and forwards take turns. Device j's seed is a 64-bit word that NumPy's
+``SeedSequence`` draws from ``(torch.initial_seed(), j)``: defined for any seed, reproducible, independent per device.
 """
 from __future__ import annotations
 
@@ -28,16 +22,15 @@ class EmulatedRNG:
                        for j in range(num_devices)]
 
     def forward_all(self, run: Callable[[], Any], restore: Callable[[], None] = lambda: None) -> Any:
-        """``run()`` (every device's forward); done again with per-device streams if it drew,
-        after ``restore()`` has put back what the first forward wrote (BatchNorm statistics)."""
+        """``run()`` every forward; rerun with per-device streams, after ``restore()``, if it drew."""
         if self.turns:
             return run()
         before = torch.default_generator.get_state()
         out = run()
         if torch.equal(torch.default_generator.get_state(), before):
             return out  # no random numbers drawn: nothing depends on thread timing
-        # the model draws random numbers: from now on every emulated device has its own stream;
-        # this forward is done again that way (its graphs are dropped, its buffer writes undone)
+        # the model draws random numbers: from now on every emulated device has its own stream; this forward is done
+        # again that way (its graphs are dropped, its buffer writes undone)
         torch.default_generator.set_state(before)
         restore()
         self.turns = True
@@ -58,7 +51,6 @@ class EmulatedRNG:
 
 
 def device_seed(seed: int, j: int) -> int:
-    """The seed of emulated device j's random stream, in [0, 2**64): a hash of torch's seed and j
-    (never an overflowing product: an unseeded process has a random 64-bit seed)."""
+    """Emulated device j's seed in [0, 2**64): a hash of torch's seed and j."""
     seq = np.random.SeedSequence(entropy=seed % 2**64, spawn_key=(j,))
     return int(seq.generate_state(1, np.uint64)[0])

@@ -1,24 +1,12 @@
-"""The host kernel: ``out[:] = scale * (parts[0] + parts[1] + ...)``, at memory bandwidth.
+"""The host kernel, step 4 of the data path: ``out[:] = scale * (parts[0] + parts[1] + ...)``, at memory bandwidth.
 
-This is step 4 of the data path: the entry points (argument checks, the choice between the
-parallel and the serial kernel, warm-up, the thread count). The Numba kernels they run, and how
-they stream the data (cache-sized blocks, one pass), are in :mod:`cgdp.engine.core.kernels`.
-Invariants:
+Entry points here (checks, parallel or serial, warm-up, threads); the Numba kernels in :mod:`cgdp.engine.core.kernels`.
 
-* Parts are summed in the order given (device order in the engine), element by element in the
-  parts' dtype, then scaled once: the result does not depend on how many threads run it or on
-  arrival order, so it is bitwise reproducible and equals NumPy's ``scale * sum(parts)``.
-* Non-finite results are counted in the same pass (no extra read of the data): the return value
-  is the number of NaN/Inf elements written.
-* The kernels are ``nogil``: the engine's accumulator thread runs them while the device threads
-  keep executing Python.
-* 16-bit parts are widened to float32 on the fly and summed in float32: bf16 as ``uint16``
-  arrays holding its bits (e.g. ``torch_bf16.view(torch.int16)``), fp16 as ``float16`` arrays.
-* Optionally (``sumsq``), the same call returns the sum of squares of what it wrote, for the
-  gradient norm, taken while each block is in L1 (no second pass over memory); the result is
-  bitwise the same for any thread count.
-* Optionally (``rounded``, 16-bit parts only), the same pass also rounds each block's float32
-  result to the parts' dtype (to nearest even, as torch), for the copy back of 16-bit parameters.
+* Parts are summed in the order given, in their dtype, then scaled once: bitwise reproducible for any thread count,
+  equal to NumPy's ``scale * sum(parts)``.
+* The NaN/Inf count (the return value), the sum of squares (``sumsq``) and the rounding to 16 bits (``rounded``) are
+  taken in the same pass.
+* The kernels are ``nogil``; 16-bit parts (bf16 bits as ``uint16``, fp16 as ``float16``) are summed in float32.
 """
 from __future__ import annotations
 
@@ -34,8 +22,7 @@ from cgdp.engine.core.kernels import (PARALLEL, PARALLEL_WIDE, SERIAL, SERIAL_WI
 SERIAL_BELOW = 1 << 16
 """Below this many elements a parallel launch costs more than it saves."""
 _WIDEN = {np.dtype(np.uint16): False, np.dtype(np.float16): True}
-"""16-bit parts: uint16 arrays hold bf16 bits, float16 arrays IEEE half (Numba has no float16
-arithmetic on the CPU: the kernel reads their bits as uint16 and widens each value exactly)."""
+"""uint16 arrays hold bf16 bits, float16 arrays IEEE half (read as bits and widened exactly)."""
 
 
 def _check(out: np.ndarray, parts: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
@@ -70,10 +57,8 @@ def _check(out: np.ndarray, parts: Sequence[np.ndarray]) -> tuple[np.ndarray, ..
 
 def accumulate(out: np.ndarray, parts: Sequence[np.ndarray], scale: float = 1.0, *,
                sumsq: bool = False) -> int | tuple[int, float]:
-    """``out[:] = scale * sum(parts)``, parts summed in the order given; returns the number of
-    non-finite elements written (0 when all is well), and with ``sumsq=True`` also the sum of
-    squares of ``out`` (float64, the same bits whatever the thread count). ``out`` may alias
-    ``parts[0]``."""
+    """``out[:] = scale * sum(parts)``; returns the non-finite count, and with ``sumsq`` the float64 sum of squares.
+    ``out`` may alias ``parts[0]``."""
     parts = _check(out, parts)
     bad, sq = accumulate_unchecked(out, parts, scale, sumsq)
     return (bad, sq) if sumsq else bad
@@ -81,11 +66,8 @@ def accumulate(out: np.ndarray, parts: Sequence[np.ndarray], scale: float = 1.0,
 
 def accumulate_unchecked(out: np.ndarray | None, parts: tuple[np.ndarray, ...], scale: float = 1.0,
                          sumsq: bool = False, rounded: np.ndarray | None = None) -> tuple[int, float]:
-    """The engine's entry, without argument checks (the engine's buffers are right by
-    construction): ``(non-finite count, sum of squares of out or 0.0)``. With 16-bit parts,
-    ``rounded`` (an array of the parts' dtype, like ``out``) also receives ``out`` rounded to that
-    dtype, in the same pass, and ``out`` may be None: the float32 sum is then never written to
-    memory, only its rounding (2 bytes per element written instead of 6)."""
+    """The engine's entry, unchecked: ``(non-finite count, sumsq or 0.0)``. 16-bit parts: ``rounded`` also receives
+    ``out`` rounded in the same pass, and ``out`` may be None (only the rounding is written)."""
     s = np.float32(scale) if out is None else out.dtype.type(scale)
     parallel = _parallel(parts[0].shape[0])
     half = _WIDEN.get(parts[0].dtype)
@@ -113,8 +95,7 @@ _NO_OUT = np.zeros(0, np.float32)
 
 
 def _parallel(n: int) -> bool:
-    """Whether n elements are worth a parallel launch; never in a child forked after cgdp ran
-    (:mod:`cgdp.engine.core.fork`: GNU OpenMP does not survive a fork)."""
+    """Whether n elements are worth a parallel launch; never in a forked child (:mod:`cgdp.engine.core.fork`)."""
     if n < SERIAL_BELOW or fork.forked_child or numba.get_num_threads() <= 1:
         return False
     fork.engine_started()
@@ -122,22 +103,19 @@ def _parallel(n: int) -> bool:
 
 
 def round_into(src: np.ndarray, dst: np.ndarray) -> None:
-    """``dst[:] = src`` rounded from float32 to ``dst``'s 16-bit dtype (uint16 for bf16 bits, or
-    float16): for a chunk summed across ranks, rounded after its allreduce."""
+    """``dst[:] = src`` rounded to ``dst``'s 16-bit dtype (a chunk summed across ranks, after its allreduce)."""
     kernel = round_blocks if _parallel(src.shape[0]) else round_blocks_serial
     kernel(src, dst.view(np.uint16), dst.dtype == np.float16)
 
 
 def sum_of_squares(x: np.ndarray) -> float:
-    """Sum of squares of a float32 (or float64) array, with the blocks and order of the
-    kernels' ``sumsq``: for a chunk summed across ranks after accumulation (one more read of it)."""
+    """Sum of squares with the kernels' blocks and order (a chunk summed across ranks)."""
     kernel = sumsq_blocks if _parallel(x.shape[0]) else sumsq_blocks_serial
     return float(kernel(x))
 
 
 def warm_up(dtype: np.dtype = np.float32, nparts: int = 2) -> None:
-    """Compile (or load from cache) the kernels for ``nparts`` parts of ``dtype`` (float32,
-    float64, uint16 for bf16 bits or float16), so the first step is not slow."""
+    """Compile or load the kernels for ``nparts`` parts of ``dtype``, so the first step is not slow."""
     dtype = np.dtype(dtype)
     out_dtype = np.float32 if dtype in _WIDEN else dtype
     for n in (16, SERIAL_BELOW):
@@ -154,6 +132,5 @@ def warm_up(dtype: np.dtype = np.float32, nparts: int = 2) -> None:
 
 
 def set_threads(n: int) -> None:
-    """Threads the parallel kernel uses when called from the calling thread (Numba's setting is
-    per thread: call this on the thread that runs the kernel)."""
+    """Threads of the parallel kernel on the calling thread (Numba's setting is per thread)."""
     numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))

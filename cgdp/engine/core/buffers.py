@@ -1,20 +1,11 @@
-"""Step 7, buffers: floating buffers (BatchNorm statistics) made identical on every replica.
+"""Step 7, buffers: floating buffers (BatchNorm statistics) made identical on every replica, set to their batch-weighted
+mean (the gradient's weights, over all ranks), what one device would hold for an even split.
 
-Each replica updated its running statistics on its own part of the batch; after the update every
-replica's floating buffers are set to their batch-weighted mean (the weights of the gradient, so
-over all ranks with a comm), which is what one device would hold for an even split.
-
-Only buffers that the step wrote are averaged: a weighted mean of equal values is not always that
-value in floating point (1/3·v + 1/3·v + 1/3·v can differ from v by one unit), so averaging a
-constant buffer (the rotary frequencies of a Llama model, a fixed mask) would make it drift by a
-few units every step. :class:`BufferWatch` keeps each replica's buffers as they were after the last
-sync and compares (torch's version counter does not see BatchNorm's writes): one more copy of the
-floating buffers per device and one pass over them per step. Without a comm the host never reads
-the comparison: it is a mask on the first device under which every buffer's mean is kept
-(:func:`sync_buffers`); with one, every rank must agree on the buffers, and the host reads the
-flags (one wait per device) and averages only the buffers that changed. The same copy (with the other buffers, kept only while it
-can still be needed) lets a forward that must be done again (:mod:`cgdp.engine.backend.rng`) start from the
-buffers as they were (:meth:`BufferWatch.restore`).
+Only buffers the step wrote are averaged: a mean of equal values can differ from them by a unit, so a constant buffer
+(rotary frequencies, a mask) would drift. :class:`BufferWatch` keeps each replica's buffers as of the last sync and
+compares (the version counter misses BatchNorm's writes). Without a comm the comparison is a device mask the host never
+reads; with one the host reads the flags (one wait per device). The same copy lets a forward that is rerun
+(:mod:`cgdp.engine.backend.rng`) start from the old buffers (:meth:`BufferWatch.restore`).
 """
 from __future__ import annotations
 
@@ -30,8 +21,7 @@ class BufferWatch:
     """Which of the replicas' floating buffers were written since the last :meth:`synced`."""
 
     def __init__(self, buffers: list[list[torch.Tensor]], others: list[list[torch.Tensor]] | None = None):
-        """``buffers[j]``: replica j's floating buffers; ``others[j]``: its other buffers (only
-        restored, never averaged)."""
+        """``others[j]``: replica j's non-floating buffers (only restored, never averaged)."""
         self.buffers = buffers
         self.others = others or [[] for _ in buffers]
         self._seen = [[b.detach().clone() for b in bufs] for bufs in buffers]
@@ -39,9 +29,7 @@ class BufferWatch:
         self._others_version = [[b._version for b in bufs] for bufs in self.others]
 
     def changed(self, comm: Comm | None) -> list[bool] | torch.Tensor:
-        """Per buffer: written on some replica (of some rank, with a comm) since the last sync.
-        Without a comm, a bool tensor on the first replica's device, which the host never reads:
-        :func:`sync_buffers` averages under it on the devices."""
+        """Per buffer: written on some replica (or rank) since the last sync; without a comm, a device bool tensor."""
         if len(self.buffers) == 1 and comm is None:  # nothing to make identical
             return [False] * len(self.buffers[0])
         if not self.buffers[0]:
@@ -63,18 +51,16 @@ class BufferWatch:
         return (written > 0).tolist()
 
     def synced(self, changed: Sequence[bool] | None = None, others: bool = True) -> None:
-        """The buffers' values now (after a sync or a load) are the new baseline. ``changed``
-        (from :meth:`changed`): only those floating buffers moved, the rest still equal their
-        baseline. ``others=False``: the other buffers' baseline is no longer needed (no forward
-        will be done again, so :meth:`restore` is never called)."""
+        """The buffers now are the new baseline; ``changed``: only those moved; ``others=False``: drop the others'
+        baseline."""
         if changed is None or isinstance(changed, torch.Tensor):  # (a device mask: copy them all)
             self._copy(self.buffers, self._seen)
         elif any(changed):
             pick = lambda xs: [[b for b, c in zip(bufs, changed) if c] for bufs in xs]  # noqa: E731
             self._copy(pick(self.buffers), pick(self._seen))
         if others:
-            # the other buffers (counters, masks) are written by ordinary in-place ops, which
-            # bump the version counter: copy only those written since their last copy
+            # the other buffers (counters, masks) are written by ordinary in-place ops, which bump the version counter:
+            # copy only those written since their last copy
             moved = [[b._version != v for b, v in zip(bufs, vs)]
                      for bufs, vs in zip(self.others, self._others_version)]
             pick = lambda xs: [[b for b, m in zip(bufs, mv) if m] for bufs, mv in zip(xs, moved)]  # noqa: E731
@@ -95,8 +81,7 @@ class BufferWatch:
 
 def sync_buffers(buffers: list[list[torch.Tensor]], weights: list[float], comm: Comm | None,
                  only: Sequence[bool] | None = None) -> None:
-    """``buffers[j]``: replica j's floating buffers, in the same order on every replica;
-    ``only``: which of them to average (all by default)."""
+    """``buffers[j]``: replica j's floating buffers, same order everywhere; ``only``: which to average (default all)."""
     mask = only if isinstance(only, torch.Tensor) else None
     if only is not None and mask is None:
         buffers = [[b for b, keep in zip(bufs, only) if keep] for bufs in buffers]
@@ -129,9 +114,8 @@ def sync_buffers(buffers: list[list[torch.Tensor]], weights: list[float], comm: 
 
 
 def copy_from_first(buffers: list[list[torch.Tensor]]) -> None:
-    """Every replica's buffers take replica 0's (``buffers[j]``: replica j's, in the same order):
-    after a step whose forward failed on some devices only, a counter that the others advanced
-    (BatchNorm's ``num_batches_tracked``) would otherwise differ between replicas for good."""
+    """Every replica's buffers take replica 0's: after a forward that failed on some devices, counters would differ for
+    good."""
     with torch.no_grad():
         for bufs in buffers[1:]:
             if bufs:

@@ -1,16 +1,9 @@
 """One model, one engine: a model's parameters belong to at most one open ``Trainer`` or ``DataParallel``.
 
-An engine makes the model it is given its replica 0: the parameters' ``.grad`` become views of
-the engine's flat buffer, its hooks sit on them, and (``DataParallel``) optimizer steps on them
-are recognised by parameter identity. A second engine on the same model takes all of that over
-while the first still runs: the first's gradients go silently wrong, or its hooks fail inside
-backward, and freeing it would undo the second's registrations. So each engine *claims* the
-parameters of the model when it is built (:func:`claim`, a clear error if another open engine
-holds any of them) and gives them back last, when it is closed or freed (:meth:`Claim.release`,
-which removes its own entries only). A claim of an engine that is closed, or no longer alive, does
-not count; one held only through a reference cycle (an engine dropped without ``close()``) is
-collected first. A model that contains an engine (``cgdp.DataParallel(cgdp.DataParallel(net))``)
-is refused: the engine is not a model to replicate.
+An engine owns its replica 0's ``.grad`` views and hooks; a second engine on the same model would silently break the
+first. So each engine *claims* the parameters when built (:func:`claim`: a clear error if another open engine holds any)
+and releases only its own entries last (:meth:`Claim.release`). Claims of closed or dead engines do not count. A model
+containing an engine is refused.
 """
 from __future__ import annotations
 
@@ -51,8 +44,7 @@ def holder(module: nn.Module) -> Any:
 
 
 def claim(engine: Any, module: nn.Module, what: str) -> Claim:
-    """``engine`` (``what``: "cgdp.Trainer" or "cgdp.DataParallel"; it has a ``closed`` attribute)
-    takes the parameters of ``module``."""
+    """``engine`` (``what``: its class name; it has ``closed``) takes the parameters of ``module``."""
     inner = next((m for m in module.modules() if getattr(type(m), "cgdp_engine", False)), None)
     if inner is not None:
         where = "is" if inner is module else "contains"

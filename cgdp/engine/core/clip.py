@@ -1,10 +1,8 @@
 """Gradient clipping on every replica, exactly as ``torch.nn.utils.clip_grad_norm_`` on one device.
 
-``coef = max_norm / (norm + 1e-6)``, clamped to 1 and multiplied into every gradient (including
-when it is 1, as torch does). The norm comes from the host accumulator
-(:meth:`cgdp.engine.core.stream.GradientStream.grad_norm`) or, without one, from
-:func:`device_norm`. Both faces use it: ``Trainer(clip_grad_norm=...)`` and
-``DataParallel.clip_grad_norm_``.
+``coef = max_norm / (norm + 1e-6)``, clamped to 1 and multiplied into every gradient (including when it is 1, as torch
+does). The norm comes from the host accumulator (:meth:`cgdp.engine.core.stream.GradientStream.grad_norm`) or, without
+one, from :func:`device_norm`. Both faces use it: ``Trainer(clip_grad_norm=...)`` and ``DataParallel.clip_grad_norm_``.
 """
 from __future__ import annotations
 
@@ -24,8 +22,8 @@ def check_max_norm(max_norm: float | None) -> float | None:
 
 
 def clip_coefficient(norm: float, max_norm: float | None) -> torch.Tensor | None:
-    """``min(1, max_norm / (norm + 1e-6))``, computed in float32 as torch's clip_grad_norm_ does
-    for float32 gradients; ``None`` without clipping (``max_norm`` None)."""
+    """``min(1, max_norm / (norm + 1e-6))``, computed in float32 as torch's clip_grad_norm_ does for float32 gradients;
+    ``None`` without clipping (``max_norm`` None)."""
     if max_norm is None:
         return None
     total = torch.tensor(norm, dtype=torch.float32)
@@ -33,8 +31,8 @@ def clip_coefficient(norm: float, max_norm: float | None) -> torch.Tensor | None
 
 
 def device_norm(flat: torch.Tensor, read: bool = True) -> float | torch.Tensor:
-    """The 2-norm of one flat gradient buffer, accumulated in float64 (no host accumulator);
-    ``read=False``: the float64 scalar on the buffer's device, for the caller to read with others."""
+    """The 2-norm of one flat gradient buffer, accumulated in float64 (no host accumulator); ``read=False``: the float64
+    scalar on the buffer's device, for the caller to read with others."""
     norm = torch.linalg.vector_norm(flat, dtype=torch.float64)
     return float(norm) if read else norm  # note: CPU-GPU sync point where read
 
@@ -44,9 +42,9 @@ def scale_gradients(flat: torch.Tensor, coef: torch.Tensor) -> None:
     if coef.device == flat.device:
         pass
     elif coef.device == _HOST:
-        # made on the device, its value a kernel argument: a copy of a host tensor with
-        # non_blocking=True comes from pageable memory, which blocks the host until the stream
-        # has caught up (a hidden synchronisation in every clipped step)
+        # made on the device, its value a kernel argument: a copy of a host tensor with non_blocking=True comes from
+        # pageable memory, which blocks the host until the stream has caught up (a hidden synchronisation in every
+        # clipped step)
         coef = torch.full((), coef.item(), dtype=coef.dtype, device=flat.device)
     else:
         coef = coef.to(flat.device, non_blocking=True)  # device to device: no host synchronisation

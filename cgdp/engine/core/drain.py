@@ -1,10 +1,5 @@
-"""Bringing the engine to rest: before buffers are relaid, and after a failed step.
-
-Nothing may be in flight when the flat buffers are relaid (a plan switch, a restored checkpoint)
-or when a failed step hands control back to the caller: a late copy back would write into a
-buffer that has another meaning by then. Both wait for every device's streams, then for the host
-accumulator, then once more for the streams (the host's last chunks issue copies back).
-"""
+"""Bringing the engine to rest before buffers are relaid and after a failed step (a late copy back would write into a
+buffer with another meaning): wait for every device's streams, then the host, then the streams again."""
 from __future__ import annotations
 
 from typing import Sequence

@@ -1,16 +1,9 @@
 """One flat gradient buffer per device, laid out in chunk order.
 
-Parameters are numbered (``pid``) in forward layer order. The layout places the parameters of
-chunk 0 first, then chunk 1, ..., each parameter aligned to ``ALIGN`` elements, so that every chunk
-is one contiguous slice ``[lo, hi)`` and travels as a single copy. ``param.grad`` of every replica is
-a view into its device's buffer: autograd accumulates straight into it (``grad += new`` in place,
-since the buffer is zeroed before backward), so no gradient is ever copied on the device.
-Padding elements stay zero and are summed like the rest.
-
-A chunk travels as one or more *segments* of at most ``segment`` elements. Segments of one chunk
-leave together, but the host sums each as soon as it has arrived from every device and sends it
-back at once, so the copy out, the sum and the copy back of a large chunk overlap each other: the
-unhidden tail after backward is about the slowest of the three stages, not their sum.
+Parameters (``pid``, forward layer order) are placed chunk by chunk, each aligned to ``ALIGN`` elements, so a chunk is
+one contiguous slice and one copy. Every ``param.grad`` is a view into it: autograd accumulates in place, nothing is
+copied on the device. Padding stays zero. A chunk travels as segments of at most ``segment`` elements, each summed and
+sent back as soon as every device's arrived, so copy out, sum and copy back overlap.
 """
 from __future__ import annotations
 
@@ -80,12 +73,8 @@ def make_layout(plan: Plan, layer_pids: list[list[int]], numels: list[int],
 
 
 def attach_grads(flat: torch.Tensor, params: list[torch.nn.Parameter], layout: Layout) -> list[torch.Tensor]:
-    """Point every ``param.grad`` at its slice of ``flat``; return those views (by pid).
-
-    Each view has its parameter's strides when the parameter is dense (``channels_last``
-    convolutions): autograd's layout contract, which one device keeps, gives such a parameter a
-    gradient of the same strides. The slice is still the parameter's ``numel`` elements, in the
-    same order on every replica, so chunks and the host sum do not see the difference."""
+    """Point every ``param.grad`` at its slice of ``flat``; return the views (by pid). A dense non-contiguous parameter
+    (``channels_last``) gets a view of its own strides, as autograd's layout contract gives it."""
     views = []
     for pid, p in enumerate(params):
         off = layout.offsets[pid]
@@ -96,8 +85,7 @@ def attach_grads(flat: torch.Tensor, params: list[torch.nn.Parameter], layout: L
 
 
 def _dense_not_contiguous(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill exactly ``numel`` places in another order than row-major
-    (non-overlapping and dense, as autograd's layout contract says, but not contiguous)."""
+    """Whether ``t`` is dense and non-overlapping but not row-major."""
     if t.is_contiguous() or t.numel() == 0:
         return False
     expected = 1

@@ -1,21 +1,10 @@
 """A process forked after cgdp has run: its child computes on one thread.
 
-GNU OpenMP runs Numba's default threading layer (``omp``) and torch's CPU kernels on Linux, and it
-cannot start a parallel region in a child forked after the parent ran one: Numba ends such a child
-with SIGTERM ("fork() called from a process already using GNU OpenMP, this is unsafe"), and
-torch's kernels wait for pool threads that do not exist in the child. A ``multiprocessing.Pool``
-(fork is Python 3.11's default start method on Linux) whose worker uses cgdp then waits forever
-for a result that never comes; a ``DataLoader`` worker dies.
-
-The remedy, chosen over another Numba threading layer (``workqueue`` is fork-safe but aborts when
-two threads launch kernels at once, as two trainers' host accumulators do; ``tbb`` is not a
-dependency): once cgdp's engine has run in a process (:func:`engine_started`, called when device
-threads start or a parallel host kernel first runs), a handler registered with
-``os.register_at_fork`` marks every child forked from then on (:data:`forked_child`). In such a
-child the host kernels run their serial versions (:mod:`cgdp.engine.core.accumulate`; the same
-bits, since their result never depends on the thread count) and torch computes on one intra-op
-thread, as PyTorch's ``DataLoader`` sets up its own workers. Children started with ``spawn`` or
-``forkserver`` (or forked before cgdp ran) are untouched and use every core.
+GNU OpenMP (Numba's ``omp`` layer, torch's CPU kernels) cannot start a parallel region in a child forked after the
+parent ran one: Numba kills it, torch hangs. So once the engine has run (:func:`engine_started`), an
+``os.register_at_fork`` handler marks every later child (:data:`forked_child`), which then runs the serial host kernels
+(same bits) and one torch intra-op thread, as ``DataLoader`` workers do. (Numba's ``workqueue`` layer aborts when two
+threads launch kernels; ``tbb`` is not a dependency.) ``spawn``/``forkserver`` children are untouched.
 
 May import nothing of cgdp.
 """
@@ -33,8 +22,7 @@ _lock = threading.Lock()
 
 
 def engine_started() -> None:
-    """Note that cgdp's engine runs in this process: children forked from now on compute on one
-    thread. Cheap after the first call."""
+    """Children forked from now on compute on one thread. Cheap after the first call."""
     global _registered
     if _registered or not hasattr(os, "register_at_fork"):  # no fork on Windows
         return

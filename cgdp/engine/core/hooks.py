@@ -1,15 +1,9 @@
 """Per-parameter backward hooks: mark a layer ready, and send its chunk when the chunk is complete.
 
-One hook per trainable parameter per replica (``register_post_accumulate_grad_hook``). It runs on
-the thread that executes backward for that device (the device's own thread on emulated devices,
-autograd's device thread on CUDA), so a device's counters are only ever touched by one thread and
-need no lock. A hook does three things and returns: marks its parameter touched, counts down its
-chunk, and, when the count reaches zero, asks the device to send the chunk (which only enqueues).
-
-The hook runs once per parameter per step on the thread that issues the device's kernels, so it is
-kept to a few list operations: the per-step state it reads (the views, each parameter's chunk, the
-countdowns, the touched flags) lives in lists and bytearrays that are updated in place, so the
-closure holds them directly instead of looking them up on every call.
+One ``register_post_accumulate_grad_hook`` per trainable parameter per replica, run on the thread executing that
+device's backward, so a device's counters have one writer and need no lock. A hook marks its parameter touched, counts
+down its chunk and, at zero, asks the device to send it (which only enqueues). Its per-step state lives in lists and
+bytearrays updated in place, which the closure holds directly: a few list operations per call.
 """
 from __future__ import annotations
 
@@ -36,12 +30,10 @@ class DeviceHooks:
         """Per chunk: sent this step (updated in place)."""
         self.touched = bytearray(n)
         self.replaced = bytearray(n)
-        """Per parameter: the hook found ``.grad`` replaced (None before this backward) and put
-        the view back, overwriting the view's old contents."""
+        """Per parameter: the hook found ``.grad`` replaced and put the view back, overwriting its old contents."""
         self.stolen = bytearray(n)
-        """Per parameter: the stream set ``.grad`` to None before this backward (a large one),
-        so autograd hands its gradient over instead of adding it to a zeroed view; the hook
-        writes ``0.0 + grad`` into the view, the bits the zeroed view would have held."""
+        """Per parameter: ``.grad`` was set None before backward (a large one); the hook writes ``0.0 + grad`` into the
+        view."""
         self.ready_at: list[Any] = [0.0] * n
         self.mode = HookMode()
         """What every hook of this device does this backward (one record, read by every hook)."""
@@ -97,8 +89,8 @@ class DeviceHooks:
                 if grad is not None and stolen[pid]:  # one pass (read, write) where zeroing and adding made three
                     torch.add(grad, 0.0, out=view)
                 else:
-                    # .grad was replaced (e.g. zero_grad(set_to_none=True) on a replica): autograd
-                    # then stores a new tensor instead of adding into the flat buffer. Put it back.
+                    # .grad was replaced (e.g. zero_grad(set_to_none=True) on a replica): autograd then stores a new
+                    # tensor instead of adding into the flat buffer. Put it back.
                     if grad is not None:
                         view.copy_(grad)
                     replaced[pid] = 1
@@ -140,5 +132,5 @@ class HookMode:
         self.timing = False
         """Stamp when each parameter was ready (timed steps)."""
         self.note: Callable[[int], None] | None = None
-        """Called with the chunk of each gradient that arrives while streaming (CUDA: notes the
-        stream it accumulated on, which the chunk's send must wait for)."""
+        """Called with the chunk of each gradient arriving while streaming (CUDA: notes the stream its send must wait
+        for)."""

@@ -1,42 +1,22 @@
 """The host side of one machine: pinned slots, the accumulator, and the copy back.
 
-Buffers (owned here): each device's segments land in its *slot* row (D2H), and the sum goes back
-to every device from one more row (H2D); pinned on CUDA. Two ways to lay them out:
+Buffers (owned here): each device's segments land in its *slot* row (D2H); the sum goes back to every device from one
+more row (H2D). Either full-size rows, (G + 1) × the gradient bytes, or a ring (``host_memory=``): ``ring`` slots of one
+segment, segment s in slot ``s mod ring``. In a ring, segments travel in plan order; a device sends segment s only once
+the host has summed s − ring, and the host sums s only once every copy back of s − ring has read the sum row. This never
+deadlocks: the earliest unsummed segment has a free slot on every device that has not sent it. Both layouts give bitwise
+the same sums.
 
-* **Full-size rows** (the default): every segment has its own place, so the rows are (G + 1) ×
-  the gradient bytes S of registered host memory.
-* **A ring** (``host_memory=`` bytes): ``ring`` slots of one segment each, segment s in slot
-  ``s mod ring``, so registered memory is ``ring × (G + 1) × segment bytes`` whatever the model's
-  size. Segments then travel in plan order on every device, one unit per segment; a device sends
-  segment s only once the host has summed segment s − ring (it read the slot's rows), and the host
-  sums segment s only once every copy back of segment s − ring has read the sum row. Back-pressure
-  never deadlocks: the earliest segment not yet summed has a free slot on every device that has
-  not sent it (:mod:`cgdp.engine.core.stream` sends it, at the latest when backward ends).
+16-bit rows (bf16/fp16 parameters, ``grad_transfer="bf16"``): summed in float32 and, without a comm, rounded back per
+block in cache (no float32 row); with a comm the float32 sum has its own row for the allreduce and is rounded after it.
+Error of the bf16 wire per element: |result - g| <= 2^-8 (Σ|g_j| + |g|) + G 2^-24 Σ|g_j|; deterministic.
 
-Either way each segment is summed with the same kernel over the same elements, so the results are
-bitwise the same as with full-size rows (with the same ``segment_bytes``).
+Threads: a device's ``send`` reports each unit to :class:`Arrivals`; a unit every device has reported is queued to the
+single accumulator thread, which waits for each device's copy in turn, sums in device order (so the result never depends
+on arrival order) and issues the copies back. With a comm, segments are posted in plan order so every rank runs the same
+collectives in the same order.
 
-For bf16/fp16 parameters, and for ``grad_transfer="bf16"`` (:mod:`cgdp.engine.core.precision`),
-the rows hold 16-bit values and the host sums in float32: without a comm, the kernel rounds each
-block of the float32 sum back to 16 bits while it is in cache and writes only that (6G + 2 bytes
-of host traffic per element, no float32 row at all); with a comm, the float32 sum is kept in a row
-of its own for the allreduce and rounded after it. Error bound of the bf16 wire, per element, for
-parts g_j (already weighted) and their exact sum g: |result - g| <= 2^-8 (sum_j |g_j| + |g|) +
-G 2^-24 sum_j |g_j| (one bf16 rounding of every part, float32 additions, one bf16 rounding of the
-sum); deterministic (device order, round to nearest even).
-
-Threads: a device's ``send`` reports each unit (a chunk; a segment in a ring) to :class:`Arrivals`
-(its copies are issued, or done); the unit that every device has reported is queued, in that
-order, to the single accumulator thread. That thread waits for each segment's copy from every
-device in turn (on CUDA, on the copy's event: one thread polls the completions of all devices),
-sums it in device order with the Numba kernel (nogil, itself multi-threaded), so the result never
-depends on arrival order, and issues the copies back. With a comm, segments are posted to it in
-plan order (one that is ready early waits for its predecessors, so every rank runs the same
-collectives in the same order), and each goes back when its allreduce completes.
-
-Gradient norm (``want_sumsq``, for clipping): ``sumsq[s]`` is the sum of squares of segment s of
-the averaged gradient, taken by the summing pass itself (with a comm: after the allreduce, one
-more read of the reduced segment). :meth:`sum_of_squares` adds the segments in segment order.
+``want_sumsq``: the summing pass also takes each segment's sum of squares; :meth:`sum_of_squares` adds them in order.
 """
 from __future__ import annotations
 
@@ -57,9 +37,8 @@ from cgdp.engine.sync import Guard, Progress
 
 
 class Arrivals:
-    """Counts, per unit, the devices that sent it; queues a unit once all of them have.
-
-    Held by every device's routes (it refers to no device, so routes and host form no cycle)."""
+    """Counts, per unit, the devices that sent it and queues it once all have. Refers to no device (no routes <-> host
+    cycle)."""
 
     __slots__ = ("counts", "devices", "_lock", "_q")
 
@@ -78,8 +57,7 @@ class Arrivals:
 
 
 def _places(segs: list[tuple[int, int]], ring: int, width: int) -> list[tuple[int, int]]:
-    """Where each segment lies in the rows: its own place in full-size rows, slot ``s mod ring``
-    (``width`` columns each) in a ring."""
+    """Each segment's place: its own in full-size rows, slot ``s mod ring`` (``width`` columns) in a ring."""
     if not ring:
         return list(segs)
     return [((s % ring) * width, (s % ring) * width + hi - lo) for s, (lo, hi) in enumerate(segs)]
@@ -97,8 +75,8 @@ class HostAccumulator:
         self.trace: TraceSink | None = None
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.arrivals = Arrivals(len(devices), self._q)
-        # named after its first device: it works under that device (CUDA), and two trainers'
-        # host threads (two in-process ranks) tell apart
+        # named after its first device: it works under that device (CUDA), and two trainers' host threads (two
+        # in-process ranks) tell apart
         self._thread = threading.Thread(target=self._run, name=f"cgdp-host-{devices[0].name}", daemon=True)
         self._thread.start()
         self.ring = 0
@@ -116,19 +94,18 @@ class HostAccumulator:
         """Whether this step's segments' sums of squares are computed (``sumsq``)."""
         self.sumsq: list[float] = []
         self.send_back = True
-        """Whether each segment's sum is copied back to the devices (False: the host optimizer
-        reads it here, :mod:`cgdp.engine.core.host_update`, and the parameters go back instead)."""
+        """Whether sums are copied back (False: the host optimizer reads them, :mod:`cgdp.engine.core.host_update`)."""
         self.on_summed: Callable[[int], None] | None = None
-        """Called with each segment once its sum is final (after the allreduce with a comm), on the
-        thread that made it so, before the step counts it returned: the host update of its chunk."""
+        """Called with each segment once its sum is final, on that thread, before it counts as returned: the host
+        update."""
         self.units: list[range] = []
         self._nseg = self._elems = 0
 
     # ------------------------------------------------------------------ layout
     def set_layout(self, layout: Layout, flats: list[torch.Tensor], stages: list[torch.Tensor] | None,
                    ring: int = 0) -> list[Routes]:
-        """Lay out the rows for ``layout`` (``ring`` slots of one segment each, or 0 for full-size
-        rows) and return every device's routes. Between steps only, nothing in flight."""
+        """Lay out the rows for ``layout`` (``ring`` slots, or 0 for full-size) and return every device's routes;
+        between steps."""
         segs = layout.segments
         width = max((b - a for a, b in segs), default=1) if ring else layout.total
         ring = min(ring, len(segs)) if ring else 0
@@ -146,14 +123,13 @@ class HostAccumulator:
         return self._routes(segs, places, flats, stages)
 
     def _allocate_rows(self, cols: int, wide: torch.dtype, keep_wide: bool) -> None:
-        """(Re)allocate the registered rows when their width, or whether a float32 row is kept,
-        changed; otherwise keep the ones there are."""
+        """(Re)allocate the registered rows only when their width or the float32 row changed."""
         if self._host is not None and self._host.shape[1] == cols and keep_wide == (len(self._rows) == 2):
             return
         self._release()
         dev0 = self.devices[0]
-        # one allocation: rows 0..G-1 are the devices' slots, row G what goes back (the sum
-        # itself, unless the sum is wider than the gradients)
+        # one allocation: rows 0..G-1 are the devices' slots, row G what goes back (the sum itself, unless the sum is
+        # wider than the gradients)
         self._rows = [dev0.host_empty((len(self.devices) + 1, cols), self.dtype)]
         if keep_wide:
             self._rows.append(dev0.host_empty((cols,), wide))
@@ -161,9 +137,8 @@ class HostAccumulator:
         self._host = self._rows[0]
 
     def _split_rows(self, places: list[tuple[int, int]], wide: torch.dtype, keep_wide: bool) -> None:
-        """Each segment's views of the rows: the devices' parts, where the sum is written
-        (``_out``), what is rounded into the row that goes back (``_back``), and what the comm
-        and the sum of squares read (``_post``)."""
+        """Each segment's views of the rows: the parts, the sum (``_out``), the row back (``_back``), what comm and
+        sumsq read."""
         g = len(self.devices)
         rows = host_array(self._host)
         wide_row = self._rows[1].numpy() if keep_wide else None
@@ -185,8 +160,7 @@ class HostAccumulator:
 
     def _routes(self, segs: list[tuple[int, int]], places: list[tuple[int, int]],
                 flats: list[torch.Tensor], stages: list[torch.Tensor] | None) -> list[Routes]:
-        """Every device's routes: each segment from its flat gradient (through its stage, if
-        any) to its slot row, and back from the sum row."""
+        """Every device's routes: flat gradient (through its stage) to its slot row, and back from the sum row."""
         g = len(self.devices)
         host = self._host
         itemsize = host.element_size()
@@ -298,15 +272,14 @@ class HostAccumulator:
             self.returned.set()
 
     def sum_row(self) -> torch.Tensor | None:
-        """The row that holds every segment's sum in place, in the flat layout (full-size rows and
-        a float32 or float64 wire), once the step's segments are summed; None otherwise."""
+        """The row holding every segment's sum in the flat layout (full-size rows, 32/64-bit wire), once summed; else
+        None."""
         if self.ring or self._host is None or sum_dtype(self.dtype) != self.dtype:
             return None
         return self._host[len(self.devices)]
 
     def rounded_row(self) -> torch.Tensor | None:
-        """With a 16-bit wire and full-size rows: the row that holds every segment's sum rounded
-        once (what the devices would receive), in the flat layout; None otherwise."""
+        """With a 16-bit wire and full-size rows, the row of sums rounded once, in the flat layout; else None."""
         if self.ring or self._host is None or sum_dtype(self.dtype) == self.dtype:
             return None
         return self._host[len(self.devices)]

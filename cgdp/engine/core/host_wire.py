@@ -1,25 +1,15 @@
 """``update="host"`` with ``grad_transfer="bf16"``: the updated parameters go back in bf16.
 
-The host keeps float32 masters (:class:`~cgdp.engine.core.host_update.HostMasters`); after each
-update it rounds them once to bf16 (round to nearest even) into a host buffer (page-locked on
-CUDA), and every device copies that buffer into its bf16 stage (the one the gradients cross the
-bus through, idle after backward) and widens it into its float32 parameters. Half the bytes of a
-float32 copy cross the bus, and every replica holds ``float32(bf16(master))``: bitwise identical
-replicas, each the masters rounded once, as in mixed-precision training with float32 masters
-and bf16 weights for the forward and backward.
+After each update the host rounds its float32 masters (:class:`~cgdp.engine.core.host_update.HostMasters`) once to bf16
+into a host buffer; every device copies it into its bf16 stage (idle after backward) and widens it into its parameters.
+Half the bytes cross the bus, and every replica holds ``float32(bf16(master))``, bitwise identical.
 
-What follows from the replicas holding rounded copies:
+* The masters are the parameters of training: replica 0's ``state_dict()`` holds them, so a resumed run equals an
+  uninterrupted one; a load sets the masters and rounds the replicas (:meth:`Bf16Wire.round_replicas`).
+* ``close()`` gives replica 0, the user's model, the masters themselves.
+* The masters never retake replica 0's (rounded) values after a failed step: :meth:`Bf16Wire.keep` copies them aside.
 
-* the masters are the parameters of training: replica 0's ``state_dict()`` (the Trainer's
-  checkpoint, a user's ``model.state_dict()``) holds them (float32, host, copies), so a resumed
-  run equals an uninterrupted one; a ``load_state_dict`` gives the masters the loaded values and
-  the replicas their rounding (:meth:`Bf16Wire.round_replicas`, before the next step's forward);
-* ``close()`` gives replica 0, the user's model, the masters themselves;
-* the masters never retake replica 0's values after a failed step (that would round them): the
-  update copies them aside first where it may fail after writing them (:meth:`Bf16Wire.keep`).
-
-Threads: :meth:`Bf16Wire.to_devices` copies on each device's thread; the rest runs on the
-caller's thread, with nothing in flight.
+Threads: :meth:`Bf16Wire.to_devices` on each device's thread; the rest on the caller's, with nothing in flight.
 """
 from __future__ import annotations
 
@@ -38,8 +28,7 @@ class Bf16Wire:
     """The masters' bf16 copy on the host and each device's views of its stage."""
 
     def __init__(self, masters: Any, stages: Sequence[torch.Tensor]):
-        """``masters``: the :class:`HostMasters`; ``stages[j]``: device j's bf16 stage (at least as
-        many elements as the masters: the flat buffer covers every trainable parameter)."""
+        """``stages[j]``: device j's bf16 stage (at least as many elements as the masters)."""
         self.masters = masters
         total = masters.flat.numel()
         self.flat16 = masters.devs[0].host_empty((total,), torch.bfloat16)
@@ -62,8 +51,8 @@ class Bf16Wire:
             dev = devs[j]
             t0 = dev.stamp()
             with torch.no_grad():
-                # page-locked source: asynchronous on a GPU; the host writes it again only after
-                # the next backward, which runs after this copy on the same stream
+                # page-locked source: asynchronous on a GPU; the host writes it again only after the next backward,
+                # which runs after this copy on the same stream
                 self.stages[j].copy_(self.flat16, non_blocking=dev.is_cuda)
                 torch._foreach_copy_(params[j], self.views[j])  # widened on the device
             return t0, dev.stamp()
@@ -72,25 +61,23 @@ class Bf16Wire:
         return stamps
 
     def close(self) -> None:
-        """``close()``: replica 0 (the user's model) takes the masters themselves, the training's
-        float32 result, not their rounding; the stages' views are dropped."""
+        """Replica 0 (the user's model) takes the masters themselves, not their rounding; the stages' views are dropped.
+        """
         m = self.masters
         with torch.no_grad():
             torch._foreach_copy_([p.data for p in m.params[0]], m.masters)
         m.wire = None
 
     def round_replicas(self, pids: Sequence[int]) -> None:
-        """The parameters numbered ``pids`` on every replica ← the masters' rounding (at the start,
-        after a load; between steps). Written through ``.data``, whose version counter is not the
-        parameter's: every replica alike, so nothing for the replicas' follower to copy or report."""
+        """Parameters ``pids`` on every replica ← the masters' rounding, between steps; through ``.data``, every replica
+        alike, so nothing for the follower to copy."""
         masters = [self.masters.masters[k].to(torch.bfloat16) for k in pids]
         with torch.no_grad():
             for ps in self.masters.params:
                 torch._foreach_copy_([ps[k].data for k in pids], masters)
 
     def keep(self, pids: Sequence[int] | None = None) -> None:
-        """The masters numbered ``pids`` (all: None) copied aside, before an update that may fail
-        after writing them (a chunk stepped with backward; a step after it that may raise)."""
+        """Copy the masters ``pids`` (None: all) aside before an update that may fail after writing them."""
         m = self.masters
         if self._backup is None:
             self._backup = torch.empty_like(m.flat)
@@ -118,12 +105,9 @@ class Bf16Wire:
 
 
 def masters_in_state_dict(module: nn.Module, masters: Any) -> Any:
-    """``state_dict()`` of the module, or of any submodule, holds copies of the float32 masters for
-    the trainable parameters (not the replica's rounded values; a tied parameter under each of its
-    names; ``keep_vars=True`` keeps the parameters, a deep copy of the module its own values, and
-    so does a parameter written since the masters last took it: a load, read back by the replicas'
-    follower). One post-hook on each module that owns parameters (torch runs a submodule's hooks
-    within its parent's ``state_dict()``); returns what removes them (``close()``)."""
+    """``state_dict()`` of the module or any submodule holds copies of the float32 masters, not the rounded replica
+    values (``keep_vars=True`` keeps the parameters). One post-hook per module owning parameters; returns their remover.
+    """
     index = {id(p): k for k, p in enumerate(masters.params[0])}
 
     def hook_for(mod: nn.Module) -> Any:
@@ -135,8 +119,8 @@ def masters_in_state_dict(module: nn.Module, masters: Any) -> Any:
                 return
             params, seen = masters.params[0], masters.versions
             for name, k in keys:
-                # a parameter written since the masters last took it (a load, an edit, before the
-                # next step's follow): its own value, which the master will take
+                # a parameter written since the masters last took it (a load, an edit, before the next step's follow):
+                # its own value, which the master will take
                 if params[k]._version == seen[k] and not isinstance(state.get(prefix + name), nn.Parameter):
                     state[prefix + name] = masters.masters[k].detach().clone()
         return mod.register_state_dict_post_hook(hook) if keys else None

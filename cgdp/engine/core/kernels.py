@@ -1,19 +1,11 @@
 """The host sum's Numba kernels: every compiled loop behind :mod:`cgdp.engine.core.accumulate`.
 
-``accumulate`` checks the arguments and picks a kernel (parallel or serial, float or 16-bit, by
-part count); what runs is here. Invariants:
-
-* The work is cut into cache-sized blocks (``BLOCK``); each block is summed in L1/L2 while the
-  parts stream through once, so the bytes moved are (len(parts) reads + 1 write) of the output
-  size, no more. Within a block, parts are added left to right, in the order given.
-* The non-finite count, the sum of squares (``want_sq``: float64, each block's right after it is
-  written, the blocks' sums added in block order) and the rounding to 16 bits (``back``) are
-  taken in that same pass, while the block is in L1: no second read of memory, and the same bits
-  for any thread count.
-* Every kernel is ``nogil`` (the accumulator thread runs them while the device threads execute
-  Python) and compiled twice, parallel (``prange`` over blocks) and serial.
-* Every compiled function and all it calls live in this one file: Numba's on-disk cache
-  (``cache=True``) notices a change to a kernel's own file only, not to a callee in another file.
+* Work is cut into cache-sized blocks (``BLOCK``), summed in L1/L2 while the parts stream through once; within a block
+  parts are added left to right.
+* The non-finite count, the sum of squares (``want_sq``, blocks' sums added in block order) and the rounding to 16 bits
+  (``back``) are taken in that pass: the same bits for any thread count.
+* Every kernel is ``nogil`` and compiled twice, parallel (``prange`` over blocks) and serial.
+* Every compiled function and its callees live in this file: Numba's cache sees changes to a kernel's own file only.
 """
 from __future__ import annotations
 
@@ -25,10 +17,10 @@ from numba.extending import intrinsic
 BLOCK = 4096
 """Elements per block: 16 KiB of float32 output stays in L1 while up to four parts stream through."""
 
-# Each inner loop is its own small function over block slices: indexing a slice from 0 lets LLVM
-# drop Numba's negative-index check and vectorise the loop (indexing the whole array over
-# range(lo, hi) does not vectorise). Up to four parts are added per pass over a block, always
-# left to right, so the sum is the same as adding the parts one after another.
+# Each inner loop is its own small function over block slices: indexing a slice from 0 lets LLVM drop Numba's
+# negative-index check and vectorise the loop (indexing the whole array over range(lo, hi) does not vectorise). Up to
+# four parts are added per pass over a block, always left to right, so the sum is the same as adding the parts one after
+# another.
 _loop = njit(nogil=True, inline="never", cache=True)
 
 
@@ -146,8 +138,8 @@ def _half_to_f32(typingctx, u):
 
 @njit(nogil=True, inline="always", cache=True)
 def widen(u, half):
-    """16-bit bits to float32: IEEE half if ``half``, else bfloat16. ``half`` is the same for a
-    whole loop: LLVM unswitches the loop on it and vectorises each version."""
+    """16-bit bits to float32: IEEE half if ``half``, else bfloat16. ``half`` is the same for a whole loop: LLVM
+    unswitches the loop on it and vectorises each version."""
     if half:
         return _half_to_f32(u)
     return _bits_to_f32(np.uint32(u) << np.uint32(16))
@@ -175,8 +167,8 @@ def _f32_to_half_bits(typingctx, x):
 
 @njit(nogil=True, inline="always", cache=True)
 def narrow(x, half):
-    """float32 to 16-bit bits, rounded to nearest even exactly as ``tensor.to(torch.bfloat16 or
-    torch.float16)`` rounds finite values (NaN becomes a quiet NaN)."""
+    """float32 to 16-bit bits, rounded to nearest even exactly as ``tensor.to(torch.bfloat16 or torch.float16)`` rounds
+    finite values (NaN becomes a quiet NaN)."""
     if half:
         return _f32_to_half_bits(x)
     u = _f32_bits(x)
@@ -237,11 +229,8 @@ def _wadd2(o, a, b, half):
 
 @njit(nogil=True, inline="never", cache=True, fastmath={"reassoc", "nsz"})
 def _sumsq(o):
-    """Sum of squares of one block in float64. ``reassoc`` lets LLVM vectorise the sum (4x faster
-    than eight scalar lanes, which LLVM leaves unvectorised): the order within a block is then
-    the compiled code's vector order, fixed for a build and CPU (the same bits on every run and
-    any thread count, but CPUs with other vector widths may differ in the last bits: the trainer
-    makes MPI ranks agree by using rank 0's value)."""
+    """Sum of squares of one block in float64. ``reassoc`` lets LLVM vectorise it (4x): the order is then fixed for a
+    build and CPU, but other vector widths may differ in the last bits (the trainer uses rank 0's value)."""
     a = 0.0
     for i in range(o.shape[0]):
         x = np.float64(o[i])
@@ -257,11 +246,10 @@ def _ordered_sum(sq):
     return t
 
 
-# One kernel per part count up to four, each calling its fused loop with the parts as plain
-# arguments: indexing the tuple of parts with a run-time index costs half the bandwidth.
-# With ``want_sq``, each block's sum of squares is taken right after the block is written, while
-# it is still in L1 (no second pass over memory), into its own slot of ``sq``; the slots are then
-# added in block order, so the total is the same whatever the thread count.
+# One kernel per part count up to four, each calling its fused loop with the parts as plain arguments: indexing the
+# tuple of parts with a run-time index costs half the bandwidth. With ``want_sq``, each block's sum of squares is taken
+# right after the block is written, while it is still in L1 (no second pass over memory), into its own slot of ``sq``;
+# the slots are then added in block order, so the total is the same whatever the thread count.
 def _k1(out, a, s, want_sq):
     n = out.shape[0]
     nblocks = (n + BLOCK - 1) // BLOCK
@@ -368,9 +356,8 @@ def _body(out, parts, scale, want_sq):
 
 
 def _body_wide(out, parts, scale, want_sq, half, back):
-    """16-bit parts (bf16 or fp16 bits), widened to float32 on the fly; with a non-empty ``back``,
-    each block's float32 result is also rounded into it, while the block is in L1. An empty
-    ``out`` keeps each float32 block in a scratch of its own: only ``back`` is written."""
+    """16-bit parts widened to float32 on the fly; a non-empty ``back`` also gets each block rounded; an empty ``out``
+    keeps each block in a scratch."""
     n = parts[0].shape[0]
     nparts = len(parts)
     nblocks = (n + BLOCK - 1) // BLOCK
@@ -402,8 +389,8 @@ def _body_wide(out, parts, scale, want_sq, half, back):
     return bad, _ordered_sum(sq)
 
 
-# Compiled twice each, parallel and serial (below accumulate.SERIAL_BELOW elements, or in a forked
-# child). Index 0 takes any number of parts, index k exactly k (16-bit: index 1 exactly two).
+# Compiled twice each, parallel and serial (below accumulate.SERIAL_BELOW elements, or in a forked child). Index 0 takes
+# any number of parts, index k exactly k (16-bit: index 1 exactly two).
 PARALLEL = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body, _k1, _k2, _k3, _k4)]
 SERIAL = [njit(nogil=True, cache=True)(k) for k in (_body, _k1, _k2, _k3, _k4)]
 PARALLEL_WIDE = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body_wide, _wk2)]

@@ -1,11 +1,6 @@
-"""Layers: the modules that directly own trainable parameters, in forward order.
-
-Layer i is the i-th module yielded by ``model.modules()`` that directly owns (``recurse=False``) at
-least one trainable parameter. A parameter shared by several modules (tied weights) belongs to the
-first of them in that order: in backward, its gradient is complete only after that earliest user
-has been differentiated, which is when its hook fires. A layer whose parameters were all claimed
-by an earlier layer keeps its number but owns nothing.
-"""
+"""Layers: the modules that directly own trainable parameters, in forward order (``model.modules()``). A shared (tied)
+parameter belongs to the first of them: its gradient is complete only after that earliest user's backward. A layer whose
+parameters all belong to an earlier one keeps its number but owns nothing."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +29,7 @@ class LayerInfo:
 
 
 def find_layers(model: nn.Module, skip: Collection[int] = ()) -> tuple[list[LayerInfo], list[list[nn.Parameter]]]:
-    """Return the layer table and, per layer, the parameter objects of ``model`` it owns.
-    ``skip``: ids of parameters left out as if frozen (``DataParallel``'s sparse-gradient ones)."""
+    """The layer table and each layer's parameters; ``skip``: ids left out as if frozen (sparse ones)."""
     infos: list[LayerInfo] = []
     params: list[list[nn.Parameter]] = []
     claimed: set[int] = set()
@@ -53,9 +47,7 @@ def find_layers(model: nn.Module, skip: Collection[int] = ()) -> tuple[list[Laye
 
 
 def trainable_dtype(params: list[list[nn.Parameter]]) -> torch.dtype:
-    """The one floating dtype of all trainable parameters (the flat buffers use it): float32,
-    float64, bfloat16 or float16 (the host sums 16-bit gradients in float32,
-    :mod:`cgdp.engine.core.precision`)."""
+    """The one floating dtype of the trainable parameters (float32, float64, bfloat16 or float16)."""
     dtypes = {p.dtype for layer in params for p in layer}
     if len(dtypes) != 1:
         raise TypeError(f"all trainable parameters must share one dtype for the flat gradient buffer; "
@@ -69,16 +61,14 @@ def trainable_dtype(params: list[list[nn.Parameter]]) -> torch.dtype:
 
 
 def nonfinite_layers(params: list[nn.Parameter], layer_pids: list[list[int]], names: list[str]) -> str:
-    """The layers whose gradient on this replica holds NaN/Inf (after
-    :func:`cgdp.engine.core.update.gather_on_first`, replica 0's gradient is the summed one), for the error message."""
+    """Layers whose gradient on this replica holds NaN/Inf, for the error message."""
     bad = [names[i] or "<root>" for i, pids in enumerate(layer_pids)
            if any(params[p].grad is not None and not bool(torch.isfinite(params[p].grad).all()) for p in pids)]
     return ", ".join(bad) or "unknown"
 
 
 def number_params(layer_params: list[list[nn.Parameter]]) -> list[list[int]]:
-    """Per layer, the engine's numbers of its parameters (pids): consecutive in forward layer
-    order, each layer's in registration order (the order of the flat buffer's views)."""
+    """Per layer, its parameters' engine numbers (pids), in flat-buffer order."""
     out, n = [], 0
     for layer in layer_params:
         out.append(list(range(n, n + len(layer))))

@@ -1,37 +1,21 @@
-"""An engine's lifetime, the same for both faces: one operation at a time, one stack of
-resources, one ``close()``.
+"""An engine's lifetime, the same for both faces: one operation at a time, one stack of resources, one ``close()``.
 
 Invariants (``docs/reliability.md`` states them for users):
 
-* **One operation at a time.** Each operation that changes what the replicas share (``Trainer``:
-  ``step``, ``load_state_dict``, ``set_plan``; ``DataParallel``: forward, a backward from the
-  gather's backward to autograd's final callback, the user's ``optimizer.step()``,
-  ``clip_grad_norm_``) holds the engine's *operation lock* (:class:`Operations`) while it runs. A
-  second operation while one runs, from another thread or from inside it (``loss_fn``, the
-  model's forward, on a device thread), is a ``RuntimeError`` at once, never a hang and never two
-  operations interleaved on the same replicas. Operations that do not overlap may come from any
-  thread.
-* **An unfinished operation is reported at the next call.** Two ``DataParallel`` operations can end
-  without giving the lock back, because torch tells nobody that they failed: a backward that raised
-  (autograd skips its final callback) and an optimizer step that raised on replica 0 (torch skips
-  the step post-hooks). Such a hold is *stale*: its owner thread has left the operation. The next
-  operation from the owner thread (which cannot be inside the other one), or from any thread once
-  the owner has ended, runs the stale operation's clean-up first. Another thread while the owner
-  lives cannot tell a stale hold from a running operation, and is refused. A backward's owner is
-  the thread that ran its forward (on CUDA, autograd runs the gather's backward on a thread of
-  its own); a second gathered output in the same backward is recognised by autograd's graph task.
-* **Dropped means closed, and nothing is freed in flight.** :class:`Resources` is a stack of what
-  must be stopped (the model's claim, the devices' stream workers, the comm, the device threads,
-  the gradient stream with its hooks and host accumulator, ...), pushed as each is built and
-  released in reverse after every copy in flight has finished. It holds no reference to the
-  engine, so a ``weakref.finalize`` releases it when the engine is freed without ``close()`` (and
-  at exit); ``close()`` runs the same finalizer: release happens exactly once.
-* **``close()`` during an operation** (from another thread) stops it (its waits raise the error
-  that names ``close()``), waits up to :data:`CLOSE_WAIT_S` for it, and if it has not ended by
-  then, the operation releases everything when it gives the lock back. A stale hold holds
-  nothing: it is dropped and the release is immediate.
-* **No reference cycles through the engine.** Threads and callbacks hold the engine weakly
-  (:func:`weak_call`), so it is freed by reference counting when its last user reference goes.
+* **One operation at a time.** Each operation that changes what the replicas share holds the *operation lock*
+  (:class:`Operations`). A second one while it runs, from another thread or from inside it (``loss_fn``, a forward on a
+  device thread), is a ``RuntimeError`` at once, never a hang or an interleaving.
+* **An unfinished operation is reported at the next call.** A ``DataParallel`` backward that raised (autograd skips its
+  final callback) or an optimizer step that raised on replica 0 leaves a *stale* hold. The next operation from the owner
+  thread, or from any thread once the owner has ended, runs its clean-up first; another thread while the owner lives is
+  refused. A backward's owner is the thread that ran its forward; a second gathered output in the same backward is
+  recognised by autograd's graph task.
+* **Dropped means closed, and nothing is freed in flight.** :class:`Resources` is a stack of what must be stopped,
+  released in reverse after every copy in flight has finished, exactly once: by ``close()`` or by a ``weakref.finalize``
+  (it holds no reference to the engine).
+* **``close()`` during an operation** stops it, waits up to :data:`CLOSE_WAIT_S`, and otherwise the operation releases
+  everything when it gives the lock back. A stale hold is dropped and the release is immediate.
+* **No reference cycles through the engine.** Threads and callbacks hold it weakly (:func:`weak_call`).
 """
 from __future__ import annotations
 
@@ -53,9 +37,8 @@ class Operations:
 
     def __init__(self, refusal: Callable[[str, str, bool], str], stopped: Callable[[str], str],
                  on_device_thread: Callable[[], bool]):
-        """``refusal(what, running, inside)``: the message refusing ``what`` while ``running`` runs
-        (``inside``: called from the running operation's own thread or one of its device threads);
-        ``stopped(running)``: the error that stops ``running`` when ``close()`` comes."""
+        """``refusal(what, running, inside)``: the message refusing ``what`` (``inside``: from the running operation's
+        own or device thread); ``stopped(running)``: the error that stops it when ``close()`` comes."""
         self._refusal, self._stopped = refusal, stopped
         self._on_device_thread = on_device_thread
         self._lock = threading.Lock()  # guards the fields below
@@ -70,8 +53,7 @@ class Operations:
 
     def take(self, what: str, owner: threading.Thread | None = None,
              cleanup: Callable[[], None] | None = None) -> None:
-        """Hold the lock for ``what`` on behalf of thread ``owner`` (the caller's by default).
-        ``cleanup``: what to run if the operation ends without :meth:`give` (it may go stale)."""
+        """Hold the lock for ``what`` for thread ``owner`` (default: the caller); ``cleanup`` runs if it goes stale."""
         owner = threading.current_thread() if owner is None else owner
         with self._lock:
             if self.what is None:  # the common case: free
@@ -95,8 +77,7 @@ class Operations:
         return self._cleanup is not None and (self._owner is thread or not self._owner.is_alive())
 
     def take_backward(self, owner: threading.Thread, cleanup: Callable[[], None]) -> bool:
-        """The lock for a backward, taken in it (on autograd's thread); False if this backward
-        already holds it (a second gathered output reached in the same graph task)."""
+        """The lock for a backward, taken on autograd's thread; False if this backward (graph task) already holds it."""
         task = torch._C._current_graph_task_id()
         with self._lock:
             if self.what == "backward" and self._task == task and self._cleanup is not None:
@@ -123,8 +104,8 @@ class Operations:
         self.give()
 
     def close(self, stop: Callable[[BaseException], None], release: Callable[[], None]) -> bool:
-        """``close()`` of the engine: whether it may ``release`` now. If not, the operation that
-        holds the lock runs ``release`` when it gives the lock back."""
+        """Whether ``close()`` may ``release`` now; if not, the operation holding the lock runs it when it gives the
+        lock back."""
         me = threading.current_thread()
         with self._lock:
             if self.what is None:
@@ -161,8 +142,8 @@ class Resources:
         self._stack.append(close)
 
     def release(self) -> None:
-        """Let every copy in flight finish, then stop everything in reverse order of building; once.
-        The first failure (a sticky CUDA error) is raised after the rest is released."""
+        """Let copies in flight finish, then stop everything in reverse order, once; the first failure is raised after.
+        """
         from cgdp.engine.core.drain import quiesce
         steps, self._stack = self._stack[::-1], []
         devs, stream, self.devs, self.stream = self.devs, self.stream, [], None
@@ -183,8 +164,8 @@ class Lifetime:
 
     def __init__(self, owner: object, name: str, reopen: str, refusal: Callable[[str, str, bool], str],
                  stopped: Callable[[str], str], stop: Callable[[BaseException], None]):
-        """``name``, ``reopen``: how errors name the engine and what to do once it is closed;
-        ``refusal``, ``stopped``: see :class:`Operations`; ``stop``: fails every wait of the engine."""
+        """``name``, ``reopen``: how errors name the engine and what to do once closed; ``refusal``, ``stopped``: see
+        :class:`Operations`; ``stop``: fails every wait of the engine."""
         self.name, self._reopen, self._stop = name, reopen, stop
         self.threads: Any = None  # the engine's DeviceThreads, once built
         self.ops = Operations(refusal, stopped, self._on_device_thread)
@@ -213,8 +194,8 @@ class Lifetime:
 
 
 def operation(what: str) -> Callable[[F], F]:
-    """A method that is one operation of its engine (``self._life``): it holds the operation lock
-    while it runs, and runs only on a usable engine."""
+    """A method that is one operation of its engine (``self._life``): holds the operation lock, on a usable engine only.
+    """
     def wrap(method: F) -> F:
         @functools.wraps(method)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:

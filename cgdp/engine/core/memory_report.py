@@ -1,26 +1,13 @@
-"""``memory_report()`` of both faces: what each device, and the host, holds for training.
+"""``memory_report()`` of both faces: bytes each device, and the host, hold for training, counted from the tensors
+(emulated devices live in host memory, where ``torch.cuda.memory_allocated`` says nothing).
 
-Bytes by what holds them, from the tensors themselves (their sizes: the same on GPUs and on
-emulated devices, where everything lives in host memory and ``torch.cuda.memory_allocated`` would
-say nothing):
+* ``"parameters"``: the replica's trainable parameters (host: ``update="host"``'s float32 masters);
+* ``"gradients"``: the flat buffer and gradients outside it (sparse); on the host, buffers besides the rows;
+* ``"optimizer_state"``: the state of the optimizers stepping this replica (host: the host optimizer's);
+* ``"transfer"``: the bf16 stage on a device; the registered slots, sum row and bf16 masters' copy on the host.
 
-* ``"parameters"``: the replica's trainable parameters (on the host: the float32 masters of
-  ``update="host"``);
-* ``"gradients"``: the flat gradient buffer (``param.grad`` are views into it) and gradients held
-  outside it (sparse ones); on the host, gradient buffers besides the accumulator's rows;
-* ``"optimizer_state"``: the state tensors of the optimizers that step this device's replica (on
-  the host: the host optimizer's);
-* ``"transfer"``: cgdp's buffers for the round trip: the bf16 stage of ``grad_transfer="bf16"`` on
-  a device; the registered slots and sum row on the host (with ``update="host"`` and a bf16 wire,
-  also the masters' bf16 copy sent back).
-
-On a GPU each device also says ``"allocated"``: ``torch.cuda.memory_allocated`` of that GPU (every
-tensor the caching allocator holds for this process there: activations and the user's tensors
-too, and all replicas' when several share the GPU). Absent on emulated devices, and on the
-simulated CUDA runtime (``cgdp.testing.simulated_cuda``), whose ``torch.cuda`` has no allocator:
-this branch has run there only with a stand-in function, never on a GPU.
-
-Keys: the device strings as given to the face, and ``"host"``.
+A GPU also reports ``"allocated"`` (``torch.cuda.memory_allocated``: everything the process holds there; so far run only
+with a stand-in, never on a GPU). Keys: the device strings as given, and ``"host"``.
 """
 from __future__ import annotations
 
@@ -59,8 +46,7 @@ def grad_bytes(params: Sequence[torch.Tensor], flat: torch.Tensor | None) -> int
 
 
 def allocated(name: Any) -> int | None:
-    """``torch.cuda.memory_allocated`` of the GPU ``name`` (``"cuda:N"``), from the CUDA runtime
-    cgdp's devices use; None for another device, or a runtime without it (the simulated one)."""
+    """``torch.cuda.memory_allocated`` of ``"cuda:N"`` from cgdp's runtime; None for other devices or without one."""
     try:
         dev = torch.device(name)
     except (RuntimeError, TypeError):
@@ -76,9 +62,8 @@ def allocated(name: Any) -> int | None:
 def memory_report(devices: Sequence[str], params: Sequence[Sequence[torch.Tensor]],
                   optimizers: Sequence[Sequence[torch.optim.Optimizer]], stream: Any,
                   host_update: Any = None) -> dict[str, dict[str, int]]:
-    """``params[j]`` and ``optimizers[j]``: replica j's trainable parameters and the optimizers that
-    step them; ``stream``: the :class:`~cgdp.engine.core.stream.GradientStream` (None: none);
-    ``host_update``: ``(HostMasters, host optimizers)`` with ``update="host"``."""
+    """``optimizers[j]``: those stepping replica j; ``stream``: or None; ``host_update``: ``(HostMasters, host
+    optimizers)``."""
     flats = stream.flats if stream is not None and stream.flats else [None] * len(devices)
     stages = stream.stages if stream is not None and stream.stages else [None] * len(devices)
     out: dict[str, dict[str, int]] = {}

@@ -1,28 +1,15 @@
 """Module hooks on every replica: replica 0's hook dictionaries are every replica's.
 
-``torch.nn.DataParallel`` replicates the module at every forward, hooks included (each replica's
-``__dict__`` is a copy of the module's), so a hook added to the wrapped module at any time acts on
-the whole batch. cgdp keeps its replicas for the whole run; instead, every replica's submodule
-holds the *same* hook dictionaries as replica 0's (:func:`share_hooks`, when the replicas are
-made): a forward, forward-pre or backward hook registered on the user's model (replica 0) before or
-after wrapping, or removed through its handle, is registered or removed on every replica at once,
-at no cost per step. Each replica runs it on its own device thread, with its own module and its
-part of the batch, as ``nn.DataParallel`` does: a hook that changes outputs changes every row; a
-hook that captures sees every part (G calls, in no fixed order). State-dict and load hooks are
-not shared (they belong to the module that is saved or loaded).
+``nn.DataParallel`` copies hooks with the module at every forward; cgdp's replicas live for the whole run, so every
+replica's submodule holds the *same* hook dictionaries as replica 0's (:func:`share_hooks`): a forward, forward-pre or
+backward hook registered on the user's model, before or after wrapping, or removed, acts on every replica at once, at no
+cost per step. Each replica runs it on its own thread with its part of the batch (G calls, in no fixed order).
+State-dict and load hooks are not shared.
 
-Two things a hook registration can change are not in those dictionaries. They are followed by
-:class:`ModuleHooks` before each forward, when some hook was registered in the process since
-the last look (torch numbers every hook handle it makes, :func:`hook_count`), or when
-:class:`~cgdp.engine.core.follow.Follow`, which looks at replica 0 before every step, saw its
-parameters or buffers change:
-
-* ``_is_full_backward_hook``, the flag that says which kind the module's backward hooks are;
-* the module's parameters and buffers, as ``torch.nn.utils.prune`` changes them when it adds its
-  forward pre-hook (the parameter ``weight`` becomes ``weight_orig``, plus a ``weight_mask``
-  buffer): every replica gives its own parameters the same names and takes a copy of a new or
-  replaced buffer. A parameter object replica 0 did not have when wrapped (``prune.remove``, a
-  layer replaced) has no place in the engine's buffers: that is a clear error.
+:class:`ModuleHooks` follows what a registration changes outside those dictionaries, before a forward when a hook was
+registered since the last look (:func:`hook_count`) or replica 0's tensors changed: ``_is_full_backward_hook``, and
+parameters and buffers renamed or added (``torch.nn.utils.prune``: ``weight`` → ``weight_orig`` plus a mask buffer). A
+parameter replica 0 did not have when wrapped is a clear error.
 """
 from __future__ import annotations
 
@@ -60,11 +47,8 @@ def share_hooks(replicas: Sequence[nn.Module]) -> None:
 
 
 class ModuleHooks:
-    """Shares replica 0's hooks with the other replicas and follows what a registration changes.
-
-    ``replicas``: the modules (replica 0 first), their hooks shared here; ``params[j]``: replica j's
-    parameters, in the same order on every replica (what the engine knows); ``devices[j]``: where
-    replica j's buffers live."""
+    """Shares replica 0's hooks with the other replicas and follows what a registration changes. ``params[j]``: replica
+    j's parameters, in engine order; ``devices[j]``: where its buffers live."""
 
     def __init__(self, replicas: Sequence[nn.Module], params: Sequence[Sequence[nn.Parameter]],
                  devices: Sequence[torch.device]):
@@ -79,9 +63,8 @@ class ModuleHooks:
         self._seen = hook_count()
 
     def follow(self, moved: bool = False) -> bool:
-        """Before a forward (caller's thread, no replica running); whether some replica's buffers
-        changed (the face lists them again). ``moved``: replica 0's parameters or buffers changed
-        (:mod:`cgdp.engine.core.follow` sees that at every step), also without a hook registration."""
+        """Before a forward, on the caller's thread: whether some replica's buffers changed. ``moved``: replica 0's
+        tensors changed without a hook registration."""
         seen = hook_count()
         if seen == self._seen and not moved:
             return False
@@ -105,8 +88,7 @@ class ModuleHooks:
         return changed
 
     def _restructure(self, i: int, m0: nn.Module) -> None:
-        """Replica 0's submodule i has other parameters or buffers: every replica's takes the same
-        names for its own parameters, and a copy of each new or replaced buffer."""
+        """Replica 0's submodule i changed: every replica renames its own parameters alike and copies new buffers."""
         old_buffers = dict(self._layout[i][1])
         for name, p in m0._parameters.items():
             if p is not None and id(p) not in self._pos:

@@ -1,15 +1,9 @@
 """A model's own loss under padding: when weighting each part's mean by its samples is seen to be inexact.
 
-Both faces combine a loss that is a mean over each part's samples as ``Σ_j n_j/N · loss_j``: the
-mean over the global batch. A language model's own loss is a mean over its part's *tokens* (the
-labels other than -100); the combination is then the global token mean only when every part has
-as many tokens per sample as the whole batch, and with uneven padding it is not (24 % of an
-update away from one device, measured). Nothing can fix that after the fact, but it can be seen:
-when the parts' labels hold different numbers of tokens per sample and the loss was combined as
-a per-sample mean, :class:`OwnLossCheck` warns once per engine, saying what makes it exact.
-
-Counting reads the labels (on a GPU, a host sync), so only the first :data:`CHECKS` batches that
-carry labels are looked at.
+``Σ_j n_j/N · loss_j`` is the global mean of a per-sample loss, but a language model's loss is a mean over its part's
+tokens (labels other than -100): with uneven padding the combination is off (24 % of an update, measured).
+:class:`OwnLossCheck` warns once per engine when the parts' tokens per sample differ, saying what makes it exact.
+Counting reads the labels (on a GPU, a host sync), so only the first :data:`CHECKS` labelled batches are looked at.
 """
 from __future__ import annotations
 
@@ -83,8 +77,8 @@ class OwnLossCheck:
             self.warn_once(message)
 
     def when_trained(self, output: Any, labels: Sequence[torch.Tensor | None]) -> None:
-        """Warn (once) when a backward runs through one of ``output``'s losses, if the labels are
-        uneven: a model's loss that the caller only logs, training on the gathered logits, is fine."""
+        """Warn once when a backward runs through one of ``output``'s losses with uneven labels (a logged-only loss is
+        fine)."""
         losses = [t for t in scalar_losses(output) if t.requires_grad]
         message = self.uneven(labels) if losses else None
         if message is not None:

@@ -1,24 +1,12 @@
 """The user's gradient hooks on parameters (``p.register_hook``): run once, on the summed gradient.
 
-On one device a hook registered with ``p.register_hook(fn)`` sees the whole gradient of each
-backward before it is added to ``p.grad``, and what it returns replaces it. Here the gradient of a
-parameter is the sum of the replicas' parts; a hook that ran on each part (or on replica 0's part
-alone: ``copy.deepcopy`` drops a parameter's hooks) would be exact only if it were linear (a
-mask, a scale) and silently wrong otherwise (a clamp, a norm). So the hooks of replica 0's
-parameters (the user's model, before or after wrapping) are taken off the parameter for the
-backward (:meth:`ParamHooks.take`: its ``_backward_hooks`` dictionary is set aside and put back
-after, so handles keep working) and run by the face once the summed gradient is back
-(:meth:`ParamHooks.apply`): once per backward, on ``devices[0]``, on the whole gradient, in
-registration order, with what they return written into every replica's gradient. That is what
-one device computes, for any hook. A parameter that got no gradient on any device runs no hook,
-as on one device.
+A hook run on each replica's part would be right only if it were linear. So replica 0's parameters' hooks are set aside
+for the backward (:meth:`ParamHooks.take`; handles keep working) and run once the sum is back
+(:meth:`ParamHooks.apply`): once per backward, on ``devices[0]``, in registration order, the result written into every
+replica's gradient, as one device computes. A parameter with no gradient on any device runs no hook.
 
-Hooks on the other replicas' parameters (``model.replicas[j]``) are refused: register them on the
-model itself. So are hooks that run after accumulation (``register_post_accumulate_grad_hook``),
-which would see replica 0's part in the middle of backward. Which parameters have hooks is looked at again only when some hook was registered
-in the process since the last look (:func:`~cgdp.engine.core.module_hooks.hook_count`): one integer
-comparison per step otherwise, and per step a length check of the dictionaries of the parameters
-that had one.
+Hooks on other replicas' parameters, and post-accumulate hooks, are refused. Which parameters have hooks is looked at
+again only when a hook was registered since the last look (:func:`~cgdp.engine.core.module_hooks.hook_count`).
 """
 from __future__ import annotations
 
@@ -36,8 +24,8 @@ _POST = operator.attrgetter("_post_accumulate_grad_hooks")
 
 class ParamHooks:
     def __init__(self, params: Sequence[Sequence[nn.Parameter]], unsupported: Sequence[nn.Parameter] = ()):
-        """``params[j]``: replica j's trainable parameters in engine order (the flat buffer's);
-        ``unsupported``: replica 0's parameters whose hooks cannot run on the sum (sparse ones)."""
+        """``params[j]``: replica j's parameters in engine order; ``unsupported``: replica 0's whose hooks cannot run
+        (sparse)."""
         self.params = [list(p) for p in params]
         self._others = [p for ps in self.params[1:] for p in ps] + list(unsupported)
         self._seen = -1
@@ -71,10 +59,8 @@ class ParamHooks:
 
     def run(self, touched: Sequence[float], views: Sequence[Sequence[torch.Tensor]],
             kept: dict[int, torch.Tensor] | None = None) -> None:
-        """After the backward, when ``views[0]`` (replica 0's gradient views) hold the summed
-        gradient of this backward: each parameter taken gets, in every ``views[j]``, ``kept[pid]``
-        (what it held before, if anything) plus what its hooks make of the sum if it got a
-        gradient (``touched[pid]``), as one device accumulates; then the hooks are put back."""
+        """After the backward, with the sum in ``views[0]``: every taken parameter gets, in every replica, ``kept[pid]``
+        plus its hooks' result on the sum if ``touched[pid]``; then the hooks are put back."""
         kept = {} if kept is None else kept
         with torch.no_grad():  # as autograd calls them
             for pid in self.held:
@@ -88,9 +74,7 @@ class ParamHooks:
         self.put_back()
 
     def apply(self, pid: int, grad: torch.Tensor) -> torch.Tensor:
-        """Parameter ``pid``'s hooks on ``grad``, the summed gradient of this backward, in
-        registration order, as autograd calls them: each gets the gradient so far, and what it
-        returns (not None) replaces it."""
+        """Parameter ``pid``'s hooks on the summed ``grad``, in order; a hook's non-None result replaces it."""
         for hook in list(self.held[pid].values()):
             out = hook(grad)
             if out is not None:

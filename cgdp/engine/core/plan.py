@@ -1,11 +1,5 @@
-"""The chunk plan in use: the first one (given, or the tuner's), and the tuner's next ones.
-
-Every rank must send the same chunks in the same order (the MPI tier allreduces chunk by chunk),
-so whatever decides a plan decides it on rank 0, and every rank takes rank 0's
-(:func:`first_plan`, :func:`tuned_plan`). A plan changes only between iterations, with nothing in
-flight (the face quiesces before ``GradientStream.set_plan``). The plan never changes results,
-only speed.
-"""
+"""The chunk plan in use: the first one, and the tuner's next ones. Every rank takes rank 0's (the MPI tier allreduces
+chunk by chunk); a plan changes only between iterations, with nothing in flight, and never changes results."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -16,11 +10,9 @@ from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 
 def first_plan(chunks: int | Plan | str, layer_bytes: Sequence[int], devices: int, comm: Comm | None, *,
                tuned: bool = True, paper: bool = False) -> tuple[Plan, Any]:
-    """The plan of the first iteration, and the tuner that chooses the next ones (None if the
-    plan is given, or ``tuned`` is False: nothing is sent during backward, so there is nothing
-    to tune and ``"auto"`` is one layer per chunk). ``paper`` (``Trainer``, which profiles its
-    steps): ``"paper"`` (Algorithm 1) is allowed too, and ``"auto"`` with a comm learns the MPI
-    stage from a short probe (~0.1 s, collective)."""
+    """The first plan and the tuner (None if the plan is given or ``tuned`` is False: nothing streams, ``"auto"`` is one
+    layer per chunk). ``paper``: ``"paper"`` is allowed, and ``"auto"`` with a comm probes the MPI stage (~0.1 s,
+    collective)."""
     n = len(layer_bytes)
     tuner = None
     if not isinstance(chunks, str):

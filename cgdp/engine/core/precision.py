@@ -1,17 +1,8 @@
 """Gradient dtypes on the host: what the devices send, what the host sums in, what goes back.
 
-Parameters (and so the devices' flat gradient buffers) are float32, float64, bfloat16 or float16;
-one dtype per model. The host receives each device's chunk in the parameters' dtype and sums:
-
-* float32 / float64: in that dtype, in place in the accumulator row, which is also what is copied
-  back (no conversion anywhere);
-* bfloat16 / float16: widened exactly to float32 by the kernel while it reads (no scratch copy),
-  summed (and allreduced across ranks) in float32, then rounded **once** to the parameters'
-  dtype (round to nearest even, as ``tensor.to(dtype)``) into the copy-back row. The gradient a
-  replica receives is the float32 average rounded once, not a chain of 16-bit additions.
-
-NumPy (and Numba) have no bfloat16: the kernel reads bf16 as its bits (``uint16``);
-:func:`host_array` gives that view.
+float32/float64 are summed in place in their dtype, no conversion anywhere. bfloat16/float16 are widened exactly by the
+kernel, summed (and allreduced) in float32 and rounded **once** to nearest even into the copy-back row. NumPy has no
+bfloat16: the kernel reads its bits (``uint16``, :func:`host_array`).
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """One replica of the model, one optimizer, per device; and what every MPI rank must agree on.
 
-The user's model is replica 0: it is moved to the first device in place (as ``model.to(...)``
-does) and trained there, as DDP trains the module it wraps. Every other device gets a deep copy,
-made before training starts, so all replicas begin bitwise identical. Each replica has its own
-optimizer, built by the user's ``optimizer(params)`` factory. The replicas' parameters are listed
-in the engine's numbering (layers in forward order, each layer's parameters in registration
-order), which is the order of the flat gradient buffer's views.
+The user's model is replica 0, moved to the first device in place, as DDP trains the module it wraps; every other device
+gets a deep copy made before training, so all begin bitwise identical, each with an optimizer from the user's factory.
+Parameters are listed in engine order (layers in forward order), the order of the flat buffer's views.
 """
 from __future__ import annotations
 
@@ -24,8 +21,8 @@ from cgdp.engine.core.layers import LayerInfo, find_layers
 
 
 class Replicas:
-    """``modules[j]``, ``params[j]`` (engine order), ``optimizers[j]``, ``buffers[j]`` (floating),
-    ``other_buffers[j]`` (the rest: BatchNorm's ``num_batches_tracked``, masks)."""
+    """``modules[j]``, ``params[j]`` (engine order), ``optimizers[j]``, ``buffers[j]`` (floating), ``other_buffers[j]``.
+    """
 
     def __init__(self, model: nn.Module, devs: Sequence[Device],
                  optimizer: Callable[..., torch.optim.Optimizer]):
@@ -46,8 +43,8 @@ class Replicas:
 
 
 def make_replicas(model: nn.Module, devs: Sequence[Device]) -> list[nn.Module]:
-    """``model`` moved to ``devs[0]`` in place (replica 0), and a deep copy on every other device.
-    The copies first, then the model itself moves: no copy is made on ``devs[0]`` on the way."""
+    """``model`` moved to ``devs[0]`` in place, and a deep copy on every other device (copies first: none made on
+    devs[0])."""
     copies = [copy.deepcopy(model).to(dev.torch_device) for dev in devs[1:]]
     return [model.to(devs[0].torch_device), *copies]
 
@@ -60,8 +57,8 @@ def split_buffers(modules: Sequence[nn.Module]) -> tuple[list[list[torch.Tensor]
 
 def signature(face: str, model: nn.Module, layers: Sequence[LayerInfo], devices: int, dtype: torch.dtype | None,
               **more: str) -> dict[str, str]:
-    """What every MPI rank must have the same of (checked at start-up by ``Comm.check_same``):
-    the face, the devices per rank, the initial parameters, the layers, their dtype, and ``more``."""
+    """What every MPI rank must share (``Comm.check_same``): face, devices per rank, initial parameters, layers, dtype,
+    more."""
     return {"face": face, "devices_per_rank": str(devices),
             "initial_parameters": state_digest(model) + " (seed every rank the same)",
             "layers": ";".join(f"{i.name}:{i.numels}" for i in layers), "dtype": str(dtype), **more}

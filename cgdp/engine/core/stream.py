@@ -1,41 +1,20 @@
 """Steps 3 to 6 of the data path for G replicas: hooks, flat buffers, the host, the copy back.
 
-:class:`GradientStream` is the part of the engine that both faces share (``cgdp.Trainer``, which
-drives backward itself, and ``cgdp.DataParallel``, behind the user's ``loss.backward()``). It owns,
-for the whole run:
+:class:`GradientStream`, shared by both faces, owns for the whole run: one flat gradient buffer per device in chunk
+order (:mod:`cgdp.engine.core.flatgrad`; every ``param.grad`` is a view into it), one
+:class:`~cgdp.engine.core.hooks.DeviceHooks` per replica, and (streaming only) the
+:class:`~cgdp.engine.core.host.HostAccumulator`.
 
-* one flat gradient buffer per device, laid out in chunk order (:mod:`cgdp.engine.core.flatgrad`);
-  every replica's ``param.grad`` is a view into it;
-* one :class:`~cgdp.engine.core.hooks.DeviceHooks` per replica, which send each chunk when backward has
-  completed it (``streaming=True``), or only mark parameters touched (``streaming=False``:
-  modes ``typical`` and ``single``);
-* the :class:`~cgdp.engine.core.host.HostAccumulator` (streaming only): pinned slots, the accumulator
-  thread, the MPI stage, the copy back.
+``transfer=torch.bfloat16``: segments are cast to bf16 on the device and summed by the host's 16-bit path
+(:mod:`cgdp.engine.core.precision`). Each device's bf16 *stage* buffer serves both directions: a segment's copy back is
+issued only after every device's copy out of it has completed.
 
-With ``transfer=torch.bfloat16`` (``grad_transfer="bf16"``, float32 parameters) every segment is
-cast to bf16 on the device before it leaves, and the host runs its 16-bit path on it
-(:mod:`cgdp.engine.core.precision`: summed in float32, rounded once to bf16), which goes back and is
-widened into the float32 flat buffer on the device: half the bytes over the bus each way. Each
-device has a bf16 *stage* buffer (the flat buffer's size, half its bytes) that both directions
-use: a segment's copy back is issued only after every device's copy out of it has completed, so
-the two never overlap on the same elements.
+``host_memory``: the host slots are a ring (:mod:`cgdp.engine.core.host`); devices send segments in plan order, and a
+segment whose slot is busy waits, without blocking the hook, for a later hook or the flush; only the flush waits.
 
-With ``host_memory`` (bytes), the host slots are a ring of segment-sized slots
-(:mod:`cgdp.engine.core.host`) whose registered memory does not grow with the model: each device
-then sends its segments in plan order (a chunk that completes before an earlier one waits for it),
-and a segment whose slot is still in use waits, without blocking the hook, until a later hook or
-the flush after backward sends it; only the flush waits for a slot (:meth:`flush` per device on
-its own thread, :meth:`flush_all` when one thread runs every replica's backward).
-
-The stream is transport: the gradients' state (what every replica holds, which ``.grad`` are
-None, when the buffers are zeroed) belongs to their one owner, :mod:`cgdp.engine.core.gradients`,
-which calls it. Order of calls, per backward: :meth:`arm` (nothing in flight) → backward on every
-device (hooks call :meth:`send`) → per device :meth:`flush` then :meth:`wait_returned` →
-:meth:`touched` and :meth:`bad_count` → :meth:`disarm`. :meth:`set_plan` only between steps.
-Micro-batches before the last run their backward inside :meth:`holding` (nothing is sent). For
-clipping, set :attr:`want_norm` between steps; after the gradients are back, :meth:`grad_norm`
-gives the norm of the averaged gradient and :meth:`scale_grads` scales every replica's gradient
-alike.
+The stream is transport: the gradients' state belongs to :mod:`cgdp.engine.core.gradients`. Per backward: :meth:`arm` →
+backward (hooks send) → per device :meth:`flush`, :meth:`wait_returned` → :meth:`touched`, :meth:`bad_count` →
+:meth:`disarm`. :meth:`set_plan` and :attr:`want_norm` only between steps.
 """
 from __future__ import annotations
 
@@ -65,9 +44,8 @@ class GradientStream:
                  layer_pids: Sequence[Sequence[int]], dtype: torch.dtype, *, segment_bytes: int,
                  streaming: bool, guard: Guard, comm: Comm | None, host_threads: int,
                  transfer: torch.dtype | None = None, host_memory: int | None = None):
-        """``params[j]``: replica j's trainable parameters in engine order; ``layer_pids[l]``:
-        the parameter ids of layer l (forward order); ``host_memory``: bytes of registered host
-        memory for the slots (a ring), or None for full-size rows."""
+        """``params[j]``: replica j's trainable parameters; ``layer_pids[l]``: layer l's parameter ids; ``host_memory``:
+        registered bytes for a ring, or None for full-size rows."""
         self.devs = list(devs)
         self.params = [list(p) for p in params]
         self.layer_pids = [list(p) for p in layer_pids]
@@ -138,9 +116,8 @@ class GradientStream:
         self.small_views = [[v for pid, v in enumerate(h.views) if not mask[pid]] for h in self.hooks]
 
     def arm(self, timing: bool = False, sink: TraceSink | None = None, sending: bool = True) -> None:
-        """Ready the hooks and the host for one backward, keeping the flat buffers' contents
-        (``DataParallel`` accumulates across backwards). ``sending=False``: the hooks only mark
-        parameters touched (gradient accumulation without communication)."""
+        """Ready hooks and host for one backward, keeping the flat buffers' contents; ``sending=False``: only mark
+        touched."""
         for h in self.hooks:
             h.begin_step()
             h.timing = timing
@@ -159,9 +136,8 @@ class GradientStream:
             h.streaming = False
 
     def _chunk_done(self, j: int, dev: Device, sent: bytearray) -> Callable[[int], None]:
-        """What device j's hooks call when a chunk is complete. It holds the device and the
-        hooks' flags, and the stream only weakly (a ring's state lives in the stream): no cycle
-        stream <-> hooks keeps the buffers alive, and the common path is two list operations."""
+        """What device j's hooks call on a complete chunk. It holds the stream only weakly: no stream <-> hooks cycle.
+        """
         if self.ring:
             ring = weak_call(self._ring_chunk, j)
 
@@ -183,8 +159,7 @@ class GradientStream:
         self._send_ring(j, block=False)  # never waits in a hook: a busy slot is sent later
 
     def _send_ring(self, j: int, block: bool) -> bool:
-        """Ring: send device j's segments in plan order, as far as its chunks are complete and
-        their slots free (``block``: wait for the slots). Whether every segment has been sent."""
+        """Ring: send device j's complete segments in plan order while slots are free (``block``: wait). All sent?"""
         lay, ring, host, dev = self.layout, self.ring, self.host, self.devs[j]
         pending, s, n = self._pending[j], self._next[j], len(lay.segments)
         while s < n and pending[lay.segment_chunk[s]]:
@@ -200,9 +175,8 @@ class GradientStream:
 
     @contextmanager
     def holding(self, j: int) -> Iterator[None]:
-        """A backward of device j inside this context keeps its gradients on the device (they add
-        up in the flat buffer; the hooks only mark parameters touched): micro-batches before the
-        last. Entered and left on the thread that runs device j's backward."""
+        """Device j's backward inside keeps its gradients on the device (micro-batches before the last); on its thread.
+        """
         hooks = self.hooks[j]
         hooks.streaming = False
         try:
@@ -211,8 +185,8 @@ class GradientStream:
             hooks.streaming = self.streaming
 
     def flush(self, j: int) -> None:
-        """After device j's backward, on its own thread: send the chunks it never completed
-        (unused layers), and with a ring everything still waiting for a slot."""
+        """After device j's backward, on its thread: send chunks never completed, and with a ring all that waits for a
+        slot."""
         if not self.streaming:
             return
         hooks = self.hooks[j]
@@ -228,8 +202,7 @@ class GradientStream:
             self.hooks[j].flush()
 
     def flush_all(self) -> None:
-        """:meth:`flush` for every device from one thread (autograd ran every replica's backward
-        on it): with a ring, the devices take turns, waiting only when none of them can send."""
+        """:meth:`flush` for every device from one thread; with a ring, waiting only when no device can send."""
         if not self.streaming or not self.ring:
             for j in range(len(self.devs)):
                 self.flush(j)
@@ -241,8 +214,8 @@ class GradientStream:
             done = [self._send_ring(j, block=False) for j in range(len(self.devs))]
             if all(done):
                 return
-            # note: host waits for the host to free a slot (every device that has not sent the
-            # earliest segment still missing can send it, so the sum advances)
+            # note: host waits for the host to free a slot (every device that has not sent the earliest segment still
+            # missing can send it, so the sum advances)
             self.host.summed.wait(seen + 1, self._guard, "a free host slot (host_memory)")
 
     def wait_returned(self, j: int) -> None:
@@ -285,11 +258,8 @@ class GradientStream:
             self.host.want_sumsq = bool(on)
 
     def grad_norm(self, read: bool = True) -> float | torch.Tensor:
-        """The total 2-norm of this step's averaged gradient (over every rank, when the host
-        sums across ranks), once the gradients are back (after :meth:`wait_returned` on every
-        device). With a host accumulator (``want_norm`` set before the step) it was computed while
-        summing, with no extra pass over the gradient; otherwise from device 0's flat buffer,
-        which then holds the averaged gradient (``read=False``: left there, a float64 scalar)."""
+        """The 2-norm of the averaged gradient (over all ranks), after :meth:`wait_returned`: from the host's sum
+        (``want_norm``) or from device 0's flat buffer (``read=False``: a float64 device scalar)."""
         if self.host is not None:
             if not self.host.want_sumsq:
                 raise RuntimeError("set stream.want_norm = True before the step to get its gradient norm")
@@ -297,8 +267,7 @@ class GradientStream:
         return device_norm(self.flats[0], read)
 
     def scale_grads(self, coef: torch.Tensor, j: int | None = None) -> None:
-        """Multiply device j's gradients (every device's if ``j`` is None) by ``coef``, e.g. the
-        clipping coefficient; on the thread that drives device j."""
+        """Multiply device j's (every device's if None) gradients by ``coef``, on the thread that drives device j."""
         for flat in (self.flats if j is None else [self.flats[j]]):
             scale_gradients(flat, coef)
 
@@ -331,10 +300,8 @@ class GradientStream:
 
 
 LARGE_ELEMS = 1 << 14
-"""Parameters of at least this many elements get ``.grad = None`` before a Trainer's backward:
-autograd then hands their gradient over and the hook writes it into the flat buffer in one pass,
-where zeroing the buffer and adding into it took three (for smaller ones, the extra operations
-cost more than the passes they save)."""
+"""Parameters this large get ``.grad = None`` before a Trainer's backward: the hook writes autograd's gradient into the
+flat buffer in one pass instead of zero-then-add (for smaller ones the extra calls cost more than they save)."""
 
 MIN_SLOTS = 2
 """The fewest ring slots ``host_memory`` may buy: one being summed while the next arrives."""
@@ -357,8 +324,7 @@ def check_sizes(segment_bytes: int, host_memory: int | None) -> None:
 
 def ring_slots(host_memory: int, devices: int, segment_bytes: int, wire_itemsize: int,
                widened: bool = False) -> int:
-    """How many segment-sized slots of ``devices + 1`` rows fit in ``host_memory`` bytes (plus a
-    float32 row when a 16-bit wire is allreduced in float32)."""
+    """Slots of ``devices + 1`` rows (plus a float32 row for a widened allreduce) that fit in ``host_memory``."""
     check_sizes(segment_bytes, host_memory)
     elems = -(-(segment_bytes // wire_itemsize) // ALIGN) * ALIGN
     slot = (devices + 1) * elems * wire_itemsize + (4 * elems if widened else 0)
@@ -385,9 +351,8 @@ def wire_dtype(grad_transfer: str | None, dtype: torch.dtype, mode: str) -> torc
 
 
 def relay(flat: torch.Tensor, old: Layout, new: Layout) -> None:
-    """Move every parameter's gradient from its place in ``old`` to its place in ``new``, in the
-    same buffer (a plan switch; the total size never changes). The permutation is staged in host
-    memory, so the device never holds a second flat buffer; padding becomes zero."""
+    """Move each parameter's gradient from its ``old`` place to its ``new`` one, staged in host memory; padding becomes
+    0."""
     staged = flat.to("cpu")  # note: host sync (between steps, nothing in flight)
     out = torch.zeros_like(staged)
     for pid, n in enumerate(new.numels):

@@ -1,35 +1,21 @@
-"""One host thread per device, for the whole run: it drives that device's forward, backward and
-update (a CUDA device is bound to its thread once, at start).
+"""One host thread per device, for the whole run: it drives that device's forward, backward and update (a CUDA device is
+bound to its thread once, at start).
 
-:meth:`DeviceThreads.run_all` runs one function on every device's thread and waits for all of
-them. A failure on any thread is reported to the step's :class:`~cgdp.engine.sync.Guard`, so
-that the other threads stop waiting, and the first real failure (not the aborts it caused) is
-what the caller sees.
+:meth:`DeviceThreads.run_all` runs a function on every device's thread and waits for all. A failure is reported to the
+step's :class:`~cgdp.engine.sync.Guard`, so the others stop waiting; the caller sees the first real failure, not the
+aborts it caused.
 
-Bounded waits: the calling thread never waits on a device thread for longer than ``timeout_s``
-(plus a tenth of it, at most 1 s, for the threads' own, more specific timeouts to fire first). A device thread
-that does not come back in time (a forward stuck in user code, a wedged driver call) gives
-``TimeoutError``; Ctrl-C while waiting gives ``KeyboardInterrupt`` within :data:`~cgdp.engine.sync.POLL_S`.
-Either way the other threads are told to stop, and :attr:`DeviceThreads.stuck` names the threads
-still busy, which the trainer then refuses to use again. Device threads are daemon threads, so a
-thread that never returns cannot keep the interpreter from exiting, and :meth:`close` never joins
-a stuck thread.
+Bounded waits: the caller waits at most ``timeout_s`` (plus a tenth, at most 1 s, so the threads' own timeouts fire
+first), then raises ``TimeoutError``; Ctrl-C surfaces within :data:`~cgdp.engine.sync.POLL_S`. Either way
+:attr:`DeviceThreads.stuck` names the threads still busy, which the trainer refuses to use again. Threads are daemons;
+:meth:`close` never joins a stuck one.
 
-Intra-op threads (:func:`intra_op_threads`): on CPU-emulated devices each device thread runs
-torch's CPU operators on one share of the cores (torch's OpenMP count is kept per thread), not on
-torch's default pool over every core, which every device thread would otherwise have; the
-caller's own count, and the count other threads start from, are the same after the engine is
-built (while it is being built, a thread that another thread of the user's starts may begin
-from the device threads' count). ``OMP_NUM_THREADS`` and GPUs are left as they are.
+Intra-op threads: on CPU-emulated devices each device thread gets one share of the cores (:func:`intra_op_threads`); the
+caller's count is unchanged once the engine is built.
 
-Turns (:meth:`DeviceThreads.computing`): while every device thread can have a core of its own,
-they all compute at once. With more devices than cores, threads that all dispatch operators hand
-the GIL to each other at nearly every operator (each releases it around the operator's C++ part),
-and on a few cores that hand-off costs more CPU than the operators carry; so then at most
-``cores - 1`` device threads compute at once (one at a time on 2 cores) and the others wait for a
-turn. A thread holds its turn only around work that runs on it and never waits for another device
-(a forward, a backward run on this thread whose hooks only enqueue, an optimizer step), so turns
-cannot deadlock, and they change only when work runs, never what it computes.
+Turns (:meth:`DeviceThreads.computing`): with more devices than cores, threads dispatching operators hand the GIL over
+at every operator, which costs more than it carries, so at most ``cores - 1`` compute at once. A turn is held only
+around work that never waits for another device, so turns cannot deadlock, and never change what is computed.
 """
 from __future__ import annotations
 
@@ -51,8 +37,7 @@ from cgdp.engine.core import fork
 from cgdp.engine.sync import POLL_S, Guard, StepAborted
 
 STOP_WAIT_S = 0.5
-"""After a failure or Ctrl-C, how long the caller waits for the other device threads to stop (a
-waiting thread notices within POLL_S; one still computing is then counted as stuck)."""
+"""After a failure or Ctrl-C, how long the caller waits for the other threads to stop (then they count as stuck)."""
 
 
 class _DeviceThread:
@@ -82,8 +67,8 @@ def _serve(q: queue.SimpleQueue, bind: Callable[[], None], intra_op: int | None)
     # a plain function (not a method): the thread holds its queue, never the trainer
     bind()
     if intra_op is not None:
-        # torch sets a thread's count from the process's at the thread's first parallel operator
-        # (or count query): done first, so that it cannot overwrite this thread's own count later
+        # torch sets a thread's count from the process's at the thread's first parallel operator (or count query): done
+        # first, so that it cannot overwrite this thread's own count later
         torch.get_num_threads()
         torch.set_num_threads(intra_op)  # this thread's own OpenMP and MKL counts (see intra_op_threads)
     while True:
@@ -109,12 +94,9 @@ def usable_cores() -> int:
 
 
 def default_at_once(num_devices: int) -> int:
-    """Every device thread computes at once while each can have a core; with more devices than
-    cores, ``cores - 1`` at a time (one core is left to the host thread, the copies and the caller).
-    Measured only on 2 cores, where that is one at a time (``bench/bench_host_cost.py``, default
-    settings, median of 3 processes): GPT-2 small's structure on null CUDA devices, cgdp's added CPU
-    per device per step 4.9 -> 1.3 ms at G = 4 and 7.9 -> 1.9 ms at G = 8 with every thread at once
-    -> one at a time; 48 x Linear(32) on 4 emulated devices 0.93 -> 0.46 ms."""
+    """All at once while each thread can have a core, else ``cores - 1`` (one left to the host thread and the caller).
+    On 2 cores (``bench/bench_host_cost.py``) one at a time cut cgdp's CPU per device per step 4.9 -> 1.3 ms at G = 4.
+    """
     cores = usable_cores()
     return num_devices if num_devices <= cores else max(1, cores - 1)
 
@@ -135,21 +117,18 @@ def _on_new_thread(fn: Callable[[], Any]) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _counts_per_thread() -> bool:
-    """Whether torch's intra-op thread count is kept per thread: its OpenMP backend, where
-    ``set_num_threads`` sets the calling thread's own OpenMP and MKL counts (and the count that
-    threads not yet started with one begin from); its native backend has one pool per process."""
+    """Whether torch keeps the intra-op count per thread (its OpenMP backend; the native one has one pool per process).
+    """
     return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 def intra_op_threads(devs: Sequence[Device]) -> int | None:
-    """torch's intra-op threads for each device thread, or None to leave torch's count.
+    """torch's intra-op threads per device thread, or None to leave torch's count.
 
-    On CPU-emulated devices every device thread computes, and torch's default gives each of them
-    a pool over every core: G pools fight over the same cores (README, "Performance"). So each
-    device thread gets :func:`threads_per_device` (as each DDP process gets one share under
-    torchrun), at most the caller's own count. Left as they are: ``OMP_NUM_THREADS``, when set (the
-    user's choice); GPUs (their device threads issue kernels); and torch builds whose count is not
-    per thread. The caller's own count never changes (:class:`DeviceThreads`)."""
+    On CPU-emulated devices G pools over every core fight (README, "Performance"), so each thread gets
+    :func:`threads_per_device`, at most the caller's count. Left alone: ``OMP_NUM_THREADS`` when set, GPUs, and builds
+    whose count is not per thread.
+    """
     if any(getattr(d, "is_cuda", False) for d in devs) or os.environ.get("OMP_NUM_THREADS") \
             or not _counts_per_thread():
         return None
@@ -186,17 +165,12 @@ class DeviceThreads:
         """Devices whose thread did not come back from an abandoned call (the trainer is unusable)."""
 
     def run_all(self, fn: Callable[[int], Any], computing: bool = False, turns: bool = False) -> list[Any]:
-        """``[fn(0), fn(1), ...]``, each on its device's thread; the first real failure is raised.
-        ``computing``: each ``fn(j)`` runs in a turn (:meth:`computing`); it must not wait for
-        another device. ``turns``: each ``fn(j)`` takes a turn itself (with :meth:`computing`,
-        before anything that waits for another device).
-
-        Either way, while devices take turns, ``fn(j)`` starts only when a turn is free and is
-        handed it (its first :meth:`computing` takes it; it is given back there, or when ``fn(j)``
-        returns): a device thread is woken once, when it can compute, not once for its work and
-        again for its turn."""
-        # one condition and one countdown per call, shared by its slots: the caller wakes once,
-        # when the last slot is done (or at a failure), not once per device
+        """``[fn(0), fn(1), ...]``, each on its device's thread; the first real failure is raised. ``computing``: each
+        ``fn(j)`` runs in a turn and must not wait for another device; ``turns``: ``fn(j)`` takes its turn itself
+        (:meth:`computing`). While devices take turns, ``fn(j)`` starts only when a turn is free and is handed it, so
+        its thread wakes once."""
+        # one condition and one countdown per call, shared by its slots: the caller wakes once, when the last slot is
+        # done (or at a failure), not once per device
         cond, left = threading.Condition(threading.Lock()), _Countdown(len(self._threads))
         if self._turns is not None and (computing or turns):
             call = self._in_turn if computing else self._guarded
@@ -224,8 +198,8 @@ class DeviceThreads:
             elif first is None or (isinstance(first, StepAborted) and not isinstance(exc, StepAborted)):
                 first = exc
         if first is not None:
-            # the first failure recorded anywhere (a device, the host, the comm) is the cause;
-            # what the other threads raised (aborts, their own timeouts) follows from it
+            # the first failure recorded anywhere (a device, the host, the comm) is the cause; what the other threads
+            # raised (aborts, their own timeouts) follows from it
             if self._guard.error is not None:
                 raise self._guard.error
             raise first
@@ -238,11 +212,11 @@ class DeviceThreads:
     def _wait(self, futs: list[Future]) -> None:
         """Wait for every thread, waking every POLL_S (so Ctrl-C surfaces); bounded by timeout_s."""
         timeout = self._guard.timeout_s
-        # the device threads' own waits time out after timeout_s with a message naming what they
-        # waited for; this outer bound fires just after, for a thread stuck outside any wait
+        # the device threads' own waits time out after timeout_s with a message naming what they waited for; this outer
+        # bound fires just after, for a thread stuck outside any wait
         deadline = None if timeout is None else time.monotonic() + timeout + min(0.1 * timeout, 1.0)
-        # after a failure elsewhere, a waiting thread stops at its next wake-up and a computing one
-        # when its computation ends; both are waited for (a thread still busy at the deadline is stuck)
+        # after a failure elsewhere, a waiting thread stops at its next wake-up and a computing one when its computation
+        # ends; both are waited for (a thread still busy at the deadline is stuck)
         for f in futs:
             while True:
                 try:
@@ -283,8 +257,7 @@ class DeviceThreads:
             return self._guarded(fn, j)
 
     def _start_next(self) -> None:
-        """Hand a turn just taken or given back (under ``_later_lock``) to the next work waiting to
-        start, else free it."""
+        """Hand a turn (under ``_later_lock``) to the next work waiting to start, else free it."""
         if not self._later:
             self._turns.release()
             return
@@ -293,8 +266,7 @@ class DeviceThreads:
         t.submit_to(slot, self._started, call, j)
 
     def _started(self, call: Callable[[int], Any], j: int) -> Any:
-        """Work of :meth:`run_all` started in a turn; the turn is given back by the first
-        :meth:`computing` or, if there is none, here."""
+        """Work started in a turn; the turn goes back at its first :meth:`computing`, or here."""
         mine = self._mine
         mine.granted = True
         try:
@@ -310,9 +282,7 @@ class DeviceThreads:
 
     @contextmanager
     def computing(self, on: bool = True) -> Iterator[None]:
-        """On a device thread, around work that runs on it and never waits for another device:
-        one of at most :attr:`at_once` threads at a time (a no-op with as many cores as devices,
-        or with ``on`` false)."""
+        """Around device-thread work that never waits for another device: at most :attr:`at_once` threads at a time."""
         turns = self._turns
         granted = turns is not None and getattr(self._mine, "granted", False)  # started with a turn
         if granted:
@@ -351,8 +321,7 @@ class DeviceThreads:
 
 
 class _Countdown:
-    """The slots of one :meth:`DeviceThreads.run_all` not yet done (``left``), and whether every
-    slot that finishes wakes the waiters (``every``: from the first failure on)."""
+    """A run_all's slots not yet done, and whether each finishing slot wakes the waiters (after a failure)."""
 
     __slots__ = ("left", "every")
 
@@ -361,11 +330,8 @@ class _Countdown:
 
 
 class _Slot:
-    """One device's part of a :meth:`DeviceThreads.run_all`: the few methods of a ``Future`` that
-    the device thread and ``run_all`` use, on one condition shared by all the call's slots (a
-    ``Future`` per device per phase cost more than the hand-off it stood for). Waiters are woken
-    when the call's countdown reaches zero, or from the first failure on (so the caller wakes once
-    per call, not once per device)."""
+    """One device's part of a :meth:`DeviceThreads.run_all`: the few ``Future`` methods used, on one condition shared by
+    the call's slots, so the caller wakes once per call, not once per device."""
 
     __slots__ = ("_cond", "_left", "_done", "_result", "_error")
 
@@ -431,9 +397,8 @@ def _let_stop(futs: list[Future]) -> None:
 
 def caller_context(device_types: Sequence[str] = ("cuda", "cpu"), grad: bool = True
                    ) -> Callable[[], ContextManager[Any]]:
-    """A context factory that re-enters, on a device thread, the calling thread's autocast for
-    ``device_types`` and (``grad``) its grad and inference mode: torch keeps them per thread, so a
-    device thread does not see them. Captured once per call on the caller's thread."""
+    """A context factory that re-enters, on a device thread, the caller's autocast for ``device_types`` and (``grad``)
+    its grad and inference mode, which torch keeps per thread."""
     casts = [c for dt in device_types if (c := _autocast_state(dt)) is not None]
     modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled()) if grad else None
     if not casts and modes is None:

@@ -1,11 +1,5 @@
-"""Warnings of both faces that point at the user's line, not into torch or cgdp.
-
-They are raised from deep inside calls the user made (``optimizer.step()`` through torch's step
-hooks, ``model(x)`` through ``nn.Module.__call__``), at a depth that depends on the path taken,
-so no fixed ``stacklevel`` is right: the warning is attributed to the innermost frame outside
-torch's and cgdp's source trees (``skip_file_prefixes`` from Python 3.12 on, the same walk by
-hand before).
-"""
+"""Warnings of both faces that point at the user's line: attributed to the innermost frame outside torch's and cgdp's
+source (``skip_file_prefixes`` from Python 3.12, the same walk by hand before), since no fixed ``stacklevel`` fits."""
 from __future__ import annotations
 
 import os

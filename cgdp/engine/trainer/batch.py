@@ -1,26 +1,14 @@
 """Step 1 of the data path: split the global batch across devices, and weight each part.
 
-The batch is split in device order as ``torch.tensor_split`` does. Device j gets weight
-``w_j = n_j / N``, N the global batch over all ranks, so that the sum of the devices' weighted
-gradients is the gradient of the global mean loss, also for uneven splits.
+The batch is split in device order as ``torch.tensor_split`` does; device j weighs ``n_j / N`` (N over all ranks), so
+the weighted gradients sum to the gradient of the global mean loss, also for uneven splits. A batch of n < G samples
+goes to the first n devices, one each; a device without samples runs no forward or backward and sends zeros. An empty
+batch is refused.
 
-A batch of n < G samples (a data loader's last batch) is split over the first n devices, one
-sample each, as ``cgdp.DataParallel`` does: the splits return the n parts with samples and every
-device's size (0 for the others). A device without samples runs no forward and no backward, sends
-zeros to the host sum (its flat buffer, zeroed at the step's start) and steps its replica with
-the others (:mod:`cgdp.engine.trainer.passes`); the result is one device's. An empty batch is refused.
-
-Two forms. ``split_batch(inputs, targets, g)`` (``step(inputs, targets, loss_fn)``): tensors that
-all share the batch dimension. ``split_nested(batch, g)`` (``step(batch, loss_fn)``): a tensor or
-any nesting of tuples (named tuples included), lists and mappings (``dict``, Hugging Face's
-``BatchEncoding``) of tensors and other values. The batch size N is the first dimension that most
-of its tensors share; every tensor whose first dimension is N is split, every other value goes to
-every device whole. Each part keeps the batch's structure and container types; its tensors are
-views of the batch's until :func:`to_device` copies them to the device (on the device's thread).
-
-With micro-batches, each device's part is split again the same way (:func:`split_tree`, which
-also handles nested tuples, lists and mappings); micro-batch i of device j weighs its own
-samples / N, so all weights still sum to 1.
+:func:`split_batch` splits tensors that share the batch dimension; :func:`split_nested` any nesting of tuples, lists and
+mappings: N is the first dimension most of its tensors share, tensors with it are split, every other value goes whole to
+every device. Parts are views until :func:`to_device` copies them on the device's thread. Micro-batches split each part
+again (:func:`split_tree`), each weighing its own samples / N.
 """
 from __future__ import annotations
 
@@ -38,8 +26,7 @@ Part = tuple[Any, torch.Tensor]
 
 
 def split_batch(inputs: Any, targets: Any, g: int) -> tuple[list[Part], list[int]]:
-    """``(inputs, targets)`` split in device order into ``g`` parts (the ``min(n, g)`` with
-    samples), and every device's number of samples."""
+    """``(inputs, targets)`` in ``g`` parts (only the ``min(n, g)`` with samples), and every device's sample count."""
     xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if not xs or not all(isinstance(x, torch.Tensor) for x in xs):
         raise TypeError("inputs must be a tensor (or a tuple of tensors passed as model(*inputs)) "
@@ -69,10 +56,8 @@ def check_not_empty(n: int) -> None:
 
 
 def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int], frozenset[int]]:
-    """``batch`` split in device order into ``g`` parts of the same structure (the ``min(n, g)``
-    with samples), every device's number of samples,
-    and the ids of the tensors that went whole into every part (micro-batches leave them whole
-    too, whatever their first dimension)."""
+    """``batch`` in ``g`` parts of its structure (only those with samples), every device's sample count, and the ids of
+    the tensors that went whole into every part."""
     found: list[tuple[str, torch.Tensor]] = []
 
     def note(t: torch.Tensor, where: str) -> torch.Tensor:
@@ -99,10 +84,8 @@ def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int], frozenset[in
 
 
 def _refuse_ragged_records(tree: Any, where: str = "batch") -> None:
-    """A list of per-sample records (dicts with the same keys, as torchvision's detection targets)
-    whose tensors differ in length cannot be split by their first dimension: those lengths are
-    not the batch, and counting them could pick one of them as the batch size (the images would
-    then go whole to every device and the records' rows would be split instead)."""
+    """Per-sample records (dicts with the same keys) whose tensors differ in length: their lengths are not the batch,
+    and counting them could pick one as the batch size."""
     if isinstance(tree, Mapping):
         for k, v in tree.items():
             _refuse_ragged_records(v, f"{where}[{k!r}]")
@@ -123,8 +106,7 @@ def _refuse_ragged_records(tree: Any, where: str = "batch") -> None:
 
 
 def to_device(part: Any, device: torch.device) -> Any:
-    """``part`` with every tensor copied to ``device`` (non-tensor values as they are), host
-    memory through page-locked memory (``cuda_runtime.upload``)."""
+    """``part`` with every tensor copied to ``device``, host memory staged through page-locked memory."""
     return _map(part, lambda t, where: upload(t, device))
 
 
@@ -160,9 +142,8 @@ def check_micro_batches(k: Any) -> int:
 
 
 def split_tree(tree: Any, n: int, k: int, whole: frozenset[int] = frozenset()) -> list[Any]:
-    """``tree`` (a tensor, or any nesting of tuples, lists and mappings) in ``k`` pieces: every
-    tensor whose first dimension is ``n`` (and whose id is not in ``whole``) is split as
-    ``torch.tensor_split`` does, every other value goes whole into each piece."""
+    """``tree`` in ``k`` pieces: tensors with first dimension ``n`` (not in ``whole``) split, every other value whole.
+    """
     splits: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def piece(i: int) -> Callable[[torch.Tensor, str], Any]:
@@ -179,11 +160,8 @@ def split_tree(tree: Any, n: int, k: int, whole: frozenset[int] = frozenset()) -
 
 def micro_rounds(parts: list[Any], sizes: list[int], total: int, k: int,
                  whole: frozenset[int] = frozenset()) -> list[tuple[list[Any], list[float]]]:
-    """Each device's part in ``k`` micro-batches, grouped by round: round i holds every device's
-    i-th micro-batch and its weight (its samples / ``total``), so that the weights of all rounds
-    and devices sum to the global batch's. With ``k == 1``: one round, the parts themselves.
-    ``parts`` holds the parts with samples only (the first ones), ``sizes`` every device's: a
-    round's weights are every device's (0 without samples), its parts those with samples."""
+    """Each device's part in ``k`` micro-batches, by round: round i holds every device's i-th micro-batch and its weight
+    (samples / ``total``; 0 for devices without samples, whose parts are absent)."""
     if k == 1:
         return [(list(parts), [n / total for n in sizes])]
     short = [j for j, n in enumerate(sizes) if 0 < n < k]  # (a device without samples stays idle)

@@ -1,23 +1,13 @@
-"""Step 7 of the data path, around the optimizers: the checks and the changes every replica shares.
+"""Step 7 of the data path, around the optimizers: what the trainer checks and changes on every replica alike, so that
+they stay bitwise identical.
 
-The replicas stay bitwise identical only if every device applies the same update to the same
-averaged gradient. This module holds what the trainer does to all of them alike:
-
-* :func:`check_hyperparameters`: before each update, every optimizer's param-group values (not its
-  state) must equal optimizer 0's. A change made on one replica only (``optimizers[0]``'s
-  ``lr``, a scheduler built for one optimizer) is an error, never a silent drift. The check reads
-  a few dozen Python values per step. A tensor value on a device (``lr=torch.tensor(...,
-  device=...)``, as ``capturable`` optimizers take it) is compared there, without a host wait:
-  the count of differing elements is read with the step's losses, in its one host read, and a
-  difference rejects the step then, after backward and before the update (:func:`verdict`).
-* :func:`agree_on_step` (MPI): the step's one small allreduce after backward, which also carries
-  a digest of the hyperparameters, so that every rank rejects the same step when they differ.
-* :class:`Schedulers`: one learning-rate scheduler per optimizer, from the user's factory,
-  stepped together after every applied update (never after a rejected one), saved as one.
-  ``ReduceLROnPlateau`` needs a metric, so the user steps it, on every replica
-  (``for s in trainer.schedulers: s.step(metric)``).
-
-Gradient clipping, which ``DataParallel`` shares, is :mod:`cgdp.engine.core.clip`.
+* :func:`check_hyperparameters`: before each update, every optimizer's param-group values must equal optimizer 0's; a
+  change on one replica is an error, not a drift. Tensor values on a device are compared there, without a host wait; the
+  count of differences is read with the step's losses and rejects the step before the update (:func:`verdict`).
+* :func:`agree_on_step` (MPI): the step's one small allreduce, which carries a hyperparameter digest so every rank
+  rejects the same step.
+* :class:`Schedulers`: one scheduler per optimizer, stepped together after every applied update, saved as one
+  (``ReduceLROnPlateau`` is stepped by the user: ``for s in trainer.schedulers: s.step(metric)``).
 """
 from __future__ import annotations
 
@@ -42,9 +32,8 @@ _HOST = torch.device("cpu")
 
 
 def _same(a: Any, b: Any, differ: list[torch.Tensor] | None = None) -> bool:
-    """``a == b``; two tensors of the same shape of which one is on a device are compared there
-    when ``differ`` is a list: the count of differing elements (a device scalar) is appended to
-    it, to be read later, and the answer is True for now."""
+    """``a == b``; with ``differ`` a list, device tensors are compared there: the differing count is appended, True for
+    now."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
@@ -70,9 +59,8 @@ def _is_nan(v: object) -> bool:
 
 
 def _plain_values(opt: torch.optim.Optimizer) -> list[list] | None:
-    """The param groups' values as sorted (key, type, value) rows, or None if one of them is not
-    a plain Python value (exactly int, float, bool, str, None, or a tuple of those) or is NaN.
-    Built with C-level calls only: it runs every step, on every replica's optimizer."""
+    """Sorted (key, type, value) rows of the param groups, or None if a value is not a plain Python value or is NaN.
+    C-level calls only: it runs every step on every optimizer."""
     out = []
     for g in opt.param_groups:
         d = dict(g)
@@ -90,10 +78,9 @@ def _plain_values(opt: torch.optim.Optimizer) -> list[list] | None:
 
 def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer],
                           on_devices: bool = False) -> torch.Tensor | None:
-    """Raise :class:`HyperparameterMismatchError` if any optimizer's param-group values (every key
-    but ``params``) differ from optimizer 0's. ``on_devices``: tensor values on a device are
-    compared there; returns how many of their elements differ, a scalar on the first such
-    device, for :func:`verdict` (None if there were none)."""
+    """Raise :class:`HyperparameterMismatchError` if any optimizer's param-group values differ from optimizer 0's.
+    ``on_devices``: device tensors are compared there; returns the count that differ (None if none) for :func:`verdict`.
+    """
     fast = _plain_values(optimizers[0])
     if fast is not None and all(_plain_values(o) == fast for o in optimizers[1:]):
         return None  # every value a plain number, string or tuple, and all equal (the per-step case)
@@ -124,9 +111,7 @@ def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer],
 
 
 def verdict(differ: float, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """After the step's read: ``differ`` elements of tensor hyperparameters on the devices differ
-    between the replicas; compare them again on the host (reads, on this failure only) for the
-    message, and reject the step."""
+    """After the step's read: if ``differ`` > 0, compare again on the host for the message and reject the step."""
     if differ:
         check_hyperparameters(optimizers)
         raise HyperparameterMismatchError("the optimizers' tensor hyperparameters differ between the replicas; "
@@ -134,10 +119,8 @@ def verdict(differ: float, optimizers: Sequence[torch.optim.Optimizer]) -> None:
 
 
 def hyperparameter_digest(optimizers: Sequence[torch.optim.Optimizer]) -> list[float]:
-    """What MPI ranks compare, in the step's one small allreduce: ``[mismatch, h, h * h]``, with
-    ``mismatch`` 1 if this rank's optimizers disagree and ``h`` a 16-bit hash of optimizer 0's
-    param-group values. Summed over R ranks, the values agree iff ``R * Σh² == (Σh)²`` (exact in
-    float64), so every rank reaches the same verdict and rejects the same step."""
+    """``[mismatch, h, h * h]`` with ``h`` a 16-bit hash of optimizer 0's values: summed over R ranks, they agree iff
+    ``R * Σh² == (Σh)²`` (exact in float64), so every rank reaches the same verdict."""
     try:
         check_hyperparameters(optimizers)
         mismatch = 0.0
@@ -178,10 +161,9 @@ def check_digests(summed: Sequence[float], ranks: int, optimizers: Sequence[torc
 
 def agree_on_step(comm: Comm, loss: float, bad: float, norm: float, touched: np.ndarray,
                   optimizers: Sequence[torch.optim.Optimizer]) -> tuple[float, float, float, np.ndarray]:
-    """Over every rank, in one small allreduce: the summed loss and NaN/Inf count, rank 0's
-    clipping norm (all computed it from the same reduced values, but a CPU with other vector
-    widths may round the last bits differently), on how many devices each parameter got a
-    gradient; raises :class:`HyperparameterMismatchError` on every rank if the hyperparameters differ."""
+    """One small allreduce over every rank: the summed loss and NaN/Inf count, rank 0's clipping norm (other CPUs may
+    round its last bits differently), and per parameter the devices that got a gradient; raises on a hyperparameter
+    mismatch."""
     norm0 = norm if comm.rank == 0 else 0.0
     vec = comm.allreduce_small(np.concatenate([[loss, bad, norm0], hyperparameter_digest(optimizers), touched]))
     check_digests(vec[3:6], comm.size, optimizers)
@@ -208,9 +190,7 @@ class Schedulers:
             self.schedulers.append(s)
 
     def step(self, only_first_stepped: bool = False) -> None:
-        """After an applied update, on every replica alike. ``only_first_stepped``: mode
-        ``typical``, where only optimizer 0 steps (the others' replicas are overwritten) and torch
-        would warn that the other schedulers step before their optimizer."""
+        """After an applied update. ``only_first_stepped``: mode ``typical``, where only optimizer 0 steps."""
         with warnings.catch_warnings():
             if only_first_stepped:
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))

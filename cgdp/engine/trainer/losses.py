@@ -1,38 +1,17 @@
-"""Step 2 of the data path: the loss of each device, and the weight its backward starts from.
+"""Step 2 of the data path: each device's loss and the weight its backward starts from.
 
-``Trainer.step`` has two forms; :func:`parse_step` splits the batch for either and gives the
-function each device's thread runs (:attr:`StepCall.compute`, with that device's replica):
+:func:`parse_step` splits the batch for ``step(inputs, targets, loss_fn)`` (``loss_fn(model(*x_j), y_j)``, a mean over
+device j's n_j samples) or ``step(batch, loss_fn)`` (``loss_fn(model, batch_j)`` on a part of a nested batch: a mean
+over its samples, or a pair ``(loss_sum, count)`` over its items).
 
-* ``step(inputs, targets, loss_fn)``: ``loss_fn(model(*inputs_j), targets_j)``, the mean loss
-  over device j's n_j samples.
-* ``step(batch, loss_fn)``: ``loss_fn(model, batch_j)``, on the part of a nested batch
-  (:func:`cgdp.engine.trainer.batch.split_nested`), moved to the device. It returns either a scalar, the
-  mean over the part's samples, or a pair ``(loss_sum, count)``: a sum over the part's items
-  (tokens) and how many there are.
+Weights (:func:`loss_weights`): a mean gets w_j = n_j / N (N samples over all devices and ranks); pairs get 1 / C, C = Σ
+count over all devices and ranks, so the step's loss is the global batch's mean either way. A count returned as a tensor
+stays on its device: C and 1 / C are made on the first device in float64, in Python's ``sum`` order
+(:class:`DeviceWeight`), so the host waits for no count before backward; the counts are read and checked with the step's
+losses (:func:`cgdp.engine.trainer.passes.loss_values`), and a bad one rejects the step before the update. With MPI one
+small allreduce sums them, after each rank reads its own in one read.
 
-Weights (:func:`loss_weights`, after every forward): a mean over samples gets w_j = n_j / N
-(N the samples of all devices of all ranks), so Σ_j w_j·loss_j is the mean over the global batch
-whatever the split. A pair gets w_j = 1 / C with C = Σ count over all devices and ranks, so
-Σ_j loss_sum_j / C is the mean over the global batch's items, exactly the loss one device computes
-on the whole batch (a padded language-model loss is a mean over tokens, not samples: weighting it
-by samples is exact only when every part has as many tokens per sample as the global batch).
-The counts are known only after every forward. A count returned as a tensor stays where it is:
-C is summed on the first device in float64 (in the order Python's ``sum`` adds, so the same value
-as on the host), 1 / C is made there (:class:`DeviceWeight`), copied to every device (device to
-device) and each backward starts from it, rounded there: the host does not wait for any count
-before backward. The counts and C are read with the step's losses, in its one host read
-(:func:`cgdp.engine.trainer.passes.loss_values`), and checked then: a negative or non-finite
-count, or a total of 0, rejects the step after backward, before the update. With MPI, one small
-allreduce sums them (and checks that every rank returned the same form): it is on the host, so
-each rank reads its counts first, gathered on its first device, in one read.
-
-The backward weight (:func:`backward_weight`) is computed in float64 and rounded once to the
-loss's dtype: autograd needs a gradient of the loss's own dtype, and torch converts float64 to
-bfloat16/float16 through float32, which can round twice (:func:`rounded_once`).
-
-Autocast (:func:`cgdp.engine.core.threads.caller_context`): autocast state is thread-local, and forwards run on cgdp's
-device threads; the caller's state for the devices' type is captured in ``step`` and entered again
-around each device's forward and loss, as around a single-device forward.
+The backward weight is made in float64 and rounded once to the loss's dtype (:func:`rounded_once`).
 """
 from __future__ import annotations
 
@@ -55,8 +34,7 @@ class DeviceLoss:
     loss: torch.Tensor
     """The scalar backward starts from (a mean over samples, or the pair's ``loss_sum``)."""
     count: float | torch.Tensor | None
-    """The pair's count; None for a mean over the part's samples. A tensor on the device stays
-    there (a float64 scalar), checked when the step's losses are read."""
+    """The pair's count (None for a mean); a device tensor stays there, checked when the losses are read."""
 
 
 @dataclass
@@ -74,10 +52,8 @@ class StepCall:
 
 
 def parse_step(args: Sequence[Any], g: int, comm: Comm | None = None) -> StepCall:
-    """``step(batch, loss_fn)`` or ``step(inputs, targets, loss_fn)``, split for ``g`` devices.
-    A batch refused on one rank (empty, or one it cannot split) is refused on every rank: the
-    others learn it from the step's first collective (:func:`~cgdp.engine.core.replicas.batch_weights`),
-    which this rank joins with NaN, so that no rank's collectives pair with another step's."""
+    """Split for ``g`` devices. A batch refused on one rank is refused on every rank: this rank joins the step's first
+    collective (:func:`~cgdp.engine.core.replicas.batch_weights`) with NaN, so no collectives pair across steps."""
     try:
         return _parse_step(args, g)
     except Exception:
@@ -158,8 +134,7 @@ def _check_trainable(loss: torch.Tensor, what: str) -> None:
 
 
 def _count(count: Any, device: torch.device) -> float | torch.Tensor:
-    """The count as a float64 scalar where it is (a device's tensor: no host wait; checked with
-    the losses, :func:`check_counts`), or as a float, checked now (a number, a host tensor)."""
+    """A device tensor stays there as float64 (checked with the losses); a number or host tensor is checked now."""
     if isinstance(count, torch.Tensor) and count.numel() == 1 and count.dtype != torch.bool:
         if count.device == _HOST != device:
             value = float(count.detach())  # host memory: no wait
@@ -191,8 +166,7 @@ def check_counts(counts: Sequence[float], total: float | None = None) -> None:
 
 
 def _total(counts: Sequence[float | torch.Tensor], device: torch.device) -> float | torch.Tensor:
-    """``sum(counts)`` in Python's order, in float64: on ``device`` if a count is a tensor (copied
-    there device to device), so that the total is the one the host would compute."""
+    """``sum(counts)`` in Python's order, in float64, on ``device`` if a count is a tensor: the host's value."""
     total: float | torch.Tensor = 0
     for c in counts:
         if isinstance(c, torch.Tensor):
@@ -202,8 +176,7 @@ def _total(counts: Sequence[float | torch.Tensor], device: torch.device) -> floa
 
 
 def read_at_once(values: Sequence[float | torch.Tensor], device: torch.device) -> list[float]:
-    """``values`` as floats; the tensors among them gathered on ``device`` as float64 (which holds
-    a loss, a count or a NaN/Inf count exactly) and read in one host wait."""
+    """``values`` as floats, the tensors gathered on ``device`` as float64 and read in one host wait."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if not tensors:
         return [float(v) for v in values]
@@ -215,9 +188,7 @@ def read_at_once(values: Sequence[float | torch.Tensor], device: torch.device) -
 
 @dataclass
 class DeviceWeight:
-    """The weight 1 / C of a step's ``(loss_sum, count)`` losses while the counts are on the
-    devices: nothing is read before backward; the step's one read takes ``total`` and ``counts``
-    along with the losses and checks them (:meth:`value`)."""
+    """1 / C while the counts are on the devices; the step's one read checks them (:meth:`value`)."""
     total: torch.Tensor
     """C, float64, on the first device."""
     counts: list[float | torch.Tensor]
@@ -240,11 +211,8 @@ def _kind(value: Any) -> str:
 def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], comm: Comm | None,
                  nested: bool, held: "HeldMicroBatches | None" = None,
                  read: bool = False) -> list[float | DeviceWeight]:
-    """Each device's backward weight, once every forward is done (see the module docstring);
-    ``held``: the step's earlier micro-batches, whose counts add to the total. A
-    :class:`DeviceWeight` where the counts are on the devices, unless they must be read before
-    backward: with MPI, or ``read`` (``update="host"``, whose optimizer steps during backward,
-    so that a bad count found after it would leave that optimizer's state advanced)."""
+    """Each device's backward weight once every forward is done; ``held`` adds the earlier micro-batches' counts. The
+    counts are read before backward with MPI or ``read`` (``update="host"`` steps its optimizer during backward)."""
     counts = [r.count for r in results if r.count is not None]
     if not counts and (held is None or not held.pairs) and not (comm is not None and nested):
         return sample_weights  # means over samples only, on this rank alone: nothing to add up
@@ -280,19 +248,12 @@ def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], com
 
 @dataclass
 class HeldMicroBatches:
-    """Micro-batches 1..k-1 of a step (``micro_batches=k``): their gradients add up in the devices'
-    flat buffers and nothing is sent; the k-th backward sends the total.
+    """Micro-batches 1..k-1 of a step: their gradients add up in the flat buffers and nothing is sent until the k-th
+    backward.
 
-    A mean over samples is weighted as without micro-batches (its samples / N). A pair
-    ``(loss_sum, count)`` needs 1 / C, C the count of every micro-batch of every device (and
-    rank), known only after the last forward, when the earlier backwards have run. So device j
-    runs its earlier backwards with weight 1 / guess_j (its first micro-batch's count times k:
-    a scale of the right order, so that 16-bit gradients neither overflow nor underflow) and,
-    once C is known, multiplies what it holds by guess_j / C before the last backward (one pass
-    over its flat buffer, on the device). The result is sum_i grad(loss_sum_i) / C, the token mean
-    of the whole batch, to two roundings; the host sees only the k-th backward, as before. Where
-    the counts are tensors on the devices, guess_j, 1 / guess_j and guess_j / C are made there
-    (float64, the values the host would compute), and the counts are read with the step's losses.
+    Pairs need 1 / C, known only after the last forward: device j runs its earlier backwards with 1 / guess_j (its first
+    count times k, a scale that keeps 16-bit gradients in range) and multiplies what it holds by guess_j / C before the
+    last backward. Device-tensor counts keep all of this on the device.
     """
     devices: int
     k: int
@@ -301,8 +262,7 @@ class HeldMicroBatches:
     used: list[float | torch.Tensor] = field(default_factory=list)
     """The weight each of those backwards ran with (mean losses: final)."""
     count: float | torch.Tensor = 0.0
-    """This rank's summed counts of the earlier micro-batches (pairs); on the first device if
-    one of them is a tensor."""
+    """This rank's summed counts of the earlier micro-batches (on the first device if one is a tensor)."""
     counts: list[float | torch.Tensor] = field(default_factory=list)
     """Each of those counts (checked when read)."""
     pairs: int = 0
@@ -335,8 +295,8 @@ class HeldMicroBatches:
         return w
 
     def rescale(self, final: float | DeviceWeight) -> list[torch.Tensor | None]:
-        """Per device, the factor its held gradients take once the final weight 1 / C is known
-        (float64; on the device where a count or C is)."""
+        """Per device, the factor its held gradients take once 1 / C is known (float64, on the device where a count is).
+        """
         if self.guess is None:
             return [None] * self.devices
         if isinstance(final, DeviceWeight):
@@ -351,9 +311,7 @@ class HeldMicroBatches:
 
 def backward_weight(w: float | torch.Tensor | DeviceWeight, dtype: torch.dtype, device: torch.device,
                     j: int = 0) -> torch.Tensor:
-    """``w`` as a scalar of the loss's dtype on ``device``, rounded once to nearest (ties to even);
-    a float64 tensor ``w`` on ``device`` (device ``j``'s weight for a :class:`DeviceWeight`) is
-    rounded there, with no host wait."""
+    """``w`` in the loss's dtype on ``device``, rounded once; a float64 tensor is rounded there, with no host wait."""
     if isinstance(w, DeviceWeight):
         w = w.per_device[j]
     if isinstance(w, torch.Tensor):
@@ -370,11 +328,9 @@ _SIXTEEN = (torch.bfloat16, torch.float16)
 def rounded_once(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The float64 scalar ``w`` rounded once to ``dtype`` (nearest, ties to even), where it is.
 
-    torch converts float64 to bfloat16/float16 through float32: two roundings, which can differ
-    from one (1 + 2**-8 + 2**-30 goes to 1 + 2**-8, then to 1 by ties to even; nearest is
-    1 + 2**-7). Rounding to float32 *to odd* instead (toward zero, then the last bit set if that
-    was inexact) keeps what the second rounding needs, since float32 has more than two bits more
-    than either 16-bit format: the rounding to 16 bits that follows is then the correct one."""
+    torch goes float64 → float32 → 16 bits, two roundings (1 + 2**-8 + 2**-30 ends at 1, not 1 + 2**-7). Rounding to
+    float32 *to odd* first (toward zero, last bit set if inexact) makes the second rounding the correct one.
+    """
     if dtype not in _SIXTEEN:
         return w.to(dtype)  # one rounding (or none)
     f = w.to(torch.float32)

@@ -1,16 +1,8 @@
 """``cgdp.Trainer``'s modes, and its arguments checked before anything is built.
 
-A mode is its update strategy (:mod:`cgdp.engine.core.update`), which says everything else the
-mode changes on the data path: whether gradients stream through the host during backward (and
-the chunk plan is tuned), whether the user's gradient hooks wait for the summed gradient, which
-replicas step an optimizer. :data:`UPDATES` maps each mode to it; nothing else in the face looks at
-the mode's name. ``update="host"`` (mode ``"cgdp"`` only) replaces the mode's strategy by
-:class:`~cgdp.engine.core.host_update.HostUpdate`: one optimizer, built by the user's factory over
-float32 masters in host memory (:func:`make_update`).
-
-:func:`check_arguments` checks every argument of ``Trainer(...)`` that can be checked without a
-device, in a fixed order (the first wrong one is reported, in the user's words), before a device,
-thread or buffer exists: a wrong argument leaves nothing to release.
+A mode is its update strategy (:mod:`cgdp.engine.core.update`, via :data:`UPDATES`); nothing else looks at the mode's
+name. ``update="host"`` replaces it by :class:`~cgdp.engine.core.host_update.HostUpdate` (:func:`make_update`).
+:func:`check_arguments` checks every argument that needs no device, first wrong one reported, before anything exists.
 """
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
 """Steps 2 and 3 of the data path, on the devices' host threads: forward and loss, then backward.
 
-``Trainer.step`` runs on the caller's thread and decides; what it hands to the device threads
-(:meth:`~cgdp.engine.core.threads.DeviceThreads.run_all`, one thread per device for the whole run)
-is here, one method per pass over every device:
-
-* :meth:`DevicePasses.forward_all`: each replica's forward and loss, inside its own random stream
-  (``rng.on_device``) and the caller's autocast; on emulated devices whose random streams do not
-  take turns, the forwards run again if one drew random numbers out of turn (``rng.forward_all``),
-  with the buffers restored first.
-* :meth:`DevicePasses.hold_micro_batches`: micro-batches 1..k-1, forward and backward, with the
-  hooks holding (``stream.holding(j)``: nothing is sent; the gradients add up on the device).
-* :meth:`DevicePasses.backward_all`: the last backward; its hooks send the chunks. Each device
-  then flushes the chunks it never completed, waits for its backward and for its gradients to be
-  back. Each backward takes its loss out of the list it was given, so that its graph is freed
-  there and not when the step ends.
-
-Every pass returns, per device, stamps on that device's clock (``Device.stamp``): resolved later
-into ``Trainer.stats`` and traces (:mod:`cgdp.engine.trainer.timing`).
+``Trainer.step`` decides on the caller's thread; what it hands to the device threads is here, one method per pass:
+:meth:`DevicePasses.forward_all` (in each replica's random stream and the caller's autocast),
+:meth:`DevicePasses.hold_micro_batches` (micro-batches 1..k-1, nothing sent) and :meth:`DevicePasses.backward_all` (the
+hooks send; each device then flushes and waits for its gradients to be back). Each backward takes its loss out of its
+list so its graph is freed there. Every pass returns stamps on the device's clock (:mod:`cgdp.engine.trainer.timing`).
 """
 from __future__ import annotations
 
@@ -53,16 +41,14 @@ class DevicePasses:
         self.guard = guard
         self.timing = timing
         self.after_forward = after_forward
-        """Called with the number of devices after every forward pass: what the forwards changed in
-        the parameters is made the same on every replica (:mod:`cgdp.engine.core.follow`)."""
+        """Called after every forward pass: what the forwards changed in the parameters is made the same everywhere."""
         self.used = len(self.devs)
         """Devices with samples in this step's last forward (the first ones)."""
 
     def forward_all(self, parts: list[Any], compute: Callable, amp: Callable,
                     restore: Callable[[], None]) -> list[Forward]:
-        """Forward and loss of ``parts[j]`` on every device j; ``restore``: puts the buffers back
-        before a forward is run again. With fewer parts than devices (a batch smaller than the
-        devices), the others run nothing (:meth:`_idle`)."""
+        """Forward and loss of ``parts[j]`` on every device j (the rest run nothing, :meth:`_idle`); ``restore``:
+        buffers back before a forward is rerun."""
         used = self.used = len(parts)
 
         def run() -> list[Forward]:
@@ -75,11 +61,8 @@ class DevicePasses:
         return out
 
     def _idle(self, out: list[Forward], used: int) -> list[Forward]:
-        """Devices ``used``.. got no sample: no forward (BatchNorm would refuse an empty batch).
-        Each gets a loss of 0 in the form the others returned (a pair's count 0), so that the
-        weights count it and its backward sends zeros (:meth:`_backward_on`), and replica 0's
-        counters (BatchNorm's ``num_batches_tracked``), which it did not advance; its floating
-        buffers take part in the step's weighted mean with weight 0."""
+        """Devices ``used``.. got no sample and run no forward: each gets a loss of 0 in the others' form (so its
+        backward sends zeros) and replica 0's counters; its buffers weigh 0 in the step's mean."""
         first = out[0][0]
         for j in range(used, len(self.devs)):
             zero = torch.zeros((), dtype=first.loss.dtype, device=first.loss.device)
@@ -100,8 +83,7 @@ class DevicePasses:
 
     def hold_micro_batches(self, rounds: list[tuple[list[Any], list[float]]], compute: Callable, amp: Callable,
                            restore: Callable[[], None]) -> HeldMicroBatches:
-        """Forward and backward of micro-batches 1..k-1 on every device; the gradients add up in
-        the flat buffers and the hooks send nothing (see :class:`HeldMicroBatches`)."""
+        """Forward and backward of micro-batches 1..k-1 on every device, gradients kept on the devices."""
         held = HeldMicroBatches(len(self.devs), len(rounds) + 1)
         t0 = time.perf_counter()
         for parts, w in rounds:
@@ -118,8 +100,8 @@ class DevicePasses:
 
     def backward_all(self, losses: list[torch.Tensor | None], weights: list[float | DeviceWeight],
                      rescale: list[torch.Tensor | None]) -> list[Backward]:
-        """Backward of ``losses[j]`` with weight ``weights[j]`` on every device, until its gradients
-        are back. ``rescale[j]``: the factor the held micro-batches' gradients take first."""
+        """Backward of ``losses[j]`` weighted ``weights[j]`` on every device, until its gradients are back;
+        ``rescale[j]`` first."""
         return self.threads.run_all(lambda j: self._backward_on(j, losses, weights[j], rescale[j]), turns=True)
 
     def _backward_on(self, j: int, losses: list[torch.Tensor | None], w: float | DeviceWeight,
@@ -129,9 +111,9 @@ class DevicePasses:
         b0 = dev.stamp()
         if rescale is not None:
             self.stream.scale_grads(rescale, j)
-        # backward of a CPU loss runs on this thread (a GPU's runs on autograd's thread for that
-        # device): a turn, since its hooks only enqueue and never wait for another device. A
-        # device without samples runs none: the flush below sends its zeroed buffer
+        # backward of a CPU loss runs on this thread (a GPU's runs on autograd's thread for that device): a turn, since
+        # its hooks only enqueue and never wait for another device. A device without samples runs none: the flush below
+        # sends its zeroed buffer
         busy = j < self.used
         with self.threads.computing(busy and loss.device.type == "cpu"):
             if busy:
@@ -147,12 +129,9 @@ class DevicePasses:
 
 def loss_values(losses: Sequence[Any], weights: Sequence[float | DeviceWeight],
                 flags: Sequence[float | torch.Tensor | None], device: torch.device) -> tuple[float, list[float]]:
-    """The step's loss, Σ w·loss over every device's (and micro-batch's) loss, and ``flags`` as
-    floats (None: 0), from one host read: every loss, the counts and their total where they are on
-    the devices (:class:`DeviceWeight`, checked here: a bad count rejects the step), and the flags
-    that are devices' scalars (``mode="typical"``'s NaN/Inf count, how many elements of tensor
-    hyperparameters differ), gathered on ``device`` (the first device) as float64, which holds
-    each exactly, then read at once."""
+    """The step's loss Σ w·loss and ``flags`` as floats (None: 0), from one host read: losses, device counts
+    (:class:`DeviceWeight`, checked here) and device-scalar flags, gathered on ``device`` as float64 and read at once.
+    """
     dw = next((w for w in weights if isinstance(w, DeviceWeight)), None)
     counts = [dw.total, *dw.counts] if dw is not None else []
     flags = [0.0 if f is None else f for f in flags]

@@ -1,21 +1,13 @@
 """Checking a trainer state before it is restored: all or nothing.
 
-``Trainer.load_state_dict`` changes every replica, every optimizer, the step, the plan and the
-tuner. Were it to fail half way (``nn.Module.load_state_dict`` copies the keys it has before it
-complains about the ones it lacks), the replicas would differ and the trainer would still claim
-to be fine. So :func:`check_state` looks at everything first, against replica 0 and optimizer 0
-(every replica is identical), and raises ``ValueError`` saying what does not fit; only a state
-that passes is applied. A state holds only tensors and plain Python data, so it can be written
-with ``torch.save`` and read back with ``torch.load(..., weights_only=True)``.
+``nn.Module.load_state_dict`` copies the keys it has before complaining about the rest, so a failure half way would
+leave the replicas different. :func:`check_state` checks everything first, against replica 0 and optimizer 0, and raises
+``ValueError`` saying what does not fit; only a state that passes is applied. A state holds only tensors and plain data
+(``torch.load(..., weights_only=True)`` reads it).
 
-What "fits" means, beyond keys and shapes: a tensor whose dtype differs from the one it is
-loaded into must convert exactly (``load_state_dict`` casts silently: float64 weights that
-float32 cannot hold, or a fractional step counter, are refused); optimizer state has, per
-parameter, the entries and kinds this optimizer's own ``step()`` creates (a probe optimizer
-of the same class and hyperparameters takes one step on a small parameter to say which), so a
-wrong-shaped or missing entry is refused here rather than failing at the first step; param
-group hyperparameters keep their types and are finite; generator states are valid; a tuner
-state is for this model and device count and gives a valid plan.
+"Fits" means, beyond keys and shapes: dtype conversions are exact; optimizer state has per parameter the entries this
+optimizer's ``step()`` creates (:func:`probe_state`); group hyperparameters keep their types and are finite; generator
+states are valid; a tuner state is for this model and device count.
 """
 from __future__ import annotations
 
@@ -218,10 +210,9 @@ def _same_kind(v: Any, mine: Any) -> bool:
 
 
 def probe_state(optimizer: torch.optim.Optimizer, group: int) -> dict[str, Any] | None:
-    """What ``optimizer``'s step keeps per parameter of group ``group``: ``{entry: "param"}`` for a
-    tensor shaped like the parameter, ``{entry: dtype}`` for a scalar tensor, else the type's name.
-    From one step of a fresh optimizer of the same class and hyperparameters on a small
-    parameter; None if that cannot be done (an optimizer that needs a closure)."""
+    """What ``optimizer``'s step keeps per parameter of group ``group``: ``"param"`` for a tensor shaped like the
+    parameter, a dtype for a scalar tensor, else the type's name; from one step of a fresh copy on a small parameter
+    (None if that needs a closure)."""
     cls = type(optimizer)
     g = optimizer.param_groups[group]
     dtype = g["params"][0].dtype if g["params"] else torch.float32

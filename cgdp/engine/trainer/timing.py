@@ -1,12 +1,8 @@
 """Profiles and traces of one step, built from what the streams recorded.
 
-:class:`Timing` decides which steps are timed (``Trainer(profile=True)``, ``profile_next()``,
-``trace_next()``, a tuner that asks for profiles) and keeps the last profile and trace. While a
-step is timed, every stream, the host threads and the device threads append
-``(device, stream, name, start, end)`` events to one list (host clock), and the hooks stamp when
-each parameter's gradient was ready. After the step, :func:`build_trace` turns the events into a
-timeline and :func:`build_profile` into a :class:`~cgdp.planning.profile.StepProfile`: the
-paper's per-layer and per-chunk times (Table 4), which the tuner and calibration read.
+While a step is timed, streams and threads append ``(device, stream, name, start, end)`` events to one list and the
+hooks stamp each gradient's arrival; after it, :func:`build_trace` makes a timeline and :func:`build_profile` a
+:class:`~cgdp.planning.profile.StepProfile` (the paper's Table 4), which the tuner and calibration read.
 """
 from __future__ import annotations
 
@@ -23,11 +19,8 @@ Event = tuple[str, str, str, float, float]
 
 
 class Timing:
-    """Which steps are profiled or traced, the events of a timed one, and the last results.
-
-    Per step: :meth:`choose` (before anything runs; uses up the one-shot requests), :meth:`start`
-    (gives every device and the stream the sink), then after an applied step :meth:`finish`. A
-    step that fails keeps the previous ``last_profile`` and ``last_trace``."""
+    """Which steps are timed, a timed step's events, and the last results: :meth:`choose`, :meth:`start`, then after an
+    applied step :meth:`finish` (a failed step keeps the previous ones)."""
 
     def __init__(self, always: bool):
         self.always = always
@@ -50,8 +43,7 @@ class Timing:
         self.profile_once = self.trace_once = False
 
     def start(self, devs: Sequence[Device]) -> tuple[bool, Any]:
-        """Before the first forward (nothing in flight): whether this step is timed, and the sink
-        of its events (or None)."""
+        """Before the first forward: whether this step is timed, and its event sink (or None)."""
         timing = self.profiling or self.tracing
         events: list[Event] | None = [] if timing else None
         self.events = events
@@ -65,8 +57,8 @@ class Timing:
 
     def finish(self, devs: Sequence[Device], fw, bw, up, t_start: float,
                profile_inputs: Callable[[], dict[str, Any]]) -> None:
-        """After an applied step (``fw``, ``bw``, ``up`` as in :func:`step_stats`): its trace and
-        profile, if it was timed. ``profile_inputs()``: the rest of :func:`build_profile`'s arguments."""
+        """After an applied step: its trace and profile, if timed; ``profile_inputs()`` gives :func:`build_profile`'s
+        rest."""
         if not (self.profiling or self.tracing):
             return
         if self.events is not None:
@@ -124,9 +116,8 @@ def build_profile(*, devs: Sequence[Device], hooks: Sequence[DeviceHooks], bw_st
 
 def finish_timing(devs: Sequence[Device], bw_stamps: Sequence[Any], events: Sequence[Event], t_start: float,
                   tracing: bool, profile_inputs: dict[str, Any] | None) -> tuple[Any, StepProfile | None]:
-    """After a timed step: its trace (if ``tracing``) and profile (if ``profile_inputs``, the
-    rest of :func:`build_profile`'s arguments). Every stamp is resolved before each device's
-    ``end_timing()`` closes the step's timing."""
+    """After a timed step: its trace (``tracing``) and profile (``profile_inputs``); stamps resolved before
+    ``end_timing()``."""
     bw_start = [d.resolve(s) for d, s in zip(devs, bw_stamps)]
     for d in devs:
         d.end_timing()  # emits the device-timed copies into the events
@@ -139,19 +130,17 @@ def finish_timing(devs: Sequence[Device], bw_stamps: Sequence[Any], events: Sequ
 def step_stats(devs: Sequence[Device], fw: Sequence[tuple[Any, Any, Any]],
                bw: Sequence[tuple[float, Any, Any, Any]], up: Sequence[tuple[Any, Any] | None],
                t_start: float, t_bw: float, t_up: float, t_end: float, samples: int) -> dict[str, float]:
-    """The phase times of one step (``Trainer.stats``). ``fw[j]``: (loss, forward start, end);
-    ``bw[j]``: (loss value, backward start, backward end, gradients back); ``up[j]``: (update
-    start, end) or None. Stamps are resolved on each device's clock: in timed steps on CUDA these
-    are device events (when the work ran, not when it was issued); otherwise host times, where
-    a GPU's forward and update are issue times and its backward includes forward's GPU time."""
+    """The phase times of one step (``Trainer.stats``). ``fw[j]``: (loss, start, end); ``bw[j]``: (loss value, start,
+    end, gradients back); ``up[j]``: (start, end) or None. Timed CUDA steps stamp device events; otherwise host times
+    (issue times for a GPU's forward and update)."""
     r = [d.resolve for d in devs]
     ups = [(r[j](u[0]), r[j](u[1])) for j, u in enumerate(up) if u is not None]
     bw_end = max(r[j](b[2]) for j, b in enumerate(bw))
     return {
         "forward_s": max(r[j](f[2]) - r[j](f[1]) for j, f in enumerate(fw)),
         "backward_s": max(r[j](b[2]) - r[j](b[1]) for j, b in enumerate(bw)),
-        # from the end of the last device's backward until the gradients are back everywhere
-        # (a device that finished early waits for the others: that is not communication)
+        # from the end of the last device's backward until the gradients are back everywhere (a device that finished
+        # early waits for the others: that is not communication)
         "exposed_comm_s": max(0.0, max(r[j](b[3]) for j, b in enumerate(bw)) - bw_end),
         "update_s": max((b - a for a, b in ups), default=0.0),
         "step_s": max([t_end] + [b for _, b in ups]) - t_start,
