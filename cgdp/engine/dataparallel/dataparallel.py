@@ -278,7 +278,7 @@ class DataParallel(nn.Module):
         """Bind ``optimizer`` (over this model's parameters) once: its ``step()`` then steps every
         replica (:mod:`cgdp.engine.dataparallel.binding`), until :meth:`close`. Returns it; binding
         it again does nothing."""
-        bind(optimizer, self._steps, {id(p) for p in self.module.parameters()} | set(self._grad_buffers.ids()))
+        bind(optimizer, self._steps, {id(p) for p in self._state.params[0]} | set(self._grad_buffers.ids()))
         return optimizer
 
     @property
