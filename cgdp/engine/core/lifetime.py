@@ -11,10 +11,9 @@ Invariants (``docs/reliability.md`` states them for users):
   model's forward, on a device thread), is a ``RuntimeError`` at once, never a hang and never two
   operations interleaved on the same replicas. Operations that do not overlap may come from any
   thread.
-* **An unfinished operation is reported at the next call.** Two ``DataParallel`` operations can end
-  without giving the lock back, because torch tells nobody that they failed: a backward that raised
-  (autograd skips its final callback) and an optimizer step that raised on replica 0 (torch skips
-  the step post-hooks). Such a hold is *stale*: its owner thread has left the operation. The next
+* **An unfinished operation is reported at the next call.** A ``DataParallel`` backward that raised
+  ends without giving the lock back, because autograd tells nobody (it skips its final callback).
+  Such a hold is *stale*: its owner thread has left the operation. The next
   operation from the owner thread (which cannot be inside the other one), or from any thread once
   the owner has ended, runs the stale operation's clean-up first. Another thread while the owner
   lives cannot tell a stale hold from a running operation, and is refused. A backward's owner is

@@ -237,8 +237,7 @@ class HostBinding(Binding):
     """``update="host"``: one optimizer of the user's class steps the host's masters."""
 
     def _build(self, opt: torch.optim.Optimizer, steps: Any) -> None:
-        cls = next(k for k in type(opt).__mro__ if "step" in vars(k))
-        if not cls.__module__.startswith("torch.optim"):
+        if not getattr(type(opt).step, "__module__", "").startswith("torch.optim"):  # (torch's wrapper keeps it)
             raise TypeError(OWN_STEP.format(cls=type(opt).__name__))
         self.masters = m = steps.host_masters
         self._to_master = {id(p): master for p, master in zip(m.params[0], m.masters)}
