@@ -99,6 +99,7 @@ class Binding:
         self.closed = False
         self.inflight: list = []
         self.mirrors: list[torch.optim.Optimizer] = []
+        self.targets: list[tuple[torch.optim.Optimizer, dict, torch.device]] = []
         self._lens: list[int] = []
         self._build(opt, steps)
         inner = opt.step
@@ -113,6 +114,8 @@ class Binding:
     def _build(self, opt: torch.optim.Optimizer, steps: Any) -> None:
         self.maps = steps.parameter_maps()
         self.mirrors = [_construct(opt, self._groups(opt.param_groups, m)) for m in self.maps]
+        self.targets = [(m, mp, next(iter(mp.values())).device) for m, mp in zip(self.mirrors, self.maps)]
+        """(optimizer, id(user's parameter) -> its, device) of what the bound step steps besides replica 0."""
         self._lens = [len(g["params"]) for g in opt.param_groups]
         if opt.state:
             self._reload(opt)
@@ -121,10 +124,6 @@ class Binding:
         if any(id(p) not in mapping for g in groups for p in g["params"]):
             raise ValueError(NEW_PARAMETER)
         return [{**g, "params": [mapping[id(p)] for p in g["params"]]} for g in groups]
-
-    def targets(self) -> list[tuple[torch.optim.Optimizer, dict, torch.device | None]]:
-        """(optimizer, id(user's parameter) -> its, device) of what the bound step steps besides replica 0."""
-        return [(m, mp, next(iter(mp.values())).device) for m, mp in zip(self.mirrors, self.maps)]
 
     def step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         if self.closed:  # a scheduler's counter built over this step outlived close(): replica 0 alone
@@ -136,6 +135,10 @@ class Binding:
         self.stepping = threading.current_thread()
         try:
             self._sync_groups(opt)
+            for k in _AMP_ATTRS:  # GradScaler's, for an optimizer that unscales in its step (fused)
+                v = getattr(opt, k, None)
+                for m, _, _ in self.targets:
+                    m.__dict__.pop(k, None) if v is None else setattr(m, k, v)
             return self._step(opt, steps, args, kwargs)
         finally:
             self.stepping = None
@@ -146,10 +149,6 @@ class Binding:
         return fn(opt, *args, **kwargs) if method else fn(*args, **kwargs)
 
     def _step(self, opt: torch.optim.Optimizer, steps: Any, args: tuple, kwargs: dict) -> Any:
-        for k in _AMP_ATTRS:  # GradScaler's, for an optimizer that unscales in its step (fused)
-            v = getattr(opt, k, None)
-            for m in self.mirrors:
-                m.__dict__.pop(k, None) if v is None else setattr(m, k, v)
         self.inflight = [steps.submit(j, m.step) for j, m in enumerate(self.mirrors, start=1)]
         try:
             out = self._call(opt, args, kwargs)
@@ -175,14 +174,14 @@ class Binding:
         """Groups added with ``add_param_group`` go to the targets; hyperparameters are copied."""
         groups = opt.param_groups
         if len(groups) > len(self._lens):
-            for m, mp, _ in self.targets():
+            for m, mp, _ in self.targets:
                 for g in self._groups(groups[len(self._lens):], mp):
                     m.add_param_group(g)
             self._lens += [len(g["params"]) for g in groups[len(self._lens):]]
         if any(len(g["params"]) != n for g, n in zip(groups, self._lens)):
             raise RuntimeError("the parameters of an optimizer param group of a cgdp.DataParallel changed after "
                                "it was bound; add parameters with optimizer.add_param_group instead")
-        for m, _, dev in self.targets():
+        for m, _, dev in self.targets:
             for gu, gm in zip(groups, m.param_groups):
                 for k, v in gu.items():
                     if k != "params":
@@ -220,7 +219,7 @@ class Binding:
         self.closed = True
         for h in self._handles:
             h.remove()
-        self.mirrors, self.maps = [], []
+        self.mirrors, self.maps, self.targets = [], [], []
         opt = self.opt()
         if opt is None:
             return
@@ -243,6 +242,7 @@ class HostBinding(Binding):
         self._to_master = {id(p): master for p, master in zip(m.params[0], m.masters)}
         self.maps = []
         self.host = _construct(opt, self._groups(opt.param_groups, self._to_master))
+        self.targets = [(self.host, self._to_master, torch.device("cpu"))]
         self.host._optimizer_step_pre_hooks = opt._optimizer_step_pre_hooks  # the user's step hooks, shared
         self.host._optimizer_step_post_hooks = opt._optimizer_step_post_hooks
         self._lens = [len(g["params"]) for g in opt.param_groups]
@@ -252,9 +252,6 @@ class HostBinding(Binding):
         """Parameters without a master (frozen when the model was wrapped) are skipped, as torch
         skips a parameter without a gradient."""
         return [{**g, "params": [mapping[id(p)] for p in g["params"] if id(p) in mapping]} for g in groups]
-
-    def targets(self) -> list[tuple[torch.optim.Optimizer, dict, torch.device | None]]:
-        return [(self.host, self._to_master, torch.device("cpu"))]
 
     def _reload(self, opt: torch.optim.Optimizer) -> None:
         """At bind and after ``opt.load_state_dict``: the host optimizer's state is the user's
