@@ -72,7 +72,7 @@ def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps:
         tr = cgdp.Trainer(case.build(), sgd, devices)
         torch_dp = nn.DataParallel(case.build())
         single = case.build()
-        opts = {"cgdp.DataParallel": sgd(dp.parameters()), "nn.DataParallel": sgd(torch_dp.parameters()),
+        opts = {"cgdp.DataParallel": dp.bind(sgd(dp.parameters())), "nn.DataParallel": sgd(torch_dp.parameters()),
                 "single": sgd(single.parameters())}
         steps_of = {
             "single": lambda: user_loop(single, opts["single"], xs, ys, loss_fn),

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         models = {}
         for name in ("compared", "not compared"):
             m = cgdp.DataParallel(copy.deepcopy(net), ["cpu:0", "cpu:1"], chunks=1)
-            models[name] = (m, torch.optim.SGD(m.parameters(), lr=LR))
+            models[name] = (m, m.bind(torch.optim.SGD(m.parameters(), lr=LR)))
         ref = copy.deepcopy(net)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
         real = dense.same_bits

@@ -108,7 +108,7 @@ def run_dataparallel(model, data, devices, runtime) -> list[torch.Tensor]:
         with cgdp.DataParallel(net, devices, chunks=1, share_devices=True) as dp:
             if hasattr(runtime, "attach"):
                 runtime.attach(inside(dp).devices)
-            opt = SGD(net.parameters())
+            opt = dp.bind(SGD(net.parameters()))
             for x, y in data:
                 opt.zero_grad()
                 F.cross_entropy(dp(x), y.to(dp.output_device)).backward()

@@ -54,7 +54,7 @@ with cgdp.Trainer(net, lambda p: torch.optim.SGD(p, lr=0.1), ["cpu:0", "cpu:1"],
     print("bytecodes in cgdp per Trainer step (all threads, G=2, 8 layers):", count_in(lambda: tr.step(x, y, torch.nn.functional.cross_entropy)))
 net = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(8)])
 with cgdp.DataParallel(net, ["cpu:0", "cpu:1"], chunks=2) as m:
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt = m.bind(torch.optim.SGD(m.parameters(), lr=0.1))
     def it():
         opt.zero_grad(); torch.nn.functional.cross_entropy(m(x), y).backward(); m.clip_grad_norm_(1.0); opt.step()
     for _ in range(3):

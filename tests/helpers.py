@@ -184,3 +184,9 @@ def assert_ranks_equal_reference(states, ref: nn.Module, model: nn.Module):
             assert torch.equal(states[0][k], sd[k]), f"ranks differ in {k}"
     model.load_state_dict(states[0])
     assert_params_close(model, ref)
+
+
+def bound(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt`` bound to ``model`` when it is a ``cgdp.DataParallel`` (every replica then takes its
+    step); as it is for a plain module: the same loop drives both."""
+    return model.bind(opt) if getattr(model, "bind", None) is not None else opt

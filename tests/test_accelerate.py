@@ -13,6 +13,9 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 import cgdp  # noqa: E402
 from cgdp.integrations.accelerate import RNG_FILE, Accelerator  # noqa: E402
 
+# the integration binds the optimizer: an unbound one would be followed through replica 0, warning
+pytestmark = pytest.mark.filterwarnings("error:replica 0's parameters were changed outside")
+
 
 @pytest.fixture(autouse=True)
 def fresh_state():

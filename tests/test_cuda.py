@@ -199,7 +199,7 @@ def test_dataparallel_with_two_replicas_on_one_gpu(gpu):
     with pytest.raises(ValueError, match="share_devices=True"):
         cgdp.DataParallel(model, ["cuda:0", "cuda:0"])
     with cgdp.DataParallel(model, gpus(), chunks=2, share_devices=True) as dp:
-        opt = SGD(dp.parameters())
+        opt = dp.bind(SGD(dp.parameters()))
         for x, y in data:
             opt.zero_grad()
             out = dp(x)

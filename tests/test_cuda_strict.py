@@ -87,7 +87,7 @@ def test_defect_1_close_lets_the_last_copies_back_finish_before_unregistering():
         assert sim.registered == {} and not sim.violations
         net = mlp()
         dp = cgdp.DataParallel(net, ["cuda:0", "cuda:1"], chunks=1)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        opt = dp.bind(torch.optim.SGD(net.parameters(), lr=0.1))
         x, y = batches[0]
         F.cross_entropy(dp(x), y).backward()
         opt.step()
@@ -242,7 +242,7 @@ def test_defect_6_buffers_and_steps_stay_off_a_user_stream():
                     tr.load_state_dict(state)
         net = mlp()
         with cgdp.DataParallel(net, ["cuda:0"], chunks=1) as dp:
-            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            opt = dp.bind(torch.optim.SGD(net.parameters(), lr=0.1))
             F.cross_entropy(dp(x), y).backward()
             with sim.cuda.stream(user):
                 with pytest.raises(RuntimeError, match=r"optimizer.step\(\) outside"):
@@ -456,7 +456,7 @@ def test_dataparallel_under_the_strict_simulator():
     with simulated_cuda(3, seed=8) as sim:
         net = copy.deepcopy(model)
         with cgdp.DataParallel(net, ["cuda:1", "cuda:2"], chunks=2) as dp:
-            opt = SGD(net.parameters())
+            opt = dp.bind(SGD(net.parameters()))
             for x, y in batches:
                 opt.zero_grad()
                 with dp.no_sync():

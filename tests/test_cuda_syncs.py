@@ -185,7 +185,7 @@ def test_dataparallel_waits_per_iteration(feature, want):
     x, y = torch.randn(12, 12, generator=g), torch.randint(0, 4, (12,), generator=g)
     with simulated_cuda(2, max_delay_s=0.0) as sim:
         with cgdp.DataParallel(mlp(feature == "batchnorm"), ["cuda:0", "cuda:1"], chunks=1) as dp:
-            opt = torch.optim.SGD(dp.parameters(), lr=0.05)
+            opt = dp.bind(torch.optim.SGD(dp.parameters(), lr=0.05))
             yd = y.to(sim.runtime.torch_device(0))  # the user's own upload, once
 
             def step():

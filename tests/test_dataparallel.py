@@ -12,7 +12,7 @@ from torch import nn
 
 import cgdp
 from cgdp.testing import inside
-from helpers import Gated, Tied, WithBN, assert_params_close, assert_replicas_identical, mlp
+from helpers import Gated, Tied, WithBN, assert_params_close, assert_replicas_identical, bound, mlp
 
 @pytest.fixture(autouse=True)
 def _seeded():
@@ -45,7 +45,7 @@ def loop(model, data, make_opt, loss_fn=F.cross_entropy, *, sched=None, clip=Non
     """The issue's loop, written once for ``nn.Module`` and ``cgdp.DataParallel`` alike. With
     ``micro`` > 1 each batch is accumulated over micro-batches (inside ``no_sync`` but the last,
     if asked); ``grads`` collects the gradients after each step's backward."""
-    opt = make_opt(model.parameters())
+    opt = bound(model, make_opt(model.parameters()))
     scheduler = sched(opt) if sched else None
     losses, norms = [], []
     dp = isinstance(model, cgdp.DataParallel)
@@ -119,7 +119,7 @@ def test_torch_clip_on_replica_0_is_mirrored():
     ref = copy.deepcopy(net)
     loop(ref, data, SGD, clip=0.3)
     with cgdp.DataParallel(net, devs(2), chunks=1) as model:
-        opt = SGD(model.parameters())
+        opt = model.bind(SGD(model.parameters()))
         with pytest.warns(UserWarning, match="model.clip_grad_norm_"):
             for x, y in data:
                 opt.zero_grad()
@@ -140,7 +140,7 @@ def test_gradients_edited_through_data_are_found_and_mirrored(g):
     make_opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
     with cgdp.DataParallel(net, devs(g), chunks=1) as model:
         for m in (model, ref):
-            opt = make_opt(m.parameters())
+            opt = bound(m, make_opt(m.parameters()))
             with pytest.warns(UserWarning, match="through .data") if m is model else contextlib.nullcontext():
                 for x, y in data:
                     opt.zero_grad()
@@ -263,7 +263,7 @@ def test_auto_chunks_tune_while_training_and_change_nothing():
     loop(ref, data, SGD)
     with cgdp.DataParallel(net, devs(2)) as model:
         plans = []
-        opt = SGD(model.parameters())
+        opt = model.bind(SGD(model.parameters()))
         for x, y in data:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
@@ -309,11 +309,11 @@ def test_optimizer_state_dict_roundtrip():
     ref = copy.deepcopy(net)
     loop(ref, data, lambda p: torch.optim.AdamW(p, lr=1e-2))
     with cgdp.DataParallel(net, devs(2), chunks=1) as model:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = model.bind(torch.optim.AdamW(model.parameters(), lr=1e-2))
         for i, (x, y) in enumerate(data):
             if i == 2:  # a new optimizer from a checkpoint of the old one
                 state = copy.deepcopy(opt.state_dict())
-                opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+                opt = model.bind(torch.optim.AdamW(model.parameters(), lr=0.5))
                 opt.load_state_dict(state)
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
@@ -325,7 +325,7 @@ def test_optimizer_state_dict_roundtrip():
 def test_add_param_group():
     def run(model):
         params = list(model.parameters())
-        opt = torch.optim.SGD(params[:4], lr=0.05, momentum=0.9)
+        opt = bound(model, torch.optim.SGD(params[:4], lr=0.05, momentum=0.9))
         for i, (x, y) in enumerate(batches(3, 10)):
             if i == 1:
                 opt.add_param_group({"params": params[4:], "lr": 0.01})
@@ -368,7 +368,7 @@ def test_gpt2_with_padding_through_gathered_logits():
     def run(model):
         # SGD: Adam would turn the rounding noise of exactly-zero gradients (the key bias of
         # attention) into full-size steps, on one device as on several
-        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        opt = bound(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
         for batch, labels in data:
             opt.zero_grad()
             out = model(**batch, labels=labels)
@@ -514,13 +514,13 @@ def test_errors_say_what_to_do():
             model(torch.randn(4, 12), torch.randn(3, 12))
         with pytest.raises(RuntimeError, match="autograd.grad"):
             torch.autograd.grad(model(torch.randn(4, 12)).sum(), list(model.parameters()))
-        opt = torch.optim.LBFGS(model.parameters())
+        opt = model.bind(torch.optim.LBFGS(model.parameters()))
         F.cross_entropy(model(torch.randn(4, 12)), torch.tensor([0, 1, 2, 3])).backward()
         with pytest.raises(NotImplementedError, match="closure"):
             opt.step(lambda: 0.0)
         mixed = torch.optim.SGD(list(model.parameters()) + [nn.Parameter(torch.zeros(2))], lr=0.1)
         with pytest.raises(ValueError, match="separate optimizer"):
-            mixed.step()
+            model.bind(mixed)
     with pytest.raises(RuntimeError, match="closed"):
         model(torch.randn(4, 12))
 
@@ -543,12 +543,12 @@ def test_readme_example_runs():
 
 def test_close_frees_the_other_replicas_held_by_the_users_optimizer():
     """The mirror optimizers hold replica j's parameters and optimizer state; after close() the
-    user's optimizer (alive, with its load hook) must not keep them, nor reload them."""
+    user's optimizer (alive, bound until then) must not keep them, nor reload them."""
     import gc
     import weakref
     net = mlp()
     model = cgdp.DataParallel(net, devices=devs(2), chunks=1)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = model.bind(torch.optim.Adam(model.parameters(), lr=1e-3))
     for x, y in batches(2, 8):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -595,7 +595,7 @@ def test_freezing_after_wrapping_equals_one_device_and_unfreezing_is_an_error():
     ref_first = next(ref.children())
     data = batches(4, 8)
     with cgdp.DataParallel(net, devices=devs(2), chunks=1) as model:
-        ro, mo = SGD(ref.parameters()), SGD(model.parameters())
+        ro, mo = SGD(ref.parameters()), model.bind(SGD(model.parameters()))
         for i, (x, y) in enumerate(data):
             if i == 2:
                 for p in list(first.parameters()) + list(ref_first.parameters()):
@@ -636,7 +636,7 @@ def test_parameter_used_only_in_the_loss(how):
     ref = copy.deepcopy(net)
     data = batches(6, 10)
     with cgdp.DataParallel(net, devices=devs(3), chunks=1) as model:
-        ro, mo = SGD(ref.parameters()), SGD(model.parameters())
+        ro, mo = SGD(ref.parameters()), model.bind(SGD(model.parameters()))
         for i, (x, y) in enumerate(data):
             if how == "zero_grad" or i % 2 == 0:
                 ro.zero_grad()
@@ -659,7 +659,7 @@ def test_parameters_edited_outside_the_optimizer_reach_every_replica():
     net = mlp()
     ref = copy.deepcopy(net)
     with cgdp.DataParallel(net, devices=devs(2), chunks=1) as model:
-        ro, mo = SGD(ref.parameters()), SGD(model.parameters())
+        ro, mo = SGD(ref.parameters()), model.bind(SGD(model.parameters()))
         for x, y in batches(3, 8):
             for o in (ro, mo):
                 o.zero_grad()
@@ -692,24 +692,20 @@ def test_dtype_or_device_conversion_of_the_wrapper_is_a_clear_error():
         assert_grads_identical(model)
 
 
-def test_global_optimizer_hooks_exist_only_while_a_model_is_open():
+def test_no_optimizer_hook_reaches_beyond_the_bound_optimizer():
+    """Binding puts its step and hooks on the one optimizer bound; nothing process-wide, and
+    close() takes them away."""
     from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
-    from cgdp.engine.dataparallel import mirror
-
-    def ours():
-        return [h for hooks in (_global_optimizer_pre_hooks, _global_optimizer_post_hooks)
-                for h in hooks.values() if h in (mirror._pre_hook, mirror._post_hook)]
-    import gc
-    gc.collect()  # models other tests dropped without close()
-    assert ours() == []
-    a = cgdp.DataParallel(mlp(), devs(2))
-    b = cgdp.DataParallel(mlp(), devs(2))
-    assert len(ours()) == 2
-    a.close()
-    assert len(ours()) == 2  # b still needs them
-    b.close()
-    b.close()
-    assert ours() == []
+    before = (dict(_global_optimizer_pre_hooks), dict(_global_optimizer_post_hooks))
+    with cgdp.DataParallel(mlp(), devs(2)) as model:
+        opt = SGD(model.parameters())
+        hooks = (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_load_state_dict_post_hooks))
+        model.bind(opt)
+        other = SGD(model.parameters())  # not bound: torch's own object, untouched
+        assert "step" in vars(opt) and "step" not in vars(other) and not other._optimizer_step_pre_hooks
+        assert (dict(_global_optimizer_pre_hooks), dict(_global_optimizer_post_hooks)) == before
+    assert "step" not in vars(opt)
+    assert (dict(opt._optimizer_step_pre_hooks), dict(opt._optimizer_load_state_dict_post_hooks)) == hooks
 
 
 def test_a_model_dropped_without_close_frees_its_threads():
@@ -722,7 +718,7 @@ def test_a_model_dropped_without_close_frees_its_threads():
     for i in range(3):
         net = mlp()
         model = cgdp.DataParallel(net, devs(2), chunks=1)
-        opt = SGD(model.parameters())  # its mirror hooks must not keep the model alive
+        opt = model.bind(SGD(model.parameters()))  # its binding must not keep the model alive
         x, y = batches(1, 6)[0]
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -750,7 +746,7 @@ def test_failed_second_backward_keeps_the_first_gradient_as_one_device():
     data = batches(2, 9)
     with cgdp.DataParallel(net, devs(3), chunks=1) as model:
         for m in (model, ref):
-            opt = SGD(m.parameters())
+            opt = bound(m, SGD(m.parameters()))
             for x, y in data:
                 opt.zero_grad()
                 loss = m(x, y).mean()
@@ -778,7 +774,7 @@ def test_backward_failing_partway_refuses_the_step_until_redone():
     ref = copy.deepcopy(net)
     x = torch.randn(6, 4)
     with cgdp.DataParallel(net, devs(2), chunks=1) as model:
-        opt = SGD(model.parameters())
+        opt = model.bind(SGD(model.parameters()))
         with pytest.raises(RuntimeError, match="boom"):
             model(x).sum().backward()  # fc2's gradient arrived, fc1's never will
         with pytest.raises(RuntimeError, match="zero_grad.*redo"), pytest.warns(UserWarning, match="partway"):
@@ -811,7 +807,7 @@ def test_warnings_point_at_the_users_line():
 
     x, y = batches(1, 6)[0]
     with cgdp.DataParallel(mlp(), devs(2), chunks=1) as model:
-        opt = SGD(model.parameters())
+        opt = model.bind(SGD(model.parameters()))
         F.cross_entropy(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
         assert where(lambda: opt.step()) == [("test_dataparallel.py", 0)]  # the step that copies
@@ -831,7 +827,7 @@ def test_two_optimizers_on_separate_subsets_and_mixed_optimizer_as_documented():
     with cgdp.DataParallel(net, devs(3), chunks=1) as model:
         for m in (model, ref):
             params = list(m.parameters())
-            opts = [SGD(params[:4]), torch.optim.Adam(params[4:], lr=1e-2)]
+            opts = [bound(m, SGD(params[:4])), bound(m, torch.optim.Adam(params[4:], lr=1e-2))]
             for x, y in data:
                 for o in opts:
                     o.zero_grad()
@@ -842,7 +838,7 @@ def test_two_optimizers_on_separate_subsets_and_mixed_optimizer_as_documented():
         outside = nn.Parameter(torch.zeros(3))
         mixed = SGD([*model.parameters(), outside])
         with pytest.raises(ValueError, match="separate optimizer"):
-            mixed.step()
+            model.bind(mixed)
     assert_params_close(net, ref)
     doc = (pathlib.Path(__file__).parents[1] / "docs" / "migration.md").read_text()
     assert "p.data" in doc and "separate" in doc and "refused" in doc

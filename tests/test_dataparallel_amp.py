@@ -38,7 +38,7 @@ def test_grad_scaler_steps_every_replica_as_one_device(name):
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     ref = copy.deepcopy(net)
     model = cgdp.DataParallel(net, DEVS)
-    opt, ropt = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
+    opt, ropt = model.bind(OPTIMIZERS[name](model.parameters())), OPTIMIZERS[name](ref.parameters())
     scaler, rscaler = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
     g = torch.Generator().manual_seed(1)
     for step in range(4):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgdp
-from helpers import assert_params_close, assert_replicas_identical
+from helpers import assert_params_close, assert_replicas_identical, bound
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +54,7 @@ def test_buffer_requiring_grad_gets_the_whole_gradient(g):
     ref = copy.deepcopy(net)
     data = [torch.randn(10, 6) for _ in range(3)]
     with cgdp.DataParallel(net, devs(g)) as model:
-        opt, ref_opt = (torch.optim.SGD(list(m.parameters()) + [m_scale], lr=0.1)
+        opt, ref_opt = (bound(m, torch.optim.SGD(list(m.parameters()) + [m_scale], lr=0.1))
                         for m, m_scale in ((model, net.scale), (ref, ref.scale)))
         for x in data:
             for m, o in ((model, opt), (ref, ref_opt)):
@@ -82,8 +82,8 @@ class SparseBag(nn.Module):
 
 
 def sparse_loop(model, emb, head, data, no_sync=False):
-    sparse_opt = torch.optim.SparseAdam(list(emb.parameters()), lr=0.05)
-    dense_opt = torch.optim.SGD(list(head.parameters()), lr=0.1, momentum=0.9)
+    sparse_opt = bound(model, torch.optim.SparseAdam(list(emb.parameters()), lr=0.05))
+    dense_opt = bound(model, torch.optim.SGD(list(head.parameters()), lr=0.1, momentum=0.9))
     grads, losses = [], []
     for idx, y in data:
         sparse_opt.zero_grad()
@@ -200,7 +200,7 @@ def test_channels_last_parameter_keeps_a_channels_last_grad():
     ref = copy.deepcopy(net)
     data = [(torch.randn(6, 3, 8, 8), torch.randn(6, 4, 4, 4)) for _ in range(2)]
     with cgdp.DataParallel(net, devs(3)) as model:
-        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        opt, ref_opt = model.bind(torch.optim.SGD(model.parameters(), lr=0.1)), torch.optim.SGD(ref.parameters(), lr=0.1)
         for x, y in data:
             for m, o in ((model, opt), (ref, ref_opt)):
                 o.zero_grad()
@@ -358,7 +358,7 @@ def accumulate_token_mean(model, data, micro, how):
     Σ sum_i / Σ n_i): computed by the model from ``num_items_in_batch``, or on the gathered
     logits; or ``"naive"``: the mean of the micro-batches' token means (Σ (sum_i / n_i) / k)."""
     dp = isinstance(model, cgdp.DataParallel)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    opt = bound(model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
     losses = []
     for ids, labels in data:
         opt.zero_grad()

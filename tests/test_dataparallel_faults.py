@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgdp
-from helpers import WithBN, assert_params_close, assert_replicas_identical, mlp
+from helpers import WithBN, assert_params_close, assert_replicas_identical, bound, mlp
 from cgdp.testing import inside
 
 DEVS = ["cpu:0", "cpu:1"]
@@ -27,7 +27,7 @@ def batches(n_steps, n=8, seed=1):
 
 def train(model, opt, data, out_device=None):
     """The user's loop; each step's exception (if any) is kept and the loop goes on."""
-    errors = []
+    opt, errors = bound(model, opt), []
     for x, y in data:
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y if out_device is None else y.to(out_device))
@@ -66,17 +66,16 @@ class MyAdamW(Counted, torch.optim.AdamW):
     pass
 
 
-def test_a_nested_step_that_raised_leaves_no_count_behind():
-    """The first step of an optimizer subclass raises inside its nested super().step() (after
-    cgdp's pre-hook counted it), so torch calls no post-hook for either call: the next steps
-    (called as opt.step(), the first with no other operation of the model between) are still
-    taken as new outermost steps, never as nested ones, and every replica takes them: one
+def test_a_nested_step_that_raised_leaves_nothing_behind():
+    """The first step of an optimizer subclass raises inside its nested super().step(): the bound
+    step (the outermost by construction) gives the lock back and resyncs in its ``finally``; the
+    next steps (the first with no other operation of the model between) step every replica: one
     device's result, replicas identical."""
     parent = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)  # wraps the parent's step too
     net = mlp()
     ref = copy.deepcopy(net)
     model = cgdp.DataParallel(net, DEVS, chunks=1)
-    opt = MySGD(model.parameters(), lr=0.05)
+    opt = model.bind(MySGD(model.parameters(), lr=0.05))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     seen = []
 
@@ -109,22 +108,23 @@ def test_a_nested_step_that_raised_leaves_no_count_behind():
 
 @pytest.mark.parametrize("cls", [MySGD, MyAdamW])
 def test_optimizer_subclass_calling_super_step(cls, monkeypatch):
-    """torch wraps both step() methods, so its global hooks fire twice, nested; with an instance
-    of the parent class alive (here a plain one) every step used to fail. Only the outermost call
-    counts: each replica's optimizer steps once per step, and no replica is ever resynced (a nested
-    call taken for a new one would find a stale turn and copy every parameter and the whole
-    optimizer state to every replica at every step, with right results)."""
-    from cgdp.engine.dataparallel import mirror
+    """torch wraps both step() methods (with an instance of the parent class alive, here a plain
+    one), so their hooks fire twice, nested. The bound step is the outermost call by construction:
+    each replica's optimizer steps once per step, and no replica is ever resynced."""
+    from cgdp.engine.dataparallel.binding import Binding
     resyncs = []
-    monkeypatch.setattr(mirror.Mirror, "resync", lambda self, real=mirror.Mirror.resync: resyncs.append(1) or real(self))
+    monkeypatch.setattr(Binding, "resync", lambda self, opt, real=Binding.resync: resyncs.append(1) or real(self, opt))
     parent = cls.__mro__[2]([nn.Parameter(torch.zeros(1))], lr=0.1)  # wraps the parent's step too
-    ref_errors, ref, errors, model = on_one_device_and_dp(lambda p: cls(p, lr=0.01), batches(4))
+    net = mlp()
+    ref, model = copy.deepcopy(net), cgdp.DataParallel(net, DEVS, chunks=1)
+    opt = model.bind(cls(model.parameters(), lr=0.01))
+    ref_errors, errors = train(ref, cls(ref.parameters(), lr=0.01), batches(4)), train(model, opt, batches(4))
     with model:
         assert errors == ref_errors == [None] * 4
         assert_replicas_identical(model)
         assert_params_close(model.module, ref)
-        (m,) = inside(model).mirrors
-        assert [o.calls for o in [m.opt, *m.mirrors]] == [4, 4]
+        (b,) = inside(model).bindings
+        assert [o.calls for o in [b.opt(), *b.mirrors]] == [4, 4]
         assert not resyncs
     del parent
 
@@ -206,7 +206,7 @@ def test_a_forward_that_failed_on_one_device_leaves_the_buffers_identical(face):
     opt = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
     if face == "DataParallel":
         model = cgdp.DataParallel(FailsOnOneDevice(), DEVS, chunks=1)
-        sgd = opt(model.parameters())
+        sgd = model.bind(opt(model.parameters()))
 
         def step():
             sgd.zero_grad()
@@ -253,7 +253,7 @@ def test_a_second_thread_is_refused_while_an_operation_runs():
     hold.update(armed=True, entered=threading.Event(), release=threading.Event())
     x, y = batches(1)[0]
     with cgdp.DataParallel(Gate(), DEVS, chunks=1) as model:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = model.bind(torch.optim.SGD(model.parameters(), lr=0.1))
         out = []
         first = threading.Thread(target=lambda: out.append(model(x)), daemon=True)
         first.start()
@@ -297,7 +297,7 @@ def test_one_model_driven_from_two_threads_stays_identical():
 
     held = [True]
     model = cgdp.DataParallel(HeldOnce(), DEVS, chunks=1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = model.bind(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     data = batches(12)
 
     def worker():
@@ -326,7 +326,8 @@ def test_one_model_driven_from_two_threads_stays_identical():
         # (which is the user's optimizer's, not a cgdp operation) unset .grad inside this step
         for e in errors:
             assert any(m in e for m in ("one operation at a time", "redo this step's forward and backward",
-                                        "modified by an inplace operation", "on undefined tensor")), e
+                                        "modified by an inplace operation", "on undefined tensor",
+                                        "undefined input tensor")), e
         assert sum(done) > 0 and errors, (done, errors)  # steps went through, calls collided
         assert_replicas_identical(model)
         train(model, opt, batches(2))  # one thread again: clean
@@ -373,11 +374,11 @@ def test_an_engine_does_not_wrap_an_engine():
                 make(inner)
 
 
-@pytest.mark.filterwarnings("error")  # an optimizer not recognised as the model's would warn at the next forward
-def test_a_notebook_cell_run_twice_and_the_registrations_of_a_freed_wrapper():
-    """``model = cgdp.DataParallel(net)`` run again while the first wrapper is open is refused
-    (freeing the first one used to undo the second one's registrations, so that an optimizer built
-    after was no longer the model's); after close() it works, and so after the first was dropped."""
+@pytest.mark.filterwarnings("error")  # an optimizer that stepped replica 0 alone would warn at the next forward
+def test_a_notebook_cell_run_twice_and_an_optimizer_bound_after_a_freed_wrapper():
+    """``model = cgdp.DataParallel(net)`` run again while the first wrapper is open is refused;
+    after close() it works, and so after the first was dropped: an optimizer bound then steps
+    every replica."""
     net = mlp()
     ref = copy.deepcopy(net)
     data = batches(4)
@@ -391,24 +392,12 @@ def test_a_notebook_cell_run_twice_and_the_registrations_of_a_freed_wrapper():
     del model  # dropped without close()
     model = cgdp.DataParallel(net, DEVS, chunks=1)
     gc.collect()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built after: recognised as the model's
+    opt = model.bind(torch.optim.SGD(model.parameters(), lr=0.1))
     with model:
         train(model, opt, data[2:], model.output_device)
         assert_replicas_identical(model)
     train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data)
     assert_params_close(net, ref)
-    # the registries themselves: an older owner's removal leaves the newer owner's entries
-    from cgdp.engine.dataparallel import mirror
-
-    class Owner:
-        mirrors = ()
-    a, b, params = Owner(), Owner(), [nn.Parameter(torch.zeros(1))]
-    ref_a = mirror.register(a, params)
-    ref_b = mirror.register(b, params)
-    mirror.unregister(params, ref_a)
-    assert mirror._OWNERS[id(params[0])] is ref_b
-    mirror.unregister(params, ref_b)
-    assert id(params[0]) not in mirror._OWNERS
 
 
 class _FailsOnce(torch.autograd.Function):
@@ -453,7 +442,7 @@ def test_a_backward_that_failed_in_a_thread_that_ended_does_not_block_the_model(
     data = batches(3)
     with cgdp.DataParallel(net, DEVS, chunks=1) as model:
         for m in (model, ref):
-            opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+            opt = bound(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
             x, y = data[0]
             worker = threading.Thread(target=failing_backward, args=(m, x, y))
             worker.start()
@@ -556,7 +545,7 @@ def test_close_from_another_thread_at_each_moment_has_a_clear_outcome():
     outcomes, net = {}, Phased()
     for where in ("forward", "backward", "step", "between"):
         model = cgdp.DataParallel(net, DEVS, chunks=1, timeout_s=120)
-        opt = HeldSGD(model.parameters(), lr=1e-3)
+        opt = model.bind(HeldSGD(model.parameters(), lr=1e-3))
         HOLD.update(where=None, reached=threading.Event(), model=model, closed=threading.Event())
         reached, closed = HOLD["reached"], HOLD["closed"]
         closer = threading.Thread(target=lambda m=model: reached.wait(30) and (m.close(), closed.set()))
@@ -625,7 +614,7 @@ def test_gradients_dropped_during_the_step_leave_the_replicas_identical():
     data = batches(3)
     with cgdp.DataParallel(net, DEVS, chunks=1) as model:
         for m in (model, ref):
-            opt = ZeroedMidStep(m.parameters(), lr=0.1, momentum=0.9)
+            opt = bound(m, ZeroedMidStep(m.parameters(), lr=0.1, momentum=0.9))
             for i, (x, y) in enumerate(data):
                 (ZeroedMidStep.victims.add if i == 1 else ZeroedMidStep.victims.discard)(opt)
                 opt.zero_grad()
@@ -658,7 +647,7 @@ def test_clip_after_a_backward_that_failed_early_clips_the_kept_gradients():
     ref = copy.deepcopy(net)
     x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
     with cgdp.DataParallel(net, DEVS, chunks=1) as model:
-        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+        opts = [bound(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in (model, ref)]
         norms = []
         for m, opt, clip in ((model, opts[0], model.clip_grad_norm_),
                              (ref, opts[1], lambda n: torch.nn.utils.clip_grad_norm_(ref.parameters(), n))):
@@ -696,7 +685,7 @@ class _FailsLate(nn.Module):  # fc2's gradient arrives, fc1's never will
 
 def test_clipping_after_a_dropped_backward_does_not_lift_the_refusal():
     with cgdp.DataParallel(_FailsLate(), DEVS, chunks=1) as model:
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = model.bind(torch.optim.SGD(model.parameters(), lr=0.1))
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.randn(6, 4)).sum().backward()
         with pytest.warns(UserWarning, match="failed partway"):
@@ -709,9 +698,9 @@ def test_a_step_refused_on_another_thread_leaves_the_running_step_undisturbed(mo
     """Thread B's optimizer.step() while thread A's runs is refused; A's step then completes as
     usual, untouched by B's call (no resync of the replicas): the model's lock is given back and
     another thread may use the model."""
-    from cgdp.engine.dataparallel import mirror
+    from cgdp.engine.dataparallel.binding import Binding
     resyncs = []
-    monkeypatch.setattr(mirror.Mirror, "resync", lambda self, real=mirror.Mirror.resync: resyncs.append(1) or real(self))
+    monkeypatch.setattr(Binding, "resync", lambda self, opt, real=Binding.resync: resyncs.append(1) or real(self, opt))
     entered, tried = threading.Event(), threading.Event()
 
     class Slow(torch.optim.SGD):  # the main thread's step waits, inside, for the other's attempt
@@ -723,7 +712,7 @@ def test_a_step_refused_on_another_thread_leaves_the_running_step_undisturbed(mo
 
     x, y = batches(1)[0]
     with cgdp.DataParallel(mlp(), DEVS, chunks=1) as model:
-        opt = Slow(model.parameters(), lr=0.1)
+        opt = model.bind(Slow(model.parameters(), lr=0.1))
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         refused = []
@@ -749,14 +738,14 @@ def test_a_step_refused_on_another_thread_leaves_the_running_step_undisturbed(mo
 
 
 def test_a_closed_models_optimizer_is_freed_by_reference_counting():
-    """The optimizer that stepped a DataParallel (a scheduler built after its first step wraps
-    its step) holds no reference cycle once the model is closed: its state goes with it."""
+    """The optimizer bound to a DataParallel (a scheduler built after its first step wraps its
+    step) holds no reference cycle once the model is closed: its state goes with it."""
     import weakref
     gc.collect()
     gc.disable()
     try:
         with cgdp.DataParallel(mlp(), DEVS, chunks=1) as model:
-            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            opt = model.bind(torch.optim.Adam(model.parameters(), lr=1e-3))
             x, y = batches(1)[0]
             F.cross_entropy(model(x), y).backward()
             opt.step()

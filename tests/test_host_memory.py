@@ -90,7 +90,7 @@ def test_ring_with_dataparallel_on_one_backward_thread():
     def run(**kw):
         g = torch.Generator().manual_seed(1)
         with cgdp.DataParallel(net(), ["cpu:0", "cpu:1"], chunks=2, segment_bytes=SEG, timeout_s=30, **kw) as dp:
-            opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+            opt = dp.bind(torch.optim.SGD(dp.parameters(), lr=0.1))
             for _ in range(3):
                 x, y = torch.randn(12, 64, generator=g), torch.randn(12, 64, generator=g)
                 opt.zero_grad()

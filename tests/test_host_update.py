@@ -425,7 +425,7 @@ def test_step_hooks_keep_the_update_after_backward_once_per_step():
             hook.remove()
         assert seen == [n_params, 0] and tr.stats["host_update_overlapped"] == 0.0
         assert_params_close(tr.replicas[0], ref)
-        with cgdp.DataParallel(mlp(), ["cpu:0"]):  # its own global hooks leave other optimizers alone
+        with cgdp.DataParallel(mlp(), ["cpu:0"]):  # registers no global hook: other optimizers left alone
             tr.step(*data[1], F.cross_entropy)
         assert tr.stats["host_update_overlapped"] == 1.0 and tr.stats["host_update_step_hooks"] == 0.0
 
@@ -437,7 +437,7 @@ def test_an_explicit_implementation_choice_is_kept():
             g = tr.optimizers[0].param_groups[0]
             assert not g["fused"] and g["foreach"] is kw.get("foreach")
         with cgdp.DataParallel(mlp(), ["cpu:0", "cpu:1"], update="host") as dp:
-            opt = torch.optim.AdamW(dp.parameters(), lr=1e-2, **kw)
+            opt = dp.bind(torch.optim.AdamW(dp.parameters(), lr=1e-2, **kw))
             seen = []
             opt.register_step_pre_hook(lambda o, *_: seen.append(o.param_groups[0]["fused"]))
             x, y = batches(1)[0]

@@ -16,6 +16,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 import cgdp  # noqa: E402
 from cgdp.integrations.lightning import RNG_KEY, CGDPStrategy  # noqa: E402
 
+# the integration binds the optimizer: an unbound one would be followed through replica 0, warning
+pytestmark = pytest.mark.filterwarnings("error:replica 0's parameters were changed outside")
+
 
 class Model(L.LightningModule):
     """An ordinary LightningModule: its network in self.net, the loss and logging around it."""

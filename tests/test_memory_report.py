@@ -54,7 +54,7 @@ def test_dataparallel_report_counts_mirrors_and_host_state():
     x, y = torch.randn(8, 12), torch.randint(0, 5, (8,))
     for update in ("devices", "host"):
         with cgdp.DataParallel(copy.deepcopy(model), DEVS, update=update) as dp:
-            opt = ADAMW(dp.parameters())
+            opt = dp.bind(ADAMW(dp.parameters()))
             F.cross_entropy(dp(x), y).backward()
             opt.step()
             rep = dp.memory_report()

@@ -13,7 +13,7 @@ from torch import nn
 
 import cgdp
 from cgdp.testing import simulated_cuda
-from helpers import (assert_params_close, assert_replicas_identical, mlp, reference_step2, token_batches,
+from helpers import (assert_params_close, assert_replicas_identical, bound, mlp, reference_step2, token_batches,
                      token_mean, token_sum, TokenLM)
 
 SGD = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3)  # noqa: E731
@@ -59,7 +59,7 @@ def train(face, net, g, batches, **kw):
 
 def loop(model, batches):
     """The user's own loop, for an ``nn.Module`` and a ``cgdp.DataParallel`` alike."""
-    opt, losses = SGD(model.parameters()), []
+    opt, losses = bound(model, SGD(model.parameters())), []
     for x, y in batches:
         opt.zero_grad()
         out = model(x)

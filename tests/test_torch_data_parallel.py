@@ -609,7 +609,7 @@ def test_strided_grad_layout(devices, formats, dtype_list):
 
 def test_parameter_list_dict_replica(devices):
     # difference: torch's replicas hold differentiable copies of replica 0's parameters (with a
-    # grad_fn); cgdp's hold parameters of their own (leaves, stepped by the mirror optimizers).
+    # grad_fn); cgdp's hold parameters of their own (leaves, stepped by a bound optimizer's mirrors).
     # The values, requires_grad, and what ParameterList / ParameterDict hold are the same
     class MyMod(nn.Module):
         def __init__(self, data, check_fn):

@@ -25,16 +25,11 @@ def data(n=3, size=8, seed=1):
     return [(torch.randn(size, 12, generator=g), torch.randint(0, 5, (size,), generator=g)) for _ in range(n)]
 
 
-def bound(model, opt):
-    """The optimizer as the model's loop uses it (bound where the model binds optimizers)."""
-    return model.bind(opt) if hasattr(model, "bind") else opt
-
-
 def test_a_step_after_a_backward_inside_no_sync_is_refused_then_completed():
     (x1, y1), (x2, y2), _ = data()
     net, ref = mlp(), mlp()
     with cgdp.DataParallel(net, DEVICES) as model:
-        opt = bound(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        opt = model.bind(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         before = [p.detach().clone() for p in net.parameters()]
         with model.no_sync():
             F.cross_entropy(model(x1), y1.to(model.output_device)).backward()
@@ -61,7 +56,7 @@ def test_forwards_inside_no_sync_and_one_backward_outside_are_refused():
     """The forward decides: a graph recorded inside no_sync() accumulates, wherever its backward runs."""
     (x1, y1), (x2, y2), _ = data()
     with cgdp.DataParallel(mlp(), DEVICES) as model:
-        opt = bound(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        opt = model.bind(torch.optim.SGD(model.parameters(), lr=0.1))
         with model.no_sync():
             losses = [F.cross_entropy(model(x), y.to(model.output_device)) for x, y in ((x1, y1), (x2, y2))]
         torch.stack(losses).mean().backward()
@@ -72,7 +67,7 @@ def test_forwards_inside_no_sync_and_one_backward_outside_are_refused():
 def test_update_host_refuses_it_too():
     (x1, y1), _, _ = data()
     with cgdp.DataParallel(mlp(), DEVICES, update="host") as model:
-        opt = bound(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        opt = model.bind(torch.optim.AdamW(model.parameters(), lr=1e-2))
         with model.no_sync():
             F.cross_entropy(model(x1), y1.to(model.output_device)).backward()
         with pytest.raises(RuntimeError, match=r"no_sync\(\)"):

@@ -43,7 +43,7 @@ def train(face, net, add=None, when="after", backwards=1, g=3, **kw):
         add(net)
     if face == "DataParallel":
         engine = cgdp.DataParallel(net, [f"cpu:{i}" for i in range(g)], chunks=1)
-        opt = sgd(engine.parameters())
+        opt = engine.bind(sgd(engine.parameters()))
     else:
         engine = cgdp.Trainer(net, sgd, [f"cpu:{i}" for i in range(g)], chunks=1, **kw)
     if add is not None and when == "after":
@@ -114,7 +114,7 @@ def test_gradient_hook_removed_through_its_handle_after_wrapping():
     h = net[0].weight.register_hook(lambda g: g * 3)
     h_ref = ref[0].weight.register_hook(lambda g: g * 3)
     with cgdp.DataParallel(net, ["cpu:0", "cpu:1"], chunks=1) as model:
-        opt, ropt = sgd(model.parameters()), sgd(ref.parameters())
+        opt, ropt = model.bind(sgd(model.parameters())), sgd(ref.parameters())
         for step, x in enumerate(batches(2)):
             for m, o in ((model, opt), (ref, ropt)):
                 o.zero_grad()
@@ -162,7 +162,7 @@ def test_a_gradient_hook_that_raises_once_leaves_the_model_usable(face):
     with (cgdp.DataParallel(net, ["cpu:0", "cpu:1"], chunks=1) if face == "DataParallel"
           else cgdp.Trainer(net, sgd, ["cpu:0", "cpu:1"], chunks=1)) as engine:
         if face == "DataParallel":
-            opt = sgd(engine.parameters())
+            opt = engine.bind(sgd(engine.parameters()))
 
             def step(x):
                 opt.zero_grad()

@@ -24,7 +24,7 @@ restores), ``timing`` (profiles and traces).
 
 ``dataparallel/`` the face ``cgdp.DataParallel``, behind the user's own loop: ``scatter`` (split the
 arguments, gather the outputs) → the core → ``grads`` (what each replica's ``.grad`` holds
-between backwards) → ``mirror`` (the user's optimizer steps every replica).
+between backwards) → ``steps`` and ``binding`` (the bound optimizer steps every replica).
 
 ``sync`` (loose): how threads of one step wait for each other without hanging; every room uses it.
 

@@ -13,6 +13,8 @@ every device, equal to Accelerate on one device with the same batches:
   autocasts a model's; ``"fp16"`` is refused (its gradient scaler would unscale replica 0 only).
 * ``accumulate()`` runs every micro-batch but the last of a step inside ``model.no_sync()``
   (plain Accelerate enters ``no_sync`` only with several processes): one transfer per step.
+* ``prepare`` binds each optimizer to the cgdp model whose parameters it holds
+  (``model.bind(optimizer)``): its ``step()`` steps every replica.
 * ``clip_grad_norm_(model.parameters(), ...)`` uses the norm the host summed during backward,
   every replica clipped alike (other parameter lists: Accelerate's own clipping of replica 0,
   which cgdp copies to every replica with a warning).
@@ -86,7 +88,24 @@ class Accelerator(accelerate.Accelerator):
                 and not getattr(model, "_is_accelerate_prepared", False)):
             model = DataParallel(model, self.devices, **self._cgdp_options)
         # the wrapper places every replica; Accelerate's autocast goes on the wrapper's forward
-        return super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
+        model = super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
+        self._bind()  # an optimizer prepared before its model
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
+        optimizer = super().prepare_optimizer(optimizer, device_placement=device_placement)
+        self._bind()
+        return optimizer
+
+    def _bind(self) -> None:
+        """Every prepared optimizer over a prepared cgdp model's parameters is bound to it (once)."""
+        for model in self._models:
+            if isinstance(model, DataParallel) and not model.closed:
+                ours = {id(p) for p in model.parameters()}
+                for opt in self._optimizers:
+                    raw = getattr(opt, "optimizer", opt)
+                    if any(id(p) in ours for g in raw.param_groups for p in g["params"]):
+                        model.bind(raw)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:

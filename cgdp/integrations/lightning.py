@@ -10,8 +10,9 @@ One process drives every device (no launcher, no ``torch.distributed``); the use
   each ``fit`` / ``validate`` / ``test`` / ``predict`` and put back at teardown. ``self.net(x)``
   inside ``training_step`` then splits the batch across the devices and gathers the output on
   ``devices[0]``, where the loss, ``self.log`` and every metric are computed as on one device.
-  The optimizer from ``configure_optimizers`` is on replica 0's parameters (the child's own), and
-  cgdp's mirror steps every replica with it, schedulers included.
+  The optimizer from ``configure_optimizers`` is on replica 0's parameters (the child's own); the
+  strategy binds it to the wrapper (``DataParallel.bind``), so its step steps every replica,
+  schedulers included.
 * **Optimizer step.** Lightning's precision plugins call ``optimizer.step(closure=...)``; cgdp
   refuses a closure (every replica must step after one backward), so the strategy hands the
   plugin an optimizer whose ``step`` runs the closure (forward, backward, Lightning's
@@ -181,6 +182,16 @@ class CGDPStrategy(ParallelStrategy):
             setattr(model, name, dp)
             self._wrapped = (name, child, dp)
         return model
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        """``configure_optimizers``'s optimizers, each over the wrapped child's parameters bound to it."""
+        super().setup_optimizers(trainer)
+        if self._wrapped is not None:
+            dp = self._wrapped[2]
+            ours = {id(p) for p in dp.parameters()}
+            for opt in self.optimizers:
+                if any(id(p) in ours for g in opt.param_groups for p in g["params"]):
+                    dp.bind(opt)
 
     def _child_to_wrap(self, model: nn.Module) -> str | None:
         own = [n for n, p in model.named_parameters(recurse=False) if p.requires_grad]

@@ -25,6 +25,8 @@ the global batch:
   model divides its token sum by that count. ``cgdp.DataParallel`` sees ``num_items_in_batch`` in
   the call and sums the replicas' losses (``scalar_outputs="auto"``): the exact token mean over all
   micro-batches and devices, padding included. Evaluation passes it too.
+* **The optimizer** (``create_optimizer``'s, or one passed in ``optimizers=``) is bound to the
+  wrapper (``DataParallel.bind``) once both exist: its step steps every replica.
 * **Gradient accumulation** runs every micro-batch but the last of a step inside
   ``model.no_sync()``: only the last backward sends gradients through the host.
 * **Clipping** (``max_grad_norm``) uses ``model.clip_grad_norm_``: the norm the host summed during
@@ -151,7 +153,24 @@ class Trainer(transformers.Trainer):
             other.close()
         self._cgdp = DataParallel(model, self.devices, update=self._cgdp_update)
         self._cgdp.hugging_face = True
+        self._bind()  # the optimizer is made before the model is wrapped
         return self._cgdp
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        optimizer = super().create_optimizer(model)
+        self._bind()  # made after (a second train() of the same wrapper)
+        return optimizer
+
+    def _bind(self) -> None:
+        """The optimizer, over the wrapped model's parameters, bound to the wrapper (its step
+        steps every replica)."""
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # inside Accelerate's wrapper
+        dp = self._cgdp
+        if opt is None or dp is None or dp.closed:
+            return
+        ours = {id(p) for p in dp.parameters()}
+        if any(id(p) in ours for g in opt.param_groups for p in g["params"]):
+            dp.bind(opt)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:

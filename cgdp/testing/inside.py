@@ -28,13 +28,13 @@ class Inside:
     """The operation that holds the engine's lock now (``"backward"``, ...), or None."""
     error: BaseException | None
     """The error that stopped the engine's waits (``close()`` from another thread, a device's), if any."""
-    mirrors: list
-    """``DataParallel``: the :class:`~cgdp.engine.dataparallel.mirror.Mirror` of each optimizer that
-    stepped the model (empty for ``Trainer``)."""
+    bindings: list
+    """``DataParallel``: the :class:`~cgdp.engine.dataparallel.binding.Binding` of each optimizer
+    bound to the model (``opt()``, ``mirrors``; empty for ``Trainer``)."""
 
 
 def inside(engine: Any) -> Inside:
     steps = getattr(engine, "_steps", None)
     return Inside(stream=engine._stream, devices=list(engine._devs), threads=engine._threads, rng=engine._rng,
                   operation=engine._life.ops.what, error=engine._guard.error,
-                  mirrors=list(steps.mirrors) if steps is not None else [])
+                  bindings=list(steps.bindings) if steps is not None else [])

@@ -137,7 +137,7 @@ net = mlp()
 ref = copy.deepcopy(net)
 opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
 dp = cgdp.DataParallel(net, ["cpu:0", "cpu:1"], comm="gloo", timeout_s=30)
-opt = torch.optim.AdamW(dp.parameters(), lr=1e-2)
+opt = dp.bind(torch.optim.AdamW(dp.parameters(), lr=1e-2))
 for x, y in batches(3, 12):
     opt_ref.zero_grad()
     halves = zip(torch.tensor_split(x, size), torch.tensor_split(y, size))

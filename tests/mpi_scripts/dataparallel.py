@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from mpi4py import MPI
 
 import cgdp
-from helpers import assert_params_close, assert_replicas_identical, mlp
+from helpers import assert_params_close, assert_replicas_identical, bound, mlp
 
 torch.set_num_threads(1)
 world = MPI.COMM_WORLD
@@ -30,7 +30,7 @@ data = [(torch.randn(12, 12, generator=g), torch.randint(0, 5, (12,), generator=
 
 def run(model, batches, mean_over):
     """The loop; ``mean_over`` ranks' halves (the reference computes them all in one process)."""
-    opt = ADAMW(model.parameters())
+    opt = bound(model, ADAMW(model.parameters()))
     dp = isinstance(model, cgdp.DataParallel)
     for x, y in batches:
         opt.zero_grad()

@@ -69,12 +69,15 @@ class Follow:
 
     ``name``: the face (``"cgdp.DataParallel"``), for messages; ``again``: what the user does to
     start over (``"close() and wrap the model again"``); ``warn``: how the face warns the user;
-    ``after_load``: called after ``load_state_dict`` gave every replica replica 0's state."""
+    ``after_load``: called after ``load_state_dict`` gave every replica replica 0's state;
+    ``unbound``: what the warning about changed parameters adds of an optimizer the face does not
+    step (whose ``step()``, and a first way they changed)."""
 
     def __init__(self, replicas: Sequence[nn.Module], devices: Sequence[torch.device], name: str, again: str,
-                 warn: Callable[[str], None] | None = None, after_load: Callable[[], None] | None = None):
+                 warn: Callable[[str], None] | None = None, after_load: Callable[[], None] | None = None,
+                 unbound: tuple[str, str] = ("", "")):
         self.replicas = list(replicas)
-        self.name, self.again = name, again
+        self.name, self.again, self.unbound = name, again, unbound
         self.warn = warn or warn_user
         self.after_load = after_load or (lambda: None)
         self.modules = [list(r.modules()) for r in replicas]  # same order on every replica
@@ -146,7 +149,8 @@ class Follow:
         if now[1] != seen[1]:
             self._copy_requires_grad(now[1])
         if now[2] != seen[2]:
-            self.warn(f"replica 0's parameters were changed outside optimizer.step() (in place under "
+            whose, how = self.unbound
+            self.warn(f"replica 0's parameters were changed outside optimizer.step(){whose} ({how}in place under "
                       f"torch.no_grad(), e.g. p.clamp_ or torch.nn.init); {self.name} copies them to "
                       f"every replica before it runs them again. Changes through p.data are not seen: "
                       f"make them on every replica (.replicas)")

@@ -77,18 +77,11 @@ class StateSnapshot:
         self._saved = []
 
 
-def _users(hooks) -> bool:
-    """Whether any of torch's global step hooks is the user's (cgdp.DataParallel's own leave an
-    optimizer they do not own alone)."""
-    return any(not getattr(h, "__module__", "").startswith("cgdp.") for h in hooks)
-
-
 def has_step_hooks(opt: torch.optim.Optimizer) -> bool:
     """Whether a step pre- or post-hook is registered on ``opt``, or one of the user's on every optimizer."""
     if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
         return True
-    return _users([*torch_optimizer._global_optimizer_pre_hooks.values(),
-                   *torch_optimizer._global_optimizer_post_hooks.values()])
+    return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
 
 
 def may_write_then_raise(opt: torch.optim.Optimizer) -> bool:
@@ -102,7 +95,7 @@ def may_write_then_raise(opt: torch.optim.Optimizer) -> bool:
     if (opt._optimizer_step_post_hooks or own not in (None, type(opt).step)
             or not type(opt).__module__.startswith("torch.optim")):
         return True
-    return _users(torch_optimizer._global_optimizer_post_hooks.values())
+    return bool(torch_optimizer._global_optimizer_post_hooks)
 
 
 def step_or_undo(opt: torch.optim.Optimizer, states: StateSnapshot, masters: Any) -> None:

@@ -6,7 +6,7 @@ Invariants (``docs/reliability.md`` states them for users):
   (:class:`Operations`). A second one while it runs, from another thread or from inside it (``loss_fn``, a forward on a
   device thread), is a ``RuntimeError`` at once, never a hang or an interleaving.
 * **An unfinished operation is reported at the next call.** A ``DataParallel`` backward that raised (autograd skips its
-  final callback) or an optimizer step that raised on replica 0 leaves a *stale* hold. The next operation from the owner
+  final callback) leaves a *stale* hold. The next operation from the owner
   thread, or from any thread once the owner has ended, runs its clean-up first; another thread while the owner lives is
   refused. A backward's owner is the thread that ran its forward; a second gathered output in the same backward is
   recognised by autograd's graph task.

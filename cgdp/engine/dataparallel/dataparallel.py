@@ -1,13 +1,14 @@
 """``cgdp.DataParallel``: the engine behind the user's own training loop.
 
 ``model = cgdp.DataParallel(net, devices)`` replaces ``torch.nn.DataParallel(net)``; the loop
-stays the user's (``opt.zero_grad()``, ``model(x)``, ``loss.backward()``, ``opt.step()``). It
+stays the user's (``opt = model.bind(opt)`` once, then ``opt.zero_grad()``, ``model(x)``,
+``loss.backward()``, ``opt.step()``). It
 drives the same :class:`~cgdp.engine.core.stream.GradientStream` as ``Trainer`` (hooks, flat buffers,
 device streams, host sum, copy back): one data path, two faces. Its four entry points, each
 holding the model's operation lock (:mod:`cgdp.engine.core.lifetime`), in the order of one
 iteration: :meth:`DataParallel.forward`; the gather's backward (:meth:`DataParallel._begin_backward`);
-autograd's final callback (:meth:`DataParallel._end_backward`); the user's ``optimizer.step()``
-(:mod:`cgdp.engine.dataparallel.mirror` → :class:`~cgdp.engine.dataparallel.steps.ReplicaSteps`).
+autograd's final callback (:meth:`DataParallel._end_backward`); the bound ``optimizer.step()``
+(:mod:`cgdp.engine.dataparallel.binding` → :class:`~cgdp.engine.dataparallel.steps.ReplicaSteps`).
 ``docs/design.md`` draws them beside ``Trainer``'s step.
 
 * **Replicas.** ``net`` is replica 0, moved to ``devices[0]`` and trained in place
@@ -78,7 +79,7 @@ from cgdp.engine.core.plan import first_plan
 from cgdp.engine.core.replicas import make_replicas, signature
 from cgdp.engine.core.stream import GradientStream, check_sizes
 from cgdp.engine.core.threads import DeviceThreads, caller_context
-from cgdp.engine.dataparallel import mirror
+from cgdp.engine.dataparallel.binding import bind
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
 from cgdp.engine.core.dense_grads import DenseGrads
 from cgdp.engine.core.gradients import GradPart, Gradients, UserFault
@@ -134,9 +135,9 @@ class DataParallel(nn.Module):
             for a share of a global sum, a loss divided by a count of the whole batch); or
             ``"auto"``: ``"sum"`` in a call that passes ``num_items_in_batch`` (Hugging Face's
             global normaliser) which the model's forward then uses, ``"mean"`` otherwise.
-        update: ``"devices"`` (every replica steps a copy of your optimizer) or ``"host"``: your
-            optimizer steps float32 masters in host memory and every replica takes the updated
-            parameters; no device holds optimizer state (:mod:`cgdp.engine.dataparallel.host_mirror`).
+        update: ``"devices"`` (every replica steps a copy of your bound optimizer) or ``"host"``: a
+            copy of it steps float32 masters in host memory and every replica takes the updated
+            parameters; no device holds optimizer state (:mod:`cgdp.engine.dataparallel.binding`).
         share_devices: allow a GPU to be listed more than once (one replica per entry, each with
             its own copy streams), as for ``Trainer``: the G > 1 data path on a one-GPU machine,
             for tests and measurements, not for speed.
@@ -232,16 +233,13 @@ class DataParallel(nn.Module):
                                               host_memory)
         torch_devices = [d.torch_device for d in devs]
         self._grads = Gradients(dense, SparseGrads(sparse, torch_devices) if sparse[0] else None, torch_devices)
-        # the user's optimizer steps every replica (mirror.py asks this, not the module)
+        # a bound optimizer steps every replica (binding.py asks this, not the module)
         self._params = params
         self._steps = steps = ReplicaSteps(self._life, devs, self._threads, self._grads, self._state,
                                            weak_call(self._parameter_maps), self._stream, self._comm, tuner,
                                            self._guard.timeout_s, HostMasters(devs, params) if self._host_update else None)
-        registered = list(module.parameters()) + self._grad_buffers.current(0)
-        owner = mirror.register(steps, registered)
-        res.push(lambda: mirror.unregister(registered, owner))
-        # the mirrors hold the other replicas' parameters and optimizer state
-        res.push(lambda: [m.detach() for m in list(steps.mirrors)])
+        # the bindings hold the other replicas' parameters and optimizer state
+        res.push(lambda: [b.close() for b in list(steps.bindings)])
 
     def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
                       host_memory) -> tuple[DenseGrads, Any]:
@@ -259,7 +257,7 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------ public API
     @property
     def replicas(self) -> list[nn.Module]:
-        self._life.ops.clean_stale()  # after a step that failed on replica 0: identical again first
+        self._life.ops.clean_stale()  # after a backward that raised: its clean-up first
         return list(self._replicas)
 
     def rng_state(self) -> dict[str, Any]:
@@ -274,6 +272,14 @@ class DataParallel(nn.Module):
         self._rng.states = [s.clone() for s in state["states"]]
         if state.get("turns") is not None:
             self._rng.turns = state["turns"]
+
+    @operation("bind()")
+    def bind(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Bind ``optimizer`` (over this model's parameters) once: its ``step()`` then steps every
+        replica (:mod:`cgdp.engine.dataparallel.binding`), until :meth:`close`. Returns it; binding
+        it again does nothing."""
+        bind(optimizer, self._steps, {id(p) for p in self._state.params[0]} | set(self._grad_buffers.ids()))
+        return optimizer
 
     @property
     def plan(self) -> Plan:
@@ -373,7 +379,7 @@ class DataParallel(nn.Module):
         ``torch.optim.swa_utils.AveragedModel(model)`` (EMA, SWA) keep a plain module, which
         ``update_parameters(model)`` updates from replica 0's parameters. Wrap the copy to train it
         on several devices."""
-        self._life.ops.clean_stale()  # after a step that failed on replica 0: identical again first
+        self._life.ops.clean_stale()  # after a backward that raised: its clean-up first
         return copy.deepcopy(self.module, memo)
 
     def close(self) -> None:

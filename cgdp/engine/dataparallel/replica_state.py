@@ -8,7 +8,7 @@ place) is :class:`~cgdp.engine.core.follow.Follow`'s, the same for ``Trainer``.
 replica): :meth:`ReplicaState.after_forward` gives every replica the batch-weighted mean of the
 buffers a training forward wrote; :meth:`ReplicaState.broadcast` copies the buffers only (after a
 forward that failed on some replicas). Parameters are otherwise never copied: each replica takes
-the same optimizer step (:mod:`cgdp.engine.dataparallel.mirror`), and
+the same optimizer step (:mod:`cgdp.engine.dataparallel.binding`), and
 :meth:`ReplicaState.record_parameters` notes their version counters after every step.
 """
 from __future__ import annotations
@@ -23,11 +23,15 @@ from cgdp.engine.core.follow import Follow
 from cgdp.engine.core.replicas import batch_weights
 
 
+UNBOUND = (" of an optimizer bound to the model", "by an optimizer never bound to it, which steps replica 0 alone: "
+           "bind it once, opt = model.bind(opt), so that every replica takes each step itself; or ")
+
+
 class ReplicaState:
     def __init__(self, replicas: list[nn.Module], devices: list[torch.device]):
         self.replicas = replicas
         self.follow = Follow(replicas, devices, "cgdp.DataParallel", "close() and wrap model.module again",
-                             after_load=self._loaded)
+                             after_load=self._loaded, unbound=UNBOUND)
         self.params = self.follow.params
         """Per replica, all its parameters (trainable or not) in ``parameters()`` order."""
         self.rebuild_buffers()

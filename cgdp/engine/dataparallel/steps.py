@@ -1,20 +1,19 @@
-"""The model's side of the user's ``optimizer.step()``: every replica takes the same step.
+"""The model's side of a bound ``optimizer.step()``: every replica takes the same step.
 
-``DataParallel``'s update strategy (per-replica optimizers; ``Trainer``'s are in
-:mod:`cgdp.engine.core.update`). :mod:`cgdp.engine.dataparallel.mirror` intercepts the user's
-optimizer and asks this object, never the user's module:
+``DataParallel``'s update strategy (per-replica optimizers or the host's masters; ``Trainer``'s
+are in :mod:`cgdp.engine.core.update`). The optimizer bound to the model
+(:mod:`cgdp.engine.dataparallel.binding`) asks this object, never the user's module:
 
-* :meth:`ReplicaSteps.begin` before replica 0's step: the model's operation lock (held until
-  :meth:`ReplicaSteps.end`, or cleaned up by the model's next operation if torch never calls back
-  because the step raised), the gradients checked and made the same on every replica;
-* :meth:`ReplicaSteps.submit`: replica j's step on its device thread;
-* :meth:`ReplicaSteps.kept` and :meth:`ReplicaSteps.resynced` around a resync;
-* :meth:`ReplicaSteps.check_host_step` and :meth:`ReplicaSteps.host_copy_back` (``update="host"``,
-  :mod:`cgdp.engine.dataparallel.host_mirror`): the gradients a host step may read, and every
-  replica's parameters from the host's masters after it;
-* :meth:`ReplicaSteps.end` after every replica stepped: the replicas' parameters recorded, the
-  time since the last step given to the chunk-plan tuner (``chunks="auto"``: one iteration of the
-  user's loop under the current plan), and the lock given back.
+* :meth:`ReplicaSteps.begin` before the step: the model's operation lock (held until
+  :meth:`ReplicaSteps.end`, which the bound step calls in ``finally``), the gradients checked and
+  made the same on every replica;
+* :meth:`ReplicaSteps.submit`: replica j's step on its device thread; :meth:`ReplicaSteps.kept`
+  after it;
+* :meth:`ReplicaSteps.host_sum` and :meth:`ReplicaSteps.host_copy_back` (``update="host"``): the
+  gradients the host step may read in place, and every replica's parameters from the masters;
+* :meth:`ReplicaSteps.end`: the replicas' parameters recorded, the time since the last step given
+  to the chunk-plan tuner (``chunks="auto"``: one iteration of the user's loop under the current
+  plan), and the lock given back.
 """
 from __future__ import annotations
 
@@ -31,8 +30,6 @@ from cgdp.engine.core.lifetime import Lifetime
 from cgdp.engine.core.plan import tuned_plan
 from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.core.gradients import Gradients, GradState
-from cgdp.engine.dataparallel.host_mirror import HostMirror, lends_to_host
-from cgdp.engine.dataparallel.mirror import Mirror
 from cgdp.engine.dataparallel.replica_state import ReplicaState
 
 
@@ -49,12 +46,8 @@ class ReplicaSteps:
         self._stream, self._comm, self._timeout_s = stream, comm, timeout_s
         self.tuner = tuner
         self._t_step: float | None = None
-        self.mirrors: weakref.WeakSet = weakref.WeakSet()
-        """The :class:`~cgdp.engine.dataparallel.mirror.Mirror` of each optimizer that stepped the model."""
-
-    @property
-    def closed(self) -> bool:
-        return self._life.closed
+        self.bindings: weakref.WeakSet = weakref.WeakSet()
+        """The :class:`~cgdp.engine.dataparallel.binding.Binding` of each optimizer bound to the model."""
 
     def parameter_maps(self) -> list[dict[int, nn.Parameter]]:
         return self._maps()
@@ -62,11 +55,10 @@ class ReplicaSteps:
     def submit(self, j: int, fn: Callable[[], Any]) -> Future:
         return self._threads.submit(j, fn)
 
-    def begin(self, cleanup: Callable[[], None]) -> None:
-        """Before the optimizer steps: the operation lock, held until :meth:`end` (``cleanup`` if
-        that never comes)."""
+    def begin(self) -> None:
+        """Before the optimizer steps: the operation lock, held until :meth:`end`."""
         ops = self._life.ops
-        ops.take("optimizer.step()", cleanup=cleanup)
+        ops.take("optimizer.step()")
         try:
             self._life.check_usable()
             for d in self._devs:  # the copies back are ordered before the default streams only
@@ -76,30 +68,13 @@ class ReplicaSteps:
             ops.give()
             raise
 
-    def make_mirror(self, opt: Any) -> Any:
-        """What steps the replicas for the user's optimizer ``opt``: a mirror optimizer per replica,
-        or (``update="host"``) the host's masters lent to ``opt``."""
-        if self.host_masters is None or not lends_to_host(opt, self.host_masters):
-            return Mirror(opt, self)  # (update="host": an optimizer of sparse parameters only)
-        return HostMirror(opt, self)
-
     def optimizers(self) -> tuple[list[list[Any]], list[Any]]:
         """Per replica, the optimizers that step it on its device; and those that step on the host."""
-        mirrors = list(self.mirrors)
-        if self.host_masters is not None:
-            on_host = [m.opt for m in mirrors if isinstance(m, HostMirror)]
-            mirrors = [m for m in mirrors if not isinstance(m, HostMirror)]
-            return ([[m.opt for m in mirrors]]
-                    + [[m.mirrors[j - 1] for m in mirrors if m.mirrors] for j in range(1, len(self._devs))], on_host)
-        return ([[m.opt for m in mirrors]]
-                + [[m.mirrors[j - 1] for m in mirrors if m.mirrors] for j in range(1, len(self._devs))], [])
-
-    def check_host_step(self) -> None:
-        """A host step reads replica 0's gradient as the total: refused on the parts of ``no_sync()``."""
-        if not self._grads.summed:
-            raise RuntimeError("update='host' steps on the summed gradient, and this one is still in parts "
-                               "(backwards inside model.no_sync()): run the last backward of the step outside "
-                               "no_sync() before optimizer.step()")
+        bound = [b for b in self.bindings if b.opt() is not None]
+        on_devices = [b for b in bound if not hasattr(b, "host")]
+        return ([[b.opt() for b in on_devices]] + [[b.mirrors[j - 1] for b in on_devices if b.mirrors]
+                                                   for j in range(1, len(self._devs))],
+                [b.opt() for b in bound if hasattr(b, "host")])
 
     def host_sum(self) -> tuple[Any, list[int]] | None:
         """The host's sum row and the flat layout's offsets, when every replica holds that sum as
@@ -115,12 +90,9 @@ class ReplicaSteps:
         """Every replica's parameters ``pids`` ← their masters (after the host step)."""
         self.host_masters.to_devices(self._threads, pids)
 
-    def resynced(self) -> None:
-        self._state.record_parameters()  # every replica took replica 0's parameters (a step failed)
-
     def kept(self) -> bool:
         """After the optimizer stepped every replica: whether replica 0's gradients were left as
-        its mirrors had them (if not, the mirrors resync and this warns)."""
+        the mirrors had them (if not, the mirrors resync and this warns)."""
         return self._grads.kept()
 
     def end(self) -> None:

@@ -1,0 +1,347 @@
+"""The user's optimizer bound once to a ``DataParallel``: its ``step()`` steps every replica.
+
+``opt = model.bind(torch.optim.AdamW(model.parameters()))`` (as Horovod's ``DistributedOptimizer``
+and DeepSpeed's engine take the optimizer once) puts three things on that one optimizer, and
+nothing anywhere else (no global hook, no per-step swap of the user's objects); ``close()``
+removes them, and the optimizer steps replica 0 alone again:
+
+1. **its ``step``**, an attribute of the instance over the one it had (its class's, or an LR
+   scheduler's counter), as torch's ``LRScheduler`` puts its counter there: the same signature
+   (``GradScaler`` reads it), a ``__func__`` (a scheduler built later wraps it). It is the
+   outermost call by construction: a subclass's ``super().step()`` runs inside it. In one
+   ``try``/``finally`` it takes the model's operation lock and checks the gradients
+   (``Gradients.check_step``), then steps every replica (:meth:`Binding._step`), and gives the
+   lock back;
+2. **a step pre-hook** that refuses a step past that attribute (``type(opt).step(opt)``, a bound
+   method saved before ``bind``) with :data:`PAST_BINDING`: it would step replica 0 alone;
+3. **a load post-hook**: ``opt.load_state_dict`` reloads what steps the other replicas.
+
+``update="devices"`` (:class:`Binding`): one *mirror* optimizer per other replica, the user's class
+built over that replica's parameters with a copy of the user's state. Every step copies the
+user's hyperparameters (schedulers, manual changes) and ``GradScaler``'s attributes into the
+mirrors, starts their steps on the device threads, runs the user's step on replica 0, and waits.
+Invariant: after every step each replica's parameters and optimizer state are bitwise replica
+0's (the same gradients, state, hyperparameters and code). A step that raised anywhere is
+followed by a *resync*: every replica takes replica 0's parameters and state, what one device
+holds after its step raised.
+
+``update="host"`` (:class:`HostBinding`): one optimizer of the user's class over the host's float32
+masters, built at ``bind``; its per-parameter state dicts are the very dicts of ``opt.state`` (on
+the host), and it runs the user's step hooks (the same hook dictionaries). The user's
+``param_groups`` keep replica 0's parameters; ``state_dict()`` and ``load_state_dict()`` work on
+the user's object. Every step copies the hyperparameters, steps the host optimizer (torch's fused
+CPU kernel where the user chose no implementation) and copies the masters to every replica, also
+after a step that raised (what one device holds then). A subclass that overrides ``step()`` is
+refused at ``bind`` (:data:`OWN_STEP`): its step would run on that host optimizer, not on the
+user's object. An optimizer that holds no parameter with a master (a sparse embedding's
+``SparseAdam``) gets device mirrors.
+
+The binding holds the optimizer and the model's :class:`~cgdp.engine.dataparallel.steps.ReplicaSteps`
+weakly: the optimizer holds it (through its ``step``), never the other way round.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import threading
+import types
+import weakref
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+
+from cgdp.engine.core.host_state import prefer_fused
+from cgdp.engine.core.host_update import grad_of, is_none
+
+_ATTR = "_cgdp_binding"
+_AMP_ATTRS = ("grad_scale", "found_inf")
+"""What ``GradScaler.step`` sets on an optimizer for the length of its step (torch/amp/grad_scaler.py)."""
+
+FOREIGN = ("this optimizer holds parameters of a cgdp.DataParallel together with other parameters (or those of "
+           "another DataParallel); an optimizer may hold the parameters of one DataParallel only "
+           "(model.parameters() or a subset): build a separate optimizer for the others. A layer replaced after "
+           "wrapping has parameters the DataParallel does not train: replace layers before wrapping")
+NEW_PARAMETER = ("this optimizer holds a parameter that the cgdp.DataParallel did not have when it was built (a layer "
+                 "replaced after wrapping?): it cannot step it on every replica. Replace layers before wrapping, or "
+                 "close() and wrap model.module again")
+CLOSURE = ("optimizer.step(closure) is not supported with cgdp.DataParallel: the closure would run on replica 0 "
+           "only")
+PAST_BINDING = ("this optimizer's step was called past the step cgdp.DataParallel.bind gave it "
+                "(type(optimizer).step(optimizer), or a step method saved before bind), which would step replica 0 "
+                "alone: call optimizer.step()")
+OWN_STEP = ("update='host' steps a copy of your optimizer's class over float32 masters on the host, and {cls} "
+            "overrides step(), which would then run on that copy, not on your object: use a torch.optim optimizer "
+            "(with step hooks for extra work), or update='devices'")
+
+
+def bind(opt: torch.optim.Optimizer, steps: Any, owned: set[int]) -> None:
+    """Bind ``opt`` to the model whose :class:`ReplicaSteps` is ``steps`` (``owned``: the ids of
+    its replica 0's parameters); nothing if it is bound to it already."""
+    b = opt.__dict__.get(_ATTR)
+    if b is not None and b.steps() is steps:
+        return
+    if b is not None or any(id(p) not in owned for g in opt.param_groups for p in g["params"]):
+        raise ValueError(FOREIGN)
+    pid = steps.host_masters.pid if steps.host_masters is not None else ()
+    host = any(id(p) in pid for g in opt.param_groups for p in g["params"])
+    (HostBinding if host else Binding)(opt, steps)
+
+
+class Binding:
+    """``update="devices"``: ``mirrors[j - 1]`` steps replica j."""
+
+    def __init__(self, opt: torch.optim.Optimizer, steps: Any):
+        self.steps = weakref.ref(steps)
+        self.opt = weakref.ref(opt)
+        self.stepping: threading.Thread | None = None
+        """The thread inside the bound step (the guard lets the optimizer's own step run there)."""
+        self.closed = False
+        self.inflight: list = []
+        self.mirrors: list[torch.optim.Optimizer] = []
+        self.targets: list[tuple[torch.optim.Optimizer, dict, torch.device]] = []
+        self._lens: list[int] = []
+        self._build(opt, steps)
+        inner = opt.step
+        method = isinstance(inner, types.MethodType) and inner.__self__ is opt
+        self._had = opt.__dict__.get("step")
+        self._inner = (inner.__func__ if method else inner, method)  # no reference to opt itself
+        self._handles = [opt.register_step_pre_hook(self._guard), opt.register_load_state_dict_post_hook(self._reload)]
+        opt.__dict__["step"] = _outermost(self, inner)
+        opt.__dict__[_ATTR] = self
+        steps.bindings.add(self)
+
+    def _build(self, opt: torch.optim.Optimizer, steps: Any) -> None:
+        self.maps = steps.parameter_maps()
+        self.mirrors = [_construct(opt, self._groups(opt.param_groups, m)) for m in self.maps]
+        self.targets = [(m, mp, next(iter(mp.values())).device) for m, mp in zip(self.mirrors, self.maps)]
+        """(optimizer, id(user's parameter) -> its, device) of what the bound step steps besides replica 0."""
+        self._lens = [len(g["params"]) for g in opt.param_groups]
+        if opt.state:
+            self._reload(opt)
+
+    def _groups(self, groups: list[dict], mapping: dict[int, Any]) -> list[dict]:
+        if any(id(p) not in mapping for g in groups for p in g["params"]):
+            raise ValueError(NEW_PARAMETER)
+        return [{**g, "params": [mapping[id(p)] for p in g["params"]]} for g in groups]
+
+    def step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+        if self.closed:  # a scheduler's counter built over this step outlived close(): replica 0 alone
+            return self._call(opt, args, kwargs)
+        if (args and args[0] is not None) or kwargs.get("closure") is not None:
+            raise NotImplementedError(CLOSURE)
+        steps = self.steps()
+        steps.begin()  # the model's operation lock, the gradients checked
+        self.stepping = threading.current_thread()
+        try:
+            self._sync_groups(opt)
+            for k in _AMP_ATTRS:  # GradScaler's, for an optimizer that unscales in its step (fused)
+                v = getattr(opt, k, None)
+                for m, _, _ in self.targets:
+                    m.__dict__.pop(k, None) if v is None else setattr(m, k, v)
+            return self._step(opt, steps, args, kwargs)
+        finally:
+            self.stepping = None
+            steps.end()  # the lock given back
+
+    def _call(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+        fn, method = self._inner
+        return fn(opt, *args, **kwargs) if method else fn(*args, **kwargs)
+
+    def _step(self, opt: torch.optim.Optimizer, steps: Any, args: tuple, kwargs: dict) -> Any:
+        self.inflight = [steps.submit(j, m.step) for j, m in enumerate(self.mirrors, start=1)]
+        try:
+            out = self._call(opt, args, kwargs)
+        except BaseException:
+            self._wait()
+            self.resync(opt)  # what one device holds after its step raised
+            raise
+        errors = self._wait()
+        if errors or not steps.kept():
+            self.resync(opt)  # a mirror raised, or replica 0 stepped on other gradients than its mirrors
+        if errors:
+            j, exc = errors[0]
+            raise RuntimeError(f"optimizer.step() raised on replica {j} ({exc!r}) after replica 0's step had "
+                               f"completed; every replica now holds replica 0's parameters and optimizer "
+                               f"state, so the step took effect and the replicas are identical") from exc
+        return out
+
+    def _guard(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self.stepping is not threading.current_thread():
+            raise RuntimeError(PAST_BINDING)
+
+    def _sync_groups(self, opt: torch.optim.Optimizer) -> None:
+        """Groups added with ``add_param_group`` go to the targets; hyperparameters are copied."""
+        groups = opt.param_groups
+        if len(groups) > len(self._lens):
+            for m, mp, _ in self.targets:
+                for g in self._groups(groups[len(self._lens):], mp):
+                    m.add_param_group(g)
+            self._lens += [len(g["params"]) for g in groups[len(self._lens):]]
+        if any(len(g["params"]) != n for g, n in zip(groups, self._lens)):
+            raise RuntimeError("the parameters of an optimizer param group of a cgdp.DataParallel changed after "
+                               "it was bound; add parameters with optimizer.add_param_group instead")
+        for m, _, dev in self.targets:
+            for gu, gm in zip(groups, m.param_groups):
+                for k, v in gu.items():
+                    if k != "params":
+                        gm[k] = v.to(dev) if isinstance(v, torch.Tensor) and v.device != dev else v
+
+    def _reload(self, opt: torch.optim.Optimizer) -> None:
+        """After ``opt.load_state_dict`` (and at bind): every mirror gets its own copy of the state."""
+        self._sync_groups(opt)
+        state = opt.state_dict()
+        for m in self.mirrors:
+            m.load_state_dict(copy.deepcopy(state))
+
+    def _wait(self) -> list[tuple[int, BaseException]]:
+        """Wait for the other replicas' steps; (replica, exception) of those that raised."""
+        inflight, self.inflight = self.inflight, []
+        errors = []
+        for j, f in enumerate(inflight, start=1):
+            try:
+                f.result()  # note: host waits for the other replicas' updates
+            except BaseException as exc:
+                errors.append((j, exc))
+        return errors
+
+    def resync(self, opt: torch.optim.Optimizer) -> None:
+        """Every replica takes replica 0's parameters (those of this optimizer) and optimizer state."""
+        with torch.no_grad():
+            for mapping in self.maps:
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        mapping[id(p)].copy_(p)
+        self._reload(opt)
+
+    def close(self) -> None:
+        """The model closed: the optimizer steps replica 0 alone, as before ``bind``."""
+        self.closed = True
+        for h in self._handles:
+            h.remove()
+        self.mirrors, self.maps, self.targets = [], [], []
+        opt = self.opt()
+        if opt is None:
+            return
+        d = opt.__dict__
+        d.pop(_ATTR, None)
+        if getattr(d.get("step"), "cgdp_bound", False):  # (a scheduler's counter built since stays over it)
+            if self._had is None:
+                del d["step"]
+            else:
+                d["step"] = self._had
+
+
+class HostBinding(Binding):
+    """``update="host"``: one optimizer of the user's class steps the host's masters."""
+
+    def _build(self, opt: torch.optim.Optimizer, steps: Any) -> None:
+        if not getattr(type(opt).step, "__module__", "").startswith("torch.optim"):  # (torch's wrapper keeps it)
+            raise TypeError(OWN_STEP.format(cls=type(opt).__name__))
+        self.masters = m = steps.host_masters
+        self._to_master = {id(p): master for p, master in zip(m.params[0], m.masters)}
+        self.maps = []
+        self.host = _construct(opt, self._groups(opt.param_groups, self._to_master))
+        self.targets = [(self.host, self._to_master, torch.device("cpu"))]
+        self.host._optimizer_step_pre_hooks = opt._optimizer_step_pre_hooks  # the user's step hooks, shared
+        self.host._optimizer_step_post_hooks = opt._optimizer_step_post_hooks
+        self._lens = [len(g["params"]) for g in opt.param_groups]
+        self._reload(opt)
+
+    def _groups(self, groups: list[dict], mapping: dict[int, Any]) -> list[dict]:
+        """Parameters without a master (frozen when the model was wrapped) are skipped, as torch
+        skips a parameter without a gradient."""
+        return [{**g, "params": [mapping[id(p)] for p in g["params"] if id(p) in mapping]} for g in groups]
+
+    def _reload(self, opt: torch.optim.Optimizer) -> None:
+        """At bind and after ``opt.load_state_dict``: the host optimizer's state is the user's
+        per-parameter dicts, their tensors moved to the host."""
+        self._sync_groups(opt)
+        self._plan(opt)
+        self._user_state = opt.state
+        state: defaultdict = defaultdict(dict)
+        for p, s in opt.state.items():
+            if id(p) in self._to_master:
+                for k, v in list(s.items()):
+                    if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+                        s[k] = v.to("cpu")
+                state[self._to_master[id(p)]] = s
+        self.host.state = state
+
+    def _plan(self, opt: torch.optim.Optimizer) -> None:
+        """The masters this optimizer steps (worked out again when a group is added)."""
+        pid, ps = self.masters.pid, [p for g in opt.param_groups for p in g["params"]]
+        self._pids = [pid[id(p)] for p in ps if id(p) in pid]
+        self._others = [p for p in ps if id(p) not in pid]
+        self._back = {id(self._to_master[id(p)]): p for p in ps if id(p) in pid}
+        self._planned = len(opt.param_groups)
+
+    def _step(self, opt: torch.optim.Optimizer, steps: Any, args: tuple, kwargs: dict) -> Any:
+        if opt.state is not self._user_state:  # replaced without load_state_dict
+            self._reload(opt)
+        elif len(opt.param_groups) != self._planned:  # add_param_group
+            self._plan(opt)
+        for p in self._others:
+            if p.grad is not None:
+                raise NotImplementedError(
+                    "update='host' steps the parameters that were dense and trainable when the model was wrapped; "
+                    "this optimizer also holds one with a gradient that is not among them (a sparse embedding's, "
+                    "or one unfrozen after wrapping): give the sparse parameters an optimizer of their own (e.g. "
+                    "torch.optim.SparseAdam: it steps on the devices), unfreeze before wrapping, or use "
+                    "update='devices'")
+        m, pids = self.masters, self._pids
+        m.follow()
+        grads = [grad_of(m.params[0][k]) for k in pids]
+        summed = steps.host_sum()
+        if summed is not None:  # the host's sum as is: read in place, no copy from the device
+            m.grads_from_row(summed[0], summed[1], [k for k, g in zip(pids, grads) if g is None]
+                             if any(map(is_none, grads)) else [])
+        else:
+            m.grads_from(grads, pids)
+        prefer_fused(self.host)
+        opt._opt_called = True  # what an LR scheduler built before bind looks for (its counter is not run)
+        n = len(self.host.state)
+        try:
+            return self.host.step()
+        finally:
+            if len(self.host.state) != n:  # the first step made the state: the user's object holds it too
+                for master, s in self.host.state.items():
+                    opt.state[self._back[id(master)]] = s
+            steps.host_copy_back(pids)  # also after a raise: what one device holds then
+
+    def close(self) -> None:
+        """The optimizer gets its state back on the parameters' device (torch's own placement)."""
+        super().close()
+        opt = self.opt()
+        if opt is not None and opt.state:
+            opt.load_state_dict(opt.state_dict())
+
+
+def _outermost(b: Binding, inner: Callable[..., Any]) -> Callable[..., Any]:
+    """The instance's ``step``: ``inner``'s signature, a ``__func__`` a scheduler can wrap, the
+    optimizer held weakly (no reference cycle: its state is freed with its last reference)."""
+    def unbound(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return b.step(self, args, kwargs)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        return b.step(b.opt(), args, kwargs)
+    step.__func__ = unbound  # type: ignore[attr-defined]
+    step.__signature__ = inspect.signature(inner)  # type: ignore[attr-defined]
+    step.cgdp_bound = True  # type: ignore[attr-defined]
+    if getattr(inner, "_wrapped_by_lr_sched", False):  # what a scheduler checks its counter by
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return step
+
+
+def _construct(opt: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """``type(opt)(groups, **opt.defaults)``: every group carries all its hyperparameters; the
+    defaults only matter for groups added later (and some are not constructor arguments: AdamW's)."""
+    cls = type(opt)
+    sig = inspect.signature(cls.__init__).parameters
+    any_kw = any(p.kind is p.VAR_KEYWORD for p in sig.values())
+    try:
+        return cls(groups, **{k: v for k, v in opt.defaults.items() if any_kw or k in sig})
+    except TypeError as exc:
+        raise TypeError(f"cgdp.DataParallel steps every replica with a copy of your optimizer, built as "
+                        f"{cls.__name__}(param_groups, **optimizer.defaults), which failed ({exc}). Give "
+                        f"{cls.__name__} a constructor that accepts its defaults as keywords") from exc
