@@ -192,6 +192,38 @@ class Lifetime:
         if self.ops.close(self._stop, self.release):
             self.release()
 
+    def start(self, owner: object, model: torch.nn.Module, devices: Any, share_devices: bool) -> list[Any]:
+        """The start both faces share: ``model`` claimed (given back last), the devices made (closed at the end, after
+        every copy in flight), none of them on a user's stream (the engine's buffers must not live there)."""
+        from cgdp.engine.backend import make_devices
+        from cgdp.engine.core.claims import claim
+        res, name = self.resources, self.name if self.name.startswith("cgdp.") else f"cgdp.{self.name}"
+        res.push(claim(owner, model, name).release)
+        devs = res.devs = make_devices(devices, self._stop, share_devices)
+        for d in devs:
+            res.push(d.close)
+        for d in devs:
+            d.check_caller(f"{name}(...)")
+        return devs
+
+    def open_comm(self, comm: Any, timeout_s: float | None, signature: Callable[[], dict[str, str]]) -> Any:
+        """The engine's comm (None for one machine), closed with it; every rank started alike (``signature()``)."""
+        from cgdp.comm import make_comm
+        comm = make_comm(comm, timeout_s=timeout_s)
+        if comm is not None:
+            self.resources.push(comm.close)
+            comm.attach(self._stop)
+            comm.check_same(signature())
+        return comm
+
+    def fail(self, exc: BaseException, devs: Any, host: Any) -> str | None:
+        """The failure path both faces share: every wait stopped by ``exc``, every stream and the host brought to rest;
+        why the engine cannot go on (also set as :attr:`broken`), or None."""
+        from cgdp.engine.core.drain import drain_after_failure
+        self._stop(exc)
+        self.broken = drain_after_failure(devs, host)
+        return self.broken
+
 
 def operation(what: str) -> Callable[[F], F]:
     """A method that is one operation of its engine (``self._life``): holds the operation lock, on a usable engine only.

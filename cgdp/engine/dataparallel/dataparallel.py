@@ -65,10 +65,8 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from cgdp.comm import Comm, make_comm
-from cgdp.engine.backend import default_devices, host_threads, make_devices, make_rng, parse_devices
-from cgdp.engine.core.claims import claim
-from cgdp.engine.core.drain import drain_after_failure
+from cgdp.comm import Comm
+from cgdp.engine.backend import default_devices, host_threads, make_rng, parse_devices
 from cgdp.engine.core.host_update import HostMasters, check_host_update
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.memory_report import memory_report
@@ -181,24 +179,15 @@ class DataParallel(nn.Module):
         self._guard = Guard(timeout_s)
         # one operation at a time, and what close() releases (also when dropped without close())
         self._life = Lifetime(self, NAME, "wrap model.module again", _refusal, _stopped, self._guard.fail)
-        res = self._life.resources
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
         self._comm: Comm | None = None
         try:
-            res.push(claim(self, module, NAME).release)  # one engine per model, given back last
-            self._devs = res.devs = make_devices(devices, self._guard.fail, share_devices)
-            for d in self._devs:
-                res.push(d.close)
-            for d in self._devs:
-                d.check_caller("cgdp.DataParallel(...)")  # its buffers must not live on a user stream
+            self._devs = self._life.start(self, module, devices, share_devices)
             self.output_device = self._devs[0].torch_device
             """Where the gathered outputs are (``devices[0]``): put the targets there."""
-            self._comm = make_comm(comm, timeout_s=timeout_s)
-            if self._comm is not None:
-                res.push(self._comm.close)
-                self._comm.attach(self._guard.fail)
-                self._comm.check_same(signature("DataParallel", module, infos, len(devices), dtype))
+            self._comm = self._life.open_comm(comm, timeout_s,
+                                              lambda: signature("DataParallel", module, infos, len(devices), dtype))
             self._build(module, infos, layer_params, dtype, chunks, segment_bytes, host_memory)
         except BaseException:
             self.close()
@@ -446,8 +435,7 @@ class DataParallel(nn.Module):
         """A backward that raised never reached :meth:`_end_backward` (the clean-up of its stale
         hold of the operation lock): its copies may still be in flight and the gradients are
         partial. Let everything stop, then keep or drop them."""
-        self._guard.fail(RuntimeError("the previous backward failed"))
-        self._life.broken = drain_after_failure(self._devs, self._host())
+        self._life.fail(RuntimeError("the previous backward failed"), self._devs, self._host())
         self._guard.reset()
         self._grads.fail()
 
@@ -458,8 +446,7 @@ class DataParallel(nn.Module):
         except UserFault as exc:  # the user's hook raised, or an edit inside no_sync(): gradients dropped, nothing broke
             raise exc.error from None
         except BaseException as exc:
-            self._guard.fail(exc)
-            self._life.broken = (drain_after_failure(self._devs, self._host())
+            self._life.broken = (self._life.fail(exc, self._devs, self._host())
                                  or f"a backward failed, the replicas' gradients may differ ({exc!r})")
             if isinstance(exc, StepAborted) and self._guard.error is not None:
                 raise self._guard.error from None  # the cause (close() from another thread, a device's error)

@@ -42,12 +42,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from cgdp.comm import Comm, make_comm
-from cgdp.engine.backend import host_threads, make_devices, make_rng
+from cgdp.comm import Comm
+from cgdp.engine.backend import host_threads, make_rng
 from cgdp.engine.core.buffers import BufferWatch, copy_from_first, sync_buffers
-from cgdp.engine.core.claims import claim
 from cgdp.engine.core.clip import clip_coefficient
-from cgdp.engine.core.drain import drain_after_failure, quiesce
+from cgdp.engine.core.drain import quiesce
 from cgdp.engine.core.layers import LayerInfo, number_params
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.follow import Follow
@@ -156,14 +155,8 @@ class Trainer:
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
         self._comm: Comm | None = None
-        res = self._life.resources  # stopped by close(), or when the trainer is dropped unclosed
         try:
-            res.push(claim(self, model, "cgdp.Trainer").release)  # one engine per model, given back last
-            self._devs = res.devs = make_devices(devices, self._guard.fail, share_devices)
-            for d in self._devs:
-                res.push(d.close)
-            for d in self._devs:  # the flat buffers must not be allocated on a user's stream
-                d.check_caller("cgdp.Trainer(...)")
+            self._devs = self._life.start(self, model, devices, share_devices)
             self._build(model, optimizer, chunks, comm)
             self._schedulers = Schedulers(scheduler, self.optimizers)
             self.schedulers = self._schedulers.schedulers
@@ -187,14 +180,10 @@ class Trainer:
         if self._host_update:  # the one optimizer, on the host; the replicas' are never stepped
             self.optimizers = [self._update.optimizer]
 
-        self._comm = make_comm(comm, timeout_s=self._timeout_s)
-        if self._comm is not None:
-            self._life.resources.push(self._comm.close)
-            self._comm.attach(self._guard.fail)
-            opt = reps.optimizers[0]
-            self._comm.check_same(signature("Trainer", model, self.layers, len(self._devs), self._dtype, mode=self.mode,
-                                            optimizer=type(opt).__name__,
-                                            optimizer_defaults=repr(sorted(opt.defaults.items(), key=str))))
+        opt = reps.optimizers[0]
+        self._comm = self._life.open_comm(comm, self._timeout_s, lambda: signature(
+            "Trainer", model, self.layers, len(self._devs), self._dtype, mode=self.mode, optimizer=type(opt).__name__,
+            optimizer_defaults=repr(sorted(opt.defaults.items(), key=str))))
 
         plan, self.tuner = first_plan(chunks, self._layer_bytes, len(self._devs), self._comm,
                                       tuned=self._update.streams, paper=True)
@@ -483,8 +472,7 @@ class Trainer:
                 self._sync_buffers()
             self._quiesce()
             return
-        self._guard.fail(exc)
-        self._life.broken = drain_after_failure(self._devs, self._stream.host)
+        self._life.fail(exc, self._devs, self._stream.host)
         if phase == "update" and not getattr(self._update, "undone", False):  # update="host" undoes its own
             self._life.broken = f"a failure during the update may have left replicas different ({exc!r})"
         if self._comm is not None and phase != "forward":
