@@ -48,8 +48,8 @@ class DenseGrads(GradPart):
         self.has_grad = np.array([g is not None for g in initial], bool)
         self._warned = self._warned_data = False
         self._aside: dict[int, torch.Tensor] = {}  # gradients set aside while hooks run on a sum
-        self._held: torch.Tensor | None = None  # replica 0's bits after a backward inside no_sync()
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (after it, before the next)
+        self._window_bits: torch.Tensor | None = None  # replica 0's bits after a backward inside no_sync()
+        self._window_sums: list[tuple[torch.Tensor, torch.Tensor]] = []  # (after it, before the next)
         views = stream.hooks[0].views
         with torch.no_grad():
             for pid, g in enumerate(initial):
@@ -60,18 +60,18 @@ class DenseGrads(GradPart):
         self.set_none()
         self.record()
 
-    def begin(self, sync: bool, summed: bool) -> None:
+    def begin(self, sync: bool, whole: bool) -> None:
         """Before a backward adds to the buffers (the gather's backward): take the user's gradient
         hooks off for this backward (they run on its sum), make the buffers hold what it must add
         to, set aside the gradients of hooked parameters, arm the hooks (``sync``: send)."""
         hooks = self.param_hooks
-        if hooks.take() and not (sync and summed):
+        if hooks.take() and not (sync and whole):
             hooks.put_back()
             raise RuntimeError("a parameter of the model has a gradient hook (register_hook), which cgdp "
                                "runs on each backward's summed gradient; inside model.no_sync() that sum "
                                "is never formed. Accumulate outside no_sync(), or remove the hook")
-        self.prepare(summed)
-        self.set_aside(list(hooks.held))
+        self.prepare(whole)
+        self.set_aside(list(hooks.taken))
         self.stream.arm(sending=sync)
 
     def end(self, sync: bool) -> bool:
@@ -88,8 +88,8 @@ class DenseGrads(GradPart):
             self._comm.fence(self._timeout_s)
             # a parameter with a gradient on any rank has one on every rank
             touched = self._comm.allreduce_small(touched + self.has_grad)
-        self._check_held(sync)
-        hooked = bool(self.param_hooks.held)
+        self._check_window(sync)
+        hooked = bool(self.param_hooks.taken)
         if hooked:  # the user's gradient hooks, on the sum (the host's norm is of the sum before them)
             try:
                 self.apply_hooks(touched)
@@ -97,18 +97,18 @@ class DenseGrads(GradPart):
                 self._aside = {}
                 raise UserFault(exc) from exc
         self.finish(touched)
-        self._held = None if sync else _bit_sum(st.flats[0])  # on the device, not waited for
+        self._window_bits = None if sync else _bit_sum(st.flats[0])  # on the device, not waited for
         return hooked
 
-    def _check_held(self, sync: bool) -> None:
+    def _check_window(self, sync: bool) -> None:
         """After a synced backward: replica 0's gradients must not have changed between the
         backwards of a ``no_sync()`` window (an edit through ``.data`` moves no version counter),
         where every replica holds its own part: the edit of one part is not that of the sum.
         Compared by the integer sums of their bits, issued on the device as each backward ended
         and began, read here once (the host already waited for this backward)."""
-        if not sync or not self._pending:
+        if not sync or not self._window_sums:
             return
-        pairs, self._pending = self._pending, []
+        pairs, self._window_sums = self._window_sums, []
         if bool(torch.stack([a != b for a, b in pairs]).any()):
             raise UserFault(RuntimeError(_EDITED_IN_NO_SYNC))
 
@@ -117,7 +117,7 @@ class DenseGrads(GradPart):
         self.stream.disarm()
         self.param_hooks.put_back()
 
-    def prepare(self, summed: bool) -> None:
+    def prepare(self, whole: bool) -> None:
         """Before a backward adds to the buffers: make them hold what it must add to."""
         st = self.stream
         views0 = st.hooks[0].views
@@ -128,28 +128,28 @@ class DenseGrads(GradPart):
         early = st.touched() > 0
         self.has_grad |= early
         edited = st.flats[0]._version != self.versions[0]
-        held, self._held = self._held, None
-        if not summed and any(g is not None and g is not v and not e for g, v, e in zip(grads, views0, early)):
+        bits, self._window_bits = self._window_bits, None
+        if not whole and any(g is not None and g is not v and not e for g, v, e in zip(grads, views0, early)):
             raise RuntimeError(_EDITED_IN_NO_SYNC)  # p.grad = p.grad * 0.5 inside the window
-        if held is not None and not edited and any(g is not None for g in grads):
-            self._pending.append((held, _bit_sum(st.flats[0])))
+        if bits is not None and not edited and any(g is not None for g in grads):
+            self._window_sums.append((bits, _bit_sum(st.flats[0])))
         with torch.no_grad():
             if all(g is None for g in grads):  # zero_grad(): a new accumulation from zero
                 for flat in st.flats:
                     flat.zero_()
                 self.has_grad[:] = False
-                self._pending = []
+                self._window_sums = []
             else:
-                if not summed:  # early gradients that replaced a None .grad: zero_grad
+                if not whole:  # early gradients that replaced a None .grad: zero_grad
                     for pid in np.flatnonzero(early & (np.frombuffer(st.hooks[0].replaced, np.uint8) > 0)):
                         for hooks in st.hooks[1:]:
                             hooks.views[pid].zero_()
-                if edited and not summed and not early.any():
+                if edited and not whole and not early.any():
                     # inside a no_sync window the other replicas hold their own partial sums; only
                     # zeroing replica 0 (zero_grad(set_to_none=False)) has a meaning for them
                     if bool(st.flats[0].any()):  # note: a CPU-GPU sync point, on this rare path only
                         raise RuntimeError(_EDITED_IN_NO_SYNC)
-                    self._pending = []
+                    self._window_sums = []
                     for flat in st.flats[1:]:
                         flat.zero_()
                 for pid, g in enumerate(grads):
@@ -160,7 +160,7 @@ class DenseGrads(GradPart):
                     elif g is not views0[pid]:
                         views0[pid].copy_(g)
                         self.has_grad[pid] = True
-                if summed:  # they hold the total, which replica 0 keeps
+                if whole:  # they hold the total, which replica 0 keeps
                     for flat in st.flats[1:]:
                         flat.zero_()
         self._attach()
@@ -197,7 +197,7 @@ class DenseGrads(GradPart):
         self.set_none()
         self.record()
 
-    def undo(self, summed: bool) -> bool:
+    def undo(self, whole: bool) -> bool:
         """After a backward failed: the gradients set aside go back; then, if no hook ran after
         :meth:`prepare` (it failed before any replica's gradient was accumulated), put back what the
         buffers held before it, as one device keeps its gradients; whether it could.
@@ -208,7 +208,7 @@ class DenseGrads(GradPart):
         if st.touched().any():
             return False
         with torch.no_grad():
-            if summed:
+            if whole:
                 for flat in st.flats[1:]:
                     flat.copy_(st.flats[0])
         self.set_none()
@@ -217,7 +217,7 @@ class DenseGrads(GradPart):
 
     def drop(self) -> None:
         """Every gradient dropped (after a failed backward): all buffers zero, ``.grad`` None."""
-        self._held, self._pending = None, []
+        self._window_bits, self._window_sums = None, []
         with torch.no_grad():
             for flat in self.stream.flats:
                 flat.zero_()
@@ -246,7 +246,7 @@ class DenseGrads(GradPart):
         self.set_none()
         self.record()
 
-    def follow_edits(self, summed: bool) -> bool:
+    def follow_edits(self, whole: bool) -> bool:
         """If replica 0's gradients changed since the last record, copy them to every replica;
         whether they had. An edit through ``.data`` (``p.grad.data.clamp_(...)``) moves no
         version counter: after a synced backward, when every replica must hold the same bits,
@@ -255,7 +255,7 @@ class DenseGrads(GradPart):
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]
         changed = st.flats[0]._version != self.versions[0] or not self.attached(grads)
-        through_data = (not changed and summed and len(st.flats) > 1
+        through_data = (not changed and whole and len(st.flats) > 1
                         and not same_bits(st.flats[0], st.flats[1]))
         if not (changed or through_data):
             return False

@@ -22,7 +22,7 @@ state              what the replicas hold                                       
                    wrapping)
 ``ACCUMULATING``   each replica its own part (backwards inside ``no_sync()``)   a backward, an edit
 ``SENDING``        a synced backward is running: chunks stream to the host      its end (or failure)
-``HOLDING``        a backward inside ``no_sync()`` is running: nothing is sent  its end (or failure)
+``LOCAL``          a backward inside ``no_sync()`` is running: nothing is sent  its end (or failure)
 ``DROPPED``        nothing (every ``.grad`` None): a backward failed partway;   the next backward that
                    ``optimizer.step()`` is refused                              completes
 =================  ===========================================================  =====================
@@ -66,16 +66,16 @@ class GradState(enum.Enum):
     EDITED = "edited"
     ACCUMULATING = "accumulating"
     SENDING = "sending"
-    HOLDING = "holding"
+    LOCAL = "local"
     DROPPED = "dropped"
 
 
 class GradPart:
     """What the owner asks of each part; as it stands, the part of nothing (the dense part of a
-    model without dense trainable parameters), which the real parts override. ``summed``: every
+    model without dense trainable parameters), which the real parts override. ``whole``: every
     replica held the total before this call (``SUMMED``, ``EDITED``, ``DROPPED``; not ``ACCUMULATING``)."""
 
-    def begin(self, sync: bool, summed: bool) -> None:
+    def begin(self, sync: bool, whole: bool) -> None:
         """Before a backward adds to the gradients: make them hold what it must add to (replica
         0's total, the others zero after a synced backward), and ready the path (``sync``: send)."""
 
@@ -86,14 +86,14 @@ class GradPart:
     def after(self) -> None:
         """After :meth:`end`, or a failure: nothing armed is left."""
 
-    def undo(self, summed: bool) -> bool:
+    def undo(self, whole: bool) -> bool:
         """A backward failed: put back what :meth:`begin` changed if nothing arrived since; whether it could."""
         return True
 
     def drop(self) -> None:
         """Every gradient dropped: ``.grad`` None on every replica."""
 
-    def follow_edits(self, summed: bool) -> bool:
+    def follow_edits(self, whole: bool) -> bool:
         """Replica 0's gradients changed by the user since cgdp last touched them: copy them to every replica."""
         return False
 
@@ -118,7 +118,7 @@ NOT_SUMMED = ("optimizer.step() after a backward inside model.no_sync() (or a ba
 
 _SENDING, _SUMMED_STATE = GradState.SENDING, GradState.SUMMED
 
-_SUMMED = (GradState.SUMMED, GradState.EDITED, GradState.DROPPED)
+_WHOLE = (GradState.SUMMED, GradState.EDITED, GradState.DROPPED)
 """States in which every replica holds the total (nothing, once dropped)."""
 
 
@@ -135,9 +135,9 @@ class Gradients:
         self._device = devices[0]
 
     @property
-    def summed(self) -> bool:
+    def whole(self) -> bool:
         """Every replica holds the total (after a backward outside ``no_sync()``, or none at all)."""
-        return self.state in _SUMMED
+        return self.state in _WHOLE
 
     def begin_step(self, timing: bool, sink: Any) -> None:
         """``Trainer``: every step's gradient is new, summed from zero (``fresh``)."""
@@ -163,8 +163,8 @@ class Gradients:
     def begin(self, sync: bool) -> None:
         """The gather's backward, before any replica's gradient exists."""
         for part in self.parts:
-            part.begin(sync, self.summed)
-        self._before, self.state = self.state, GradState.SENDING if sync else GradState.HOLDING
+            part.begin(sync, self.whole)
+        self._before, self.state = self.state, GradState.SENDING if sync else GradState.LOCAL
 
     def end(self) -> None:
         """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
@@ -186,8 +186,8 @@ class Gradients:
         """A backward that raised never reached :meth:`end`: if it failed before any gradient
         changed they are kept, as on one device; otherwise every one is dropped (:meth:`drop`)."""
         self.after()
-        summed = self._before in _SUMMED
-        if all(part.undo(summed) for part in self.parts):
+        whole = self._before in _WHOLE
+        if all(part.undo(whole) for part in self.parts):
             # kept; but the host's sum of squares is no longer theirs (arming a backward reset it)
             self.state = GradState.EDITED if self._before is GradState.SUMMED else self._before
             return
@@ -215,14 +215,14 @@ class Gradients:
         """Replica 0's gradients changed by the user since cgdp last touched them: copy them to
         every replica (the host's norm is then stale if the dense part changed)."""
         dense, *rest = self.parts
-        if dense.follow_edits(self.summed) and self.state is GradState.SUMMED:
+        if dense.follow_edits(self.whole) and self.state is GradState.SUMMED:
             self.state = GradState.EDITED
         for part in rest:
-            part.follow_edits(self.summed)
+            part.follow_edits(self.whole)
 
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Clip every replica's gradient by the norm of the total; that norm."""
-        if not self.summed:
+        if not self.whole:
             raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
                                "that runs outside model.no_sync()")
         self.follow_edits()

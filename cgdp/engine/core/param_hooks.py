@@ -30,7 +30,7 @@ class ParamHooks:
         self._others = [p for ps in self.params[1:] for p in ps] + list(unsupported)
         self._seen = -1
         self._watched: list[int] = []  # parameters of replica 0 whose hook dictionary exists
-        self.held: dict[int, dict] = {}
+        self.taken: dict[int, dict] = {}
         """Per parameter whose hooks are taken off for this backward: its hook dictionary."""
 
     def take(self) -> list[int]:
@@ -43,19 +43,19 @@ class ParamHooks:
         for pid in self._watched:
             hooks = first[pid]._backward_hooks
             if hooks:
-                self.held[pid] = hooks
+                self.taken[pid] = hooks
                 first[pid]._backward_hooks = None  # autograd calls no hook of it in this backward
-        return list(self.held)
+        return list(self.taken)
 
     def put_back(self) -> None:
         """After the backward (also one that failed): every hook dictionary where it was."""
         first = self.params[0]
-        for pid, hooks in self.held.items():
+        for pid, hooks in self.taken.items():
             added = first[pid]._backward_hooks  # registered during the backward: keep them too
             if added:
                 hooks.update(added)
             first[pid]._backward_hooks = hooks
-        self.held = {}
+        self.taken = {}
 
     def run(self, touched: Sequence[float], views: Sequence[Sequence[torch.Tensor]],
             kept: dict[int, torch.Tensor] | None = None) -> None:
@@ -63,7 +63,7 @@ class ParamHooks:
         plus its hooks' result on the sum if ``touched[pid]``; then the hooks are put back."""
         kept = {} if kept is None else kept
         with torch.no_grad():  # as autograd calls them
-            for pid in self.held:
+            for pid in self.taken:
                 new = self.apply(pid, views[0][pid].clone()) if touched[pid] else None
                 old = kept.pop(pid, None)
                 if new is None and old is None:
@@ -75,7 +75,7 @@ class ParamHooks:
 
     def apply(self, pid: int, grad: torch.Tensor) -> torch.Tensor:
         """Parameter ``pid``'s hooks on the summed ``grad``, in order; a hook's non-None result replaces it."""
-        for hook in list(self.held[pid].values()):
+        for hook in list(self.taken[pid].values()):
             out = hook(grad)
             if out is not None:
                 if not isinstance(out, torch.Tensor) or out.shape != grad.shape:

@@ -61,10 +61,10 @@ class SparseGrads(GradPart):
             for p, q in zip(self.params[0], self.params[j]):
                 q.grad = None if p.grad is None else _to(p.grad, self.devices[j])
 
-    def begin(self, sync: bool, summed: bool) -> None:
+    def begin(self, sync: bool, whole: bool) -> None:
         """Before a backward adds to the gradients (the sum invariant)."""
         for k, p in enumerate(self.params[0]):
-            if p.grad is None or summed:
+            if p.grad is None or whole:
                 for params in self.params[1:]:
                     params[k].grad = None
         self._prepared = self._state()
@@ -73,12 +73,12 @@ class SparseGrads(GradPart):
         return [(id(p.grad), p.grad._version if p.grad is not None else -1)
                 for params in self.params for p in params]
 
-    def undo(self, summed: bool) -> bool:
+    def undo(self, whole: bool) -> bool:
         """After a failed backward: if no gradient arrived since :meth:`begin`, put back what
         it cleared (as one device keeps its gradients); whether it could."""
         if self._state() != self._prepared:
             return False
-        if summed:
+        if whole:
             self._copy_from_first()
         return True
 
@@ -100,7 +100,7 @@ class SparseGrads(GradPart):
             self._joined = [p.grad for p in self.params[0]]
         return False
 
-    def follow_edits(self, summed: bool) -> bool:
+    def follow_edits(self, whole: bool) -> bool:
         """Replica 0's ``.grad`` replaced since the last join: copy it to every replica."""
         if all(p.grad is g for p, g in zip(self.params[0], self._joined)):
             return False

@@ -4,12 +4,13 @@
 stays the user's (``opt = model.bind(opt)`` once, then ``opt.zero_grad()``, ``model(x)``,
 ``loss.backward()``, ``opt.step()``). It
 drives the same :class:`~cgdp.engine.core.stream.GradientStream` as ``Trainer`` (hooks, flat buffers,
-device streams, host sum, copy back): one data path, two faces. Its four entry points, each
-holding the model's operation lock (:mod:`cgdp.engine.core.lifetime`), in the order of one
-iteration: :meth:`DataParallel.forward`; the gather's backward (:meth:`DataParallel._begin_backward`);
-autograd's final callback (:meth:`DataParallel._end_backward`); the bound ``optimizer.step()``
-(:mod:`cgdp.engine.dataparallel.binding` → :class:`~cgdp.engine.dataparallel.steps.ReplicaSteps`).
-``docs/design.md`` draws them beside ``Trainer``'s step.
+device streams, host sum, copy back) and the same owner of the gradients: one data path, two faces.
+Its operations, each holding the model's operation lock (:mod:`cgdp.engine.core.lifetime`), in the
+order of one iteration: :meth:`DataParallel.forward`; a backward, from the gather's backward
+(:meth:`DataParallel._begin_backward`) to autograd's final callback (:meth:`DataParallel._end_backward`);
+``clip_grad_norm_``; the bound ``optimizer.step()`` (:mod:`cgdp.engine.dataparallel.binding` →
+:class:`~cgdp.engine.dataparallel.steps.ReplicaSteps`); and ``bind()``. ``docs/design.md`` draws them
+beside ``Trainer``'s step.
 
 * **Replicas.** ``net`` is replica 0, moved to ``devices[0]`` and trained in place
   (``.module``); replica j > 0 is a deep copy on ``devices[j]`` (``.replicas``). They are never

@@ -387,7 +387,7 @@ class Trainer:
         self._grads.begin_step(*self._timing.start(self._devs))  # the step's gradient, from zero
         if self._update.sums:  # the user's gradient hooks wait for the sum (_finish_backward)
             self._param_hooks.take()
-        self._update.begin_step(bool(self._param_hooks.held))
+        self._update.begin_step(bool(self._param_hooks.taken))
 
     def _finish_backward(self, losses: list[Any], weights: list[Any]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""
@@ -405,7 +405,7 @@ class Trainer:
                 f"the averaged gradient has {int(bad)} NaN/Inf value(s) (layers: "
                 f"{self._stream.bad_layers(self.layer_names)}); the update was not applied. Lower the learning rate, "
                 f"check the inputs, or clip gradients")
-        if self._param_hooks.held:  # the user's gradient hooks, on the average (core/param_hooks.py)
+        if self._param_hooks.taken:  # the user's gradient hooks, on the average (core/param_hooks.py)
             self._param_hooks.run(touched, self._update.hook_views(self._grads.views()))
             if self._max_norm is not None:  # the norm of their result (rank 0's, as the host's)
                 norm = self._grads.device_norm()
