@@ -33,7 +33,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 __all__ = ["Trainer", "DataParallel", "accumulate", "paper_plan", "PaperChunkSearch", "cgdp_backward_time",
            "typical_backward_time", "NonFiniteGradientError", "load_checkpoint", "testing"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 if TYPE_CHECKING:
     import os
