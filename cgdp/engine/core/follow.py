@@ -1,44 +1,29 @@
 """Replica 0 is the user's model: what the other replicas follow of it, for both faces.
 
-The user changes the model between steps (``model.eval()``, a BatchNorm frozen through
-``model.modules()``, ``p.clamp_`` under ``torch.no_grad()``, ``load_state_dict``,
-``requires_grad_(False)``, a layer replaced), and its forward may change parameters in place
-(``nn.Embedding(max_norm=...)``). One device sees every such change at once; here the other
-replicas must take it before they run again. :class:`Follow` is the one owner of that: it holds
-replica 0 *as every replica has it* (:meth:`Follow._look`: modes, ``requires_grad``, parameter
-version counters, built in C in one pass over the modules and two over the parameters; and two
-counters for the module tree: torch's registrations of modules, parameters and buffers, and of
-hooks), compared as one value before every step or forward (:meth:`Follow.before_step`). Only
-what differs is looked at (the tree itself only when a counter moved):
+The user changes the model between steps (``eval()``, ``p.clamp_`` under ``no_grad``, ``load_state_dict``,
+``requires_grad_(False)``, a layer replaced) and its forward may change parameters in place
+(``nn.Embedding(max_norm=...)``); the other replicas must take such changes before they run again. :class:`Follow` owns
+that: it holds replica 0 *as every replica has it* (:meth:`Follow._look`: modes, ``requires_grad``, version counters,
+and counters of torch's registrations and hooks), compared as one value before every step or forward
+(:meth:`Follow.before_step`); only what differs is looked at:
 
-* **modes** (``training`` of every submodule): every replica takes replica 0's;
-* **requires_grad**: a parameter frozen after wrapping is frozen on every replica (it then gets no
-  gradient, as on one device); unfreezing one that was frozen when wrapped is refused (it has no
-  place in the flat buffers);
-* **parameters changed in place** outside the update (seen through their version counters, which
-  ``p.data`` does not share): copied from replica 0 to every replica, with a warning;
-* **the module tree**: a hook registration (``torch.nn.utils.prune``) that renames parameters or
-  adds buffers is followed by :class:`~cgdp.engine.core.module_hooks.ModuleHooks`; a submodule
-  replaced, added or removed, or a parameter object the model did not have when wrapped, is refused
-  with a sentence (the engine's flat buffers, hooks and optimizers hold the parameters it had);
-* **load_state_dict** on replica 0 or any of its submodules: load pre- and post-hooks on every
-  submodule (kept out of pickles and copies, :class:`LocalHooks`; they run only in a load) copy the
-  state of the module loaded, parameters and buffers, to every replica once the load is done (once
-  per ``load_state_dict`` call: torch runs the hooks of every submodule it loads). A load with
-  ``assign=True`` (new parameter objects) is refused there, and at every step until undone.
+* **modes**: every replica takes replica 0's;
+* **requires_grad**: a parameter frozen after wrapping is frozen everywhere; unfreezing one frozen when wrapped is
+  refused (it has no place in the flat buffers);
+* **parameters changed in place** outside the update (version counters, which ``p.data`` does not share): copied to
+  every replica, with a warning;
+* **the module tree**: hook registrations (``prune``) are followed by
+  :class:`~cgdp.engine.core.module_hooks.ModuleHooks`; a submodule replaced, added or removed, or a new parameter
+  object, is refused (buffers, hooks and optimizers hold the parameters it had);
+* **load_state_dict** on any submodule of replica 0: load hooks (:class:`LocalHooks`, kept out of pickles and copies)
+  copy the loaded module's state to every replica once per call. ``assign=True`` is refused, at every step until undone.
 
-:meth:`Follow.after_forward` looks at what a forward changed: a parameter it changed in place on
-replica 0 (version counters again) must be the same on every replica afterwards, and what one
-device would hold. Equal everywhere (a change that does not depend on the batch): nothing to do.
-``nn.Embedding(max_norm=...)`` renormalises the rows its part of the batch looked up; one device
-renormalises the rows of the whole batch, so every replica takes, row by row, the renormalised row
-(the one of smaller norm: the same bits wherever it was renormalised). Only the rows some replica
-looked up (a forward pre-hook records the indices, :class:`_Lookups`) are compared, and written only
-where they differ; a write into a weight that another operation of the forward saved for backward
-(its reference count rose) is refused with a sentence. Any other change that
-differs between replicas cannot be made exact and is refused (every replica takes replica 0's
-parameters first, so they stay identical). A change made on some replica j > 0 only (a
-data-dependent write that replica 0's part never triggers) is not seen.
+:meth:`Follow.after_forward`: a parameter the forward changed in place on replica 0 must end the same on every replica,
+as one device would hold it. Equal everywhere: nothing to do. ``nn.Embedding(max_norm=...)``: every replica takes, row
+by row, the renormalised row (the one of smaller norm, same bits wherever renormalised), for the rows some replica
+looked up (:class:`_Lookups`); a write into a weight another operation saved for backward is refused. Any other
+per-replica difference is refused (replica 0's parameters are copied first, so replicas stay identical). A change made
+on some replica j > 0 only is not seen.
 """
 from __future__ import annotations
 
@@ -65,13 +50,9 @@ _CHILDREN = operator.attrgetter("_modules")
 
 
 class Follow:
-    """What replicas 1..G-1 copy from replica 0 (``replicas[0]``, the user's model).
-
-    ``name``: the face (``"cgdp.DataParallel"``), for messages; ``again``: what the user does to
-    start over (``"close() and wrap the model again"``); ``warn``: how the face warns the user;
-    ``after_load``: called after ``load_state_dict`` gave every replica replica 0's state;
-    ``unbound``: what the warning about changed parameters adds of an optimizer the face does not
-    step (whose ``step()``, and a first way they changed)."""
+    """What replicas 1..G-1 copy from replica 0. ``name``, ``again``: the face and how to start over, for messages;
+    ``after_load``: called once every replica has the loaded state; ``unbound``: what the changed-parameters warning
+    adds of an optimizer the face does not step."""
 
     def __init__(self, replicas: Sequence[nn.Module], devices: Sequence[torch.device], name: str, again: str,
                  warn: Callable[[str], None] | None = None, after_load: Callable[[], None] | None = None,
@@ -81,8 +62,7 @@ class Follow:
         self.warn = warn or warn_user
         self.after_load = after_load or (lambda: None)
         self.modules = [list(r.modules()) for r in replicas]  # same order on every replica
-        self.params = [list(r.parameters()) for r in replicas]
-        """Per replica, all its parameters (trainable or not) in ``parameters()`` order."""
+        self.params = [list(r.parameters()) for r in replicas]  # trainable or not
         self.hooks = ModuleHooks(replicas, self.params, devices)
         self.wrapped_trainable = list(map(_GRAD, self.params[0]))
         self.trainable = list(self.wrapped_trainable)
@@ -107,15 +87,13 @@ class Follow:
             _watch_registrations(-1)
 
     def _look(self) -> tuple:
-        """Replica 0 now, as one value: lists built in C (one pass over the modules, two over the
-        parameters), and two counters for its structure (torch's registrations, hooks)."""
+        """Replica 0 now, as one value, built in C (cheap enough for every step)."""
         m0, p0 = self.modules[0], self.params[0]
         return (list(map(_TRAINING, m0)), list(map(_GRAD, p0)), list(map(_VERSION, p0)), _registrations,
                 hook_count())
 
     def _structure(self) -> tuple:
-        """Replica 0's module tree: its children, parameters and buffers (names and objects); read
-        only when torch registered a module, parameter or buffer, or a hook, in this process."""
+        """Replica 0's module tree; read only when a registration or hook counter moved."""
         m0 = self.modules[0]
         return list(map(id, chain.from_iterable(map(dict.values, map(_CHILDREN, m0))))), fingerprint(m0)
 
@@ -124,14 +102,13 @@ class Follow:
         self._seen = self._look()
 
     def stepped(self) -> None:
-        """After an update that stepped every replica alike: their parameters' versions moved."""
+        """Every replica was stepped alike: the new versions are not a change to follow."""
         s = self._seen
         self._seen = (s[0], s[1], list(map(_VERSION, self.params[0])), *s[3:])
 
     def before_step(self) -> bool:
-        """Before a step or forward (caller's thread, no replica running): every replica takes what
-        changed on replica 0, or a refusal is raised (and raised again until it is undone).
-        Whether the replicas' buffers were relisted (the face lists them again)."""
+        """Caller's thread, no replica running: every replica takes what changed on replica 0, or a refusal is raised
+        (again until undone). Returns whether the buffers were relisted."""
         now = self._look()
         seen = self._seen
         self._lookups.arm()
@@ -196,8 +173,7 @@ class Follow:
                     params[i].copy_(self.params[0][i])
 
     def broadcast(self, at: int = 0) -> None:
-        """Every replica's submodule ``at`` (the whole model: 0) ← replica 0's parameters and
-        buffers (after ``load_state_dict`` on it). The module tree is read again at the next step."""
+        """Every replica's submodule ``at`` ← replica 0's state, after a load."""
         self._refuse_new_parameters()
         state = self.modules[0][at].state_dict()
         with torch.no_grad():
@@ -219,9 +195,7 @@ class Follow:
             f"copies into them), or {self.again}")
 
     def after_forward(self, used: int) -> None:
-        """After a forward of replicas 0..used-1 (caller's thread, no replica running): a parameter
-        the forward changed in place is made the same on every replica, as one device has it, or
-        refused (see the module)."""
+        """After a forward of replicas 0..used-1 (caller's thread): see the module."""
         versions = list(map(_VERSION, self.params[0]))
         seen = self._seen[2]
         looked = self._lookups.take()
@@ -267,16 +241,14 @@ class Follow:
 
 def _load_begins(me: Callable[[], Follow | None], module: nn.Module, _state: Any, _prefix: str, _meta: Any,
                  _strict: bool, missing: list, *_: Any) -> None:
-    """A load pre-hook of every submodule of replica 0: the first one to run in a
-    ``load_state_dict`` call (its list of missing keys is new) is the module it loads."""
+    """The first pre-hook of a load (its missing-keys list is new) names the module loaded."""
     follow = me()
     if follow is not None and follow._outer[1] is not missing:
         follow._outer = (module, missing)
 
 
 def _load_ends(me: Callable[[], Follow | None], module: nn.Module, keys: Any) -> None:
-    """A load post-hook of every submodule of replica 0: once, when the whole load is done (torch
-    runs the submodules' hooks first), every replica loads what replica 0's module holds."""
+    """The loaded module's post-hook (torch runs the submodules' first): the load is done, broadcast it."""
     follow = me()
     if follow is not None and follow._outer[0] is module and follow._outer[1] is keys.missing_keys:
         follow._outer = (None, None)
@@ -284,10 +256,7 @@ def _load_ends(me: Callable[[], Follow | None], module: nn.Module, keys: Any) ->
 
 
 _registrations = 0
-"""How many modules, parameters and buffers torch registered in this process (counted while a
-:class:`Follow` lives): a layer replaced (``model.fc = nn.Linear(...)``, ``model[2] = ...``) or a
-parameter or buffer assigned anew registers one. Deleting one (``del model.fc``) registers nothing
-and is not seen."""
+"""Modules, parameters and buffers torch registered while a :class:`Follow` lives. ``del model.fc`` is not seen."""
 _watchers = 0
 _handles: list = []
 _lock = threading.Lock()
@@ -315,9 +284,7 @@ def _watch_registrations(delta: int) -> None:
 
 
 def _max_norm_embeddings(modules: list[nn.Module], params: list[nn.Parameter]) -> dict[int, float]:
-    """Position (in ``params``) of the weight of each ``nn.Embedding``/``nn.EmbeddingBag`` with
-    ``max_norm`` -> its ``norm_type``. Such a weight used by another module too (tied to an output
-    layer) is refused: that module would see the rows this device renormalised only."""
+    """Position of each max_norm embedding's weight -> its ``norm_type``; a tied such weight is refused."""
     pos = {id(p): i for i, p in enumerate(params)}
     out = {}
     for m in modules:
@@ -333,10 +300,8 @@ def _max_norm_embeddings(modules: list[nn.Module], params: list[nn.Parameter]) -
 
 
 class _Lookups:
-    """The indices each max_norm embedding looked up on each replica in the engine's forward (a
-    forward pre-hook, kept out of pickles and copies, in the hook dictionary every replica shares),
-    and how many references to each replica's weight existed before it (one more after the forward:
-    an operation saved the weight for backward, and writing into it would break that backward)."""
+    """The indices each max_norm embedding looked up per replica in the engine's forward (a local forward pre-hook),
+    and each weight's reference count before it (a rise: something saved it for backward, so it must not be written)."""
 
     def __init__(self, modules: list[list[nn.Module]], renorm: dict[int, float], params: list[list[nn.Parameter]]):
         self.weights = {i: [ps[i] for ps in params] for i in renorm}
@@ -363,7 +328,7 @@ class _Lookups:
                 self.handles.append(handle)
 
     def arm(self) -> None:
-        """Before the engine's forward (caller's thread): record what it looks up."""
+        """Before the engine's forward (caller's thread)."""
         if not self.weights:
             return
         self.ids.clear()
@@ -372,7 +337,7 @@ class _Lookups:
         self.base = {i: [w._use_count() for w in ws] for i, ws in self.weights.items()}
 
     def take(self) -> dict[int, list[torch.Tensor]]:
-        """After it: the indices looked up per weight; nothing is recorded until the next forward."""
+        """After it: the indices looked up per weight."""
         if not self.armed[0]:
             return {}
         self.armed[0] = False
@@ -388,10 +353,8 @@ def _looked_up(where: dict[int, int], ids: dict[int, list], armed: list[bool], m
 
 
 def _merge_rows(ps: list[torch.Tensor], looked: list[torch.Tensor], norm_type: float, base: list[int] | None) -> bool:
-    """The rows some replica looked up ← on every replica, the renormalised row wherever some
-    replica renormalised it (the row of smallest norm: renormalising only ever shrinks a row, to
-    the same bits on every replica). Only rows that differ are written, only on replicas where
-    they differ. Whether such a write hit a weight some operation of the forward saved."""
+    """Every replica's looked-up rows ← the row of smallest norm (renormalising only shrinks, to the same bits).
+    Only differing rows are written. Returns whether a write hit a weight saved for backward."""
     first = ps[0]
     rows = torch.unique(torch.cat([i.detach().reshape(-1).to(first.device, torch.long) for i in looked]))
     values = [p.detach()[rows.to(p.device)].to(first.device) for p in ps]
@@ -411,16 +374,9 @@ def _merge_rows(ps: list[torch.Tensor], looked: list[torch.Tensor], norm_type: f
 
 
 class LocalHooks(OrderedDict):
-    """A module's hook dictionary whose entries in ``local`` are never pickled or copied.
-
-    ``model.load_state_dict(...)`` must reach every replica, so a load post-hook sits on the user's
-    module while it is wrapped. The user still owns that module: ``torch.save(model)``,
-    ``copy.deepcopy`` and ``pickle`` must work and carry nothing of cgdp. This dictionary replaces
-    the module's own, whose entries it takes over, and pickles and deep-copies as a plain
-    ``OrderedDict`` without cgdp's entries: the saved file names no cgdp object (it loads where cgdp
-    is not installed), and a copy of the module is not tied to this engine. The user's handles of
-    hooks registered before wrapping still point at the old dictionary (``RemovableHandle`` holds a
-    weak reference), so an entry taken over counts only while it is still there."""
+    """A module's hook dictionary whose ``local`` entries are never pickled or copied: ``torch.save(model)``,
+    ``deepcopy`` and ``pickle`` of the user's module carry nothing of cgdp (it pickles as a plain ``OrderedDict``).
+    Handles of hooks registered before wrapping point at the old dictionary: an inherited entry counts while there."""
 
     def __init__(self, previous: OrderedDict):
         super().__init__(previous.items())
