@@ -1,30 +1,17 @@
-"""The optimizer steps on the host (``update="host"``): its state once, in host memory.
+"""The optimizer steps on the host (``update="host"``), for both faces: its state once, in host memory.
 
-Shared by both faces. :class:`HostMasters` holds float32 *master* copies of replica 0's trainable
-parameters in one host allocation (pinned on CUDA: ``Device.host_empty``), each master a view into
-it, and the gradient every master reads: a view into the host accumulator's sum row when that row
-holds the averaged gradient as is (full-size rows, float32 on the wire: no copy at all), a view
-into a float32 buffer the bf16 sum row is widened into (a bf16 wire), otherwise a host buffer
-filled from replica 0's gradients (a ring of slots: one copy per step). One ``torch.optim``
-optimizer steps the masters; then every device copies the masters into its replica's parameters
-(their bf16 rounding with a bf16 wire: :mod:`cgdp.engine.core.host_wire`), so the replicas are
-bitwise identical and no device holds optimizer state.
+:class:`HostMasters` holds float32 masters of replica 0's trainable parameters in one (pinned) host allocation, and
+their gradients: views of the accumulator's sum row where it holds the averaged float32 gradient (no copy), a float32
+buffer the bf16 row is widened into, or copies of replica 0's gradients. One ``torch.optim`` optimizer steps the
+masters; every device then copies them into its replica (their bf16 rounding with a bf16 wire:
+:mod:`cgdp.engine.core.host_wire`), so replicas are bitwise identical and no device holds optimizer state.
 
-Invariants: masters equal replica 0's parameters between steps (with a bf16 wire, their rounding) (the masters are refreshed from
-replica 0 whenever a parameter's version counter moved, i.e. something other than the engine wrote
-it: a ``load_state_dict``, a user's edit); float32 parameters only (masters of 16-bit parameters
-would make training differ from one device: refused).
+Invariants: between steps the masters equal replica 0's parameters (or their rounding), retaken whenever a version
+counter moved (a load, a user's edit); float32 parameters only (16-bit masters would differ from one device: refused).
 
-:class:`HostUpdate` is ``cgdp.Trainer``'s strategy (:mod:`cgdp.engine.core.update`): it runs
-after backward on the caller's thread, and with the sum row in place the host sends no gradient
-back during backward (:attr:`HostAccumulator.send_back`): the parameters travel instead.
-
-Threads: everything here runs on the caller's thread, except :meth:`HostMasters.to_devices`,
-whose copies run on each device's thread (a GPU's copies are issued by the thread that owns it),
-and the overlapped updates: the thread that finalises a segment's sum (accumulator, or comm)
-queues each complete chunk to ``cgdp-host-update``, a thread bound to no device that steps it
-(CPU kernels on host memory, no CUDA call), so the sums of later chunks do not wait for it;
-:meth:`HostUpdate.reduce` waits for every chunk's update before the step goes on.
+Threads: all on the caller's thread, except :meth:`HostMasters.to_devices` (each device's thread) and overlapped
+updates: the thread that finalises a segment's sum queues each complete chunk to ``cgdp-host-update`` (no device, no
+CUDA call), so later sums do not wait; :meth:`HostUpdate.reduce` waits for every chunk's update.
 """
 from __future__ import annotations
 
@@ -67,7 +54,6 @@ class HostMasters:
     """Float32 masters of ``params[0]`` in host memory, their gradients, and the copy back."""
 
     def __init__(self, devs: Sequence[Device], params: Sequence[Sequence[torch.Tensor]]):
-        """``params[j]``: replica j's parameters (the same order on every replica)."""
         self.devs = list(devs)
         self.params = [list(p) for p in params]
         numels = [p.numel() for p in self.params[0]]
@@ -77,20 +63,17 @@ class HostMasters:
         self.masters = [nn.Parameter(self.flat[o:o + n].view(p.shape))
                         for o, n, p in zip(self.offsets, numels, self.params[0])]
         self.pid = {id(p): pid for pid, p in enumerate(self.params[0])}
-        """id(replica 0's parameter) -> its number (the masters' order)."""
         self._grad_buf: torch.Tensor | None = None
         self._wide: torch.Tensor | None = None
-        """Host gradients when the accumulator's sum row cannot be read in place (allocated once)."""
         self._attached: tuple | None = None
         self._selected: tuple = (None,)
-        self.wire: Any = None
-        """With ``grad_transfer="bf16"``: the :class:`~cgdp.engine.core.host_wire.Bf16Wire` back."""
+        self.wire: Any = None  # Bf16Wire with grad_transfer="bf16"
         self._viewed: list[nn.Parameter] = []
         self.refresh()
 
     @property
     def versions(self) -> list[int]:
-        """Replica 0's parameters' version counters when the masters last took or gave them."""
+        """Replica 0's version counters when the masters last took or gave them."""
         return self._versions
 
     @property
@@ -103,13 +86,12 @@ class HostMasters:
         return sum(b.numel() * 4 for b in (self._grad_buf, self._wide) if b is not None)
 
     def widened(self, rounded: torch.Tensor) -> torch.Tensor:
-        """The float32 buffer (allocated once) that ``rounded`` (a bf16 sum row) is widened into."""
+        """The float32 buffer the bf16 sum row is widened into (allocated once)."""
         if self._wide is None or self._wide.numel() != rounded.numel():
             self._wide = torch.empty(rounded.shape, dtype=torch.float32)
         return self._wide
 
     def widen(self, rounded: torch.Tensor, lo: int, hi: int) -> None:
-        """Elements ``lo:hi`` of the bf16 sum row, widened into :meth:`widened` (exact)."""
         self.widened(rounded)[lo:hi].copy_(rounded[lo:hi])
 
     def refresh(self) -> None:
@@ -119,9 +101,8 @@ class HostMasters:
         self._versions = list(map(_VERSION, self.params[0]))
 
     def follow(self, round_replicas: bool = False) -> None:
-        """The masters of the parameters anything but the engine wrote since (a load, a user's
-        edit, a forward writing in place: ``nn.Embedding(max_norm=)``) retake replica 0's; with
-        ``round_replicas`` (before a step's forward) and a bf16 wire, the replicas then take their rounding."""
+        """Masters of parameters written by anything but the engine retake replica 0's (and, with
+        ``round_replicas`` and a bf16 wire, the replicas take their rounding)."""
         now = list(map(_VERSION, self.params[0]))
         if now == self._versions:
             return
@@ -134,12 +115,10 @@ class HostMasters:
         self._versions = now
 
     def follow_rounded(self) -> None:
-        """Every replica's parameters ← the masters' bf16 rounding (the wire's)."""
         self.wire.round_replicas(range(len(self.masters)))
         self._versions = list(map(_VERSION, self.params[0]))
 
     def grads_from_row(self, row: torch.Tensor, offsets: Sequence[int], none: Sequence[int]) -> None:
-        """Every master's gradient: a view of ``row`` (the flat layout's ``offsets``); None for ``none``."""
         key = (row.data_ptr(), tuple(offsets), tuple(none))
         # views still in place (an optimizer's zero_grad() drops them): no slicing per parameter
         if key == self._attached and not any(map(is_none, map(grad_of, self._viewed))):
@@ -151,7 +130,6 @@ class HostMasters:
         self._attached = key
 
     def grads_from(self, grads: Sequence[torch.Tensor | None], pids: Sequence[int] | None = None) -> None:
-        """Masters' gradients ← copies of ``grads`` (replica 0's ``.grad``, None where it has none)."""
         if self._grad_buf is None:  # a copy target of the devices' gradients: pinned on CUDA as the masters
             self._grad_buf = self.devs[0].host_empty(self.flat.shape, torch.float32)
         self._attached = None
@@ -173,15 +151,14 @@ class HostMasters:
                 torch._foreach_copy_(dst, src)  # note: host waits for the device's gradients (D2H)
 
     def to_devices(self, threads: DeviceThreads, pids: Sequence[int] | None = None) -> list[Stamps]:
-        """Every replica's parameters ← the masters (those numbered ``pids``, or all), on each
-        device's thread; per device the stamps."""
+        """Every replica's parameters ← the masters (``pids``, or all), on each device's thread."""
         if self.wire is not None and pids is None:  # bf16 over the bus
             stamps = self.wire.to_devices(threads)
             self._versions = list(map(_VERSION, self.params[0]))
             return stamps
         if pids is None:
             masters, params = self.masters, self.params
-        else:  # the lists of the last ``pids`` (the same object from step to step) kept
+        else:  # cached for the same ``pids`` object
             if self._selected[0] is not pids:
                 self._selected = (pids, [self.masters[k] for k in pids], [[ps[k] for k in pids] for ps in self.params])
             _, masters, params = self._selected
@@ -190,8 +167,7 @@ class HostMasters:
             dev = self.devs[j]
             t0 = dev.stamp()
             with torch.no_grad():
-                # pinned masters: asynchronous on a GPU; the host writes them again only after the
-                # next backward, which runs after this copy on the same stream
+                # asynchronous on a GPU: the host writes the masters again only after the next backward (same stream)
                 torch._foreach_copy_(params[j], masters, non_blocking=dev.is_cuda)
             return t0, dev.stamp()
         stamps = threads.run_all(copy, computing=True)
@@ -205,10 +181,8 @@ is_none = functools.partial(operator.is_, None)
 
 
 def after_forward(replicas_follow: Callable[[int], None], update: Update) -> Callable[[int], None]:
-    """The Trainer's hook after each forward: the replicas follow replica 0's writes
-    (:meth:`~cgdp.engine.core.follow.Follow.after_forward`), then, with ``update="host"``, the
-    masters do (a forward that writes its parameters in place, ``nn.Embedding(max_norm=)``: the
-    host step must start from the written values, not overwrite them)."""
+    """After each forward the replicas follow replica 0's writes, then the masters do (the host step must start from
+    what a forward wrote in place, not overwrite it)."""
     masters = getattr(update, "masters", None)
     if masters is None:
         return replicas_follow
@@ -221,23 +195,19 @@ def after_forward(replicas_follow: Callable[[int], None], update: Update) -> Cal
 
 PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
                  torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD)
-"""Optimizers whose update of a parameter reads only that parameter, its gradient and its state:
-stepping them chunk by chunk is bitwise stepping them once (exactly these classes, not subclasses,
-whose ``step`` may look at every gradient)."""
+"""Optimizers whose update reads one parameter, its gradient and state: chunk by chunk is bitwise stepping once
+(exactly these classes: a subclass's ``step`` may read every gradient)."""
 
 
 class HostUpdate(Update):
-    """``Trainer(update="host")``: one optimizer (the user's factory over the masters) on the host.
+    """``Trainer(update="host")``: one optimizer over the masters on the host.
 
-    The gradient is the host's sum row itself where it can be (see the module). When it is, with
-    a per-parameter optimizer (:data:`PER_PARAMETER`) and no clipping, a chunk's update runs as
-    soon as its sum is final, on a host update thread of its own, while the devices compute the layers below
-    (``overlap == "with backward"``): the optimizer is lent the chunk's masters for one ``step()``.
-    Otherwise the whole update runs after backward, once the global view is complete (clipping's
-    norm). A chunk whose sum holds NaN/Inf stops the overlapped updates of the step; the step is
-    then rejected by the engine as usual, the masters retake the replicas' parameters (no replica
-    was changed), and the chunks already stepped get their optimizer state back (copied aside
-    before each chunk's step but the last: :class:`~cgdp.engine.core.host_state.StateSnapshot`), as after any failure of the step."""
+    With the sum row read in place, a :data:`PER_PARAMETER` optimizer and no clipping, each chunk is stepped as soon as
+    its sum is final, on the host update thread, while devices compute the layers below (``overlap == "with backward"``;
+    the optimizer is lent the chunk's masters for one ``step()``); otherwise after backward. A NaN/Inf chunk stops the
+    step's overlapped updates; the step is rejected, the masters retake the (unchanged) replicas' parameters, and the
+    chunks stepped get their optimizer state back (:class:`~cgdp.engine.core.host_state.StateSnapshot`; every chunk but
+    the last is saved), as after any failure."""
 
     streams = True
     sums = True
@@ -251,8 +221,7 @@ class HostUpdate(Update):
             raise TypeError(f"optimizer(params) must return a torch.optim.Optimizer, got {type(opt).__name__}")
         prefer_fused(opt)
         self.optimizer = opt
-        self.overlap = "after backward"
-        """When the host update runs: ``"with backward"`` (chunk by chunk) or ``"after backward"``."""
+        self.overlap = "after backward"  # or "with backward" (chunk by chunk)
         self.figures: dict[str, float] = {}
         self._stream: GradientStream | None = None
         self._layout: Any = None
@@ -261,25 +230,22 @@ class HostUpdate(Update):
         self._states = StateSnapshot()  # of the chunks stepped with backward, for a failure
         self._seconds = 0.0
         self._rounded: torch.Tensor | None = None
-        self.undone = False
-        """The step raised after backward and was undone: no replica written, the state as before."""
+        self.undone = False  # the step raised after backward and was undone: nothing changed
 
     def attach(self, stream: GradientStream, grads: Any, clipping: bool, guard: Guard, resources: Resources,
                module: nn.Module | None = None) -> None:
-        """Once the stream exists: read the host's sum row in place if it can, and then send no
-        gradient back during backward (only the parameters travel back); overlap if allowed (the
-        host update thread then stops with the engine's ``resources``). With a bf16 wire the
-        parameters go back in bf16 and replica 0's ``module.state_dict()`` holds the masters."""
+        """Once the stream exists: read the host's sum row in place if possible (then no gradient goes back, only
+        parameters), overlap if allowed. With a bf16 wire replica 0's ``state_dict()`` holds the masters."""
         self._stream, self._grads, self._guard = stream, grads, guard
-        if stream.stages and stream.transfer == torch.bfloat16 and stream.stages[0].numel() >= self.masters.flat.numel():
+        if (stream.stages and stream.transfer == torch.bfloat16
+                and stream.stages[0].numel() >= self.masters.flat.numel()):
             self.masters.wire = Bf16Wire(self.masters, stream.stages)
             self.masters.follow_rounded()  # from the first forward on, the replicas hold the masters' rounding
             resources.push(self.masters.wire.close)
             if module is not None:
                 resources.push(masters_in_state_dict(module, self.masters).remove)
         host = stream.host
-        # the host's own sum is read in place: float32, or a bf16 wire's rounded row widened
-        # chunk by chunk into a float32 buffer (no gradient goes back to the devices either way)
+        # float32 sum read in place, or a bf16 row widened chunk by chunk
         self._rounded = None if host is None or host.sum_row() is not None else host.rounded_row()
         if host is None or (host.sum_row() is None and self._rounded is None):
             return
@@ -288,8 +254,7 @@ class HostUpdate(Update):
             self.overlap = "with backward"
             self._queue: queue.SimpleQueue = queue.SimpleQueue()
             self._updated = Progress()
-            # its own thread, bound to no device: the accumulator goes on summing the next chunks
-            # while this one steps the last (CPU work on host memory only: no CUDA call)
+            # its own thread (no device, no CUDA call): the accumulator sums the next chunks meanwhile
             thread = threading.Thread(target=_update_loop, args=(self._queue, weak_call(self._update_chunk),
                                                                  guard.fail), name="cgdp-host-update", daemon=True)
             thread.start()
@@ -298,9 +263,8 @@ class HostUpdate(Update):
             host.on_summed = weak_call(self._summed)
 
     def begin_step(self, hooked: bool = False) -> None:
-        """Before the step's first forward (the caller's thread, nothing in flight); with the
-        user's gradient hooks (refused by :meth:`hook_views` after backward) nothing is stepped
-        with backward, so that the refusal leaves the optimizer untouched."""
+        """Before the first forward (caller's thread). With gradient hooks (``hooked``, refused after backward) nothing
+        is stepped with backward, so the refusal leaves the optimizer untouched."""
         m = self.masters
         if self._open:  # the last overlapped step failed: let its updates finish, undo them
             if self.overlap == "with backward":
@@ -316,8 +280,7 @@ class HostUpdate(Update):
             self._open = False
         m.follow(round_replicas=True)
         self._seconds, self.undone = 0.0, False
-        # the optimizer's step hooks (its own or torch's global ones) would run once per chunk and
-        # see part of the parameters: with any, this step's update runs once, after backward
+        # step hooks would run per chunk on part of the parameters: with any, update once after backward
         self._hooked = has_step_hooks(self.optimizer)
         self._with_backward = self.overlap == "with backward" and not self._hooked and not hooked
         if not self._with_backward:
@@ -343,8 +306,7 @@ class HostUpdate(Update):
         self._open = True
 
     def _sum_row(self, widen: bool = False) -> torch.Tensor:
-        """The float32 row the masters' gradients view: the host's sum row, or with a bf16 wire
-        the buffer its rounded row is widened into (all of it now with ``widen``)."""
+        """The float32 row the masters' gradients view (with ``widen``, a bf16 row widened whole now)."""
         if self._rounded is None:
             return self._stream.host.sum_row()
         if widen:
@@ -352,7 +314,6 @@ class HostUpdate(Update):
         return self.masters.widened(self._rounded)
 
     def _summed(self, s: int) -> None:
-        """The thread that made segment ``s`` final: when its chunk is complete, queue its update."""
         if not self._with_backward:
             return
         c = self._layout.segment_chunk[s]
@@ -361,7 +322,7 @@ class HostUpdate(Update):
             self._queue.put(c)
 
     def _update_chunk(self, c: int) -> None:
-        """The host update thread: step chunk ``c``'s masters (chunks arrive in the order summed)."""
+        """The host update thread (chunks arrive in the order summed)."""
         lay, st = self._layout, self._stream
         try:
             if self._poisoned is not None:
@@ -371,11 +332,12 @@ class HostUpdate(Update):
                 bad = any(host.bad[t] for t in lay.chunk_segments[c])
             else:  # another rank's NaN arrives through the allreduce: look at the global sum
                 lo, hi = lay.chunk_bounds[c]
-                bad = not bool(torch.isfinite((host.sum_row() if self._rounded is None else self._rounded)[lo:hi]).all())
+                row = host.sum_row() if self._rounded is None else self._rounded
+                bad = not bool(torch.isfinite(row[lo:hi]).all())
             if bad:
                 self._poisoned = c
                 return
-            if self._rounded is not None:  # this chunk's gradient, widened to float32
+            if self._rounded is not None:
                 self.masters.widen(self._rounded, *lay.chunk_bounds[c])
             t0 = time.perf_counter()
             groups = self.optimizer.param_groups
@@ -405,8 +367,7 @@ class HostUpdate(Update):
             self._updated.advance()
 
     def _undo(self) -> None:
-        """A failed or rejected overlapped step: the masters retake the replicas' parameters and
-        the optimizer state of the chunks it stepped goes back to what it was before."""
+        """A failed or rejected overlapped step: masters and stepped chunks' optimizer state as before."""
         m = self.masters  # with a bf16 wire from the masters' own copy (the replicas' are rounded)
         m.wire.put_back() if m.wire is not None else m.refresh()
         self._states.restore(self.optimizer.state)
@@ -466,13 +427,12 @@ class HostUpdate(Update):
 
 
 def _stop(q: queue.SimpleQueue, thread: threading.Thread) -> None:
-    """close(): the host update thread ends after the update it runs (if any)."""
     q.put(None)
     thread.join(30.0)
 
 
 def _update_loop(q: queue.SimpleQueue, update: Callable[[int], None], fail: Callable[[BaseException], None]) -> None:
-    """The host update thread: chunk numbers in, updates out, until None (the update is gone)."""
+    """Chunk numbers in (or a callable), until None."""
     while True:
         c = q.get()
         if c is None:
