@@ -1,21 +1,9 @@
-"""What the host knows of the optimizer it steps (``update="host"``): its state kept restorable,
-its step hooks, its fused CPU kernel.
+"""The host optimizer's state kept restorable, its step hooks, its fused CPU kernel (``update="host"``).
 
-With ``update="host"`` overlapped (:class:`~cgdp.engine.core.host_update.HostUpdate`), a chunk's
-update runs before the step is known to succeed: a backward that raises partway, a NaN/Inf in a
-later chunk, or the optimizer's step raising on a later chunk must leave the optimizer as one
-device's failed step does (untouched). :class:`StateSnapshot` copies a chunk's optimizer state
-aside before its step (``torch._foreach_copy_`` into buffers kept from step to step: no allocation
-after the first step) and puts it back on failure. Runs on the host update thread (save) and on
-the caller's thread with nothing in flight (restore).
-
-The update after backward (:func:`step_or_undo`) is undone the same way when the optimizer's step
-raises: a step hook (a logger, an EMA) or an optimizer of the user's, once. No replica was written
-yet, so the masters retake the replicas' parameters, and the state goes back to what it was: the
-failed ``Trainer.step()`` changes nothing, as a step rejected for a NaN/Inf does.
-
-:func:`has_step_hooks` says whether the update must run once, after backward (a step hook would
-see part of the parameters per chunk); :func:`prefer_fused` picks torch's fused CPU kernel.
+An overlapped chunk is stepped before the step is known to succeed; a later failure must leave the optimizer untouched,
+as one device's failed step does. :class:`StateSnapshot` copies a chunk's state aside before its step (into buffers
+kept across steps) on the host update thread and restores it on the caller's thread, nothing in flight.
+:func:`step_or_undo` undoes a raising step after backward the same way: the failed step changes nothing.
 """
 from __future__ import annotations
 
@@ -26,7 +14,7 @@ from torch.optim import optimizer as torch_optimizer
 
 
 class StateSnapshot:
-    """Per parameter stepped in this step: its optimizer state before the step (None: it had none)."""
+    """Per parameter stepped: its optimizer state before the step (None: it had none)."""
 
     def __init__(self) -> None:
         self._bufs: dict[torch.Tensor, dict] = {}
@@ -36,7 +24,6 @@ class StateSnapshot:
         self._saved = []
 
     def save(self, state: dict, params: list[torch.Tensor]) -> None:
-        """Copy ``state[p]`` of every ``p`` in ``params`` aside."""
         src, dst = [], []
         for p in params:
             s = state.get(p)
@@ -60,7 +47,6 @@ class StateSnapshot:
                 torch._foreach_copy_(dst, src)
 
     def restore(self, state: dict) -> None:
-        """Every saved parameter's state as it was before this step's update of it."""
         with torch.no_grad():
             for p, snap in self._saved:
                 if snap is None:
@@ -78,19 +64,16 @@ class StateSnapshot:
 
 
 def has_step_hooks(opt: torch.optim.Optimizer) -> bool:
-    """Whether a step pre- or post-hook is registered on ``opt``, or one of the user's on every optimizer."""
+    """Step hooks (``opt``'s or global) would see part of the parameters per chunk: update once after backward."""
     if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
         return True
     return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
 
 
 def may_write_then_raise(opt: torch.optim.Optimizer) -> bool:
-    """Whether ``opt.step()`` may raise after writing its state: a step post-hook (the optimizer's
-    own, or a user's global one), or a step that is not torch's own (a subclass outside
-    ``torch.optim``, an instance's ``step`` replaced; an LR scheduler's counter around it is not
-    a replacement). A pre-hook raises before anything is written."""
+    """A post-hook, or a step not torch's own (an LR scheduler's wrapper counts as torch's); pre-hooks raise first."""
     own = vars(opt).get("step")
-    while getattr(own, "_wrapped_by_lr_sched", False):  # an LR scheduler's counter around the class's step
+    while getattr(own, "_wrapped_by_lr_sched", False):
         own = own.__wrapped__
     if (opt._optimizer_step_post_hooks or own not in (None, type(opt).step)
             or not type(opt).__module__.startswith("torch.optim")):
@@ -99,13 +82,8 @@ def may_write_then_raise(opt: torch.optim.Optimizer) -> bool:
 
 
 def step_or_undo(opt: torch.optim.Optimizer, states: StateSnapshot, masters: Any) -> None:
-    """``opt.step()`` over ``masters`` (a :class:`~cgdp.engine.core.host_update.HostMasters`);
-    if it raises, the masters and ``opt``'s state as before, then the error. Both are copied
-    aside first only when the step may raise after writing them (:func:`may_write_then_raise`:
-    the state, 8 bytes per AdamW parameter read and written, on the caller's thread; the masters
-    retake the replicas' parameters, or with a bf16 wire, which rounds them, a copy of them);
-    torch's own step without post-hooks raises before it writes (a pre-hook, its checks of the
-    gradients) and costs nothing."""
+    """``opt.step()``; if it raises, masters and state as before, then the error. Saved only when the step may raise
+    after writing (:func:`may_write_then_raise`); otherwise free."""
     keep = may_write_then_raise(opt)
     states.clear()
     if keep:
@@ -122,14 +100,11 @@ def step_or_undo(opt: torch.optim.Optimizer, states: StateSnapshot, masters: Any
 
 
 FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-"""Optimizers whose ``fused=True`` CPU kernel the host uses when the user chose no implementation:
-measured 3-9x faster than the default single-tensor loop on CPU (``bench/bench_host_update.py``)."""
+"""``fused=True`` unless the user chose: 3-9x faster on CPU (``bench/bench_host_update.py``)."""
 
 
 def prefer_fused(opt: torch.optim.Optimizer) -> list[int]:
-    """Set ``fused=True`` in the groups of ``opt`` that chose neither ``fused`` nor ``foreach``
-    (an explicit ``foreach=False`` or ``fused=False`` is kept; results agree with the default to
-    float32 rounding); the indices of the groups changed."""
+    """``fused=True`` in groups that chose neither ``fused`` nor ``foreach``; the indices changed."""
     if type(opt) not in FUSED_CPU:
         return []
     changed = []

@@ -1,46 +1,22 @@
 """The last step of the data path: how the averaged gradient becomes every replica's next parameters.
 
-The engine calls one :class:`Update` object per step and never asks which strategy it is. A
-strategy says, before anything is built, how the gradients travel, and after backward it puts the
-gradient its optimizer reads in place and applies the update:
+The engine calls one :class:`Update` per step and never asks which strategy it is:
 
-* :class:`PerReplica`: every device steps its own optimizer on its own replica (the paper's
-  cgdp, §3.1; ``Trainer(mode="cgdp")``, and ``mode="single"`` with one device). The gradient
-  each optimizer reads is already the average (the host sent it back during backward), so the
-  replicas stay bitwise identical because every one applies the same update to the same values.
-* :class:`Typical`: the paper's baseline (§2.3; ``mode="typical"``). Nothing overlaps backward:
-  after it, device 0 gathers every device's gradient and sums it in device order, steps its
-  optimizer, and broadcasts the parameters to the other replicas. On GPUs both collectives are
-  coalesced, as in the paper's baseline and ``nn.DataParallel`` (one NCCL reduce of the flat
-  buffers, which are already coalesced, and one bucketed ``broadcast_coalesced`` of the
-  parameters), so the comparison does not flatter cgdp. Emulated devices add in device order.
+* :class:`PerReplica` (paper §3.1; ``mode="cgdp"``/``"single"``): every device steps its own optimizer on the average
+  the host sent back during backward; replicas stay bitwise identical (same update, same values).
+* :class:`Typical` (paper §2.3 baseline; ``mode="typical"``): after backward device 0 gathers and sums in device order,
+  steps, and broadcasts the parameters; on GPUs both collectives are coalesced, as ``nn.DataParallel``'s, so the
+  comparison does not flatter cgdp.
+* :class:`~cgdp.engine.core.host_update.HostUpdate` (``update="host"``).
 
-What a third strategy (the host-side optimizer, ``update="host"``) must provide:
+The contract: the attributes ``streams``, ``sums``, ``only_first_stepped`` (read before the gradient path is built);
+:meth:`~Update.hook_views`; :meth:`~Update.begin_step`; :meth:`~Update.reduce` (after backward, the gradient in place
+and its NaN/Inf count, agreed across ranks; nonzero rejects the step before :meth:`~Update.step`); :meth:`~Update.step`
+(scale, update, every replica bitwise replica 0's; per device the stamps, None where none ran) and
+:attr:`~Update.figures`.
 
-* the facts the engine reads before it builds the gradient path, as attributes: ``streams``
-  (gradients go through the host during backward: the hooks send chunks, so the chunk plan
-  matters and is tuned), ``sums`` (the engine sums the replicas' gradients, so the user's
-  gradient hooks wait for the sum, :mod:`cgdp.engine.core.param_hooks`), ``only_first_stepped``
-  (only optimizer 0 steps, so the other replicas' schedulers step without their optimizer);
-* :meth:`~Update.hook_views`: the replicas' gradient views into which the result of a user's
-  gradient hook is written (those whose gradient the update reads);
-* :meth:`~Update.begin_step`: before each step's first forward (the host update refreshes its
-  masters there and readies its per-chunk updates);
-* :meth:`~Update.reduce`: after backward, on the caller's thread, the gradient the update reads
-  in place; its NaN/Inf count on this rank, a float or a device's scalar (read with the step's
-  losses, in its one host read; the engine agrees on it across ranks and rejects the step before
-  :meth:`~Update.step` if it is not zero);
-* :meth:`~Update.step`: scale that gradient by the clipping coefficient, apply the update, and
-  leave every replica's parameters bitwise identical to replica 0's; per device, the stamps
-  (``Device.stamp``) around its update, None where it ran none (``Trainer.stats``, traces);
-  :attr:`~Update.figures` for ``Trainer.stats``.
-
-:class:`~cgdp.engine.core.host_update.HostUpdate` (``update="host"``) is that third strategy.
-
-Which thread runs what: :meth:`~Update.reduce` runs on the caller's thread; :meth:`PerReplica.step`
-runs each device's update on that device's host thread (``DeviceThreads.run_all``), so a GPU's
-optimizer kernels are issued by the thread that owns its streams; :meth:`Typical.step` runs on the
-caller's thread. Buffers (BatchNorm statistics) and schedulers are the face's, after the step.
+Threads: ``reduce`` and :meth:`Typical.step` on the caller's thread; :meth:`PerReplica.step` on each device's thread (a
+GPU's kernels are issued by the thread owning its streams). Buffers and schedulers are the face's, after the step.
 """
 from __future__ import annotations
 
@@ -55,43 +31,34 @@ from cgdp.engine.core.precision import sum_dtype
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
 
-Stamps = tuple[Any, Any]
-"""``(start, end)`` of one device's update, from ``Device.stamp()``."""
+Stamps = tuple[Any, Any]  # (start, end) of one device's update, Device.stamp()
 
 
 class Update(ABC):
-    """How every replica gets the next parameters; see the module docstring for the contract."""
+    """How every replica gets the next parameters (the contract: the module)."""
 
-    streams: bool
-    """Gradients go through the host during backward (the hooks send chunks; the plan is tuned)."""
-    sums: bool
-    """The engine sums the replicas' gradients: the user's gradient hooks wait for the sum. False
-    with one replica whose gradient never leaves its device: autograd runs the hooks itself."""
-    only_first_stepped: bool = False
-    """Only optimizer 0 steps (the other replicas are overwritten)."""
+    streams: bool  # gradients go through the host during backward (the plan is tuned)
+    sums: bool  # the user's gradient hooks wait for the engine's sum (else autograd runs them)
+    only_first_stepped: bool = False  # the other replicas are overwritten
 
     def __init__(self, devs: Sequence[Device], optimizers: Sequence[torch.optim.Optimizer],
                  params: Sequence[Sequence[nn.Parameter]]):
-        """``params[j]``: replica j's trainable parameters; ``optimizers[j]`` steps them."""
         self.devs = list(devs)
         self.optimizers = list(optimizers)
         self.params = [list(p) for p in params]
 
-    figures: dict[str, float] = {}
-    """Figures of the last step for ``Trainer.stats`` (the host update's time, whether it overlapped)."""
+    figures: dict[str, float] = {}  # the last step's, for Trainer.stats
 
     def begin_step(self, hooked: bool = False) -> None:
-        """Before a step's first forward, on the caller's thread (nothing in flight); ``hooked``:
-        the user's gradient hooks on the parameters will run on the average (:meth:`hook_views`)."""
+        """Before the first forward (caller's thread); ``hooked``: user gradient hooks will run."""
 
     def hook_views(self, views: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """Of every replica's gradient views (``views[j]``), those a user's gradient hook writes."""
+        """The gradient views a user's gradient hook writes (those the update reads)."""
         return views
 
     @abstractmethod
     def reduce(self, stream: GradientStream) -> float | torch.Tensor:
-        """After backward: the gradient the update reads in place; its NaN/Inf count (a device's
-        scalar is read with the step's losses)."""
+        """After backward: the gradient in place; its NaN/Inf count (a device scalar is read with the losses)."""
 
     @abstractmethod
     def step(self, coef: torch.Tensor | None, stream: GradientStream,
@@ -100,10 +67,7 @@ class Update(ABC):
 
 
 class PerReplica(Update):
-    """Each device steps its own optimizer on the averaged gradient the host sent back.
-
-    ``streams=False``: one replica (``mode="single"``): no gradient leaves the device and nothing
-    is summed."""
+    """Each device steps its own optimizer on the average sent back. ``streams=False``: ``mode="single"``."""
 
     def __init__(self, devs: Sequence[Device], optimizers: Sequence[torch.optim.Optimizer],
                  params: Sequence[Sequence[nn.Parameter]], *, streams: bool = True):
@@ -151,10 +115,8 @@ class Typical(Update):
 
 
 def gather_on_first(devs: Sequence[Device], flats: list[torch.Tensor]) -> torch.Tensor:
-    """Device 0's flat buffer ← the sum of every device's, in device order; the NaN/Inf count, on
-    device 0 (no host wait: the step reads it with its losses, before the update).
-    16-bit gradients are summed in float32 and rounded once, as the host does. On GPUs, float32
-    and float64 buffers are reduced with one collective (:func:`~cgdp.engine.backend.cuda.reduce_to_first`)."""
+    """Device 0's flat ← the sum of all, in device order (16-bit summed in float32, rounded once, as the host does);
+    the NaN/Inf count on device 0, read with the losses (no host wait)."""
     first = flats[0]
     if devs[0].is_cuda and sum_dtype(first.dtype) == first.dtype:
         from cgdp.engine.backend.cuda import reduce_to_first
@@ -169,7 +131,6 @@ def gather_on_first(devs: Sequence[Device], flats: list[torch.Tensor]) -> torch.
 
 
 def broadcast_parameters(devs: Sequence[Device], params: list[list[nn.Parameter]]) -> None:
-    """Every replica's parameters ← replica 0's."""
     if devs[0].is_cuda:
         from cgdp.engine.backend.cuda import broadcast_from_first
         broadcast_from_first(devs, params)
