@@ -1,29 +1,19 @@
 """Replica 0 is the user's model: what the other replicas follow of it, for both faces.
 
-The user changes the model between steps (``eval()``, ``p.clamp_`` under ``no_grad``, ``load_state_dict``,
-``requires_grad_(False)``, a layer replaced) and its forward may change parameters in place
-(``nn.Embedding(max_norm=...)``); the other replicas must take such changes before they run again. :class:`Follow` owns
-that: it holds replica 0 *as every replica has it* (:meth:`Follow._look`: modes, ``requires_grad``, version counters,
-and counters of torch's registrations and hooks), compared as one value before every step or forward
-(:meth:`Follow.before_step`); only what differs is looked at:
+The user changes the model between steps (``eval()``, ``p.clamp_`` under ``no_grad``, ``load_state_dict``, a layer
+replaced) and a forward may write parameters (``nn.Embedding(max_norm=...)``); the other replicas take such changes
+before they run again. :class:`Follow` holds replica 0 *as every replica has it* (:meth:`Follow._look`), compared as one
+value before every step or forward (:meth:`Follow.before_step`): modes are copied; a parameter frozen after wrapping is
+frozen everywhere, unfreezing one frozen when wrapped is refused (no place in the flat buffers); parameters changed in
+place (version counters, which ``p.data`` does not share) are copied, with a warning; hook registrations are followed by
+:class:`~cgdp.engine.core.module_hooks.ModuleHooks`; new submodules or parameter objects are refused (buffers, hooks and
+optimizers hold the old ones); a ``load_state_dict`` of any submodule reaches every replica through load hooks
+(:class:`LocalHooks`), once per call, and ``assign=True`` is refused until undone.
 
-* **modes**: every replica takes replica 0's;
-* **requires_grad**: a parameter frozen after wrapping is frozen everywhere; unfreezing one frozen when wrapped is
-  refused (it has no place in the flat buffers);
-* **parameters changed in place** outside the update (version counters, which ``p.data`` does not share): copied to
-  every replica, with a warning;
-* **the module tree**: hook registrations (``prune``) are followed by
-  :class:`~cgdp.engine.core.module_hooks.ModuleHooks`; a submodule replaced, added or removed, or a new parameter
-  object, is refused (buffers, hooks and optimizers hold the parameters it had);
-* **load_state_dict** on any submodule of replica 0: load hooks (:class:`LocalHooks`, kept out of pickles and copies)
-  copy the loaded module's state to every replica once per call. ``assign=True`` is refused, at every step until undone.
-
-:meth:`Follow.after_forward`: a parameter the forward changed in place on replica 0 must end the same on every replica,
-as one device would hold it. Equal everywhere: nothing to do. ``nn.Embedding(max_norm=...)``: every replica takes, row
-by row, the renormalised row (the one of smaller norm, same bits wherever renormalised), for the rows some replica
-looked up (:class:`_Lookups`); a write into a weight another operation saved for backward is refused. Any other
-per-replica difference is refused (replica 0's parameters are copied first, so replicas stay identical). A change made
-on some replica j > 0 only is not seen.
+:meth:`Follow.after_forward`: a parameter a forward wrote on replica 0 must end as one device would hold it. Equal
+everywhere: nothing to do. A max_norm embedding: every replica takes, per looked-up row (:class:`_Lookups`), the row of
+smaller norm (same bits wherever renormalised); a write into a weight saved for backward is refused. Any other
+difference is refused, replica 0's parameters copied first. A write on some replica j > 0 only is not seen.
 """
 from __future__ import annotations
 
@@ -223,13 +213,13 @@ class Follow:
         if saved:
             raise RuntimeError(
                 f"the model's forward used the weight {', '.join(names[i] for i in saved[:5])} of an "
-                f"nn.Embedding(max_norm=...) in another operation that saved it for backward (a penalty on the "
-                f"table, a tied layer) after the embedding renormalised the rows its part of the batch looked "
-                f"up; one device renormalises the rows of the whole batch first, and the rows the other devices "
-                f"renormalised cannot be written without breaking that backward ({self.name} gave them to every "
-                f"replica and drops this forward). Use only what the embedding returns (a penalty on the looked-up "
-                f"rows), renormalise outside the forward (max_norm=None, torch.embedding_renorm_ under "
-                f"torch.no_grad() before the step), or train on one device")
+                f"nn.Embedding(max_norm=...) in another operation that saved it for backward (a penalty on the table, "
+                f"a tied layer) after the embedding renormalised the rows its part of the batch looked up; one device "
+                f"renormalises the rows of the whole batch first, and the rows the other devices renormalised cannot "
+                f"be written without breaking that backward ({self.name} gave them to every replica and drops this "
+                f"forward). Use only what the embedding returns (a penalty on the looked-up rows), renormalise outside "
+                f"the forward (max_norm=None, torch.embedding_renorm_ under torch.no_grad() before the step), or "
+                f"train on one device")
         if refused:
             raise RuntimeError(
                 f"the model's forward changed parameter(s) {', '.join(names[i] for i in refused[:5])} in place, "

@@ -332,8 +332,8 @@ class HostUpdate(Update):
                 bad = any(host.bad[t] for t in lay.chunk_segments[c])
             else:  # another rank's NaN arrives through the allreduce: look at the global sum
                 lo, hi = lay.chunk_bounds[c]
-                row = host.sum_row() if self._rounded is None else self._rounded
-                bad = not bool(torch.isfinite(row[lo:hi]).all())
+                bad = not bool(torch.isfinite(
+                    (host.sum_row() if self._rounded is None else self._rounded)[lo:hi]).all())
             if bad:
                 self._poisoned = c
                 return
