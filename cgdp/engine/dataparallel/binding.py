@@ -1,43 +1,28 @@
 """The user's optimizer bound once to a ``DataParallel``: its ``step()`` steps every replica.
 
-``opt = model.bind(torch.optim.AdamW(model.parameters()))`` (as Horovod's ``DistributedOptimizer``
-and DeepSpeed's engine take the optimizer once) puts three things on that one optimizer, and
-nothing anywhere else (no global hook, no per-step swap of the user's objects); ``close()``
-removes them, and the optimizer steps replica 0 alone again:
+``opt = model.bind(opt)`` (as Horovod's ``DistributedOptimizer``) puts three things on that one optimizer and nothing
+elsewhere (no global hook, no per-step swap); ``close()`` removes them and the optimizer steps replica 0 alone again:
 
-1. **its ``step``**, an attribute of the instance over the one it had (its class's, or an LR
-   scheduler's counter), as torch's ``LRScheduler`` puts its counter there: the same signature
-   (``GradScaler`` reads it), a ``__func__`` (a scheduler built later wraps it). It is the
-   outermost call by construction: a subclass's ``super().step()`` runs inside it. In one
-   ``try``/``finally`` it takes the model's operation lock and checks the gradients
-   (``Gradients.check_step``), then steps every replica (:meth:`Binding._step`), and gives the
-   lock back;
-2. **a step pre-hook** that refuses a step past that attribute (``type(opt).step(opt)``, a bound
-   method saved before ``bind``) with :data:`PAST_BINDING`: it would step replica 0 alone;
+1. **its ``step``**, an instance attribute over the one it had, as ``LRScheduler`` puts its counter there: the same
+   signature (``GradScaler`` reads it) and a ``__func__`` (a later scheduler wraps it). It is the outermost call (a
+   subclass's ``super().step()`` runs inside it); in one ``try``/``finally`` it takes the operation lock, checks the
+   gradients, steps every replica (:meth:`Binding._step`) and gives the lock back;
+2. **a step pre-hook** refusing a step past that attribute (:data:`PAST_BINDING`): it would step replica 0 alone;
 3. **a load post-hook**: ``opt.load_state_dict`` reloads what steps the other replicas.
 
-``update="devices"`` (:class:`Binding`): one *mirror* optimizer per other replica, the user's class
-built over that replica's parameters with a copy of the user's state. Every step copies the
-user's hyperparameters (schedulers, manual changes) and ``GradScaler``'s attributes into the
-mirrors, starts their steps on the device threads, runs the user's step on replica 0, and waits.
-Invariant: after every step each replica's parameters and optimizer state are bitwise replica
-0's (the same gradients, state, hyperparameters and code). A step that raised anywhere is
-followed by a *resync*: every replica takes replica 0's parameters and state, what one device
-holds after its step raised.
+``update="devices"`` (:class:`Binding`): one *mirror* optimizer (the user's class) per other replica. Each step copies
+the hyperparameters and ``GradScaler``'s attributes into the mirrors, starts their steps on the device threads, runs the
+user's step on replica 0, and waits. Invariant: after every step each replica's parameters and optimizer state are
+bitwise replica 0's. A step that raised anywhere is followed by a *resync* to replica 0's parameters and state.
 
-``update="host"`` (:class:`HostBinding`): one optimizer of the user's class over the host's float32
-masters, built at ``bind``; its per-parameter state dicts are the very dicts of ``opt.state`` (on
-the host), and it runs the user's step hooks (the same hook dictionaries). The user's
-``param_groups`` keep replica 0's parameters; ``state_dict()`` and ``load_state_dict()`` work on
-the user's object. Every step copies the hyperparameters, steps the host optimizer (torch's fused
-CPU kernel where the user chose no implementation) and copies the masters to every replica, also
-after a step that raised (what one device holds then). A subclass that overrides ``step()`` is
-refused at ``bind`` (:data:`OWN_STEP`): its step would run on that host optimizer, not on the
-user's object. An optimizer that holds no parameter with a master (a sparse embedding's
-``SparseAdam``) gets device mirrors.
+``update="host"`` (:class:`HostBinding`): one optimizer of the user's class over the host's float32 masters, whose
+per-parameter state dicts are the very dicts of ``opt.state`` and which runs the user's step hooks. ``param_groups``,
+``state_dict()`` and ``load_state_dict()`` stay the user's. Each step copies the hyperparameters, steps the host
+optimizer (fused CPU kernel by default) and copies the masters to every replica, also after a raise. A subclass
+overriding ``step()`` is refused (:data:`OWN_STEP`). An optimizer holding no master (``SparseAdam``) gets mirrors.
 
-The binding holds the optimizer and the model's :class:`~cgdp.engine.dataparallel.steps.ReplicaSteps`
-weakly: the optimizer holds it (through its ``step``), never the other way round.
+The binding holds the optimizer and :class:`~cgdp.engine.dataparallel.steps.ReplicaSteps` weakly: the optimizer holds
+it (through its ``step``), never the other way round.
 """
 from __future__ import annotations
 
@@ -76,8 +61,7 @@ OWN_STEP = ("update='host' steps a copy of your optimizer's class over float32 m
 
 
 def bind(opt: torch.optim.Optimizer, steps: Any, owned: set[int]) -> None:
-    """Bind ``opt`` to the model whose :class:`ReplicaSteps` is ``steps`` (``owned``: the ids of
-    its replica 0's parameters); nothing if it is bound to it already."""
+    """Bind ``opt`` to ``steps``'s model (``owned``: ids of replica 0's parameters); nothing if already bound."""
     b = opt.__dict__.get(_ATTR)
     if b is not None and b.steps() is steps:
         return
@@ -249,13 +233,11 @@ class HostBinding(Binding):
         self._reload(opt)
 
     def _groups(self, groups: list[dict], mapping: dict[int, Any]) -> list[dict]:
-        """Parameters without a master (frozen when the model was wrapped) are skipped, as torch
-        skips a parameter without a gradient."""
+        """Parameters without a master (frozen at wrapping) are skipped, as torch skips one without a gradient."""
         return [{**g, "params": [mapping[id(p)] for p in g["params"] if id(p) in mapping]} for g in groups]
 
     def _reload(self, opt: torch.optim.Optimizer) -> None:
-        """At bind and after ``opt.load_state_dict``: the host optimizer's state is the user's
-        per-parameter dicts, their tensors moved to the host."""
+        """The host optimizer's state is the user's per-parameter dicts, tensors moved to the host."""
         self._sync_groups(opt)
         self._plan(opt)
         self._user_state = opt.state
@@ -318,8 +300,7 @@ class HostBinding(Binding):
 
 
 def _outermost(b: Binding, inner: Callable[..., Any]) -> Callable[..., Any]:
-    """The instance's ``step``: ``inner``'s signature, a ``__func__`` a scheduler can wrap, the
-    optimizer held weakly (no reference cycle: its state is freed with its last reference)."""
+    """The instance's ``step``: ``inner``'s signature, a ``__func__``, the optimizer held weakly (no cycle)."""
     def unbound(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         return b.step(self, args, kwargs)
 
@@ -334,8 +315,7 @@ def _outermost(b: Binding, inner: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _construct(opt: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
-    """``type(opt)(groups, **opt.defaults)``: every group carries all its hyperparameters; the
-    defaults only matter for groups added later (and some are not constructor arguments: AdamW's)."""
+    """``type(opt)(groups, **opt.defaults)``; defaults matter only for later groups (some aren't constructor args)."""
     cls = type(opt)
     sig = inspect.signature(cls.__init__).parameters
     any_kw = any(p.kind is p.VAR_KEYWORD for p in sig.values())

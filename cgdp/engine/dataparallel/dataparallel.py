@@ -1,59 +1,38 @@
 """``cgdp.DataParallel``: the engine behind the user's own training loop.
 
-``model = cgdp.DataParallel(net, devices)`` replaces ``torch.nn.DataParallel(net)``; the loop
-stays the user's (``opt = model.bind(opt)`` once, then ``opt.zero_grad()``, ``model(x)``,
-``loss.backward()``, ``opt.step()``). It
-drives the same :class:`~cgdp.engine.core.stream.GradientStream` as ``Trainer`` (hooks, flat buffers,
-device streams, host sum, copy back) and the same owner of the gradients: one data path, two faces.
-Its operations, each holding the model's operation lock (:mod:`cgdp.engine.core.lifetime`), in the
-order of one iteration: :meth:`DataParallel.forward`; a backward, from the gather's backward
-(:meth:`DataParallel._begin_backward`) to autograd's final callback (:meth:`DataParallel._end_backward`);
-``clip_grad_norm_``; the bound ``optimizer.step()`` (:mod:`cgdp.engine.dataparallel.binding` →
-:class:`~cgdp.engine.dataparallel.steps.ReplicaSteps`); and ``bind()``. ``docs/design.md`` draws them
-beside ``Trainer``'s step.
+``model = cgdp.DataParallel(net, devices)`` replaces ``torch.nn.DataParallel(net)``; the loop stays the user's
+(``opt = model.bind(opt)`` once, then ``opt.zero_grad()``, ``model(x)``, ``loss.backward()``, ``opt.step()``). It drives
+the same :class:`~cgdp.engine.core.stream.GradientStream` and gradient owner as ``Trainer``: one data path, two faces.
+Its operations each hold the model's operation lock (:mod:`cgdp.engine.core.lifetime`): forward, a backward (gather's
+backward :meth:`DataParallel._begin_backward` to autograd's final callback :meth:`DataParallel._end_backward`),
+``clip_grad_norm_``, the bound ``optimizer.step()`` (:mod:`~cgdp.engine.dataparallel.binding`) and ``bind()``;
+``docs/design.md`` draws them beside ``Trainer``'s step.
 
-* **Replicas.** ``net`` is replica 0, moved to ``devices[0]`` and trained in place
-  (``.module``); replica j > 0 is a deep copy on ``devices[j]`` (``.replicas``). They are never
-  broadcast again: each replica takes the same optimizer step (:mod:`cgdp.engine.dataparallel.steps`).
-* **Forward** (:mod:`cgdp.engine.dataparallel.scatter`): the arguments are split along dimension 0 in device
-  order, each replica runs on its device's thread (with the caller's grad mode and autocast),
-  the outputs are gathered on ``devices[0]``. In training mode the floating buffers (BatchNorm
-  statistics) are then set to their batch-weighted mean on every replica.
-* **Backward.** The gather's backward (:meth:`_begin_backward`, before any replica gradient
-  exists) readies the gradients (:meth:`Gradients.begin`) and queues :meth:`_end_backward` with
-  autograd's engine (``queue_callback``, as DDP does), which runs once the whole backward is done
-  (on the thread that finished it: the caller's on CPU, possibly an autograd device thread on
-  CUDA), before the caller's ``backward()`` returns. The hooks send each chunk as backward completes it,
-  the host SUMS the chunks of all replicas (no weighting: the loss on the gathered output already
-  weights each sample) and copies the sum back; the callback flushes the chunks never completed
-  and waits until every sum is back. On CPU-emulated devices autograd runs every replica's
-  backward on its one CPU thread; each replica's hooks are still only touched by that thread.
-* **The sum invariant** (:mod:`cgdp.engine.core.gradients`, the one owner of the gradients'
-  state): the true gradient is the sum over replicas of what they hold. After a synced backward every replica holds the total; the next
-  backward keeps replica 0's and zeroes the others' (accumulation without ``zero_grad`` counts it
-  once); inside ``no_sync()`` nothing is sent and every replica accumulates its own part, which
-  the first synced backward sends. A change to replica 0's gradients alone
-  (``torch.nn.utils.clip_grad_norm_(model.parameters())``, ``p.grad = ...``) is detected by the
-  flat buffer's version counter and ``.grad`` identity before the next step or clip, and copied
-  to every replica with a warning (it moves the whole gradient between devices;
-  ``model.clip_grad_norm_`` does not). Parameters with no gradient since the last ``zero_grad``
-  keep ``.grad`` None on every replica, as on one device.
-* **Several machines** (``comm="mpi"``): each rank runs the same loop on its own batch; the host
-  sums of all ranks are allreduced chunk by chunk (the engine's MPI tier, as for ``Trainer``), and
-  the gradients handed to the replicas are scaled by 1/R, so the result is the mean over ranks of
-  each rank's gradient, as with DDP. Every rank must do the same synced backwards and training
-  forwards (BatchNorm statistics are averaged over all ranks, a collective per training forward).
+* **Replicas.** ``net`` is replica 0 on ``devices[0]``, trained in place (``.module``); replica j > 0 is a deep copy on
+  ``devices[j]``. They are never broadcast again: each takes the same optimizer step (:mod:`~.steps`).
+* **Forward** (:mod:`~.scatter`): arguments split along dim 0 in device order, each replica on its device's thread
+  (caller's grad mode and autocast), outputs gathered on ``devices[0]``. In training mode floating buffers (BatchNorm
+  statistics) then take their batch-weighted mean on every replica.
+* **Backward.** The gather's backward (before any replica gradient exists) readies the gradients and queues
+  :meth:`_end_backward` with autograd (``queue_callback``, as DDP), which runs on the thread that finished the backward
+  before the caller's ``backward()`` returns. The host SUMS the replicas' chunks (no weighting: the loss on the gathered
+  output already weights each sample) and copies the sum back; the callback flushes incomplete chunks and waits for
+  every sum. On CPU-emulated devices autograd runs every replica's backward on one thread; each replica's hooks are
+  still touched by one thread only.
+* **The sum invariant** (:mod:`cgdp.engine.core.gradients`): the true gradient is the sum over replicas of what they
+  hold. After a synced backward every replica holds the total; the next keeps replica 0's and zeroes the others';
+  inside ``no_sync()`` each replica accumulates its own part, sent by the first synced backward. A change to replica
+  0's gradients alone (``clip_grad_norm_(model.parameters())``, ``p.grad = ...``) is detected and copied to every
+  replica with a warning. Parameters with no gradient since ``zero_grad`` keep ``.grad`` None everywhere.
+* **Several machines** (``comm``): the host sums of all ranks are allreduced chunk by chunk and scaled by 1/R (the
+  mean over ranks, as DDP). Every rank must do the same synced backwards and training forwards (BatchNorm statistics
+  are averaged over ranks, a collective per training forward).
 
-Input gradients (a frozen model, ``backward(inputs=[x])``, ``torch.autograd.grad(loss, x)``) flow
-back by autograd alone, without the engine (:mod:`cgdp.engine.dataparallel.input_grads`); a model
-with nothing to train runs forward and those only. Sparse gradients travel beside the flat buffer
-(:mod:`cgdp.engine.core.sparse_grads`); buffers that require grad are read from replica 0 by
-every replica (:mod:`cgdp.engine.dataparallel.user_module`). Not supported (clear errors):
-``torch.autograd.grad`` for the parameters, input gradients with ``create_graph=True`` while the
-model trains, ``optimizer.step(closure)``. A second backward through a retained graph accumulates, as on
-one device. A backward that fails before any replica's gradient arrived (a second backward without
-``retain_graph``) leaves the gradients as they were, as on one device; one that fails partway
-drops them, and ``optimizer.step()`` refuses to run until the step's backward is redone.
+Input gradients flow back by autograd alone (:mod:`~.input_grads`); sparse gradients travel beside the flat buffer
+(:mod:`cgdp.engine.core.sparse_grads`); buffers that require grad are read from replica 0 (:mod:`~.user_module`).
+Unsupported (clear errors): ``torch.autograd.grad`` for the parameters, input gradients with ``create_graph=True``
+while training, ``optimizer.step(closure)``. A backward that fails before any replica's gradient arrived leaves the
+gradients as they were; one that fails partway drops them, and ``optimizer.step()`` refuses until it is redone.
 """
 from __future__ import annotations
 
@@ -117,29 +96,20 @@ class DataParallel(nn.Module):
         module: the model; it becomes replica 0 (moved to ``devices[0]``, trained in place).
         devices: ``["cuda:0", "cuda:1", ...]`` (or ``torch.device``s) or CPU-emulated ``["cpu:0", ...]``;
             ``None``: every GPU, or two CPU-emulated devices without one.
-        chunks: chunk size k (the paper's uniform plan), an explicit plan, or ``"auto"``: the
-            auto tuner times the uniform plans over the first iterations of your loop (the time
-            between two ``optimizer.step()`` calls; about 3 x log2(layers) iterations) and keeps
-            the fastest. The plan never changes results, only speed.
-        comm: ``None`` for one machine, ``"mpi"``, ``"gloo"`` (or a process group, or a :class:`cgdp.comm.Comm`) for several:
-            gradients are then averaged over ranks, as with DDP. Every rank must build the same
-            model (checked at start-up). The comm belongs to the model: ``close()`` closes it.
-        timeout_s: longest any thread waits for another before backward fails with
-            ``TimeoutError``; ``None`` waits forever.
-        segment_bytes: chunks larger than this travel in segments (see :mod:`cgdp.engine.core.flatgrad`).
+        chunks: chunk size k, an explicit plan, or ``"auto"``: uniform plans timed over the first iterations of your
+            loop (between two ``optimizer.step()`` calls; about 3 x log2(layers)), the fastest kept. Speed only.
+        comm: ``None`` for one machine, ``"mpi"``, ``"gloo"``, a process group or a :class:`cgdp.comm.Comm` for
+            several: gradients averaged over ranks, as DDP. Every rank builds the same model (checked); ``close()``
+            closes the comm.
+        timeout_s: longest any thread waits for another before backward raises ``TimeoutError``; ``None``: forever.
+        segment_bytes: chunks larger than this travel in segments (:mod:`cgdp.engine.core.flatgrad`).
         host_memory: bytes of registered host memory for the host slots, as for ``Trainer``.
-        scalar_outputs: how a floating 0-dim tensor that every replica returns (a loss the model
-            computed) is combined: ``"mean"``, weighted by each replica's share of the samples
-            (``sum_j n_j/N * x_j``: exact for per-sample means); ``"sum"`` (``sum_j x_j``: exact
-            for a share of a global sum, a loss divided by a count of the whole batch); or
-            ``"auto"``: ``"sum"`` in a call that passes ``num_items_in_batch`` (Hugging Face's
-            global normaliser) which the model's forward then uses, ``"mean"`` otherwise.
-        update: ``"devices"`` (every replica steps a copy of your bound optimizer) or ``"host"``: a
-            copy of it steps float32 masters in host memory and every replica takes the updated
-            parameters; no device holds optimizer state (:mod:`cgdp.engine.dataparallel.binding`).
-        share_devices: allow a GPU to be listed more than once (one replica per entry, each with
-            its own copy streams), as for ``Trainer``: the G > 1 data path on a one-GPU machine,
-            for tests and measurements, not for speed.
+        scalar_outputs: how a floating 0-dim output of every replica (a loss the model computed) is combined:
+            ``"mean"`` (``sum_j n_j/N * x_j``, exact for per-sample means), ``"sum"`` (exact for shares of a global
+            sum), or ``"auto"``: ``"sum"`` in a call whose forward uses a passed ``num_items_in_batch``, else mean.
+        update: ``"devices"`` (every replica steps a copy of your bound optimizer) or ``"host"`` (a copy steps float32
+            masters on the host, every replica takes the result; :mod:`cgdp.engine.dataparallel.binding`).
+        share_devices: allow a GPU listed more than once, as for ``Trainer`` (tests and measurements, not speed).
     """
 
     cgdp_engine = True  # not a model to replicate (core/claims.py)
@@ -251,8 +221,7 @@ class DataParallel(nn.Module):
         return list(self._replicas)
 
     def rng_state(self) -> dict[str, Any]:
-        """The replicas' random streams (dropout), for a checkpoint: :meth:`set_rng_state`
-        continues them where they were, so a resumed run draws what an uninterrupted one would."""
+        """The replicas' random streams, for a checkpoint: :meth:`set_rng_state` continues them exactly."""
         return {"states": [s.clone() for s in self._rng.states], "turns": getattr(self._rng, "turns", None)}
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
@@ -265,16 +234,13 @@ class DataParallel(nn.Module):
 
     @operation("bind()")
     def bind(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Bind ``optimizer`` (over this model's parameters) once: its ``step()`` then steps every
-        replica (:mod:`cgdp.engine.dataparallel.binding`), until :meth:`close`. Returns it; binding
-        it again does nothing."""
+        """Bind ``optimizer`` once: its ``step()`` steps every replica until :meth:`close`. Returns it; idempotent."""
         bind(optimizer, self._steps, {id(p) for p in self._state.params[0]} | set(self._grad_buffers.ids()))
         return optimizer
 
     @property
     def plan(self) -> Plan:
-        """The chunk plan in use (send order, forward layer numbering); empty without dense
-        trainable parameters."""
+        """The chunk plan in use; empty without dense trainable parameters."""
         return self._stream.plan if self._stream is not None else []
 
     @operation("forward()")
@@ -323,8 +289,7 @@ class DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backwards of forwards run inside accumulate on each device without communication; the
-        first backward of a forward outside sends the accumulated gradient (as DDP's ``no_sync``)."""
+        """Backwards of forwards run inside accumulate locally; the next synced one sends it all (as DDP's)."""
         old, self._no_sync = self._no_sync, True
         try:
             yield
@@ -333,9 +298,8 @@ class DataParallel(nn.Module):
 
     @operation("clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradient of every replica by the norm of the whole (summed) gradient, computed
-        on the host during backward (from the second call on); returns that norm (as FSDP's
-        method of the same name)."""
+        """Clip every replica by the summed gradient's norm (computed on the host during backward from the second
+        call on); returns it, as FSDP's."""
         return self._grads.clip(max_norm, float(norm_type))
 
     def train(self, mode: bool = True) -> "DataParallel":
@@ -345,11 +309,8 @@ class DataParallel(nn.Module):
         return self
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "DataParallel":
-        """``model.to(...)``, ``.half()``, ``.cuda()``, ``.to(memory_format=...)``...: nn.Module would
-        convert replica 0 alone (the other replicas are no submodules), and the engine's gradient
-        buffers are laid out for the parameters as wrapped, so any change of dtype, device or
-        memory format is refused; one that changes nothing (``.to`` the device and dtype already in
-        use) is a no-op."""
+        """``.to``/``.half``/``.cuda``...: would convert replica 0 alone and break the buffers' layout, so any change
+        of dtype, device or memory format is refused; a no-op conversion is allowed."""
         for t in [*self.module.parameters(), *self.module.buffers()]:
             out = fn(t)
             if out.dtype != t.dtype or out.device != t.device:
@@ -364,28 +325,19 @@ class DataParallel(nn.Module):
         return self
 
     def __deepcopy__(self, memo: dict) -> nn.Module:
-        """A copy of the model it wraps (``model.module``, replica 0, on ``devices[0]``), not a second
-        engine (threads, devices, pinned memory): ``copy.deepcopy(model)`` and
-        ``torch.optim.swa_utils.AveragedModel(model)`` (EMA, SWA) keep a plain module, which
-        ``update_parameters(model)`` updates from replica 0's parameters. Wrap the copy to train it
-        on several devices."""
+        """A copy of ``model.module`` (replica 0), not a second engine: ``AveragedModel(model)`` (EMA, SWA) keeps a
+        plain module updated from replica 0."""
         self._life.ops.clean_stale()  # after a backward that raised: its clean-up first
         return copy.deepcopy(self.module, memo)
 
     def close(self) -> None:
-        """Remove every hook, stop every thread, free the flat and pinned buffers. Replica 0
-        (``.module``) keeps its gradients.
-
-        From another thread while an operation runs (forward, backward, ``optimizer.step()``,
-        ``clip_grad_norm_``): that operation stops with a ``RuntimeError`` that names ``close()``
-        (or completes, if it was past its last wait), and ``close()`` waits up to
-        :data:`~cgdp.engine.core.lifetime.CLOSE_WAIT_S` for it; one still running then releases
-        everything when it ends (:mod:`cgdp.engine.core.lifetime`)."""
+        """Remove every hook, stop every thread, free the buffers; ``.module`` keeps its gradients. From another thread
+        during an operation: it stops with a ``RuntimeError`` naming ``close()`` (or completes if past its last wait);
+        ``close()`` waits :data:`~cgdp.engine.core.lifetime.CLOSE_WAIT_S` for it (:mod:`cgdp.engine.core.lifetime`)."""
         self._life.close()
 
     def memory_report(self) -> dict[str, dict[str, int]]:
-        """Bytes of parameters, gradients, optimizer state and transfer buffers per device and on
-        the host (:mod:`cgdp.engine.core.memory_report`)."""
+        """Bytes per device and on the host (:mod:`cgdp.engine.core.memory_report`)."""
         per, host = self._steps.optimizers()
         masters = self._steps.host_masters
         return memory_report(self.devices, self._params, per, self._stream,
@@ -407,8 +359,7 @@ class DataParallel(nn.Module):
         return self._life.closed
 
     def _parameter_maps(self) -> list[dict[int, nn.Parameter]]:
-        """Per replica j > 0: id(replica 0's parameter) -> replica j's (all parameters, and the
-        stand-ins of buffers that require grad, which the replicas read from replica 0)."""
+        """Per replica j > 0: id(replica 0's parameter) -> replica j's, grad-requiring buffers' stand-ins included."""
         first = list(self.module.parameters())
         maps = [{id(p): q for p, q in zip(first, r.parameters())} for r in self._replicas[1:]]
         for m, stand_ins in zip(maps, self._grad_buffers.parameter_maps()):
@@ -433,9 +384,8 @@ class DataParallel(nn.Module):
             raise
 
     def _after_failed_backward(self) -> None:
-        """A backward that raised never reached :meth:`_end_backward` (the clean-up of its stale
-        hold of the operation lock): its copies may still be in flight and the gradients are
-        partial. Let everything stop, then keep or drop them."""
+        """Clean-up of a backward that raised before :meth:`_end_backward`: copies may be in flight, gradients partial.
+        Let everything stop, then keep or drop them."""
         self._life.fail(RuntimeError("the previous backward failed"), self._devs, self._host())
         self._guard.reset()
         self._grads.fail()
