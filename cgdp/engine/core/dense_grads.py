@@ -1,26 +1,16 @@
 """The dense part of a ``DataParallel``'s gradients: the flat buffers that stream through the host.
 
-A part of :class:`cgdp.engine.core.gradients.Gradients` (see there for the states). It keeps
-the flat buffers of all replicas (:mod:`cgdp.engine.core.flatgrad`) consistent with what the
-user's loop does to replica 0's ``.grad``, so that
+A part of :class:`cgdp.engine.core.gradients.Gradients` (the states are there). It keeps the replicas' flat buffers
+(:mod:`cgdp.engine.core.flatgrad`) consistent with what the user's loop does to replica 0's ``.grad``, so that the
+true gradient is the sum over replicas of their flat buffers, at any time.
 
-    the true gradient is the sum over replicas of their flat buffers, at any time.
-
-* After a synced backward every replica holds the total T (the host sum, bitwise the same on
-  every device). The next backward (:meth:`DenseGrads.prepare`) keeps replica 0's buffer and zeroes the
-  others', so accumulating without ``zero_grad`` counts T once. If the last backward was not
-  synced (``no_sync``), every replica holds its own partial sum and nothing is zeroed.
-* ``.grad`` None on replica 0 means "no gradient" (``zero_grad``): that parameter's slice is
-  zeroed on every replica; a tensor put in ``.grad`` by the user is copied into the flat buffer.
-* ``has_grad[pid]``: whether the parameter has a gradient since the last ``zero_grad``, in the
-  single-device sense; parameters without one keep ``.grad`` None on every replica.
-* ``versions``: the flat buffers' version counters, recorded after every backward and every
-  change made by cgdp itself. Replica 0's counter moving, or its ``.grad`` no longer being its
-  view, means the user changed replica 0's gradients: :meth:`DenseGrads.follow_edits` then
-  copies them to every replica (with a warning) before they are used.
-* During a synced backward the hooks send each chunk, the host SUMS the chunks of all replicas
-  (no weighting: the loss on the gathered output already weights each sample) and copies the sum
-  back; :meth:`DenseGrads.end` flushes the chunks never completed and waits until every sum is back.
+* After a synced backward every replica holds the total T (bitwise the same). The next backward (:meth:`prepare`)
+  keeps replica 0's and zeroes the others', so accumulating without ``zero_grad`` counts T once. After a ``no_sync``
+  backward every replica holds its own partial sum and nothing is zeroed.
+* ``.grad`` None on replica 0 means no gradient: that slice is zeroed everywhere; a tensor the user put in ``.grad``
+  is copied into the flat buffer. ``has_grad[pid]``: a gradient since the last ``zero_grad``, in the one-device sense.
+* ``versions``: the flat buffers' version counters at the last change cgdp made. Replica 0's moving, or its ``.grad``
+  no longer its view, is a user edit: :meth:`follow_edits` copies it to every replica (with a warning) before use.
 """
 from __future__ import annotations
 
@@ -40,8 +30,7 @@ from cgdp.engine.core.user_warning import warn_user
 class DenseGrads(GradPart):
     def __init__(self, stream: GradientStream, initial: Sequence[torch.Tensor | None], param_hooks: ParamHooks,
                  comm: Comm | None, timeout_s: float | None):
-        """``initial``: replica 0's ``.grad`` before wrapping (kept, as one device would);
-        ``param_hooks``: the user's gradient hooks, run on each synced backward's sum."""
+        """``initial``: replica 0's ``.grad`` before wrapping (kept); ``param_hooks`` run on each synced sum."""
         self.stream = stream
         self.param_hooks = param_hooks
         self._comm, self._timeout_s = comm, timeout_s
@@ -61,9 +50,8 @@ class DenseGrads(GradPart):
         self.record()
 
     def begin(self, sync: bool, whole: bool) -> None:
-        """Before a backward adds to the buffers (the gather's backward): take the user's gradient
-        hooks off for this backward (they run on its sum), make the buffers hold what it must add
-        to, set aside the gradients of hooked parameters, arm the hooks (``sync``: send)."""
+        """Gather's backward: take the user's gradient hooks off (they run on the sum), :meth:`prepare`, set aside
+        hooked parameters' gradients, arm the hooks (``sync``: send)."""
         hooks = self.param_hooks
         if hooks.take() and not (sync and whole):
             hooks.put_back()
@@ -75,9 +63,8 @@ class DenseGrads(GradPart):
         self.stream.arm(sending=sync)
 
     def end(self, sync: bool) -> bool:
-        """After the backward (autograd's final callback): with ``sync``, flush the chunks backward
-        never completed (unused layers, idle devices) and wait until every sum is back; then the
-        user's gradient hooks on the sum, and the record. Whether hooks ran."""
+        """Autograd's final callback: with ``sync``, flush incomplete chunks (unused layers, idle devices) and wait
+        for every sum; then the user's hooks on the sum, and the record. Whether hooks ran."""
         st = self.stream
         if sync:
             st.flush_all()
@@ -101,11 +88,8 @@ class DenseGrads(GradPart):
         return hooked
 
     def _check_window(self, sync: bool) -> None:
-        """After a synced backward: replica 0's gradients must not have changed between the
-        backwards of a ``no_sync()`` window (an edit through ``.data`` moves no version counter),
-        where every replica holds its own part: the edit of one part is not that of the sum.
-        Compared by the integer sums of their bits, issued on the device as each backward ended
-        and began, read here once (the host already waited for this backward)."""
+        """Replica 0 must not change between a ``no_sync()`` window's backwards (editing one part is not editing the
+        sum; ``.data`` edits move no counter): bit sums issued on the device at each end and begin, read once here."""
         if not sync or not self._window_sums:
             return
         pairs, self._window_sums = self._window_sums, []
@@ -122,9 +106,8 @@ class DenseGrads(GradPart):
         st = self.stream
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]
-        # hooks that ran since the last record: this backward already reached parameters that it
-        # does not reach through the gathered output (one used only in the loss, as a learnable
-        # temperature), before this gather's backward; autograd's add is then no user edit
+        # hooks that ran since the last record: this backward reached parameters outside the gathered output (one used
+        # only in the loss) before the gather's backward; autograd's add is then no user edit
         early = st.touched() > 0
         self.has_grad |= early
         edited = st.flats[0]._version != self.versions[0]
@@ -145,8 +128,7 @@ class DenseGrads(GradPart):
                         for hooks in st.hooks[1:]:
                             hooks.views[pid].zero_()
                 if edited and not whole and not early.any():
-                    # inside a no_sync window the other replicas hold their own partial sums; only
-                    # zeroing replica 0 (zero_grad(set_to_none=False)) has a meaning for them
+                    # inside no_sync the others hold their own parts: only zeroing replica 0 has a meaning for them
                     if bool(st.flats[0].any()):  # note: a CPU-GPU sync point, on this rare path only
                         raise RuntimeError(_EDITED_IN_NO_SYNC)
                     self._window_sums = []
@@ -166,9 +148,7 @@ class DenseGrads(GradPart):
         self._attach()
 
     def set_aside(self, pids: list[int]) -> None:
-        """After :meth:`prepare`, for parameters whose gradient hooks run on this backward's sum
-        (:mod:`cgdp.engine.core.param_hooks`): set aside the gradient they hold (replica 0's: the
-        others are zero after a synced backward), so that the host sums this backward's alone."""
+        """Set aside replica 0's gradient of hooked parameters, so the host sums this backward's alone."""
         views0 = self.stream.hooks[0].views
         with torch.no_grad():
             for pid in pids:
@@ -185,9 +165,8 @@ class DenseGrads(GradPart):
         self._aside = {}
 
     def apply_hooks(self, touched: np.ndarray) -> None:
-        """After a synced backward (every replica holds this backward's sum): each hooked
-        parameter's gradient becomes what one device accumulates, the gradient set aside plus
-        what its hooks make of the sum (none when it got no gradient), on every replica."""
+        """After a synced backward: each hooked gradient becomes, on every replica, the one set aside plus what its
+        hooks make of the sum, as one device accumulates."""
         self.param_hooks.run(touched, [h.views for h in self.stream.hooks], self._aside)
         self._aside = {}
 
@@ -198,11 +177,8 @@ class DenseGrads(GradPart):
         self.record()
 
     def undo(self, whole: bool) -> bool:
-        """After a backward failed: the gradients set aside go back; then, if no hook ran after
-        :meth:`prepare` (it failed before any replica's gradient was accumulated), put back what the
-        buffers held before it, as one device keeps its gradients; whether it could.
-        :meth:`prepare` kept the sum of the buffers; after a synced backward it left the total on
-        replica 0 alone."""
+        """A backward failed: restore the gradients set aside; if no gradient had arrived, put back what the buffers
+        held (as one device keeps its gradients; :meth:`prepare` kept their sum). Whether it could."""
         self.restore_aside()
         st = self.stream
         if st.touched().any():
@@ -226,10 +202,8 @@ class DenseGrads(GradPart):
         self.record()
 
     def norm(self, norm_type: float, host: bool) -> float:
-        """The norm of the total (every replica holds it). The 2-norm comes from the host, which
-        summed the squares while it summed the gradient (:meth:`GradientStream.grad_norm`, asked
-        for from the first clip on), when ``host`` (the host's sum is what every replica holds);
-        otherwise, and for other norms, from replica 0's flat buffer."""
+        """The total's norm: the 2-norm from the host's sum of squares when ``host`` (asked for from the first clip
+        on), otherwise from replica 0's flat buffer."""
         st = self.stream
         if norm_type != 2.0:
             return float(torch.linalg.vector_norm(st.flats[0], norm_type, dtype=torch.float64))
@@ -247,10 +221,8 @@ class DenseGrads(GradPart):
         self.record()
 
     def follow_edits(self, whole: bool) -> bool:
-        """If replica 0's gradients changed since the last record, copy them to every replica;
-        whether they had. An edit through ``.data`` (``p.grad.data.clamp_(...)``) moves no
-        version counter: after a synced backward, when every replica must hold the same bits,
-        it is found by comparing replica 0's flat buffer with replica 1's (one pass over both)."""
+        """Copy replica 0's gradients to every replica if changed since the record; whether they had. A ``.data`` edit
+        moves no counter: after a synced backward it is found by comparing replica 0's bits with replica 1's."""
         st = self.stream
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]
@@ -287,8 +259,7 @@ class DenseGrads(GradPart):
         return True
 
     def attached(self, grads: list[torch.Tensor | None] | None = None) -> bool:
-        """Whether replica 0's ``.grad`` (``grads``, read now if not given) are still what the last
-        record left: its views where it has a gradient, None elsewhere."""
+        """Whether replica 0's ``.grad`` are still what the record left: views with a gradient, None elsewhere."""
         if grads is None:
             grads = [p.grad for p in self.stream.params[0]]
         return all((g is None) != bool(h) and (g is None or g is v)
@@ -302,8 +273,7 @@ class DenseGrads(GradPart):
                 params[pid].grad = None
 
     def fresh(self, timing: bool, sink: Any) -> None:
-        """A ``Trainer`` step's gradient starts from zero (its one reset point): the views of the
-        parameters that had none come back, the flat buffers are zeroed, the stream armed."""
+        """A ``Trainer`` step starts from zero (its one reset point): views back, buffers zeroed, stream armed."""
         st = self.stream
         if self.none_pids:
             for params, hooks in zip(st.params, st.hooks):
@@ -313,8 +283,7 @@ class DenseGrads(GradPart):
             self.none_pids = []
         if st.streaming and st.large:
             for params, hooks, small in zip(st.params, st.hooks, st.small_views):
-                # the large gradients arrive whole (autograd hands them over into .grad = None);
-                # only the small ones are added into zeroed views
+                # large gradients arrive whole (autograd hands them into .grad = None); small ones add into zeros
                 if small:
                     torch._foreach_zero_(small)
                 for pid in st.large:
@@ -326,8 +295,7 @@ class DenseGrads(GradPart):
         st.arm(timing, sink)
 
     def settle(self, touched: np.ndarray) -> None:
-        """After a ``Trainer`` step's backward: a parameter that got no gradient on any device (of
-        any rank) has ``.grad`` None, as on one device."""
+        """After a ``Trainer`` backward: no gradient on any device or rank means ``.grad`` None."""
         self.has_grad = touched > 0
         if not self.has_grad.all():
             self.set_none()
@@ -359,15 +327,13 @@ _EDITED_IN_NO_SYNC = (
 
 
 def _bit_sum(flat: torch.Tensor) -> torch.Tensor:
-    """The integer sum of a flat buffer's bits, on its device (a change of any value changes it,
-    but for collisions that an edit does not make by chance)."""
+    """The integer sum of a flat buffer's bits, on its device (an edit changes it but for chance collisions)."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
     return flat.view(bits).sum(dtype=torch.int64)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two flat buffers hold the same bits: compared directly on one host (emulated
-    devices), by an integer sum of their bits on their own devices otherwise (two GPUs)."""
+    """Whether two flat buffers hold the same bits: directly on one device, else by integer sums of the bits."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     a, b = a.view(bits), b.view(bits)  # bits, not values: NaN equals NaN, -0.0 is not 0.0
     if a.device == b.device:
