@@ -1,19 +1,14 @@
 """The model's side of a bound ``optimizer.step()``: every replica takes the same step.
 
-``DataParallel``'s update strategy (per-replica optimizers or the host's masters; ``Trainer``'s
-are in :mod:`cgdp.engine.core.update`). The optimizer bound to the model
+``DataParallel``'s update strategy (``Trainer``'s is :mod:`cgdp.engine.core.update`). The bound optimizer
 (:mod:`cgdp.engine.dataparallel.binding`) asks this object, never the user's module:
 
-* :meth:`ReplicaSteps.begin` before the step: the model's operation lock (held until
-  :meth:`ReplicaSteps.end`, which the bound step calls in ``finally``), the gradients checked and
-  made the same on every replica;
-* :meth:`ReplicaSteps.submit`: replica j's step on its device thread; :meth:`ReplicaSteps.kept`
-  after it;
-* :meth:`ReplicaSteps.host_sum` and :meth:`ReplicaSteps.host_copy_back` (``update="host"``): the
-  gradients the host step may read in place, and every replica's parameters from the masters;
-* :meth:`ReplicaSteps.end`: the replicas' parameters recorded, the time since the last step given
-  to the chunk-plan tuner (``chunks="auto"``: one iteration of the user's loop under the current
-  plan), and the lock given back.
+* :meth:`ReplicaSteps.begin`: takes the operation lock (held until :meth:`ReplicaSteps.end`, called in ``finally``),
+  checks the gradients and makes them the same on every replica;
+* :meth:`ReplicaSteps.submit`: replica j's step on its device thread; :meth:`ReplicaSteps.kept` after it;
+* :meth:`ReplicaSteps.host_sum`, :meth:`ReplicaSteps.host_copy_back` (``update="host"``);
+* :meth:`ReplicaSteps.end`: parameters recorded, the time since the last step (one iteration under the current plan)
+  given to the ``chunks="auto"`` tuner, the lock given back.
 """
 from __future__ import annotations
 
@@ -37,9 +32,8 @@ class ReplicaSteps:
     def __init__(self, life: Lifetime, devs: list, threads: DeviceThreads, grads: Gradients, state: ReplicaState,
                  maps: Callable[[], list[dict[int, nn.Parameter]]], stream: Any, comm: Any, tuner: Any,
                  timeout_s: float | None, host_masters: HostMasters | None = None):
-        """``maps()``: per replica j > 0, id(replica 0's parameter) -> replica j's; ``tuner``: the
-        chunk-plan tuner while it times plans (None: the plan is fixed); ``host_masters``: the
-        float32 masters of ``update="host"`` (None: every replica steps its own optimizer)."""
+        """``maps()``: per replica j > 0, id(replica 0's parameter) -> replica j's; ``tuner``: None once the plan
+        is fixed; ``host_masters``: None unless ``update="host"``."""
         self.host_masters = host_masters
         self._life, self._devs, self._threads = life, devs, threads
         self._grads, self._state, self._maps = grads, state, maps
@@ -77,9 +71,8 @@ class ReplicaSteps:
                 [b.opt() for b in bound if hasattr(b, "host")])
 
     def host_sum(self) -> tuple[Any, list[int]] | None:
-        """The host's sum row and the flat layout's offsets, when every replica holds that sum as
-        is (``SUMMED``: nothing edited since) and it is the total (one machine): the host step reads
-        it in place instead of copying replica 0's gradients back to the host."""
+        """The host's sum row and the layout's offsets, when it is what every replica holds (``SUMMED``, one
+        machine): the host step reads it in place instead of copying replica 0's gradients back."""
         st = self._stream
         if self._grads.state is not GradState.SUMMED or self._comm is not None or st is None or st.host is None:
             return None
@@ -91,13 +84,10 @@ class ReplicaSteps:
         self.host_masters.to_devices(self._threads, pids)
 
     def kept(self) -> bool:
-        """After the optimizer stepped every replica: whether replica 0's gradients were left as
-        the mirrors had them (if not, the mirrors resync and this warns)."""
         return self._grads.kept()
 
     def end(self) -> None:
-        """After the user's optimizer stepped every replica; gives the operation lock back,
-        whatever happens."""
+        """After every replica stepped; gives the operation lock back, whatever happens."""
         try:
             self._state.record_parameters()
             if self.tuner is not None:
@@ -106,8 +96,7 @@ class ReplicaSteps:
             self._life.ops.give()
 
     def _tune(self) -> None:
-        """The time since the last step is one iteration under the current plan; switch to the
-        tuner's next plan."""
+        """Time one iteration under the current plan; switch to the tuner's next plan."""
         now = time.perf_counter()
         if self._t_step is not None:
             self.tuner.observe(now - self._t_step)

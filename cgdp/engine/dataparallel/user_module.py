@@ -1,15 +1,10 @@
 """What ``DataParallel`` keeps on the user's module (replica 0), and what it must not leave there.
 
-* **A load hook that stays in this process** (``model.module.load_state_dict(...)`` reaches every
-  replica): :class:`cgdp.engine.core.follow.LocalHooks`, shared with ``Trainer``.
-* **Buffers that require grad** (``register_buffer("scale", t.requires_grad_())``: a learnable
-  tensor kept out of ``parameters()``). One device accumulates their whole gradient into the
-  buffer's ``.grad``. Here every replica reads replica 0's buffer through a differentiable copy
-  made at each forward (:meth:`GradBuffers.refresh`, as ``nn.DataParallel``'s replicate does), so
-  autograd itself adds every replica's part into replica 0's buffer: the full gradient, exactly,
-  without the flat buffer. An optimizer that steps such a buffer steps replica 0's; the replicas
-  read it again at the next forward. Their own copies (from the deep copy when wrapping) stand in
-  for it in the other replicas' mirror optimizers, where they never get a gradient.
+* **A load hook that stays in this process**: :class:`cgdp.engine.core.follow.LocalHooks`, shared with ``Trainer``.
+* **Buffers that require grad** (a learnable tensor kept out of ``parameters()``). Every replica reads replica 0's
+  through a differentiable copy made at each forward (:meth:`GradBuffers.refresh`, as ``nn.DataParallel``'s
+  replicate), so autograd adds every replica's part into replica 0's ``.grad``: exact, without the flat buffer. An
+  optimizer steps replica 0's; the others' own copies stand in for it in the mirrors, never getting a gradient.
 """
 from __future__ import annotations
 
@@ -39,8 +34,7 @@ class GradBuffers:
         return [getattr(m, a) for m, a in self._slots[j]]
 
     def refresh(self, devices: list[torch.device], used: int) -> None:
-        """Before a forward: replicas 1..used-1 read replica 0's buffers (a differentiable copy on
-        their device when grad is enabled; the same tensor on emulated devices, which share the host)."""
+        """Before a forward: replicas 1..used-1 read replica 0's buffers (a differentiable copy on their device)."""
         first = self.current(0)
         for j in range(1, used):
             for (m, a), b in zip(self._slots[j], first):
