@@ -102,7 +102,6 @@ class DenseGrads(GradPart):
         self.param_hooks.put_back()
 
     def prepare(self, whole: bool) -> None:
-        """Before a backward adds to the buffers: make them hold what it must add to."""
         st = self.stream
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]
@@ -157,7 +156,6 @@ class DenseGrads(GradPart):
                     views0[pid].zero_()
 
     def restore_aside(self) -> None:
-        """A backward failed: the gradients set aside go back to replica 0."""
         views0 = self.stream.hooks[0].views
         with torch.no_grad():
             for pid, g in self._aside.items():
@@ -192,7 +190,6 @@ class DenseGrads(GradPart):
         return True
 
     def drop(self) -> None:
-        """Every gradient dropped (after a failed backward): all buffers zero, ``.grad`` None."""
         self._window_bits, self._window_sums = None, []
         with torch.no_grad():
             for flat in self.stream.flats:
@@ -301,7 +298,6 @@ class DenseGrads(GradPart):
             self.set_none()
 
     def views(self) -> list[list[torch.Tensor]]:
-        """Per replica, every parameter's gradient view into its flat buffer."""
         return [h.views for h in self.stream.hooks]
 
     def record(self) -> None:
@@ -312,7 +308,7 @@ class DenseGrads(GradPart):
             hooks.replaced[:] = bytes(len(hooks.replaced))
 
     def _attach(self) -> None:
-        """Every ``.grad`` is its view into the flat buffer (autograd adds into it in place)."""
+        """Every ``.grad`` is its view into the flat buffer (autograd adds in place)."""
         for params, hooks in zip(self.stream.params, self.stream.hooks):
             for p, view in zip(params, hooks.views):
                 if p.grad is not view:

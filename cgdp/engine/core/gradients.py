@@ -89,7 +89,6 @@ class GradPart:
         return 0.0
 
     def scale(self, coef: torch.Tensor) -> None:
-        """Every replica's gradient times ``coef``."""
 
     def attached(self) -> bool:
         """Whether replica 0's ``.grad`` are still what cgdp left (none replaced since)."""
@@ -105,23 +104,21 @@ NOT_SUMMED = ("optimizer.step() after a backward inside model.no_sync() (or a ba
 
 _SENDING, _SUMMED_STATE = GradState.SENDING, GradState.SUMMED
 
-_WHOLE = (GradState.SUMMED, GradState.EDITED, GradState.DROPPED)
-"""States in which every replica holds the total (nothing, once dropped)."""
+_WHOLE = (GradState.SUMMED, GradState.EDITED, GradState.DROPPED)  # every replica holds the total (or nothing)
 
 
 class Gradients:
     def __init__(self, dense: GradPart, sparse: GradPart | None, devices: list[torch.device]):
         self.dense = dense
         self.parts: list[GradPart] = [dense] + ([sparse] if sparse is not None else [])
-        self.trains = type(dense) is not GradPart or sparse is not None
-        """Whether there is anything to train (else backwards are for input gradients only)."""
+        self.trains = type(dense) is not GradPart or sparse is not None  # else input gradients only
         self.state = GradState.EDITED  # the gradients from before wrapping, on every replica
         self._before = self.state  # the state a running backward started from
         self._device = devices[0]
 
     @property
     def whole(self) -> bool:
-        """Every replica holds the total (after a backward outside ``no_sync()``, or none at all)."""
+        """Every replica holds the total (or nothing)."""
         return self.state in _WHOLE
 
     def begin_step(self, timing: bool, sink: Any) -> None:
@@ -138,7 +135,6 @@ class Gradients:
         return self.parts[0].views()
 
     def none_pids(self) -> list[int]:
-        """The parameters whose ``.grad`` is None (no gradient anywhere)."""
         return self.parts[0].none_pids
 
     def device_norm(self) -> float:
@@ -146,13 +142,11 @@ class Gradients:
         return self.parts[0].norm(2.0, False)
 
     def begin(self, sync: bool) -> None:
-        """The gather's backward, before any replica's gradient exists."""
         for part in self.parts:
             part.begin(sync, self.whole)
         self._before, self.state = self.state, GradState.SENDING if sync else GradState.LOCAL
 
     def end(self) -> None:
-        """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
         sync = self.state is GradState.SENDING
         try:
             hooked = [part.end(sync) for part in self.parts]  # dense first: the sparse join is not overlapped
@@ -204,7 +198,6 @@ class Gradients:
             part.follow_edits(self.whole)
 
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """Clip every replica's gradient by the norm of the total; that norm."""
         if not self.whole:
             raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
                                "that runs outside model.no_sync()")
@@ -236,7 +229,6 @@ class Gradients:
         return False
 
     def relaid(self) -> None:
-        """After a plan switch relaid the flat buffers."""
         self.parts[0].relaid()
         if self.state is GradState.SUMMED:
             self.state = GradState.EDITED

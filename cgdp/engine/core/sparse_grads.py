@@ -35,7 +35,6 @@ def sparse_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 class SparseGrads(GradPart):
     def __init__(self, params: Sequence[Sequence[nn.Parameter]], devices: Sequence[torch.device]):
-        """``params[j]``: replica j's sparse-gradient parameters, in the same order on every replica."""
         self.params = [list(p) for p in params]
         self.devices = list(devices)
         self._prepared: list[tuple[int, int]] = []
@@ -46,7 +45,6 @@ class SparseGrads(GradPart):
                 q.grad = None if p.grad is None else _to(p.grad, self.devices[j])
 
     def begin(self, sync: bool, whole: bool) -> None:
-        """Before a backward adds to the gradients (the sum invariant)."""
         for k, p in enumerate(self.params[0]):
             if p.grad is None or whole:
                 for params in self.params[1:]:
@@ -66,7 +64,6 @@ class SparseGrads(GradPart):
         return True
 
     def drop(self) -> None:
-        """Every gradient dropped (a backward failed partway)."""
         for params in self.params:
             for p in params:
                 p.grad = None
@@ -115,7 +112,6 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _join(grads: Sequence[torch.Tensor | None], dst: torch.device) -> torch.Tensor | None:
-    """The replicas' gradients added up on ``dst``, in device order (see the module docstring)."""
     present = [g for g in grads if g is not None]
     if not present:
         return None

@@ -40,8 +40,7 @@ from cgdp.engine.core.host_state import prefer_fused
 from cgdp.engine.core.host_update import grad_of, is_none
 
 _ATTR = "_cgdp_binding"
-_AMP_ATTRS = ("grad_scale", "found_inf")
-"""What ``GradScaler.step`` sets on an optimizer for the length of its step (torch/amp/grad_scaler.py)."""
+_AMP_ATTRS = ("grad_scale", "found_inf")  # what GradScaler.step sets on an optimizer during its step
 
 FOREIGN = ("this optimizer holds parameters of a cgdp.DataParallel together with other parameters (or those of "
            "another DataParallel); an optimizer may hold the parameters of one DataParallel only "
@@ -78,8 +77,7 @@ class Binding:
     def __init__(self, opt: torch.optim.Optimizer, steps: Any):
         self.steps = weakref.ref(steps)
         self.opt = weakref.ref(opt)
-        self.stepping: threading.Thread | None = None
-        """The thread inside the bound step (the guard lets the optimizer's own step run there)."""
+        self.stepping: threading.Thread | None = None  # the guard lets the optimizer's own step run there
         self.closed = False
         self.inflight: list = []
         self.mirrors: list[torch.optim.Optimizer] = []
@@ -99,7 +97,6 @@ class Binding:
         self.maps = steps.parameter_maps()
         self.mirrors = [_construct(opt, self._groups(opt.param_groups, m)) for m in self.maps]
         self.targets = [(m, mp, next(iter(mp.values())).device) for m, mp in zip(self.mirrors, self.maps)]
-        """(optimizer, id(user's parameter) -> its, device) of what the bound step steps besides replica 0."""
         self._lens = [len(g["params"]) for g in opt.param_groups]
         if opt.state:
             self._reload(opt)
@@ -179,7 +176,7 @@ class Binding:
             m.load_state_dict(copy.deepcopy(state))
 
     def _wait(self) -> list[tuple[int, BaseException]]:
-        """Wait for the other replicas' steps; (replica, exception) of those that raised."""
+        """(replica, exception) of the other replicas' steps that raised."""
         inflight, self.inflight = self.inflight, []
         errors = []
         for j, f in enumerate(inflight, start=1):
@@ -251,7 +248,6 @@ class HostBinding(Binding):
         self.host.state = state
 
     def _plan(self, opt: torch.optim.Optimizer) -> None:
-        """The masters this optimizer steps (worked out again when a group is added)."""
         pid, ps = self.masters.pid, [p for g in opt.param_groups for p in g["params"]]
         self._pids = [pid[id(p)] for p in ps if id(p) in pid]
         self._others = [p for p in ps if id(p) not in pid]

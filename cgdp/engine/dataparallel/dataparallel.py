@@ -5,28 +5,21 @@
 the same :class:`~cgdp.engine.core.stream.GradientStream` and gradient owner as ``Trainer``: one data path, two faces.
 Its operations each hold the model's operation lock (:mod:`cgdp.engine.core.lifetime`): forward, a backward (gather's
 backward :meth:`DataParallel._begin_backward` to autograd's final callback :meth:`DataParallel._end_backward`),
-``clip_grad_norm_``, the bound ``optimizer.step()`` (:mod:`~cgdp.engine.dataparallel.binding`) and ``bind()``;
-``docs/design.md`` draws them beside ``Trainer``'s step.
+``clip_grad_norm_``, the bound ``optimizer.step()`` and ``bind()``; ``docs/design.md`` draws them.
 
-* **Replicas.** ``net`` is replica 0 on ``devices[0]``, trained in place (``.module``); replica j > 0 is a deep copy on
-  ``devices[j]``. They are never broadcast again: each takes the same optimizer step (:mod:`~.steps`).
-* **Forward** (:mod:`~.scatter`): arguments split along dim 0 in device order, each replica on its device's thread
-  (caller's grad mode and autocast), outputs gathered on ``devices[0]``. In training mode floating buffers (BatchNorm
-  statistics) then take their batch-weighted mean on every replica.
-* **Backward.** The gather's backward (before any replica gradient exists) readies the gradients and queues
-  :meth:`_end_backward` with autograd (``queue_callback``, as DDP), which runs on the thread that finished the backward
-  before the caller's ``backward()`` returns. The host SUMS the replicas' chunks (no weighting: the loss on the gathered
-  output already weights each sample) and copies the sum back; the callback flushes incomplete chunks and waits for
-  every sum. On CPU-emulated devices autograd runs every replica's backward on one thread; each replica's hooks are
-  still touched by one thread only.
-* **The sum invariant** (:mod:`cgdp.engine.core.gradients`): the true gradient is the sum over replicas of what they
-  hold. After a synced backward every replica holds the total; the next keeps replica 0's and zeroes the others';
-  inside ``no_sync()`` each replica accumulates its own part, sent by the first synced backward. A change to replica
-  0's gradients alone (``clip_grad_norm_(model.parameters())``, ``p.grad = ...``) is detected and copied to every
-  replica with a warning. Parameters with no gradient since ``zero_grad`` keep ``.grad`` None everywhere.
-* **Several machines** (``comm``): the host sums of all ranks are allreduced chunk by chunk and scaled by 1/R (the
-  mean over ranks, as DDP). Every rank must do the same synced backwards and training forwards (BatchNorm statistics
-  are averaged over ranks, a collective per training forward).
+* **Replicas.** ``net`` is replica 0 on ``devices[0]``, trained in place (``.module``); replica j > 0 is a deep copy.
+  They are never broadcast again: each takes the same optimizer step (:mod:`~.steps`, :mod:`~.binding`).
+* **Forward** (:mod:`~.scatter`): each replica runs its part on its device's thread (caller's grad mode and autocast);
+  in training mode floating buffers (BatchNorm statistics) then take their batch-weighted mean on every replica.
+* **Backward.** The gather's backward, before any replica gradient exists, readies the gradients and queues
+  :meth:`_end_backward` (``queue_callback``, as DDP), which runs on the thread that finished the backward before the
+  caller's ``backward()`` returns. The host SUMS the replicas' chunks (no weighting: the loss on the gathered output
+  already weights each sample); the callback flushes incomplete chunks and waits for every sum. On CPU-emulated devices
+  autograd runs every backward on one thread; each replica's hooks are still touched by one thread only.
+* **The sum invariant** and its states: :mod:`cgdp.engine.core.gradients`. User edits of replica 0's gradients are
+  copied to every replica with a warning (``model.clip_grad_norm_`` needs no copy).
+* **Several machines** (``comm``): the ranks' host sums are allreduced chunk by chunk and scaled by 1/R (the mean, as
+  DDP). Every rank must do the same synced backwards and training forwards (BatchNorm statistics are a collective).
 
 Input gradients flow back by autograd alone (:mod:`~.input_grads`); sparse gradients travel beside the flat buffer
 (:mod:`cgdp.engine.core.sparse_grads`); buffers that require grad are read from replica 0 (:mod:`~.user_module`).
@@ -78,7 +71,6 @@ _SAID_EMULATED = [False]
 
 
 def _say_emulated_once(devices: list[str]) -> None:
-    """``DataParallel(net)`` without a GPU: emulated devices, slower than the plain module by design."""
     if devices[0].startswith("cuda") or _SAID_EMULATED[0]:
         return
     _SAID_EMULATED[0] = True
@@ -94,13 +86,12 @@ class DataParallel(nn.Module):
 
     Args:
         module: the model; it becomes replica 0 (moved to ``devices[0]``, trained in place).
-        devices: ``["cuda:0", "cuda:1", ...]`` (or ``torch.device``s) or CPU-emulated ``["cpu:0", ...]``;
-            ``None``: every GPU, or two CPU-emulated devices without one.
+        devices: ``["cuda:0", ...]``, ``torch.device``s or emulated ``["cpu:0", ...]``; ``None``: every GPU, else two
+            emulated.
         chunks: chunk size k, an explicit plan, or ``"auto"``: uniform plans timed over the first iterations of your
             loop (between two ``optimizer.step()`` calls; about 3 x log2(layers)), the fastest kept. Speed only.
-        comm: ``None`` for one machine, ``"mpi"``, ``"gloo"``, a process group or a :class:`cgdp.comm.Comm` for
-            several: gradients averaged over ranks, as DDP. Every rank builds the same model (checked); ``close()``
-            closes the comm.
+        comm: ``None``, ``"mpi"``, ``"gloo"``, a process group or a :class:`cgdp.comm.Comm`: gradients averaged over
+            ranks. Every rank builds the same model (checked); ``close()`` closes the comm.
         timeout_s: longest any thread waits for another before backward raises ``TimeoutError``; ``None``: forever.
         segment_bytes: chunks larger than this travel in segments (:mod:`cgdp.engine.core.flatgrad`).
         host_memory: bytes of registered host memory for the host slots, as for ``Trainer``.
@@ -174,7 +165,7 @@ class DataParallel(nn.Module):
         params = [[p for layer in find_layers(r, {id(q) for q in sp})[1] for p in layer]
                   for r, sp in zip(reps, sparse)]
         self._grad_buffers = GradBuffers(reps)  # read from replica 0 by every replica
-        # what the other replicas copy from replica 0 (replica 0's module hooks are every replica's)
+        # replica 0's module hooks are every replica's
         self._state = ReplicaState(reps, [d.torch_device for d in devs])
         self._life.resources.push(self._state.follow.close)  # its load hook: never pickled with the module
         # its parameters' hooks run on the sum
@@ -193,7 +184,6 @@ class DataParallel(nn.Module):
                                               host_memory)
         torch_devices = [d.torch_device for d in devs]
         self._grads = Gradients(dense, SparseGrads(sparse, torch_devices) if sparse[0] else None, torch_devices)
-        # a bound optimizer steps every replica (binding.py asks this, not the module)
         self._params = params
         self._steps = steps = ReplicaSteps(self._life, devs, self._threads, self._grads, self._state,
                                            weak_call(self._parameter_maps), self._stream, self._comm, tuner,
@@ -337,7 +327,6 @@ class DataParallel(nn.Module):
         self._life.close()
 
     def memory_report(self) -> dict[str, dict[str, int]]:
-        """Bytes per device and on the host (:mod:`cgdp.engine.core.memory_report`)."""
         per, host = self._steps.optimizers()
         masters = self._steps.host_masters
         return memory_report(self.devices, self._params, per, self._stream,
@@ -359,7 +348,7 @@ class DataParallel(nn.Module):
         return self._life.closed
 
     def _parameter_maps(self) -> list[dict[int, nn.Parameter]]:
-        """Per replica j > 0: id(replica 0's parameter) -> replica j's, grad-requiring buffers' stand-ins included."""
+        """Per replica j > 0: id(replica 0's parameter) -> replica j's (grad-requiring buffers' stand-ins too)."""
         first = list(self.module.parameters())
         maps = [{id(p): q for p, q in zip(first, r.parameters())} for r in self._replicas[1:]]
         for m, stand_ins in zip(maps, self._grad_buffers.parameter_maps()):
@@ -391,7 +380,6 @@ class DataParallel(nn.Module):
         self._grads.fail()
 
     def _end_backward(self) -> None:
-        """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
         try:
             self._grads.end()
         except UserFault as exc:  # the user's hook raised, or an edit inside no_sync(): gradients dropped, nothing broke
@@ -423,7 +411,6 @@ def _stopped(running: str) -> str:
 
 
 def _close_keeping_grads(stream: GradientStream) -> None:
-    """Remove the hooks and free the buffers; replica 0 keeps its gradients."""
     kept = [None if p.grad is None else p.grad.clone() for p in stream.params[0]]
     stream.close()
     for p, g in zip(stream.params[0], kept):

@@ -28,8 +28,7 @@ class ReplicaState:
         self.replicas = replicas
         self.follow = Follow(replicas, devices, "cgdp.DataParallel", "close() and wrap model.module again",
                              after_load=self._loaded, unbound=UNBOUND)
-        self.params = self.follow.params
-        """Per replica, all its parameters (trainable or not) in ``parameters()`` order."""
+        self.params = self.follow.params  # per replica, all of them in parameters() order
         self.rebuild_buffers()
 
     @property
@@ -40,7 +39,6 @@ class ReplicaState:
         """List the buffers (again: a hook registration changed them, :mod:`cgdp.engine.core.module_hooks`)."""
         self.buffers_f = [[b for b in r.buffers() if b.is_floating_point() and not b.requires_grad]
                           for r in self.replicas]
-        """Per replica, its floating buffers that need no gradient (BatchNorm statistics)."""
         self.buffer_watch = BufferWatch(self.buffers_f)  # which of them a forward wrote
 
     def before_forward(self) -> None:

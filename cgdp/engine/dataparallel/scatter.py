@@ -208,7 +208,6 @@ _warned: set[str] = set()
 
 def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
            on_backward: Callable[[], None] | None, scale: float = 1.0, sum_scalars: bool = False) -> Any:
-    """The replicas' outputs combined on ``dst`` (see the module docstring)."""
     flat, specs = [], []
     for o in outputs:
         leaves: list[Any] = []

@@ -41,7 +41,6 @@ class ReplicaSteps:
         self.tuner = tuner
         self._t_step: float | None = None
         self.bindings: weakref.WeakSet = weakref.WeakSet()
-        """The :class:`~cgdp.engine.dataparallel.binding.Binding` of each optimizer bound to the model."""
 
     def parameter_maps(self) -> list[dict[int, nn.Parameter]]:
         return self._maps()
@@ -80,7 +79,6 @@ class ReplicaSteps:
         return None if row is None else (row, st.layout.offsets)
 
     def host_copy_back(self, pids: list[int]) -> None:
-        """Every replica's parameters ``pids`` ← their masters (after the host step)."""
         self.host_masters.to_devices(self._threads, pids)
 
     def kept(self) -> bool:

@@ -21,8 +21,7 @@ class GradBuffers:
         self.names = [name for name, b in first.named_buffers() if b.requires_grad]
         owners = [[_owner(r, name) for name in self.names] for r in replicas]
         self._slots = owners  # per replica: (submodule, attribute) of each such buffer
-        self.stand_ins = [[getattr(m, a) for m, a in slots] for slots in owners]
-        """Per replica, its own copy of each buffer (the deep copy's); replica 0's are the buffers."""
+        self.stand_ins = [[getattr(m, a) for m, a in slots] for slots in owners]  # the deep copy's (replica 0's: them)
 
     def __bool__(self) -> bool:
         return bool(self.names)
