@@ -89,6 +89,7 @@ class GradPart:
         return 0.0
 
     def scale(self, coef: torch.Tensor) -> None:
+        """Every replica's gradient times ``coef``."""
 
     def attached(self) -> bool:
         """Whether replica 0's ``.grad`` are still what cgdp left (none replaced since)."""

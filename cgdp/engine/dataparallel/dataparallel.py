@@ -382,7 +382,7 @@ class DataParallel(nn.Module):
     def _end_backward(self) -> None:
         try:
             self._grads.end()
-        except UserFault as exc:  # the user's hook raised, or an edit inside no_sync(): gradients dropped, nothing broke
+        except UserFault as exc:  # a hook raised, or an edit inside no_sync(): gradients dropped, nothing broke
             raise exc.error from None
         except BaseException as exc:
             self._life.broken = (self._life.fail(exc, self._devs, self._host())
