@@ -1,16 +1,11 @@
 """The dense part of a ``DataParallel``'s gradients: the flat buffers that stream through the host.
 
-A part of :class:`cgdp.engine.core.gradients.Gradients` (the states are there). It keeps the replicas' flat buffers
-(:mod:`cgdp.engine.core.flatgrad`) consistent with what the user's loop does to replica 0's ``.grad``, so that the
-true gradient is the sum over replicas of their flat buffers, at any time.
-
-* After a synced backward every replica holds the total T (bitwise the same). The next backward (:meth:`prepare`)
-  keeps replica 0's and zeroes the others', so accumulating without ``zero_grad`` counts T once. After a ``no_sync``
-  backward every replica holds its own partial sum and nothing is zeroed.
-* ``.grad`` None on replica 0 means no gradient: that slice is zeroed everywhere; a tensor the user put in ``.grad``
-  is copied into the flat buffer. ``has_grad[pid]``: a gradient since the last ``zero_grad``, in the one-device sense.
-* ``versions``: the flat buffers' version counters at the last change cgdp made. Replica 0's moving, or its ``.grad``
-  no longer its view, is a user edit: :meth:`follow_edits` copies it to every replica (with a warning) before use.
+A part of :class:`cgdp.engine.core.gradients.Gradients` (the sum invariant and states are there), kept consistent
+with what the user's loop does to replica 0's ``.grad``. After a synced backward every replica holds the total T
+(bitwise); the next backward (:meth:`prepare`) keeps replica 0's and zeroes the others', so T counts once.
+``has_grad[pid]``: a gradient since the last ``zero_grad``. ``versions``: the flat buffers' version counters at cgdp's
+last change; replica 0's moving, or its ``.grad`` no longer its view, is a user edit, which :meth:`follow_edits`
+copies to every replica before use.
 """
 from __future__ import annotations
 
@@ -30,7 +25,6 @@ from cgdp.engine.core.user_warning import warn_user
 class DenseGrads(GradPart):
     def __init__(self, stream: GradientStream, initial: Sequence[torch.Tensor | None], param_hooks: ParamHooks,
                  comm: Comm | None, timeout_s: float | None):
-        """``initial``: replica 0's ``.grad`` before wrapping (kept); ``param_hooks`` run on each synced sum."""
         self.stream = stream
         self.param_hooks = param_hooks
         self._comm, self._timeout_s = comm, timeout_s
@@ -50,8 +44,7 @@ class DenseGrads(GradPart):
         self.record()
 
     def begin(self, sync: bool, whole: bool) -> None:
-        """Gather's backward: take the user's gradient hooks off (they run on the sum), :meth:`prepare`, set aside
-        hooked parameters' gradients, arm the hooks (``sync``: send)."""
+        """Gather's backward: the user's gradient hooks off (they run on the sum), buffers prepared, hooks armed."""
         hooks = self.param_hooks
         if hooks.take() and not (sync and whole):
             hooks.put_back()
@@ -63,8 +56,7 @@ class DenseGrads(GradPart):
         self.stream.arm(sending=sync)
 
     def end(self, sync: bool) -> bool:
-        """Autograd's final callback: with ``sync``, flush incomplete chunks (unused layers, idle devices) and wait
-        for every sum; then the user's hooks on the sum, and the record. Whether hooks ran."""
+        """Final callback: with ``sync``, flush and wait for every sum; then the user's hooks. Whether hooks ran."""
         st = self.stream
         if sync:
             st.flush_all()
@@ -97,7 +89,6 @@ class DenseGrads(GradPart):
             raise UserFault(RuntimeError(_EDITED_IN_NO_SYNC))
 
     def after(self) -> None:
-        """After the backward, or a failure: the hooks send nothing, the user's hooks are back."""
         self.stream.disarm()
         self.param_hooks.put_back()
 
@@ -163,13 +154,11 @@ class DenseGrads(GradPart):
         self._aside = {}
 
     def apply_hooks(self, touched: np.ndarray) -> None:
-        """After a synced backward: each hooked gradient becomes, on every replica, the one set aside plus what its
-        hooks make of the sum, as one device accumulates."""
+        """Each hooked gradient becomes the one set aside plus what its hooks make of the sum, everywhere."""
         self.param_hooks.run(touched, [h.views for h in self.stream.hooks], self._aside)
         self._aside = {}
 
     def finish(self, touched: np.ndarray) -> None:
-        """After a backward: ``touched[pid] > 0`` where some replica (some rank) got a gradient."""
         self.has_grad |= touched > 0
         self.set_none()
         self.record()
@@ -199,8 +188,7 @@ class DenseGrads(GradPart):
         self.record()
 
     def norm(self, norm_type: float, host: bool) -> float:
-        """The total's norm: the 2-norm from the host's sum of squares when ``host`` (asked for from the first clip
-        on), otherwise from replica 0's flat buffer."""
+        """The total's norm: from the host's sum of squares when ``host`` (from the 2nd clip on), else replica 0's."""
         st = self.stream
         if norm_type != 2.0:
             return float(torch.linalg.vector_norm(st.flats[0], norm_type, dtype=torch.float64))
@@ -263,7 +251,6 @@ class DenseGrads(GradPart):
                    for g, h, v in zip(grads, self.has_grad, self.stream.hooks[0].views))
 
     def set_none(self) -> None:
-        """Parameters without a gradient since the last zero_grad: ``.grad`` None everywhere."""
         self.none_pids = np.flatnonzero(~self.has_grad).tolist()
         for pid in self.none_pids:
             for params in self.stream.params:
@@ -301,7 +288,7 @@ class DenseGrads(GradPart):
         return [h.views for h in self.stream.hooks]
 
     def record(self) -> None:
-        """The buffers as they are now are cgdp's doing (after a backward, a clip, a mirror)."""
+        """The buffers as they are now are cgdp's doing."""
         self.versions = [f._version for f in self.stream.flats]
         for hooks in self.stream.hooks:  # from here on, a hook that runs is a new backward's
             hooks.touched[:] = bytes(len(hooks.touched))

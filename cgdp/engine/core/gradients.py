@@ -1,10 +1,8 @@
 """The one owner of a step's gradients, for both faces: explicit states, one reset point each.
 
-``Trainer`` makes each step's gradient new (:meth:`Gradients.begin_step`: zeroed, ``SENDING``;
-:meth:`Gradients.end_step`: ``SUMMED``, ``.grad`` None where no device got one). ``DataParallel`` keeps them between
-backwards, as one device does; the rest is about it. The user's loop sees replica 0 only; :class:`Gradients` keeps
-every replica consistent with it, so that at any time the true gradient is the sum over replicas of what they hold,
-and moves through these states (:class:`GradState`), one transition per event:
+``Trainer`` makes each step's gradient new (:meth:`Gradients.begin_step`, :meth:`Gradients.end_step`).
+``DataParallel`` keeps them between backwards, as one device does: the loop sees replica 0 only, and at any time the
+true gradient is the sum over replicas of what they hold. States (:class:`GradState`), one transition per event:
 
 =================  ===========================================================  =====================
 state              what the replicas hold                                       left by
@@ -42,8 +40,7 @@ from cgdp.engine.core.user_warning import warn_user
 
 
 class UserFault(Exception):
-    """A backward failed on the user's doing (a hook raised, an edit inside ``no_sync()``), found with nothing in
-    flight: the gradients are dropped, the model goes on."""
+    """A backward failed on the user's doing, with nothing in flight: gradients dropped, the model goes on."""
 
     def __init__(self, error: BaseException):
         super().__init__(repr(error))
@@ -60,8 +57,7 @@ class GradState(enum.Enum):
 
 
 class GradPart:
-    """What the owner asks of each part; as it stands, the empty part. ``whole``: every replica held the total before
-    this call (not ``ACCUMULATING``)."""
+    """What the owner asks of each part; as it stands, the empty part. ``whole``: every replica held the total."""
 
     def begin(self, sync: bool, whole: bool) -> None:
         """Before a backward adds: make the gradients hold what it adds to, ready the path (``sync``: send)."""
@@ -71,7 +67,7 @@ class GradPart:
         return False
 
     def after(self) -> None:
-        """After :meth:`end`, or a failure: nothing armed is left."""
+        """After :meth:`end` or a failure: nothing armed."""
 
     def undo(self, whole: bool) -> bool:
         """A backward failed: put back what :meth:`begin` changed if nothing arrived since; whether it could."""
@@ -123,12 +119,10 @@ class Gradients:
         return self.state in _WHOLE
 
     def begin_step(self, timing: bool, sink: Any) -> None:
-        """``Trainer``: every step's gradient is new, summed from zero (``fresh``)."""
         self.dense.fresh(timing, sink)
         self.state = _SENDING
 
     def end_step(self, touched: Any) -> None:
-        """``Trainer``: the step's backward is summed and back; ``touched`` as :meth:`GradientStream.touched`."""
         self.dense.settle(touched)
         self.state = _SUMMED_STATE
 
@@ -181,7 +175,6 @@ class Gradients:
         self.state = GradState.DROPPED
 
     def check_step(self) -> None:
-        """Before ``optimizer.step()``: gradients to step on, the same on every replica."""
         if self.state is GradState.DROPPED:
             raise RuntimeError("the last backward through cgdp.DataParallel failed partway, so the "
                                "gradients are incomplete (they were dropped); call optimizer.zero_grad() "

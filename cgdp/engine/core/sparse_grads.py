@@ -80,7 +80,6 @@ class SparseGrads(GradPart):
         return False
 
     def follow_edits(self, whole: bool) -> bool:
-        """Replica 0's ``.grad`` replaced since the last join: copy it to every replica."""
         if all(p.grad is g for p, g in zip(self.params[0], self._joined)):
             return False
         self._copy_from_first()

@@ -3,10 +3,9 @@
 ``opt = model.bind(opt)`` (as Horovod's ``DistributedOptimizer``) puts three things on that one optimizer and nothing
 elsewhere (no global hook, no per-step swap); ``close()`` removes them and the optimizer steps replica 0 alone again:
 
-1. **its ``step``**, an instance attribute over the one it had, as ``LRScheduler`` puts its counter there: the same
-   signature (``GradScaler`` reads it) and a ``__func__`` (a later scheduler wraps it). It is the outermost call (a
-   subclass's ``super().step()`` runs inside it); in one ``try``/``finally`` it takes the operation lock, checks the
-   gradients, steps every replica (:meth:`Binding._step`) and gives the lock back;
+1. **its ``step``**, an instance attribute over the one it had (as ``LRScheduler`` does), with the same signature and a
+   ``__func__``; the outermost call: in one ``try``/``finally`` it takes the operation lock, checks the gradients,
+   steps every replica (:meth:`Binding._step`) and gives the lock back;
 2. **a step pre-hook** refusing a step past that attribute (:data:`PAST_BINDING`): it would step replica 0 alone;
 3. **a load post-hook**: ``opt.load_state_dict`` reloads what steps the other replicas.
 
@@ -15,11 +14,10 @@ the hyperparameters and ``GradScaler``'s attributes into the mirrors, starts the
 user's step on replica 0, and waits. Invariant: after every step each replica's parameters and optimizer state are
 bitwise replica 0's. A step that raised anywhere is followed by a *resync* to replica 0's parameters and state.
 
-``update="host"`` (:class:`HostBinding`): one optimizer of the user's class over the host's float32 masters, whose
-per-parameter state dicts are the very dicts of ``opt.state`` and which runs the user's step hooks. ``param_groups``,
-``state_dict()`` and ``load_state_dict()`` stay the user's. Each step copies the hyperparameters, steps the host
-optimizer (fused CPU kernel by default) and copies the masters to every replica, also after a raise. A subclass
-overriding ``step()`` is refused (:data:`OWN_STEP`). An optimizer holding no master (``SparseAdam``) gets mirrors.
+``update="host"`` (:class:`HostBinding`): one optimizer of the user's class over the host's float32 masters, sharing
+``opt.state``'s per-parameter dicts and the user's step hooks. Each step copies the hyperparameters, steps it (fused
+CPU kernel by default) and copies the masters to every replica, also after a raise. A subclass overriding ``step()``
+is refused (:data:`OWN_STEP`). An optimizer holding no master (``SparseAdam``) gets mirrors.
 
 The binding holds the optimizer and :class:`~cgdp.engine.dataparallel.steps.ReplicaSteps` weakly: the optimizer holds
 it (through its ``step``), never the other way round.
@@ -152,7 +150,6 @@ class Binding:
             raise RuntimeError(PAST_BINDING)
 
     def _sync_groups(self, opt: torch.optim.Optimizer) -> None:
-        """Groups added with ``add_param_group`` go to the targets; hyperparameters are copied."""
         groups = opt.param_groups
         if len(groups) > len(self._lens):
             for m, mp, _ in self.targets:
@@ -196,7 +193,6 @@ class Binding:
         self._reload(opt)
 
     def close(self) -> None:
-        """The model closed: the optimizer steps replica 0 alone, as before ``bind``."""
         self.closed = True
         for h in self._handles:
             h.remove()

@@ -60,7 +60,6 @@ class BackwardCheck:
         return False
 
     def arm(self, params: Sequence[torch.Tensor]) -> None:
-        """Hooks that refuse this ``torch.autograd.grad`` if its inputs include one of ``params``."""
         self.disarm()
 
         def refuse(grad: torch.Tensor) -> None:

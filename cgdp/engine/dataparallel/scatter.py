@@ -6,8 +6,7 @@ dimension. A batch of n < G samples runs on the first n devices, one sample each
 with the rest, as in ``cgdp.Trainer``). 0-dim tensors and other objects go to every replica unchanged. A call with no
 batch to split runs on replica 0 alone, as ``nn.DataParallel`` does for a call without inputs.
 
-**Gather.** Every replica returns the same structure (tensors, tuples, lists, dicts, dataclasses such as
-``ModelOutput``). For each tensor in it:
+**Gather.** Every replica returns the same structure (dataclasses such as ``ModelOutput`` too). Per tensor in it:
 
 * dimension >= 1: concatenated along dim 0 on ``devices[0]``, in device order;
 * a floating 0-dim tensor (a loss the model computed): ``sum_j w_j * t_j`` with ``w_j = n_j / N`` (exact for
@@ -16,7 +15,7 @@ batch to split runs on replica 0 alone, as ``nn.DataParallel`` does for a call w
   :class:`GlobalCount`, which notes any torch operation on it (some models accept the count and ignore it);
 * any other 0-dim tensor: stacked into a vector of G values, as ``nn.DataParallel``.
 
-Other leaves are kept once if every replica returned an equal value, else None with a warning naming the field.
+Other leaves are kept if equal on every replica, else None with a warning.
 
 The gathered tensors come out of one autograd function (:class:`_Gather`), so a backward visits it exactly once: it
 first calls ``on_backward`` (``DataParallel`` readies the engine), then hands each replica its share of the gradient
@@ -68,7 +67,6 @@ def _unflatten(spec: Any, it) -> Any:
 
 
 def _paths(spec: Any, prefix: str = "output") -> list[str]:
-    """A readable name for each leaf, in leaf order (for messages)."""
     if spec == _LEAF:
         return [prefix]
     if spec[0] == "seq":

@@ -49,7 +49,6 @@ class ReplicaSteps:
         return self._threads.submit(j, fn)
 
     def begin(self) -> None:
-        """Before the optimizer steps: the operation lock, held until :meth:`end`."""
         ops = self._life.ops
         ops.take("optimizer.step()")
         try:

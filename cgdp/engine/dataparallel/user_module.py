@@ -40,7 +40,6 @@ class GradBuffers:
                 m._buffers[a] = b.to(devices[j])
 
     def parameter_maps(self) -> list[dict[int, torch.Tensor]]:
-        """Per replica j > 0: id(replica 0's buffer) -> replica j's stand-in (for the mirrors)."""
         first = self.current(0)
         return [{id(b): s for b, s in zip(first, stand)} for stand in self.stand_ins[1:]]
 
