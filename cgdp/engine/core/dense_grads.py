@@ -80,8 +80,8 @@ class DenseGrads(GradPart):
         return hooked
 
     def _check_window(self, sync: bool) -> None:
-        """Replica 0 must not change between a ``no_sync()`` window's backwards (editing one part is not editing the
-        sum; ``.data`` edits move no counter): bit sums issued on the device at each end and begin, read once here."""
+        """Replica 0 must not change inside a ``no_sync()`` window (a part's edit is not the sum's): bit sums taken at
+        each end and begin on the device, read once here."""
         if not sync or not self._window_sums:
             return
         pairs, self._window_sums = self._window_sums, []
@@ -164,8 +164,7 @@ class DenseGrads(GradPart):
         self.record()
 
     def undo(self, whole: bool) -> bool:
-        """A backward failed: restore the gradients set aside; if no gradient had arrived, put back what the buffers
-        held (as one device keeps its gradients; :meth:`prepare` kept their sum). Whether it could."""
+        """A backward failed: restore what was set aside and, if no gradient arrived, the buffers; whether it could."""
         self.restore_aside()
         st = self.stream
         if st.touched().any():
@@ -206,8 +205,8 @@ class DenseGrads(GradPart):
         self.record()
 
     def follow_edits(self, whole: bool) -> bool:
-        """Copy replica 0's gradients to every replica if changed since the record; whether they had. A ``.data`` edit
-        moves no counter: after a synced backward it is found by comparing replica 0's bits with replica 1's."""
+        """Copy replica 0's gradients everywhere if changed; whether they had. A ``.data`` edit moves no counter: after
+        a synced backward it is found by comparing replica 0's bits with replica 1's."""
         st = self.stream
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]

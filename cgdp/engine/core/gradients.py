@@ -10,8 +10,7 @@ state              what the replicas hold                                       
 ``SUMMED``         every replica the total, the host's sum of the last synced   a backward, a clip, an
                    backward (its 2-norm is known: the host summed the squares)  edit, a plan switch
 ``EDITED``         every replica the same total, changed since the host summed  a backward
-                   it (clipped, a user's gradient hook, a mirrored edit, a plan
-                   switch, kept from before wrapping)
+                   it (clip, hook, mirrored edit, plan switch, from wrapping)
 ``ACCUMULATING``   each replica its own part (backwards inside ``no_sync()``)   a backward, an edit
 ``SENDING``        a synced backward is running: chunks stream to the host      its end (or failure)
 ``LOCAL``          a backward inside ``no_sync()`` is running: nothing is sent  its end (or failure)
@@ -214,7 +213,7 @@ class Gradients:
         return torch.full((), value, dtype=torch.float32, device=self._device)
 
     def kept(self) -> bool:
-        """After the step: whether replica 0's gradients were left as its mirrors had them (else resync, warn)."""
+        """Whether replica 0's gradients were left as its mirrors had them (else they resync; warns)."""
         if self.parts[0].attached():
             return True
         warn_user("replica 0's gradients were changed during optimizer.step() (optimizer.zero_grad() "

@@ -9,18 +9,17 @@ elsewhere (no global hook, no per-step swap); ``close()`` removes them and the o
 2. **a step pre-hook** refusing a step past that attribute (:data:`PAST_BINDING`): it would step replica 0 alone;
 3. **a load post-hook**: ``opt.load_state_dict`` reloads what steps the other replicas.
 
-``update="devices"`` (:class:`Binding`): one *mirror* optimizer (the user's class) per other replica. Each step copies
-the hyperparameters and ``GradScaler``'s attributes into the mirrors, starts their steps on the device threads, runs the
-user's step on replica 0, and waits. Invariant: after every step each replica's parameters and optimizer state are
-bitwise replica 0's. A step that raised anywhere is followed by a *resync* to replica 0's parameters and state.
+``update="devices"`` (:class:`Binding`): one *mirror* optimizer per other replica, given the hyperparameters and
+``GradScaler``'s attributes each step, stepped on the device threads while the user's steps replica 0. Invariant:
+after every step each replica's parameters and state are bitwise replica 0's; a step that raised anywhere is
+followed by a *resync* to replica 0's.
 
 ``update="host"`` (:class:`HostBinding`): one optimizer of the user's class over the host's float32 masters, sharing
 ``opt.state``'s per-parameter dicts and the user's step hooks. Each step copies the hyperparameters, steps it (fused
 CPU kernel by default) and copies the masters to every replica, also after a raise. A subclass overriding ``step()``
 is refused (:data:`OWN_STEP`). An optimizer holding no master (``SparseAdam``) gets mirrors.
 
-The binding holds the optimizer and :class:`~cgdp.engine.dataparallel.steps.ReplicaSteps` weakly: the optimizer holds
-it (through its ``step``), never the other way round.
+The binding holds the optimizer and :class:`~.steps.ReplicaSteps` weakly: the optimizer holds it, not the reverse.
 """
 from __future__ import annotations
 

@@ -86,8 +86,7 @@ class DataParallel(nn.Module):
 
     Args:
         module: the model; it becomes replica 0 (moved to ``devices[0]``, trained in place).
-        devices: ``["cuda:0", ...]``, ``torch.device``s or emulated ``["cpu:0", ...]``; ``None``: every GPU, else two
-            emulated.
+        devices: ``["cuda:0", ...]`` or emulated ``["cpu:0", ...]``; ``None``: every GPU, else two emulated.
         chunks: chunk size k, an explicit plan, or ``"auto"``: uniform plans timed over the first iterations of your
             loop (between two ``optimizer.step()`` calls; about 3 x log2(layers)), the fastest kept. Speed only.
         comm: ``None``, ``"mpi"``, ``"gloo"``, a process group or a :class:`cgdp.comm.Comm`: gradients averaged over
@@ -95,9 +94,8 @@ class DataParallel(nn.Module):
         timeout_s: longest any thread waits for another before backward raises ``TimeoutError``; ``None``: forever.
         segment_bytes: chunks larger than this travel in segments (:mod:`cgdp.engine.core.flatgrad`).
         host_memory: bytes of registered host memory for the host slots, as for ``Trainer``.
-        scalar_outputs: how a floating 0-dim output of every replica (a loss the model computed) is combined:
-            ``"mean"`` (``sum_j n_j/N * x_j``, exact for per-sample means), ``"sum"`` (exact for shares of a global
-            sum), or ``"auto"``: ``"sum"`` in a call whose forward uses a passed ``num_items_in_batch``, else mean.
+        scalar_outputs: how a loss the replicas computed is combined (:mod:`~.scatter`): ``"mean"``, ``"sum"``, or
+            ``"auto"``: ``"sum"`` in a call whose forward uses a passed ``num_items_in_batch``, else mean.
         update: ``"devices"`` (every replica steps a copy of your bound optimizer) or ``"host"`` (a copy steps float32
             masters on the host, every replica takes the result; :mod:`cgdp.engine.dataparallel.binding`).
         share_devices: allow a GPU listed more than once, as for ``Trainer`` (tests and measurements, not speed).
@@ -165,11 +163,9 @@ class DataParallel(nn.Module):
         params = [[p for layer in find_layers(r, {id(q) for q in sp})[1] for p in layer]
                   for r, sp in zip(reps, sparse)]
         self._grad_buffers = GradBuffers(reps)  # read from replica 0 by every replica
-        # replica 0's module hooks are every replica's
         self._state = ReplicaState(reps, [d.torch_device for d in devs])
         self._life.resources.push(self._state.follow.close)  # its load hook: never pickled with the module
-        # its parameters' hooks run on the sum
-        self._param_hooks = ParamHooks(params, unsupported=sparse[0])
+        self._param_hooks = ParamHooks(params, unsupported=sparse[0])  # they run on the sum
         layer_pids = number_params(layer_params)
         tuner = None
         res = self._life.resources
@@ -188,7 +184,6 @@ class DataParallel(nn.Module):
         self._steps = steps = ReplicaSteps(self._life, devs, self._threads, self._grads, self._state,
                                            weak_call(self._parameter_maps), self._stream, self._comm, tuner,
                                            self._guard.timeout_s, HostMasters(devs, params) if self._host_update else None)
-        # the bindings hold the other replicas' parameters and optimizer state
         res.push(lambda: [b.close() for b in list(steps.bindings)])
 
     def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
@@ -270,8 +265,7 @@ class DataParallel(nn.Module):
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
         on_backward = ((lambda me=threading.current_thread(): self._begin_backward(sync, me))
                        if self._grads.trains else None)
-        # the scalars are shares of a global sum when the model divided by the count it was given
-        summed = self._scalar_outputs == "sum" or any(c.used for c in counts)
+        summed = self._scalar_outputs == "sum" or any(c.used for c in counts)  # shares of a global sum
         out = gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
         if not summed:  # a model's own loss under uneven padding, trained on: said once
             self._own_loss.when_trained(out, [labels_of(kw) for _, kw in parts])
@@ -288,8 +282,7 @@ class DataParallel(nn.Module):
 
     @operation("clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip every replica by the summed gradient's norm (computed on the host during backward from the second
-        call on); returns it, as FSDP's."""
+        """Clip every replica by the summed gradient's norm (the host's from the 2nd call on); returns it, as FSDP."""
         return self._grads.clip(max_norm, float(norm_type))
 
     def train(self, mode: bool = True) -> "DataParallel":
@@ -299,8 +292,7 @@ class DataParallel(nn.Module):
         return self
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "DataParallel":
-        """``.to``/``.half``/``.cuda``...: would convert replica 0 alone and break the buffers' layout, so any change
-        of dtype, device or memory format is refused; a no-op conversion is allowed."""
+        """A conversion would change replica 0 alone and the buffers' layout: refused unless a no-op."""
         for t in [*self.module.parameters(), *self.module.buffers()]:
             out = fn(t)
             if out.dtype != t.dtype or out.device != t.device:
@@ -315,8 +307,7 @@ class DataParallel(nn.Module):
         return self
 
     def __deepcopy__(self, memo: dict) -> nn.Module:
-        """A copy of ``model.module`` (replica 0), not a second engine: ``AveragedModel(model)`` (EMA, SWA) keeps a
-        plain module updated from replica 0."""
+        """A plain copy of ``model.module``, not a second engine (``AveragedModel(model)`` keeps one)."""
         self._life.ops.clean_stale()  # after a backward that raised: its clean-up first
         return copy.deepcopy(self.module, memo)
 
@@ -373,8 +364,7 @@ class DataParallel(nn.Module):
             raise
 
     def _after_failed_backward(self) -> None:
-        """Clean-up of a backward that raised before :meth:`_end_backward`: copies may be in flight, gradients partial.
-        Let everything stop, then keep or drop them."""
+        """A backward raised before :meth:`_end_backward`: let every copy stop, then keep or drop the gradients."""
         self._life.fail(RuntimeError("the previous backward failed"), self._devs, self._host())
         self._guard.reset()
         self._grads.fail()

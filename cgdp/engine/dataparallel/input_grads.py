@@ -31,8 +31,7 @@ class BackwardCheck:
         """id(parameter) -> its AccumulateGrad node, held as DDP does (a lookup: 0.1 us; making it: 30 us)."""
 
     def trains(self, params: Sequence[torch.Tensor], trainable: Sequence[bool]) -> bool:
-        """Whether this backward accumulates into a trainable parameter's ``.grad``; if not, the guard is armed under
-        ``torch.autograd.grad``. Refuses a double backward."""
+        """Whether this backward trains; if not, the guard is armed under ``autograd.grad``. Refuses double backward."""
         reach = self.reaches(p for p, t in zip(params, trainable) if t)
         if reach is True:
             return True
@@ -69,7 +68,6 @@ class BackwardCheck:
                                "gradient only. Use loss.backward() and read .grad (input gradients, "
                                "torch.autograd.grad(loss, x), are supported)")
         self._handles = [p.register_hook(refuse) for p in params]
-        # removed when this backward is done (autograd's final callback), or at the next forward
         torch.autograd.Variable._execution_engine.queue_callback(self.disarm)
 
     def disarm(self) -> None:

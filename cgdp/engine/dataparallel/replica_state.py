@@ -46,7 +46,6 @@ class ReplicaState:
             self.rebuild_buffers()
 
     def record_parameters(self) -> None:
-        """Replica 0's parameters as they are now are every replica's (version counters)."""
         self.follow.stepped()
 
     def _loaded(self) -> None:
@@ -65,8 +64,8 @@ class ReplicaState:
         self.buffer_watch.synced()
 
     def after_forward(self, sizes: list[int], comm: Any) -> None:
-        """The floating buffers a training forward wrote take their batch-weighted mean (over ranks too) everywhere.
-        Only those written: a weighted mean of equal values is not always that value (rotary tables stay bitwise)."""
+        """Buffers a training forward wrote take their batch-weighted mean (over ranks too); only those written:
+        the mean of equal values is not always that value, and constant tables must stay bitwise."""
         bufs_f, g, n = self.buffers_f, len(sizes), len(self.replicas)
         if not bufs_f[0] or (n == 1 and comm is None):
             return

@@ -35,7 +35,7 @@ _LEAF = "leaf"
 
 
 def _flatten(obj: Any, leaves: list[Any]) -> Any:
-    """Append obj's leaves to ``leaves``; return the spec that rebuilds obj from them."""
+    """Append obj's leaves; return the spec that rebuilds obj."""
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return _LEAF
@@ -112,8 +112,7 @@ COUNT = "num_items_in_batch"
 
 
 class GlobalCount(torch.Tensor):
-    """``num_items_in_batch`` as a replica receives it: a 0-dim tensor whose ``used`` notes any torch operation on it
-    (``.item()``, ``.to()`` included). Results are plain tensors."""
+    """``num_items_in_batch`` as a replica gets it: ``used`` notes any torch operation on it (results are plain)."""
 
     used: bool
 

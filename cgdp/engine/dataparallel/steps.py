@@ -32,8 +32,7 @@ class ReplicaSteps:
     def __init__(self, life: Lifetime, devs: list, threads: DeviceThreads, grads: Gradients, state: ReplicaState,
                  maps: Callable[[], list[dict[int, nn.Parameter]]], stream: Any, comm: Any, tuner: Any,
                  timeout_s: float | None, host_masters: HostMasters | None = None):
-        """``maps()``: per replica j > 0, id(replica 0's parameter) -> replica j's; ``tuner``: None once the plan
-        is fixed; ``host_masters``: None unless ``update="host"``."""
+        """``maps()``: per replica j > 0, id(replica 0's parameter) -> replica j's; ``tuner``: None once fixed."""
         self.host_masters = host_masters
         self._life, self._devs, self._threads = life, devs, threads
         self._grads, self._state, self._maps = grads, state, maps
@@ -61,7 +60,6 @@ class ReplicaSteps:
             raise
 
     def optimizers(self) -> tuple[list[list[Any]], list[Any]]:
-        """Per replica, the optimizers that step it on its device; and those that step on the host."""
         bound = [b for b in self.bindings if b.opt() is not None]
         on_devices = [b for b in bound if not hasattr(b, "host")]
         return ([[b.opt() for b in on_devices]] + [[b.mirrors[j - 1] for b in on_devices if b.mirrors]
@@ -69,8 +67,7 @@ class ReplicaSteps:
                 [b.opt() for b in bound if hasattr(b, "host")])
 
     def host_sum(self) -> tuple[Any, list[int]] | None:
-        """The host's sum row and the layout's offsets, when it is what every replica holds (``SUMMED``, one
-        machine): the host step reads it in place instead of copying replica 0's gradients back."""
+        """The host's sum row and offsets when every replica holds it (``SUMMED``, one machine): read in place."""
         st = self._stream
         if self._grads.state is not GradState.SUMMED or self._comm is not None or st is None or st.host is None:
             return None
