@@ -80,8 +80,7 @@ class DenseGrads(GradPart):
         return hooked
 
     def _check_window(self, sync: bool) -> None:
-        """Replica 0 must not change inside a ``no_sync()`` window (a part's edit is not the sum's): bit sums taken at
-        each end and begin on the device, read once here."""
+        """Replica 0 must not change inside ``no_sync()`` (a part's edit is not the sum's): bit sums compared."""
         if not sync or not self._window_sums:
             return
         pairs, self._window_sums = self._window_sums, []
@@ -96,8 +95,7 @@ class DenseGrads(GradPart):
         st = self.stream
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]
-        # hooks that ran since the last record: this backward reached parameters outside the gathered output (one used
-        # only in the loss) before the gather's backward; autograd's add is then no user edit
+        # hooks already ran: parameters reached outside the gathered output (only in the loss), not a user edit
         early = st.touched() > 0
         self.has_grad |= early
         edited = st.flats[0]._version != self.versions[0]
@@ -205,8 +203,7 @@ class DenseGrads(GradPart):
         self.record()
 
     def follow_edits(self, whole: bool) -> bool:
-        """Copy replica 0's gradients everywhere if changed; whether they had. A ``.data`` edit moves no counter: after
-        a synced backward it is found by comparing replica 0's bits with replica 1's."""
+        """Copy replica 0's gradients everywhere if changed (``.data`` edits: found against replica 1's bits)."""
         st = self.stream
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]

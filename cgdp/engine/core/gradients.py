@@ -18,15 +18,11 @@ state              what the replicas hold                                       
                    ``optimizer.step()`` is refused                              completes
 =================  ===========================================================  =====================
 
-A backward that fails before any replica's gradient arrived returns to the state before it (``SUMMED`` becomes
-``EDITED``: arming reset the host's sum of squares). :meth:`Gradients.drop` is the one reset point.
-
-The gradients come in *parts* behind :class:`GradPart`: dense (:mod:`cgdp.engine.core.dense_grads`, streamed during
-backward) and sparse (:mod:`cgdp.engine.core.sparse_grads`, joined after). A model without dense trainable parameters
-has an empty dense part (a plain :class:`GradPart`), not a branch at every call site.
-
-Threads: :meth:`Gradients.begin` and :meth:`Gradients.end` run on autograd's threads, everything else on the
-caller's; never two at once (the operation lock, :mod:`cgdp.engine.core.lifetime`).
+A backward that fails before any gradient arrived returns to the state before it (``SUMMED`` becomes ``EDITED``:
+arming reset the host's sum of squares). :meth:`Gradients.drop` is the one reset point. The *parts* behind
+:class:`GradPart`: dense (:mod:`~.dense_grads`, streamed) and sparse (:mod:`~.sparse_grads`, joined after); no dense
+parameters: an empty plain :class:`GradPart`, not a branch at every call site. :meth:`Gradients.begin` and
+:meth:`Gradients.end` run on autograd's threads, the rest on the caller's; never two at once (the operation lock).
 """
 from __future__ import annotations
 
@@ -76,7 +72,7 @@ class GradPart:
         """Every gradient dropped: ``.grad`` None on every replica."""
 
     def follow_edits(self, whole: bool) -> bool:
-        """Replica 0's gradients changed by the user since cgdp last touched them: copy them to every replica."""
+        """Copy the user's edits of replica 0's gradients to every replica."""
         return False
 
     def norm(self, norm_type: float, host: bool) -> float:

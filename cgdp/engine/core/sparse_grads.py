@@ -10,8 +10,7 @@ Sparse embeddings (``sparse=True``) get a COO gradient of no fixed size, so it h
   the parts summed in device order.
 * Cost: one copy of the looked-up rows per device and direction, after backward (not overlapped).
 
-A part of :class:`cgdp.engine.core.gradients.Gradients`; its sum invariant holds here too. Refused with ``comm``:
-ranks would exchange gradients of different sizes.
+A part of :class:`cgdp.engine.core.gradients.Gradients` (its invariant holds). Refused with ``comm`` (varying sizes).
 """
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from cgdp.engine.core.gradients import GradPart
 
 
 def sparse_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The trainable weights of ``module``'s embeddings with ``sparse=True``, in module order."""
     out: list[nn.Parameter] = []
     for m in module.modules():
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:

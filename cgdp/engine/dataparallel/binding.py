@@ -1,7 +1,7 @@
 """The user's optimizer bound once to a ``DataParallel``: its ``step()`` steps every replica.
 
-``opt = model.bind(opt)`` (as Horovod's ``DistributedOptimizer``) puts three things on that one optimizer and nothing
-elsewhere (no global hook, no per-step swap); ``close()`` removes them and the optimizer steps replica 0 alone again:
+``model.bind(opt)`` puts three things on that optimizer and nothing elsewhere (no global hook, no per-step swap);
+``close()`` removes them:
 
 1. **its ``step``**, an instance attribute over the one it had (as ``LRScheduler`` does), with the same signature and a
    ``__func__``; the outermost call: in one ``try``/``finally`` it takes the operation lock, checks the gradients,
@@ -172,7 +172,6 @@ class Binding:
             m.load_state_dict(copy.deepcopy(state))
 
     def _wait(self) -> list[tuple[int, BaseException]]:
-        """(replica, exception) of the other replicas' steps that raised."""
         inflight, self.inflight = self.inflight, []
         errors = []
         for j, f in enumerate(inflight, start=1):
@@ -183,7 +182,6 @@ class Binding:
         return errors
 
     def resync(self, opt: torch.optim.Optimizer) -> None:
-        """Every replica takes replica 0's parameters (those of this optimizer) and optimizer state."""
         with torch.no_grad():
             for mapping in self.maps:
                 for group in opt.param_groups:
@@ -209,7 +207,7 @@ class Binding:
 
 
 class HostBinding(Binding):
-    """``update="host"``: one optimizer of the user's class steps the host's masters."""
+    """``update="host"``: the host's masters stepped."""
 
     def _build(self, opt: torch.optim.Optimizer, steps: Any) -> None:
         if not getattr(type(opt).step, "__module__", "").startswith("torch.optim"):  # (torch's wrapper keeps it)

@@ -2,30 +2,27 @@
 
 ``model = cgdp.DataParallel(net, devices)`` replaces ``torch.nn.DataParallel(net)``; the loop stays the user's
 (``opt = model.bind(opt)`` once, then ``opt.zero_grad()``, ``model(x)``, ``loss.backward()``, ``opt.step()``). It drives
-the same :class:`~cgdp.engine.core.stream.GradientStream` and gradient owner as ``Trainer``: one data path, two faces.
-Its operations each hold the model's operation lock (:mod:`cgdp.engine.core.lifetime`): forward, a backward (gather's
-backward :meth:`DataParallel._begin_backward` to autograd's final callback :meth:`DataParallel._end_backward`),
-``clip_grad_norm_``, the bound ``optimizer.step()`` and ``bind()``; ``docs/design.md`` draws them.
+the same :class:`~cgdp.engine.core.stream.GradientStream` and gradient owner (:mod:`cgdp.engine.core.gradients`: the sum
+invariant, the states) as ``Trainer``: one data path, two faces. Each operation (forward, a backward from
+:meth:`DataParallel._begin_backward` to :meth:`DataParallel._end_backward`, ``clip_grad_norm_``, the bound
+``optimizer.step()``, ``bind()``) holds the model's operation lock (:mod:`cgdp.engine.core.lifetime`); see
+``docs/design.md``.
 
-* **Replicas.** ``net`` is replica 0 on ``devices[0]``, trained in place (``.module``); replica j > 0 is a deep copy.
-  They are never broadcast again: each takes the same optimizer step (:mod:`~.steps`, :mod:`~.binding`).
-* **Forward** (:mod:`~.scatter`): each replica runs its part on its device's thread (caller's grad mode and autocast);
-  in training mode floating buffers (BatchNorm statistics) then take their batch-weighted mean on every replica.
-* **Backward.** The gather's backward, before any replica gradient exists, readies the gradients and queues
-  :meth:`_end_backward` (``queue_callback``, as DDP), which runs on the thread that finished the backward before the
-  caller's ``backward()`` returns. The host SUMS the replicas' chunks (no weighting: the loss on the gathered output
-  already weights each sample); the callback flushes incomplete chunks and waits for every sum. On CPU-emulated devices
-  autograd runs every backward on one thread; each replica's hooks are still touched by one thread only.
-* **The sum invariant** and its states: :mod:`cgdp.engine.core.gradients`. User edits of replica 0's gradients are
-  copied to every replica with a warning (``model.clip_grad_norm_`` needs no copy).
-* **Several machines** (``comm``): the ranks' host sums are allreduced chunk by chunk and scaled by 1/R (the mean, as
-  DDP). Every rank must do the same synced backwards and training forwards (BatchNorm statistics are a collective).
+* **Replicas.** ``net`` is replica 0 on ``devices[0]``, trained in place (``.module``); replicas j > 0 are deep copies,
+  never broadcast again: each takes the same optimizer step (:mod:`~.steps`, :mod:`~.binding`).
+* **Forward** (:mod:`~.scatter`): each part on its device's thread (caller's grad mode and autocast); a training
+  forward then gives floating buffers (BatchNorm statistics) their batch-weighted mean on every replica.
+* **Backward.** The gather's backward readies the gradients and queues :meth:`_end_backward` (``queue_callback``, as
+  DDP), run on the thread that finished the backward before ``backward()`` returns: it flushes incomplete chunks and
+  waits for every host SUM (unweighted: the loss on the gathered output already weights each sample). On emulated
+  devices every backward runs on one thread; each replica's hooks are still touched by one thread only.
+* **Several machines** (``comm``): host sums allreduced per chunk and scaled by 1/R (the mean, as DDP). Every rank must
+  do the same synced backwards and training forwards (the buffers' mean is a collective).
 
-Input gradients flow back by autograd alone (:mod:`~.input_grads`); sparse gradients travel beside the flat buffer
-(:mod:`cgdp.engine.core.sparse_grads`); buffers that require grad are read from replica 0 (:mod:`~.user_module`).
-Unsupported (clear errors): ``torch.autograd.grad`` for the parameters, input gradients with ``create_graph=True``
-while training, ``optimizer.step(closure)``. A backward that fails before any replica's gradient arrived leaves the
-gradients as they were; one that fails partway drops them, and ``optimizer.step()`` refuses until it is redone.
+Input gradients: :mod:`~.input_grads`; sparse gradients: :mod:`cgdp.engine.core.sparse_grads`; buffers that require
+grad: :mod:`~.user_module`. Unsupported (clear errors): ``torch.autograd.grad`` for the parameters, input gradients
+with ``create_graph=True`` while training, ``optimizer.step(closure)``. A backward that fails before any gradient
+arrived keeps the gradients; one that fails partway drops them, and ``optimizer.step()`` refuses until it is redone.
 """
 from __future__ import annotations
 
@@ -87,13 +84,11 @@ class DataParallel(nn.Module):
     Args:
         module: the model; it becomes replica 0 (moved to ``devices[0]``, trained in place).
         devices: ``["cuda:0", ...]`` or emulated ``["cpu:0", ...]``; ``None``: every GPU, else two emulated.
-        chunks: chunk size k, an explicit plan, or ``"auto"``: uniform plans timed over the first iterations of your
-            loop (between two ``optimizer.step()`` calls; about 3 x log2(layers)), the fastest kept. Speed only.
+        chunks: chunk size k, a plan, or ``"auto"``: uniform plans timed over the first ~3 x log2(layers) iterations.
         comm: ``None``, ``"mpi"``, ``"gloo"``, a process group or a :class:`cgdp.comm.Comm`: gradients averaged over
             ranks. Every rank builds the same model (checked); ``close()`` closes the comm.
         timeout_s: longest any thread waits for another before backward raises ``TimeoutError``; ``None``: forever.
-        segment_bytes: chunks larger than this travel in segments (:mod:`cgdp.engine.core.flatgrad`).
-        host_memory: bytes of registered host memory for the host slots, as for ``Trainer``.
+        segment_bytes, host_memory: as for ``Trainer``.
         scalar_outputs: how a loss the replicas computed is combined (:mod:`~.scatter`): ``"mean"``, ``"sum"``, or
             ``"auto"``: ``"sum"`` in a call whose forward uses a passed ``num_items_in_batch``, else mean.
         update: ``"devices"`` (every replica steps a copy of your bound optimizer) or ``"host"`` (a copy steps float32
@@ -312,9 +307,8 @@ class DataParallel(nn.Module):
         return copy.deepcopy(self.module, memo)
 
     def close(self) -> None:
-        """Remove every hook, stop every thread, free the buffers; ``.module`` keeps its gradients. From another thread
-        during an operation: it stops with a ``RuntimeError`` naming ``close()`` (or completes if past its last wait);
-        ``close()`` waits :data:`~cgdp.engine.core.lifetime.CLOSE_WAIT_S` for it (:mod:`cgdp.engine.core.lifetime`)."""
+        """Remove every hook, stop every thread, free the buffers; ``.module`` keeps its gradients. A running
+        operation stops with a ``RuntimeError`` naming ``close()`` (:mod:`cgdp.engine.core.lifetime`)."""
         self._life.close()
 
     def memory_report(self) -> dict[str, dict[str, int]]:

@@ -3,15 +3,13 @@
 The gather's backward (:class:`~cgdp.engine.dataparallel.scatter._Gather`) runs first in every backward through the
 output and asks autograd's engine what this one will do (:meth:`BackwardCheck.trains`):
 
-* it accumulates into some trainable parameter's ``.grad``: the engine is armed (the usual path);
-* it accumulates into none (``backward(inputs=[x])``, a frozen model): input gradients flow back by autograd alone,
-  as on one device;
+* into some trainable parameter's ``.grad``: the engine is armed; into none (``backward(inputs=[x])``, a frozen
+  model): input gradients flow back by autograd alone, as on one device;
 * ``torch.autograd.grad``: input gradients only, unless a trainable parameter is among its ``inputs``, which the
   engine cannot tell beforehand: a guard hook per trainable parameter (:meth:`BackwardCheck.arm`, for this backward)
   raises if autograd reaches one (it would get replica 0's share only).
 
-Not supported (clear error): input gradients with ``create_graph=True`` while the model trains: that gradient's
-backward reaches the replicas' parameters without passing through the gather, where the engine is armed.
+Refused: input gradients with ``create_graph=True`` while training (their backward bypasses the gather).
 """
 from __future__ import annotations
 

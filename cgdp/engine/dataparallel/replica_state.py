@@ -64,8 +64,7 @@ class ReplicaState:
         self.buffer_watch.synced()
 
     def after_forward(self, sizes: list[int], comm: Any) -> None:
-        """Buffers a training forward wrote take their batch-weighted mean (over ranks too); only those written:
-        the mean of equal values is not always that value, and constant tables must stay bitwise."""
+        """Buffers a training forward wrote take their batch-weighted mean (only those: constants stay bitwise)."""
         bufs_f, g, n = self.buffers_f, len(sizes), len(self.replicas)
         if not bufs_f[0] or (n == 1 and comm is None):
             return

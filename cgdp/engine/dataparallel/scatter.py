@@ -1,10 +1,8 @@
 """``DataParallel``'s step 1 and its mirror image: scatter the arguments, gather the outputs.
 
-**Scatter.** Every tensor argument with a batch dimension (positional or keyword, nested in tuples, lists, dicts) is
-split along dim 0 in device order, as ``torch.tensor_split``, and moved to its device; all must share that first
-dimension. A batch of n < G samples runs on the first n devices, one sample each (the others send zeros and step
-with the rest, as in ``cgdp.Trainer``). 0-dim tensors and other objects go to every replica unchanged. A call with no
-batch to split runs on replica 0 alone, as ``nn.DataParallel`` does for a call without inputs.
+**Scatter.** Every tensor argument with a batch dimension (nested ones too) is split along dim 0 in device order, as
+``torch.tensor_split``; all must share that dimension. A batch of n < G runs on the first n devices (the others send
+zeros and step, as in ``Trainer``). Other arguments go to every replica; a call with nothing to split runs on replica 0.
 
 **Gather.** Every replica returns the same structure (dataclasses such as ``ModelOutput`` too). Per tensor in it:
 
@@ -17,9 +15,8 @@ batch to split runs on replica 0 alone, as ``nn.DataParallel`` does for a call w
 
 Other leaves are kept if equal on every replica, else None with a warning.
 
-The gathered tensors come out of one autograd function (:class:`_Gather`), so a backward visits it exactly once: it
-first calls ``on_backward`` (``DataParallel`` readies the engine), then hands each replica its share of the gradient
-(a slice, or ``w_j`` times a scalar's) times ``scale`` (``1/R`` across R ranks).
+One autograd function (:class:`_Gather`) makes every gathered tensor, so a backward visits it once: it calls
+``on_backward`` (the engine readied), then hands each replica its share of the gradient times ``scale`` (1/R ranks).
 """
 from __future__ import annotations
 
@@ -128,7 +125,6 @@ class GlobalCount(torch.Tensor):
 
 
 def watch_counts(parts: list[tuple[tuple, dict]], devices: Sequence[torch.device]) -> list[GlobalCount]:
-    """Each part's ``num_items_in_batch`` replaced by a :class:`GlobalCount` of its value; those counts."""
     counts = []
     for (_, kw), dev in zip(parts, devices):
         n = kw.get(COUNT)

@@ -6,7 +6,6 @@
 * :meth:`ReplicaSteps.begin`: takes the operation lock (held until :meth:`ReplicaSteps.end`, called in ``finally``),
   checks the gradients and makes them the same on every replica;
 * :meth:`ReplicaSteps.submit`: replica j's step on its device thread; :meth:`ReplicaSteps.kept` after it;
-* :meth:`ReplicaSteps.host_sum`, :meth:`ReplicaSteps.host_copy_back` (``update="host"``);
 * :meth:`ReplicaSteps.end`: parameters recorded, the time since the last step (one iteration under the current plan)
   given to the ``chunks="auto"`` tuner, the lock given back.
 """
