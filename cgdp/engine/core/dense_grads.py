@@ -1,11 +1,9 @@
 """The dense part of a ``DataParallel``'s gradients: the flat buffers that stream through the host.
 
-A part of :class:`cgdp.engine.core.gradients.Gradients` (the sum invariant and states are there), kept consistent
-with what the user's loop does to replica 0's ``.grad``. After a synced backward every replica holds the total T
-(bitwise); the next backward (:meth:`prepare`) keeps replica 0's and zeroes the others', so T counts once.
-``has_grad[pid]``: a gradient since the last ``zero_grad``. ``versions``: the flat buffers' version counters at cgdp's
-last change; replica 0's moving, or its ``.grad`` no longer its view, is a user edit, which :meth:`follow_edits`
-copies to every replica before use.
+A part of :class:`cgdp.engine.core.gradients.Gradients` (invariant and states there). After a synced backward every
+replica holds the total T (bitwise); the next (:meth:`prepare`) keeps replica 0's and zeroes the others'.
+``has_grad``: a gradient since ``zero_grad``. ``versions``: counters at cgdp's last change; replica 0's moving, or
+its ``.grad`` no longer its view, is a user edit, which :meth:`follow_edits` copies everywhere before use.
 """
 from __future__ import annotations
 
@@ -291,7 +289,6 @@ class DenseGrads(GradPart):
             hooks.replaced[:] = bytes(len(hooks.replaced))
 
     def _attach(self) -> None:
-        """Every ``.grad`` is its view into the flat buffer (autograd adds in place)."""
         for params, hooks in zip(self.stream.params, self.stream.hooks):
             for p, view in zip(params, hooks.views):
                 if p.grad is not view:

@@ -1,6 +1,6 @@
 """The sparse part of a ``DataParallel``'s gradients: they travel beside the flat buffer.
 
-Sparse embeddings (``sparse=True``) get a COO gradient of no fixed size, so it has no place in the flat buffer:
+Sparse embeddings' COO gradients have no fixed size, so no place in the flat buffer:
 
 * Such parameters are left out of the layers, plan and hooks; autograd accumulates each replica's part into its own
   ``.grad``, as on one device.

@@ -6,7 +6,7 @@
 1. **its ``step``**, an instance attribute over the one it had (as ``LRScheduler`` does), with the same signature and a
    ``__func__``; the outermost call: in one ``try``/``finally`` it takes the operation lock, checks the gradients,
    steps every replica (:meth:`Binding._step`) and gives the lock back;
-2. **a step pre-hook** refusing a step past that attribute (:data:`PAST_BINDING`): it would step replica 0 alone;
+2. **a step pre-hook** refusing a step past it (:data:`PAST_BINDING`): it would step replica 0 alone;
 3. **a load post-hook**: ``opt.load_state_dict`` reloads what steps the other replicas.
 
 ``update="devices"`` (:class:`Binding`): one *mirror* optimizer per other replica, given the hyperparameters and

@@ -85,14 +85,11 @@ class DataParallel(nn.Module):
         module: the model; it becomes replica 0 (moved to ``devices[0]``, trained in place).
         devices: ``["cuda:0", ...]`` or emulated ``["cpu:0", ...]``; ``None``: every GPU, else two emulated.
         chunks: chunk size k, a plan, or ``"auto"``: uniform plans timed over the first ~3 x log2(layers) iterations.
-        comm: ``None``, ``"mpi"``, ``"gloo"``, a process group or a :class:`cgdp.comm.Comm`: gradients averaged over
-            ranks. Every rank builds the same model (checked); ``close()`` closes the comm.
+        comm: ``None``, ``"mpi"``, ``"gloo"``, a process group or a :class:`cgdp.comm.Comm` (closed by ``close()``).
         timeout_s: longest any thread waits for another before backward raises ``TimeoutError``; ``None``: forever.
         segment_bytes, host_memory: as for ``Trainer``.
-        scalar_outputs: how a loss the replicas computed is combined (:mod:`~.scatter`): ``"mean"``, ``"sum"``, or
-            ``"auto"``: ``"sum"`` in a call whose forward uses a passed ``num_items_in_batch``, else mean.
-        update: ``"devices"`` (every replica steps a copy of your bound optimizer) or ``"host"`` (a copy steps float32
-            masters on the host, every replica takes the result; :mod:`cgdp.engine.dataparallel.binding`).
+        scalar_outputs: ``"mean"``, ``"sum"`` or ``"auto"`` (sum when ``num_items_in_batch`` is used; :mod:`~.scatter`).
+        update: ``"devices"`` or ``"host"`` (float32 masters stepped on the host; :mod:`~.binding`).
         share_devices: allow a GPU listed more than once, as for ``Trainer`` (tests and measurements, not speed).
     """
 
@@ -194,7 +191,6 @@ class DataParallel(nn.Module):
         self._stream.disarm()
         return DenseGrads(self._stream, before, self._param_hooks, self._comm, self._guard.timeout_s), tuner
 
-    # ------------------------------------------------------------------ public API
     @property
     def replicas(self) -> list[nn.Module]:
         self._life.ops.clean_stale()  # after a backward that raised: its clean-up first

@@ -5,9 +5,8 @@ output and asks autograd's engine what this one will do (:meth:`BackwardCheck.tr
 
 * into some trainable parameter's ``.grad``: the engine is armed; into none (``backward(inputs=[x])``, a frozen
   model): input gradients flow back by autograd alone, as on one device;
-* ``torch.autograd.grad``: input gradients only, unless a trainable parameter is among its ``inputs``, which the
-  engine cannot tell beforehand: a guard hook per trainable parameter (:meth:`BackwardCheck.arm`, for this backward)
-  raises if autograd reaches one (it would get replica 0's share only).
+* ``torch.autograd.grad``: the engine cannot tell its ``inputs`` beforehand, so guard hooks (:meth:`BackwardCheck.arm`)
+  raise if it reaches a trainable parameter (it would get replica 0's share only).
 
 Refused: input gradients with ``create_graph=True`` while training (their backward bypasses the gather).
 """

@@ -1,11 +1,8 @@
 """What the other replicas of a ``DataParallel`` copy from replica 0, outside the optimizer step.
 
-The user changes replica 0 between steps; the others follow before they run again, by
-:class:`~cgdp.engine.core.follow.Follow` (shared with ``Trainer``). :class:`ReplicaState` also holds the floating
-buffers (same order on every replica): :meth:`~ReplicaState.after_forward` gives every replica the batch-weighted mean
-of those a training forward wrote; :meth:`~ReplicaState.broadcast` copies buffers after a forward that failed on some.
-Parameters are otherwise never copied: each replica takes the same optimizer step, and
-:meth:`~ReplicaState.record_parameters` notes their version counters after each.
+The others follow the user's changes to replica 0 before they run again (:class:`~cgdp.engine.core.follow.Follow`,
+shared with ``Trainer``). The floating buffers (same order everywhere) take a batch-weighted mean after a training
+forward, or replica 0's after a failed one. Parameters are never copied: each replica takes the same step.
 """
 from __future__ import annotations
 

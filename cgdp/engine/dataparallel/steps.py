@@ -1,13 +1,8 @@
 """The model's side of a bound ``optimizer.step()``: every replica takes the same step.
 
-``DataParallel``'s update strategy (``Trainer``'s is :mod:`cgdp.engine.core.update`). The bound optimizer
-(:mod:`cgdp.engine.dataparallel.binding`) asks this object, never the user's module:
-
-* :meth:`ReplicaSteps.begin`: takes the operation lock (held until :meth:`ReplicaSteps.end`, called in ``finally``),
-  checks the gradients and makes them the same on every replica;
-* :meth:`ReplicaSteps.submit`: replica j's step on its device thread; :meth:`ReplicaSteps.kept` after it;
-* :meth:`ReplicaSteps.end`: parameters recorded, the time since the last step (one iteration under the current plan)
-  given to the ``chunks="auto"`` tuner, the lock given back.
+The bound optimizer (:mod:`~.binding`) asks this, never the user's module. :meth:`ReplicaSteps.begin` takes the
+operation lock (given back by :meth:`ReplicaSteps.end` in ``finally``) and makes the gradients the same everywhere;
+:meth:`~ReplicaSteps.end` records the parameters and gives the ``chunks="auto"`` tuner one iteration's time.
 """
 from __future__ import annotations
 

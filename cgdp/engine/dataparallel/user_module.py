@@ -1,10 +1,9 @@
 """What ``DataParallel`` keeps on the user's module (replica 0), and what it must not leave there.
 
 * **A load hook that stays in this process**: :class:`cgdp.engine.core.follow.LocalHooks`, shared with ``Trainer``.
-* **Buffers that require grad** (a learnable tensor kept out of ``parameters()``). Every replica reads replica 0's
-  through a differentiable copy made at each forward (:meth:`GradBuffers.refresh`, as ``nn.DataParallel``'s
-  replicate), so autograd adds every replica's part into replica 0's ``.grad``: exact, without the flat buffer. An
-  optimizer steps replica 0's; the others' own copies stand in for it in the mirrors, never getting a gradient.
+* **Buffers that require grad**: every replica reads replica 0's through a differentiable copy made at each forward
+  (as ``nn.DataParallel``'s replicate), so autograd adds every part into replica 0's ``.grad``, exactly. The others'
+  own copies stand in for it in the mirror optimizers, never getting a gradient.
 """
 from __future__ import annotations
 
