@@ -14,8 +14,7 @@ state              what the replicas hold                                       
 ``ACCUMULATING``   each replica its own part (backwards inside ``no_sync()``)   a backward, an edit
 ``SENDING``        a synced backward is running: chunks stream to the host      its end (or failure)
 ``LOCAL``          a backward inside ``no_sync()`` is running: nothing is sent  its end (or failure)
-``DROPPED``        nothing (every ``.grad`` None): a backward failed partway;   the next backward that
-                   ``optimizer.step()`` is refused                              completes
+``DROPPED``        nothing: a backward failed partway (``step()`` refused)      a completed backward
 =================  ===========================================================  =====================
 
 A backward that fails before any gradient arrived returns to the state before it (``SUMMED`` becomes ``EDITED``:
@@ -110,7 +109,6 @@ class Gradients:
 
     @property
     def whole(self) -> bool:
-        """Every replica holds the total (or nothing)."""
         return self.state in _WHOLE
 
     def begin_step(self, timing: bool, sink: Any) -> None:

@@ -2,12 +2,10 @@
 
 Sparse embeddings' COO gradients have no fixed size, so no place in the flat buffer:
 
-* Such parameters are left out of the layers, plan and hooks; autograd accumulates each replica's part into its own
-  ``.grad``, as on one device.
-* After a synced backward (final callback, dense chunks back), they are **joined** on ``devices[0]`` in device order:
-  indices and values concatenated, uncoalesced, as one device's backward gives for the whole batch. That one tensor is
-  copied to every replica (bitwise the same everywhere). A part that arrived dense (a tied weight) makes the join dense:
-  the parts summed in device order.
+* They are left out of the layers, plan and hooks; autograd accumulates each replica's part into its own ``.grad``.
+* After a synced backward (dense chunks back) they are **joined** on ``devices[0]`` in device order: indices and
+  values concatenated, uncoalesced, as one device's backward gives, and copied to every replica (bitwise the same). A
+  part that arrived dense (a tied weight) makes the join the dense sum in device order.
 * Cost: one copy of the looked-up rows per device and direction, after backward (not overlapped).
 
 A part of :class:`cgdp.engine.core.gradients.Gradients` (its invariant holds). Refused with ``comm`` (varying sizes).

@@ -9,10 +9,9 @@
 2. **a step pre-hook** refusing a step past it (:data:`PAST_BINDING`): it would step replica 0 alone;
 3. **a load post-hook**: ``opt.load_state_dict`` reloads what steps the other replicas.
 
-``update="devices"`` (:class:`Binding`): one *mirror* optimizer per other replica, given the hyperparameters and
-``GradScaler``'s attributes each step, stepped on the device threads while the user's steps replica 0. Invariant:
-after every step each replica's parameters and state are bitwise replica 0's; a step that raised anywhere is
-followed by a *resync* to replica 0's.
+``update="devices"`` (:class:`Binding`): one *mirror* optimizer per other replica, given the hyperparameters each
+step, stepped on the device threads beside the user's. Invariant: after every step each replica's parameters and
+state are bitwise replica 0's; a step that raised anywhere is followed by a *resync* to replica 0's.
 
 ``update="host"`` (:class:`HostBinding`): one optimizer of the user's class over the host's float32 masters, sharing
 ``opt.state``'s per-parameter dicts and the user's step hooks. Each step copies the hyperparameters, steps it (fused

@@ -1,7 +1,6 @@
 """Which backward passes through ``DataParallel``'s output: one that trains, or one for input gradients.
 
-The gather's backward (:class:`~cgdp.engine.dataparallel.scatter._Gather`) runs first in every backward through the
-output and asks autograd's engine what this one will do (:meth:`BackwardCheck.trains`):
+The gather's backward runs first and asks autograd what this backward will do (:meth:`BackwardCheck.trains`):
 
 * into some trainable parameter's ``.grad``: the engine is armed; into none (``backward(inputs=[x])``, a frozen
   model): input gradients flow back by autograd alone, as on one device;

@@ -7,13 +7,11 @@ zeros and step, as in ``Trainer``). Other arguments go to every replica; a call 
 **Gather.** Every replica returns the same structure (dataclasses such as ``ModelOutput`` too). Per tensor in it:
 
 * dimension >= 1: concatenated along dim 0 on ``devices[0]``, in device order;
-* a floating 0-dim tensor (a loss the model computed): ``sum_j w_j * t_j`` with ``w_j = n_j / N`` (exact for
-  per-sample means), or with ``sum_scalars`` ``w_j = 1`` (exact for shares of a global sum, a loss divided by
-  Hugging Face's ``num_items_in_batch``). Whether the model used the count is seen, not assumed: each replica gets a
-  :class:`GlobalCount`, which notes any torch operation on it (some models accept the count and ignore it);
-* any other 0-dim tensor: stacked into a vector of G values, as ``nn.DataParallel``.
-
-Other leaves are kept if equal on every replica, else None with a warning.
+* a floating 0-dim tensor (a loss): ``sum_j w_j * t_j``, ``w_j = n_j / N`` (exact for per-sample means), or with
+  ``sum_scalars`` ``w_j = 1`` (exact for shares of a global sum: a loss divided by ``num_items_in_batch``, whose use
+  a :class:`GlobalCount` sees, not assumes: some models accept the count and ignore it);
+* any other 0-dim tensor: stacked into a vector of G values, as ``nn.DataParallel``; other leaves kept if equal on
+  every replica, else None with a warning.
 
 One autograd function (:class:`_Gather`) makes every gathered tensor, so a backward visits it once: it calls
 ``on_backward`` (the engine readied), then hands each replica its share of the gradient times ``scale`` (1/R ranks).
