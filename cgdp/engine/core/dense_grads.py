@@ -273,7 +273,6 @@ class DenseGrads(GradPart):
         st.arm(timing, sink)
 
     def settle(self, touched: np.ndarray) -> None:
-        """After a ``Trainer`` backward: no gradient on any device or rank means ``.grad`` None."""
         self.has_grad = touched > 0
         if not self.has_grad.all():
             self.set_none()

@@ -1,7 +1,6 @@
 """The user's optimizer bound once to a ``DataParallel``: its ``step()`` steps every replica.
 
-``model.bind(opt)`` puts three things on that optimizer and nothing elsewhere (no global hook, no per-step swap);
-``close()`` removes them:
+``model.bind(opt)`` puts three things on that optimizer, nothing elsewhere; ``close()`` removes them:
 
 1. **its ``step``**, an instance attribute over the one it had (as ``LRScheduler`` does), with the same signature and a
    ``__func__``; the outermost call: in one ``try``/``finally`` it takes the operation lock, checks the gradients,
@@ -14,9 +13,8 @@ step, stepped on the device threads beside the user's. Invariant: after every st
 state are bitwise replica 0's; a step that raised anywhere is followed by a *resync* to replica 0's.
 
 ``update="host"`` (:class:`HostBinding`): one optimizer of the user's class over the host's float32 masters, sharing
-``opt.state``'s per-parameter dicts and the user's step hooks. Each step copies the hyperparameters, steps it (fused
-CPU kernel by default) and copies the masters to every replica, also after a raise. A subclass overriding ``step()``
-is refused (:data:`OWN_STEP`). An optimizer holding no master (``SparseAdam``) gets mirrors.
+``opt.state``'s dicts and the step hooks, whose result is copied to every replica, also after a raise. A subclass
+overriding ``step()`` is refused (:data:`OWN_STEP`); an optimizer holding no master (``SparseAdam``) gets mirrors.
 
 The binding holds the optimizer and :class:`~.steps.ReplicaSteps` weakly: the optimizer holds it, not the reverse.
 """
@@ -164,7 +162,6 @@ class Binding:
                         gm[k] = v.to(dev) if isinstance(v, torch.Tensor) and v.device != dev else v
 
     def _reload(self, opt: torch.optim.Optimizer) -> None:
-        """After ``opt.load_state_dict`` (and at bind): every mirror gets its own copy of the state."""
         self._sync_groups(opt)
         state = opt.state_dict()
         for m in self.mirrors:

@@ -3,10 +3,9 @@
 ``model = cgdp.DataParallel(net, devices)`` replaces ``torch.nn.DataParallel(net)``; the loop stays the user's
 (``opt = model.bind(opt)`` once, then ``opt.zero_grad()``, ``model(x)``, ``loss.backward()``, ``opt.step()``). It drives
 the same :class:`~cgdp.engine.core.stream.GradientStream` and gradient owner (:mod:`cgdp.engine.core.gradients`: the sum
-invariant, the states) as ``Trainer``: one data path, two faces. Each operation (forward, a backward from
-:meth:`DataParallel._begin_backward` to :meth:`DataParallel._end_backward`, ``clip_grad_norm_``, the bound
-``optimizer.step()``, ``bind()``) holds the model's operation lock (:mod:`cgdp.engine.core.lifetime`); see
-``docs/design.md``.
+invariant, the states) as ``Trainer``. Each operation (forward, a backward from :meth:`DataParallel._begin_backward` to
+:meth:`DataParallel._end_backward`, ``clip_grad_norm_``, the bound ``optimizer.step()``, ``bind()``) holds the
+operation lock (:mod:`cgdp.engine.core.lifetime`); ``docs/design.md`` draws them.
 
 * **Replicas.** ``net`` is replica 0 on ``devices[0]``, trained in place (``.module``); replicas j > 0 are deep copies,
   never broadcast again: each takes the same optimizer step (:mod:`~.steps`, :mod:`~.binding`).
@@ -336,7 +335,6 @@ class DataParallel(nn.Module):
             m.update(stand_ins)
         return maps
 
-    # ------------------------------------------------------------------ backward
     def _begin_backward(self, sync: bool, owner: threading.Thread) -> None:
         """Autograd thread, in the gather's backward, before any replica's gradient exists."""
         if not self._life.ops.take_backward(owner, self._after_failed_backward):

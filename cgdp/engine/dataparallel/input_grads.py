@@ -19,7 +19,6 @@ AUTOGRAD_GRAD = "autograd.grad"
 
 
 class BackwardCheck:
-    """Which kind each backward through the output is, and an ``autograd.grad``'s guard hooks."""
 
     def __init__(self) -> None:
         self._handles: list = []

@@ -49,7 +49,6 @@ class ReplicaState:
         self.buffer_watch.synced()  # every replica's buffers are the same again
 
     def broadcast(self, buffers_only: bool = False) -> None:
-        """Every replica ← replica 0's buffers, or its whole state."""
         if not buffers_only:
             self.follow.broadcast()
             return

@@ -30,7 +30,6 @@ _LEAF = "leaf"
 
 
 def _flatten(obj: Any, leaves: list[Any]) -> Any:
-    """Append obj's leaves; return the spec that rebuilds obj."""
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return _LEAF

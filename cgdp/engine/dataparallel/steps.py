@@ -84,7 +84,6 @@ class ReplicaSteps:
             self._life.ops.give()
 
     def _tune(self) -> None:
-        """Time one iteration under the current plan; switch to the tuner's next plan."""
         now = time.perf_counter()
         if self._t_step is not None:
             self.tuner.observe(now - self._t_step)

@@ -13,7 +13,6 @@ from torch import nn
 
 
 class GradBuffers:
-    """The buffers that require grad, found by name on replica 0; every replica reads replica 0's."""
 
     def __init__(self, replicas: list[nn.Module]):
         first = replicas[0]
@@ -32,7 +31,6 @@ class GradBuffers:
         return [getattr(m, a) for m, a in self._slots[j]]
 
     def refresh(self, devices: list[torch.device], used: int) -> None:
-        """Before a forward: replicas 1..used-1 read replica 0's buffers (a differentiable copy on their device)."""
         first = self.current(0)
         for j in range(1, used):
             for (m, a), b in zip(self._slots[j], first):
