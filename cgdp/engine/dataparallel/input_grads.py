@@ -19,7 +19,6 @@ AUTOGRAD_GRAD = "autograd.grad"
 
 
 class BackwardCheck:
-
     def __init__(self) -> None:
         self._handles: list = []
         self._accs: dict[int, torch.autograd.graph.Node] = {}

@@ -13,7 +13,6 @@ from torch import nn
 
 
 class GradBuffers:
-
     def __init__(self, replicas: list[nn.Module]):
         first = replicas[0]
         self.names = [name for name, b in first.named_buffers() if b.requires_grad]
