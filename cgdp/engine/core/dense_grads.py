@@ -1,26 +1,9 @@
 """The dense part of a ``DataParallel``'s gradients: the flat buffers that stream through the host.
 
-A part of :class:`cgdp.engine.core.gradients.Gradients` (see there for the states). It keeps
-the flat buffers of all replicas (:mod:`cgdp.engine.core.flatgrad`) consistent with what the
-user's loop does to replica 0's ``.grad``, so that
-
-    the true gradient is the sum over replicas of their flat buffers, at any time.
-
-* After a synced backward every replica holds the total T (the host sum, bitwise the same on
-  every device). The next backward (:meth:`DenseGrads.prepare`) keeps replica 0's buffer and zeroes the
-  others', so accumulating without ``zero_grad`` counts T once. If the last backward was not
-  synced (``no_sync``), every replica holds its own partial sum and nothing is zeroed.
-* ``.grad`` None on replica 0 means "no gradient" (``zero_grad``): that parameter's slice is
-  zeroed on every replica; a tensor put in ``.grad`` by the user is copied into the flat buffer.
-* ``has_grad[pid]``: whether the parameter has a gradient since the last ``zero_grad``, in the
-  single-device sense; parameters without one keep ``.grad`` None on every replica.
-* ``versions``: the flat buffers' version counters, recorded after every backward and every
-  change made by cgdp itself. Replica 0's counter moving, or its ``.grad`` no longer being its
-  view, means the user changed replica 0's gradients: :meth:`DenseGrads.follow_edits` then
-  copies them to every replica (with a warning) before they are used.
-* During a synced backward the hooks send each chunk, the host SUMS the chunks of all replicas
-  (no weighting: the loss on the gathered output already weights each sample) and copies the sum
-  back; :meth:`DenseGrads.end` flushes the chunks never completed and waits until every sum is back.
+A part of :class:`cgdp.engine.core.gradients.Gradients` (invariant and states there). After a synced backward every
+replica holds the total T (bitwise); the next (:meth:`prepare`) keeps replica 0's and zeroes the others'.
+``has_grad``: a gradient since ``zero_grad``. ``versions``: counters at cgdp's last change; replica 0's moving, or
+its ``.grad`` no longer its view, is a user edit, which :meth:`follow_edits` copies everywhere before use.
 """
 from __future__ import annotations
 
@@ -40,8 +23,6 @@ from cgdp.engine.core.user_warning import warn_user
 class DenseGrads(GradPart):
     def __init__(self, stream: GradientStream, initial: Sequence[torch.Tensor | None], param_hooks: ParamHooks,
                  comm: Comm | None, timeout_s: float | None):
-        """``initial``: replica 0's ``.grad`` before wrapping (kept, as one device would);
-        ``param_hooks``: the user's gradient hooks, run on each synced backward's sum."""
         self.stream = stream
         self.param_hooks = param_hooks
         self._comm, self._timeout_s = comm, timeout_s
@@ -61,9 +42,7 @@ class DenseGrads(GradPart):
         self.record()
 
     def begin(self, sync: bool, whole: bool) -> None:
-        """Before a backward adds to the buffers (the gather's backward): take the user's gradient
-        hooks off for this backward (they run on its sum), make the buffers hold what it must add
-        to, set aside the gradients of hooked parameters, arm the hooks (``sync``: send)."""
+        """Gather's backward: the user's gradient hooks off (they run on the sum), buffers prepared, hooks armed."""
         hooks = self.param_hooks
         if hooks.take() and not (sync and whole):
             hooks.put_back()
@@ -75,9 +54,7 @@ class DenseGrads(GradPart):
         self.stream.arm(sending=sync)
 
     def end(self, sync: bool) -> bool:
-        """After the backward (autograd's final callback): with ``sync``, flush the chunks backward
-        never completed (unused layers, idle devices) and wait until every sum is back; then the
-        user's gradient hooks on the sum, and the record. Whether hooks ran."""
+        """Final callback: with ``sync``, flush and wait for every sum; then the user's hooks. Whether hooks ran."""
         st = self.stream
         if sync:
             st.flush_all()
@@ -101,11 +78,7 @@ class DenseGrads(GradPart):
         return hooked
 
     def _check_window(self, sync: bool) -> None:
-        """After a synced backward: replica 0's gradients must not have changed between the
-        backwards of a ``no_sync()`` window (an edit through ``.data`` moves no version counter),
-        where every replica holds its own part: the edit of one part is not that of the sum.
-        Compared by the integer sums of their bits, issued on the device as each backward ended
-        and began, read here once (the host already waited for this backward)."""
+        """Replica 0 must not change inside ``no_sync()`` (a part's edit is not the sum's): bit sums compared."""
         if not sync or not self._window_sums:
             return
         pairs, self._window_sums = self._window_sums, []
@@ -113,18 +86,14 @@ class DenseGrads(GradPart):
             raise UserFault(RuntimeError(_EDITED_IN_NO_SYNC))
 
     def after(self) -> None:
-        """After the backward, or a failure: the hooks send nothing, the user's hooks are back."""
         self.stream.disarm()
         self.param_hooks.put_back()
 
     def prepare(self, whole: bool) -> None:
-        """Before a backward adds to the buffers: make them hold what it must add to."""
         st = self.stream
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]
-        # hooks that ran since the last record: this backward already reached parameters that it
-        # does not reach through the gathered output (one used only in the loss, as a learnable
-        # temperature), before this gather's backward; autograd's add is then no user edit
+        # hooks already ran: parameters reached outside the gathered output (only in the loss), not a user edit
         early = st.touched() > 0
         self.has_grad |= early
         edited = st.flats[0]._version != self.versions[0]
@@ -145,8 +114,7 @@ class DenseGrads(GradPart):
                         for hooks in st.hooks[1:]:
                             hooks.views[pid].zero_()
                 if edited and not whole and not early.any():
-                    # inside a no_sync window the other replicas hold their own partial sums; only
-                    # zeroing replica 0 (zero_grad(set_to_none=False)) has a meaning for them
+                    # inside no_sync the others hold their own parts: only zeroing replica 0 has a meaning for them
                     if bool(st.flats[0].any()):  # note: a CPU-GPU sync point, on this rare path only
                         raise RuntimeError(_EDITED_IN_NO_SYNC)
                     self._window_sums = []
@@ -166,9 +134,7 @@ class DenseGrads(GradPart):
         self._attach()
 
     def set_aside(self, pids: list[int]) -> None:
-        """After :meth:`prepare`, for parameters whose gradient hooks run on this backward's sum
-        (:mod:`cgdp.engine.core.param_hooks`): set aside the gradient they hold (replica 0's: the
-        others are zero after a synced backward), so that the host sums this backward's alone."""
+        """Set aside replica 0's gradient of hooked parameters, so the host sums this backward's alone."""
         views0 = self.stream.hooks[0].views
         with torch.no_grad():
             for pid in pids:
@@ -177,7 +143,6 @@ class DenseGrads(GradPart):
                     views0[pid].zero_()
 
     def restore_aside(self) -> None:
-        """A backward failed: the gradients set aside go back to replica 0."""
         views0 = self.stream.hooks[0].views
         with torch.no_grad():
             for pid, g in self._aside.items():
@@ -185,24 +150,17 @@ class DenseGrads(GradPart):
         self._aside = {}
 
     def apply_hooks(self, touched: np.ndarray) -> None:
-        """After a synced backward (every replica holds this backward's sum): each hooked
-        parameter's gradient becomes what one device accumulates, the gradient set aside plus
-        what its hooks make of the sum (none when it got no gradient), on every replica."""
+        """Each hooked gradient becomes the one set aside plus what its hooks make of the sum, everywhere."""
         self.param_hooks.run(touched, [h.views for h in self.stream.hooks], self._aside)
         self._aside = {}
 
     def finish(self, touched: np.ndarray) -> None:
-        """After a backward: ``touched[pid] > 0`` where some replica (some rank) got a gradient."""
         self.has_grad |= touched > 0
         self.set_none()
         self.record()
 
     def undo(self, whole: bool) -> bool:
-        """After a backward failed: the gradients set aside go back; then, if no hook ran after
-        :meth:`prepare` (it failed before any replica's gradient was accumulated), put back what the
-        buffers held before it, as one device keeps its gradients; whether it could.
-        :meth:`prepare` kept the sum of the buffers; after a synced backward it left the total on
-        replica 0 alone."""
+        """A backward failed: restore what was set aside and, if no gradient arrived, the buffers; whether it could."""
         self.restore_aside()
         st = self.stream
         if st.touched().any():
@@ -216,7 +174,6 @@ class DenseGrads(GradPart):
         return True
 
     def drop(self) -> None:
-        """Every gradient dropped (after a failed backward): all buffers zero, ``.grad`` None."""
         self._window_bits, self._window_sums = None, []
         with torch.no_grad():
             for flat in self.stream.flats:
@@ -226,10 +183,7 @@ class DenseGrads(GradPart):
         self.record()
 
     def norm(self, norm_type: float, host: bool) -> float:
-        """The norm of the total (every replica holds it). The 2-norm comes from the host, which
-        summed the squares while it summed the gradient (:meth:`GradientStream.grad_norm`, asked
-        for from the first clip on), when ``host`` (the host's sum is what every replica holds);
-        otherwise, and for other norms, from replica 0's flat buffer."""
+        """The total's norm: from the host's sum of squares when ``host`` (from the 2nd clip on), else replica 0's."""
         st = self.stream
         if norm_type != 2.0:
             return float(torch.linalg.vector_norm(st.flats[0], norm_type, dtype=torch.float64))
@@ -247,10 +201,7 @@ class DenseGrads(GradPart):
         self.record()
 
     def follow_edits(self, whole: bool) -> bool:
-        """If replica 0's gradients changed since the last record, copy them to every replica;
-        whether they had. An edit through ``.data`` (``p.grad.data.clamp_(...)``) moves no
-        version counter: after a synced backward, when every replica must hold the same bits,
-        it is found by comparing replica 0's flat buffer with replica 1's (one pass over both)."""
+        """Copy replica 0's gradients everywhere if changed (``.data`` edits: found against replica 1's bits)."""
         st = self.stream
         views0 = st.hooks[0].views
         grads = [p.grad for p in st.params[0]]
@@ -287,23 +238,20 @@ class DenseGrads(GradPart):
         return True
 
     def attached(self, grads: list[torch.Tensor | None] | None = None) -> bool:
-        """Whether replica 0's ``.grad`` (``grads``, read now if not given) are still what the last
-        record left: its views where it has a gradient, None elsewhere."""
+        """Whether replica 0's ``.grad`` are still what the record left: views with a gradient, None elsewhere."""
         if grads is None:
             grads = [p.grad for p in self.stream.params[0]]
         return all((g is None) != bool(h) and (g is None or g is v)
                    for g, h, v in zip(grads, self.has_grad, self.stream.hooks[0].views))
 
     def set_none(self) -> None:
-        """Parameters without a gradient since the last zero_grad: ``.grad`` None everywhere."""
         self.none_pids = np.flatnonzero(~self.has_grad).tolist()
         for pid in self.none_pids:
             for params in self.stream.params:
                 params[pid].grad = None
 
     def fresh(self, timing: bool, sink: Any) -> None:
-        """A ``Trainer`` step's gradient starts from zero (its one reset point): the views of the
-        parameters that had none come back, the flat buffers are zeroed, the stream armed."""
+        """A ``Trainer`` step starts from zero (its one reset point): views back, buffers zeroed, stream armed."""
         st = self.stream
         if self.none_pids:
             for params, hooks in zip(st.params, st.hooks):
@@ -313,8 +261,7 @@ class DenseGrads(GradPart):
             self.none_pids = []
         if st.streaming and st.large:
             for params, hooks, small in zip(st.params, st.hooks, st.small_views):
-                # the large gradients arrive whole (autograd hands them over into .grad = None);
-                # only the small ones are added into zeroed views
+                # large gradients arrive whole (autograd hands them into .grad = None); small ones add into zeros
                 if small:
                     torch._foreach_zero_(small)
                 for pid in st.large:
@@ -326,25 +273,21 @@ class DenseGrads(GradPart):
         st.arm(timing, sink)
 
     def settle(self, touched: np.ndarray) -> None:
-        """After a ``Trainer`` step's backward: a parameter that got no gradient on any device (of
-        any rank) has ``.grad`` None, as on one device."""
         self.has_grad = touched > 0
         if not self.has_grad.all():
             self.set_none()
 
     def views(self) -> list[list[torch.Tensor]]:
-        """Per replica, every parameter's gradient view into its flat buffer."""
         return [h.views for h in self.stream.hooks]
 
     def record(self) -> None:
-        """The buffers as they are now are cgdp's doing (after a backward, a clip, a mirror)."""
+        """The buffers as they are now are cgdp's doing."""
         self.versions = [f._version for f in self.stream.flats]
         for hooks in self.stream.hooks:  # from here on, a hook that runs is a new backward's
             hooks.touched[:] = bytes(len(hooks.touched))
             hooks.replaced[:] = bytes(len(hooks.replaced))
 
     def _attach(self) -> None:
-        """Every ``.grad`` is its view into the flat buffer (autograd adds into it in place)."""
         for params, hooks in zip(self.stream.params, self.stream.hooks):
             for p, view in zip(params, hooks.views):
                 if p.grad is not view:
@@ -359,15 +302,13 @@ _EDITED_IN_NO_SYNC = (
 
 
 def _bit_sum(flat: torch.Tensor) -> torch.Tensor:
-    """The integer sum of a flat buffer's bits, on its device (a change of any value changes it,
-    but for collisions that an edit does not make by chance)."""
+    """The integer sum of a flat buffer's bits, on its device (an edit changes it but for chance collisions)."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
     return flat.view(bits).sum(dtype=torch.int64)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two flat buffers hold the same bits: compared directly on one host (emulated
-    devices), by an integer sum of their bits on their own devices otherwise (two GPUs)."""
+    """Whether two flat buffers hold the same bits: directly on one device, else by integer sums of the bits."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     a, b = a.view(bits), b.view(bits)  # bits, not values: NaN equals NaN, -0.0 is not 0.0
     if a.device == b.device:

@@ -1,15 +1,8 @@
 """The one owner of a step's gradients, for both faces: explicit states, one reset point each.
 
-``Trainer`` makes each step's gradient new (:meth:`Gradients.begin_step`: zeroed, then
-``SENDING``; :meth:`Gradients.end_step`: ``SUMMED``, ``.grad`` None where no device got one).
-``DataParallel`` keeps them between backwards, as one device does, and the rest of this page is
-about it. The user's loop only sees replica 0 (``zero_grad`` sets its ``.grad`` to None, clipping and
-edits change its values, each backward adds to them). :class:`Gradients` keeps every replica's
-gradients consistent with that, so that, at any time,
-
-    the true gradient is the sum over replicas of what they hold,
-
-and moves through these states (:class:`GradState`), one transition per event:
+``Trainer`` makes each step's gradient new (:meth:`Gradients.begin_step`, :meth:`Gradients.end_step`).
+``DataParallel`` keeps them between backwards, as one device does: the loop sees replica 0 only, and at any time the
+true gradient is the sum over replicas of what they hold. States (:class:`GradState`), one transition per event:
 
 =================  ===========================================================  =====================
 state              what the replicas hold                                       left by
@@ -17,29 +10,18 @@ state              what the replicas hold                                       
 ``SUMMED``         every replica the total, the host's sum of the last synced   a backward, a clip, an
                    backward (its 2-norm is known: the host summed the squares)  edit, a plan switch
 ``EDITED``         every replica the same total, changed since the host summed  a backward
-                   it (clipped, a user's gradient hook, an edit of replica 0's
-                   mirrored to all, relaid by a plan switch, kept from before
-                   wrapping)
+                   it (clip, hook, mirrored edit, plan switch, from wrapping)
 ``ACCUMULATING``   each replica its own part (backwards inside ``no_sync()``)   a backward, an edit
 ``SENDING``        a synced backward is running: chunks stream to the host      its end (or failure)
 ``LOCAL``          a backward inside ``no_sync()`` is running: nothing is sent  its end (or failure)
-``DROPPED``        nothing (every ``.grad`` None): a backward failed partway;   the next backward that
-                   ``optimizer.step()`` is refused                              completes
+``DROPPED``        nothing: a backward failed partway (``step()`` refused)      a completed backward
 =================  ===========================================================  =====================
 
-A backward that fails before any replica's gradient arrived returns to the state before it (the
-gradients are kept, as on one device; ``SUMMED`` becomes ``EDITED``: arming the backward reset the
-host's sum of squares). :meth:`Gradients.drop` is the one reset point.
-
-The gradients come in *parts* behind one small protocol (:class:`GradPart`): the dense part
-(:mod:`cgdp.engine.core.dense_grads`: the flat buffers that stream through the host during
-backward) and the sparse part (:mod:`cgdp.engine.core.sparse_grads`: embeddings with
-``sparse=True``, joined after backward). A model without dense trainable parameters has an empty
-dense part (a plain :class:`GradPart`), not a branch at every call site.
-
-Threads: :meth:`Gradients.begin` and :meth:`Gradients.end` run on autograd's threads (the gather's
-backward, the end-of-backward callback), everything else on the caller's thread; never two at once
-(the operation lock, :mod:`cgdp.engine.core.lifetime`).
+A backward that fails before any gradient arrived returns to the state before it (``SUMMED`` becomes ``EDITED``:
+arming reset the host's sum of squares). :meth:`Gradients.drop` is the one reset point. The *parts* behind
+:class:`GradPart`: dense (:mod:`~.dense_grads`, streamed) and sparse (:mod:`~.sparse_grads`, joined after); no dense
+parameters: an empty plain :class:`GradPart`, not a branch at every call site. :meth:`Gradients.begin` and
+:meth:`Gradients.end` run on autograd's threads, the rest on the caller's; never two at once (the operation lock).
 """
 from __future__ import annotations
 
@@ -52,9 +34,7 @@ from cgdp.engine.core.user_warning import warn_user
 
 
 class UserFault(Exception):
-    """A backward failed on what the user did (``error``: a gradient hook raised, gradients edited
-    inside ``no_sync()``), found after every summed gradient was back: nothing is in flight, the
-    gradients are dropped, the model goes on (as one device does)."""
+    """A backward failed on the user's doing, with nothing in flight: gradients dropped, the model goes on."""
 
     def __init__(self, error: BaseException):
         super().__init__(repr(error))
@@ -71,20 +51,17 @@ class GradState(enum.Enum):
 
 
 class GradPart:
-    """What the owner asks of each part; as it stands, the part of nothing (the dense part of a
-    model without dense trainable parameters), which the real parts override. ``whole``: every
-    replica held the total before this call (``SUMMED``, ``EDITED``, ``DROPPED``; not ``ACCUMULATING``)."""
+    """What the owner asks of each part; as it stands, the empty part. ``whole``: every replica held the total."""
 
     def begin(self, sync: bool, whole: bool) -> None:
-        """Before a backward adds to the gradients: make them hold what it must add to (replica
-        0's total, the others zero after a synced backward), and ready the path (``sync``: send)."""
+        """Before a backward adds: make the gradients hold what it adds to, ready the path (``sync``: send)."""
 
     def end(self, sync: bool) -> bool:
         """After a backward: the parts summed (``sync``) or kept; whether user gradient hooks ran."""
         return False
 
     def after(self) -> None:
-        """After :meth:`end`, or a failure: nothing armed is left."""
+        """After :meth:`end` or a failure: nothing armed."""
 
     def undo(self, whole: bool) -> bool:
         """A backward failed: put back what :meth:`begin` changed if nothing arrived since; whether it could."""
@@ -94,7 +71,7 @@ class GradPart:
         """Every gradient dropped: ``.grad`` None on every replica."""
 
     def follow_edits(self, whole: bool) -> bool:
-        """Replica 0's gradients changed by the user since cgdp last touched them: copy them to every replica."""
+        """Copy the user's edits of replica 0's gradients to every replica."""
         return False
 
     def norm(self, norm_type: float, host: bool) -> float:
@@ -118,34 +95,27 @@ NOT_SUMMED = ("optimizer.step() after a backward inside model.no_sync() (or a ba
 
 _SENDING, _SUMMED_STATE = GradState.SENDING, GradState.SUMMED
 
-_WHOLE = (GradState.SUMMED, GradState.EDITED, GradState.DROPPED)
-"""States in which every replica holds the total (nothing, once dropped)."""
+_WHOLE = (GradState.SUMMED, GradState.EDITED, GradState.DROPPED)  # every replica holds the total (or nothing)
 
 
 class Gradients:
     def __init__(self, dense: GradPart, sparse: GradPart | None, devices: list[torch.device]):
-        """``dense``: the dense part (a plain :class:`GradPart` without dense parameters); ``sparse``: the
-        sparse part, or None without sparse-gradient parameters."""
         self.dense = dense
         self.parts: list[GradPart] = [dense] + ([sparse] if sparse is not None else [])
-        self.trains = type(dense) is not GradPart or sparse is not None
-        """Whether there is anything to train (else backwards are for input gradients only)."""
+        self.trains = type(dense) is not GradPart or sparse is not None  # else input gradients only
         self.state = GradState.EDITED  # the gradients from before wrapping, on every replica
         self._before = self.state  # the state a running backward started from
         self._device = devices[0]
 
     @property
     def whole(self) -> bool:
-        """Every replica holds the total (after a backward outside ``no_sync()``, or none at all)."""
         return self.state in _WHOLE
 
     def begin_step(self, timing: bool, sink: Any) -> None:
-        """``Trainer``: every step's gradient is new, summed from zero (``fresh``)."""
         self.dense.fresh(timing, sink)
         self.state = _SENDING
 
     def end_step(self, touched: Any) -> None:
-        """``Trainer``: the step's backward is summed and back; ``touched`` as :meth:`GradientStream.touched`."""
         self.dense.settle(touched)
         self.state = _SUMMED_STATE
 
@@ -153,7 +123,6 @@ class Gradients:
         return self.parts[0].views()
 
     def none_pids(self) -> list[int]:
-        """The parameters whose ``.grad`` is None (no gradient anywhere)."""
         return self.parts[0].none_pids
 
     def device_norm(self) -> float:
@@ -161,13 +130,11 @@ class Gradients:
         return self.parts[0].norm(2.0, False)
 
     def begin(self, sync: bool) -> None:
-        """The gather's backward, before any replica's gradient exists."""
         for part in self.parts:
             part.begin(sync, self.whole)
         self._before, self.state = self.state, GradState.SENDING if sync else GradState.LOCAL
 
     def end(self) -> None:
-        """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
         sync = self.state is GradState.SENDING
         try:
             hooked = [part.end(sync) for part in self.parts]  # dense first: the sparse join is not overlapped
@@ -183,8 +150,7 @@ class Gradients:
             part.after()
 
     def fail(self) -> None:
-        """A backward that raised never reached :meth:`end`: if it failed before any gradient
-        changed they are kept, as on one device; otherwise every one is dropped (:meth:`drop`)."""
+        """A backward raised before :meth:`end`: gradients kept if none changed, else dropped."""
         self.after()
         whole = self._before in _WHOLE
         if all(part.undo(whole) for part in self.parts):
@@ -202,7 +168,6 @@ class Gradients:
         self.state = GradState.DROPPED
 
     def check_step(self) -> None:
-        """Before ``optimizer.step()``: gradients to step on, the same on every replica."""
         if self.state is GradState.DROPPED:
             raise RuntimeError("the last backward through cgdp.DataParallel failed partway, so the "
                                "gradients are incomplete (they were dropped); call optimizer.zero_grad() "
@@ -212,8 +177,7 @@ class Gradients:
         self.follow_edits()
 
     def follow_edits(self) -> None:
-        """Replica 0's gradients changed by the user since cgdp last touched them: copy them to
-        every replica (the host's norm is then stale if the dense part changed)."""
+        """Copy the user's edits of replica 0 to every replica (the host's norm is then stale)."""
         dense, *rest = self.parts
         if dense.follow_edits(self.whole) and self.state is GradState.SUMMED:
             self.state = GradState.EDITED
@@ -221,7 +185,6 @@ class Gradients:
             part.follow_edits(self.whole)
 
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """Clip every replica's gradient by the norm of the total; that norm."""
         if not self.whole:
             raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
                                "that runs outside model.no_sync()")
@@ -236,18 +199,15 @@ class Gradients:
         return total
 
     def norm(self, norm_type: float) -> torch.Tensor:
-        """The norm of the total gradient: the 2-norm of the dense part from the host's sum of
-        squares when every replica holds the host's sum as is (``SUMMED``)."""
+        """The total's norm; the dense 2-norm from the host's sum of squares when ``SUMMED``."""
         values = [part.norm(norm_type, self.state is GradState.SUMMED) for part in self.parts]
         value = values[0] if len(values) == 1 else float(  # the norm of the parts' norms
             torch.linalg.vector_norm(torch.tensor(values, dtype=torch.float64), norm_type))
-        # made on the device, its value a kernel argument (torch.tensor(value, device=...) would
-        # copy it from pageable memory: a host wait)
+        # made on the device (torch.tensor(value, device=...) copies from pageable memory: a host wait)
         return torch.full((), value, dtype=torch.float32, device=self._device)
 
     def kept(self) -> bool:
-        """After the optimizer stepped every replica: whether replica 0's gradients were left as
-        its mirrors had them (if not, the mirrors resync, and this warns)."""
+        """Whether replica 0's gradients were left as its mirrors had them (else they resync; warns)."""
         if self.parts[0].attached():
             return True
         warn_user("replica 0's gradients were changed during optimizer.step() (optimizer.zero_grad() "
@@ -256,7 +216,6 @@ class Gradients:
         return False
 
     def relaid(self) -> None:
-        """After a plan switch relaid the flat buffers."""
         self.parts[0].relaid()
         if self.state is GradState.SUMMED:
             self.state = GradState.EDITED

@@ -1,43 +1,22 @@
 """The user's optimizer bound once to a ``DataParallel``: its ``step()`` steps every replica.
 
-``opt = model.bind(torch.optim.AdamW(model.parameters()))`` (as Horovod's ``DistributedOptimizer``
-and DeepSpeed's engine take the optimizer once) puts three things on that one optimizer, and
-nothing anywhere else (no global hook, no per-step swap of the user's objects); ``close()``
-removes them, and the optimizer steps replica 0 alone again:
+``model.bind(opt)`` puts three things on that optimizer, nothing elsewhere; ``close()`` removes them:
 
-1. **its ``step``**, an attribute of the instance over the one it had (its class's, or an LR
-   scheduler's counter), as torch's ``LRScheduler`` puts its counter there: the same signature
-   (``GradScaler`` reads it), a ``__func__`` (a scheduler built later wraps it). It is the
-   outermost call by construction: a subclass's ``super().step()`` runs inside it. In one
-   ``try``/``finally`` it takes the model's operation lock and checks the gradients
-   (``Gradients.check_step``), then steps every replica (:meth:`Binding._step`), and gives the
-   lock back;
-2. **a step pre-hook** that refuses a step past that attribute (``type(opt).step(opt)``, a bound
-   method saved before ``bind``) with :data:`PAST_BINDING`: it would step replica 0 alone;
+1. **its ``step``**, an instance attribute over the one it had (as ``LRScheduler`` does), with the same signature and a
+   ``__func__``; the outermost call: in one ``try``/``finally`` it takes the operation lock, checks the gradients,
+   steps every replica (:meth:`Binding._step`) and gives the lock back;
+2. **a step pre-hook** refusing a step past it (:data:`PAST_BINDING`): it would step replica 0 alone;
 3. **a load post-hook**: ``opt.load_state_dict`` reloads what steps the other replicas.
 
-``update="devices"`` (:class:`Binding`): one *mirror* optimizer per other replica, the user's class
-built over that replica's parameters with a copy of the user's state. Every step copies the
-user's hyperparameters (schedulers, manual changes) and ``GradScaler``'s attributes into the
-mirrors, starts their steps on the device threads, runs the user's step on replica 0, and waits.
-Invariant: after every step each replica's parameters and optimizer state are bitwise replica
-0's (the same gradients, state, hyperparameters and code). A step that raised anywhere is
-followed by a *resync*: every replica takes replica 0's parameters and state, what one device
-holds after its step raised.
+``update="devices"`` (:class:`Binding`): one *mirror* optimizer per other replica, given the hyperparameters each
+step, stepped on the device threads beside the user's. Invariant: after every step each replica's parameters and
+state are bitwise replica 0's; a step that raised anywhere is followed by a *resync* to replica 0's.
 
-``update="host"`` (:class:`HostBinding`): one optimizer of the user's class over the host's float32
-masters, built at ``bind``; its per-parameter state dicts are the very dicts of ``opt.state`` (on
-the host), and it runs the user's step hooks (the same hook dictionaries). The user's
-``param_groups`` keep replica 0's parameters; ``state_dict()`` and ``load_state_dict()`` work on
-the user's object. Every step copies the hyperparameters, steps the host optimizer (torch's fused
-CPU kernel where the user chose no implementation) and copies the masters to every replica, also
-after a step that raised (what one device holds then). A subclass that overrides ``step()`` is
-refused at ``bind`` (:data:`OWN_STEP`): its step would run on that host optimizer, not on the
-user's object. An optimizer that holds no parameter with a master (a sparse embedding's
-``SparseAdam``) gets device mirrors.
+``update="host"`` (:class:`HostBinding`): one optimizer of the user's class over the host's float32 masters, sharing
+``opt.state``'s dicts and the step hooks, whose result is copied to every replica, also after a raise. A subclass
+overriding ``step()`` is refused (:data:`OWN_STEP`); an optimizer holding no master (``SparseAdam``) gets mirrors.
 
-The binding holds the optimizer and the model's :class:`~cgdp.engine.dataparallel.steps.ReplicaSteps`
-weakly: the optimizer holds it (through its ``step``), never the other way round.
+The binding holds the optimizer and :class:`~.steps.ReplicaSteps` weakly: the optimizer holds it, not the reverse.
 """
 from __future__ import annotations
 
@@ -55,8 +34,7 @@ from cgdp.engine.core.host_state import prefer_fused
 from cgdp.engine.core.host_update import grad_of, is_none
 
 _ATTR = "_cgdp_binding"
-_AMP_ATTRS = ("grad_scale", "found_inf")
-"""What ``GradScaler.step`` sets on an optimizer for the length of its step (torch/amp/grad_scaler.py)."""
+_AMP_ATTRS = ("grad_scale", "found_inf")  # what GradScaler.step sets on an optimizer during its step
 
 FOREIGN = ("this optimizer holds parameters of a cgdp.DataParallel together with other parameters (or those of "
            "another DataParallel); an optimizer may hold the parameters of one DataParallel only "
@@ -76,8 +54,7 @@ OWN_STEP = ("update='host' steps a copy of your optimizer's class over float32 m
 
 
 def bind(opt: torch.optim.Optimizer, steps: Any, owned: set[int]) -> None:
-    """Bind ``opt`` to the model whose :class:`ReplicaSteps` is ``steps`` (``owned``: the ids of
-    its replica 0's parameters); nothing if it is bound to it already."""
+    """Bind ``opt`` to ``steps``'s model (``owned``: ids of replica 0's parameters); nothing if already bound."""
     b = opt.__dict__.get(_ATTR)
     if b is not None and b.steps() is steps:
         return
@@ -94,8 +71,7 @@ class Binding:
     def __init__(self, opt: torch.optim.Optimizer, steps: Any):
         self.steps = weakref.ref(steps)
         self.opt = weakref.ref(opt)
-        self.stepping: threading.Thread | None = None
-        """The thread inside the bound step (the guard lets the optimizer's own step run there)."""
+        self.stepping: threading.Thread | None = None  # the guard lets the optimizer's own step run there
         self.closed = False
         self.inflight: list = []
         self.mirrors: list[torch.optim.Optimizer] = []
@@ -115,7 +91,6 @@ class Binding:
         self.maps = steps.parameter_maps()
         self.mirrors = [_construct(opt, self._groups(opt.param_groups, m)) for m in self.maps]
         self.targets = [(m, mp, next(iter(mp.values())).device) for m, mp in zip(self.mirrors, self.maps)]
-        """(optimizer, id(user's parameter) -> its, device) of what the bound step steps besides replica 0."""
         self._lens = [len(g["params"]) for g in opt.param_groups]
         if opt.state:
             self._reload(opt)
@@ -171,7 +146,6 @@ class Binding:
             raise RuntimeError(PAST_BINDING)
 
     def _sync_groups(self, opt: torch.optim.Optimizer) -> None:
-        """Groups added with ``add_param_group`` go to the targets; hyperparameters are copied."""
         groups = opt.param_groups
         if len(groups) > len(self._lens):
             for m, mp, _ in self.targets:
@@ -188,14 +162,12 @@ class Binding:
                         gm[k] = v.to(dev) if isinstance(v, torch.Tensor) and v.device != dev else v
 
     def _reload(self, opt: torch.optim.Optimizer) -> None:
-        """After ``opt.load_state_dict`` (and at bind): every mirror gets its own copy of the state."""
         self._sync_groups(opt)
         state = opt.state_dict()
         for m in self.mirrors:
             m.load_state_dict(copy.deepcopy(state))
 
     def _wait(self) -> list[tuple[int, BaseException]]:
-        """Wait for the other replicas' steps; (replica, exception) of those that raised."""
         inflight, self.inflight = self.inflight, []
         errors = []
         for j, f in enumerate(inflight, start=1):
@@ -206,7 +178,6 @@ class Binding:
         return errors
 
     def resync(self, opt: torch.optim.Optimizer) -> None:
-        """Every replica takes replica 0's parameters (those of this optimizer) and optimizer state."""
         with torch.no_grad():
             for mapping in self.maps:
                 for group in opt.param_groups:
@@ -215,7 +186,6 @@ class Binding:
         self._reload(opt)
 
     def close(self) -> None:
-        """The model closed: the optimizer steps replica 0 alone, as before ``bind``."""
         self.closed = True
         for h in self._handles:
             h.remove()
@@ -233,7 +203,7 @@ class Binding:
 
 
 class HostBinding(Binding):
-    """``update="host"``: one optimizer of the user's class steps the host's masters."""
+    """``update="host"``: the host's masters stepped."""
 
     def _build(self, opt: torch.optim.Optimizer, steps: Any) -> None:
         if not getattr(type(opt).step, "__module__", "").startswith("torch.optim"):  # (torch's wrapper keeps it)
@@ -249,13 +219,11 @@ class HostBinding(Binding):
         self._reload(opt)
 
     def _groups(self, groups: list[dict], mapping: dict[int, Any]) -> list[dict]:
-        """Parameters without a master (frozen when the model was wrapped) are skipped, as torch
-        skips a parameter without a gradient."""
+        """Parameters without a master (frozen at wrapping) are skipped, as torch skips one without a gradient."""
         return [{**g, "params": [mapping[id(p)] for p in g["params"] if id(p) in mapping]} for g in groups]
 
     def _reload(self, opt: torch.optim.Optimizer) -> None:
-        """At bind and after ``opt.load_state_dict``: the host optimizer's state is the user's
-        per-parameter dicts, their tensors moved to the host."""
+        """The host optimizer's state is the user's per-parameter dicts, tensors moved to the host."""
         self._sync_groups(opt)
         self._plan(opt)
         self._user_state = opt.state
@@ -269,7 +237,6 @@ class HostBinding(Binding):
         self.host.state = state
 
     def _plan(self, opt: torch.optim.Optimizer) -> None:
-        """The masters this optimizer steps (worked out again when a group is added)."""
         pid, ps = self.masters.pid, [p for g in opt.param_groups for p in g["params"]]
         self._pids = [pid[id(p)] for p in ps if id(p) in pid]
         self._others = [p for p in ps if id(p) not in pid]
@@ -318,8 +285,7 @@ class HostBinding(Binding):
 
 
 def _outermost(b: Binding, inner: Callable[..., Any]) -> Callable[..., Any]:
-    """The instance's ``step``: ``inner``'s signature, a ``__func__`` a scheduler can wrap, the
-    optimizer held weakly (no reference cycle: its state is freed with its last reference)."""
+    """The instance's ``step``: ``inner``'s signature, a ``__func__``, the optimizer held weakly (no cycle)."""
     def unbound(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         return b.step(self, args, kwargs)
 
@@ -334,8 +300,7 @@ def _outermost(b: Binding, inner: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _construct(opt: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
-    """``type(opt)(groups, **opt.defaults)``: every group carries all its hyperparameters; the
-    defaults only matter for groups added later (and some are not constructor arguments: AdamW's)."""
+    """``type(opt)(groups, **opt.defaults)``; defaults matter only for later groups (some aren't constructor args)."""
     cls = type(opt)
     sig = inspect.signature(cls.__init__).parameters
     any_kw = any(p.kind is p.VAR_KEYWORD for p in sig.values())

@@ -1,59 +1,27 @@
 """``cgdp.DataParallel``: the engine behind the user's own training loop.
 
-``model = cgdp.DataParallel(net, devices)`` replaces ``torch.nn.DataParallel(net)``; the loop
-stays the user's (``opt = model.bind(opt)`` once, then ``opt.zero_grad()``, ``model(x)``,
-``loss.backward()``, ``opt.step()``). It
-drives the same :class:`~cgdp.engine.core.stream.GradientStream` as ``Trainer`` (hooks, flat buffers,
-device streams, host sum, copy back) and the same owner of the gradients: one data path, two faces.
-Its operations, each holding the model's operation lock (:mod:`cgdp.engine.core.lifetime`), in the
-order of one iteration: :meth:`DataParallel.forward`; a backward, from the gather's backward
-(:meth:`DataParallel._begin_backward`) to autograd's final callback (:meth:`DataParallel._end_backward`);
-``clip_grad_norm_``; the bound ``optimizer.step()`` (:mod:`cgdp.engine.dataparallel.binding` →
-:class:`~cgdp.engine.dataparallel.steps.ReplicaSteps`); and ``bind()``. ``docs/design.md`` draws them
-beside ``Trainer``'s step.
+``model = cgdp.DataParallel(net, devices)`` replaces ``torch.nn.DataParallel(net)``; the loop stays the user's
+(``opt = model.bind(opt)`` once, then ``opt.zero_grad()``, ``model(x)``, ``loss.backward()``, ``opt.step()``). It drives
+the same :class:`~cgdp.engine.core.stream.GradientStream` and gradient owner (:mod:`cgdp.engine.core.gradients`: the sum
+invariant, the states) as ``Trainer``. Each operation (forward, a backward from :meth:`DataParallel._begin_backward` to
+:meth:`DataParallel._end_backward`, ``clip_grad_norm_``, the bound ``optimizer.step()``, ``bind()``) holds the
+operation lock (:mod:`cgdp.engine.core.lifetime`); ``docs/design.md`` draws them.
 
-* **Replicas.** ``net`` is replica 0, moved to ``devices[0]`` and trained in place
-  (``.module``); replica j > 0 is a deep copy on ``devices[j]`` (``.replicas``). They are never
-  broadcast again: each replica takes the same optimizer step (:mod:`cgdp.engine.dataparallel.steps`).
-* **Forward** (:mod:`cgdp.engine.dataparallel.scatter`): the arguments are split along dimension 0 in device
-  order, each replica runs on its device's thread (with the caller's grad mode and autocast),
-  the outputs are gathered on ``devices[0]``. In training mode the floating buffers (BatchNorm
-  statistics) are then set to their batch-weighted mean on every replica.
-* **Backward.** The gather's backward (:meth:`_begin_backward`, before any replica gradient
-  exists) readies the gradients (:meth:`Gradients.begin`) and queues :meth:`_end_backward` with
-  autograd's engine (``queue_callback``, as DDP does), which runs once the whole backward is done
-  (on the thread that finished it: the caller's on CPU, possibly an autograd device thread on
-  CUDA), before the caller's ``backward()`` returns. The hooks send each chunk as backward completes it,
-  the host SUMS the chunks of all replicas (no weighting: the loss on the gathered output already
-  weights each sample) and copies the sum back; the callback flushes the chunks never completed
-  and waits until every sum is back. On CPU-emulated devices autograd runs every replica's
-  backward on its one CPU thread; each replica's hooks are still only touched by that thread.
-* **The sum invariant** (:mod:`cgdp.engine.core.gradients`, the one owner of the gradients'
-  state): the true gradient is the sum over replicas of what they hold. After a synced backward every replica holds the total; the next
-  backward keeps replica 0's and zeroes the others' (accumulation without ``zero_grad`` counts it
-  once); inside ``no_sync()`` nothing is sent and every replica accumulates its own part, which
-  the first synced backward sends. A change to replica 0's gradients alone
-  (``torch.nn.utils.clip_grad_norm_(model.parameters())``, ``p.grad = ...``) is detected by the
-  flat buffer's version counter and ``.grad`` identity before the next step or clip, and copied
-  to every replica with a warning (it moves the whole gradient between devices;
-  ``model.clip_grad_norm_`` does not). Parameters with no gradient since the last ``zero_grad``
-  keep ``.grad`` None on every replica, as on one device.
-* **Several machines** (``comm="mpi"``): each rank runs the same loop on its own batch; the host
-  sums of all ranks are allreduced chunk by chunk (the engine's MPI tier, as for ``Trainer``), and
-  the gradients handed to the replicas are scaled by 1/R, so the result is the mean over ranks of
-  each rank's gradient, as with DDP. Every rank must do the same synced backwards and training
-  forwards (BatchNorm statistics are averaged over all ranks, a collective per training forward).
+* **Replicas.** ``net`` is replica 0 on ``devices[0]``, trained in place (``.module``); replicas j > 0 are deep copies,
+  never broadcast again: each takes the same optimizer step (:mod:`~.steps`, :mod:`~.binding`).
+* **Forward** (:mod:`~.scatter`): each part on its device's thread (caller's grad mode and autocast); a training
+  forward then gives floating buffers (BatchNorm statistics) their batch-weighted mean on every replica.
+* **Backward.** The gather's backward readies the gradients and queues :meth:`_end_backward` (``queue_callback``, as
+  DDP), run on the thread that finished the backward before ``backward()`` returns: it flushes incomplete chunks and
+  waits for every host SUM (unweighted: the loss on the gathered output already weights each sample). On emulated
+  devices every backward runs on one thread; each replica's hooks are still touched by one thread only.
+* **Several machines** (``comm``): host sums allreduced per chunk and scaled by 1/R (the mean, as DDP). Every rank must
+  do the same synced backwards and training forwards (the buffers' mean is a collective).
 
-Input gradients (a frozen model, ``backward(inputs=[x])``, ``torch.autograd.grad(loss, x)``) flow
-back by autograd alone, without the engine (:mod:`cgdp.engine.dataparallel.input_grads`); a model
-with nothing to train runs forward and those only. Sparse gradients travel beside the flat buffer
-(:mod:`cgdp.engine.core.sparse_grads`); buffers that require grad are read from replica 0 by
-every replica (:mod:`cgdp.engine.dataparallel.user_module`). Not supported (clear errors):
-``torch.autograd.grad`` for the parameters, input gradients with ``create_graph=True`` while the
-model trains, ``optimizer.step(closure)``. A second backward through a retained graph accumulates, as on
-one device. A backward that fails before any replica's gradient arrived (a second backward without
-``retain_graph``) leaves the gradients as they were, as on one device; one that fails partway
-drops them, and ``optimizer.step()`` refuses to run until the step's backward is redone.
+Input gradients: :mod:`~.input_grads`; sparse gradients: :mod:`cgdp.engine.core.sparse_grads`; buffers that require
+grad: :mod:`~.user_module`. Unsupported (clear errors): ``torch.autograd.grad`` for the parameters, input gradients
+with ``create_graph=True`` while training, ``optimizer.step(closure)``. A backward that fails before any gradient
+arrived keeps the gradients; one that fails partway drops them, and ``optimizer.step()`` refuses until it is redone.
 """
 from __future__ import annotations
 
@@ -99,7 +67,6 @@ _SAID_EMULATED = [False]
 
 
 def _say_emulated_once(devices: list[str]) -> None:
-    """``DataParallel(net)`` without a GPU: emulated devices, slower than the plain module by design."""
     if devices[0].startswith("cuda") or _SAID_EMULATED[0]:
         return
     _SAID_EMULATED[0] = True
@@ -115,31 +82,14 @@ class DataParallel(nn.Module):
 
     Args:
         module: the model; it becomes replica 0 (moved to ``devices[0]``, trained in place).
-        devices: ``["cuda:0", "cuda:1", ...]`` (or ``torch.device``s) or CPU-emulated ``["cpu:0", ...]``;
-            ``None``: every GPU, or two CPU-emulated devices without one.
-        chunks: chunk size k (the paper's uniform plan), an explicit plan, or ``"auto"``: the
-            auto tuner times the uniform plans over the first iterations of your loop (the time
-            between two ``optimizer.step()`` calls; about 3 x log2(layers) iterations) and keeps
-            the fastest. The plan never changes results, only speed.
-        comm: ``None`` for one machine, ``"mpi"``, ``"gloo"`` (or a process group, or a :class:`cgdp.comm.Comm`) for several:
-            gradients are then averaged over ranks, as with DDP. Every rank must build the same
-            model (checked at start-up). The comm belongs to the model: ``close()`` closes it.
-        timeout_s: longest any thread waits for another before backward fails with
-            ``TimeoutError``; ``None`` waits forever.
-        segment_bytes: chunks larger than this travel in segments (see :mod:`cgdp.engine.core.flatgrad`).
-        host_memory: bytes of registered host memory for the host slots, as for ``Trainer``.
-        scalar_outputs: how a floating 0-dim tensor that every replica returns (a loss the model
-            computed) is combined: ``"mean"``, weighted by each replica's share of the samples
-            (``sum_j n_j/N * x_j``: exact for per-sample means); ``"sum"`` (``sum_j x_j``: exact
-            for a share of a global sum, a loss divided by a count of the whole batch); or
-            ``"auto"``: ``"sum"`` in a call that passes ``num_items_in_batch`` (Hugging Face's
-            global normaliser) which the model's forward then uses, ``"mean"`` otherwise.
-        update: ``"devices"`` (every replica steps a copy of your bound optimizer) or ``"host"``: a
-            copy of it steps float32 masters in host memory and every replica takes the updated
-            parameters; no device holds optimizer state (:mod:`cgdp.engine.dataparallel.binding`).
-        share_devices: allow a GPU to be listed more than once (one replica per entry, each with
-            its own copy streams), as for ``Trainer``: the G > 1 data path on a one-GPU machine,
-            for tests and measurements, not for speed.
+        devices: ``["cuda:0", ...]`` or emulated ``["cpu:0", ...]``; ``None``: every GPU, else two emulated.
+        chunks: chunk size k, a plan, or ``"auto"``: uniform plans timed over the first ~3 x log2(layers) iterations.
+        comm: ``None``, ``"mpi"``, ``"gloo"``, a process group or a :class:`cgdp.comm.Comm` (closed by ``close()``).
+        timeout_s: longest any thread waits for another before backward raises ``TimeoutError``; ``None``: forever.
+        segment_bytes, host_memory: as for ``Trainer``.
+        scalar_outputs: ``"mean"``, ``"sum"`` or ``"auto"`` (sum when ``num_items_in_batch`` is used; :mod:`~.scatter`).
+        update: ``"devices"`` or ``"host"`` (float32 masters stepped on the host; :mod:`~.binding`).
+        share_devices: allow a GPU listed more than once, as for ``Trainer`` (tests and measurements, not speed).
     """
 
     cgdp_engine = True  # not a model to replicate (core/claims.py)
@@ -204,11 +154,9 @@ class DataParallel(nn.Module):
         params = [[p for layer in find_layers(r, {id(q) for q in sp})[1] for p in layer]
                   for r, sp in zip(reps, sparse)]
         self._grad_buffers = GradBuffers(reps)  # read from replica 0 by every replica
-        # what the other replicas copy from replica 0 (replica 0's module hooks are every replica's)
         self._state = ReplicaState(reps, [d.torch_device for d in devs])
         self._life.resources.push(self._state.follow.close)  # its load hook: never pickled with the module
-        # its parameters' hooks run on the sum
-        self._param_hooks = ParamHooks(params, unsupported=sparse[0])
+        self._param_hooks = ParamHooks(params, unsupported=sparse[0])  # they run on the sum
         layer_pids = number_params(layer_params)
         tuner = None
         res = self._life.resources
@@ -223,12 +171,10 @@ class DataParallel(nn.Module):
                                               host_memory)
         torch_devices = [d.torch_device for d in devs]
         self._grads = Gradients(dense, SparseGrads(sparse, torch_devices) if sparse[0] else None, torch_devices)
-        # a bound optimizer steps every replica (binding.py asks this, not the module)
         self._params = params
         self._steps = steps = ReplicaSteps(self._life, devs, self._threads, self._grads, self._state,
                                            weak_call(self._parameter_maps), self._stream, self._comm, tuner,
                                            self._guard.timeout_s, HostMasters(devs, params) if self._host_update else None)
-        # the bindings hold the other replicas' parameters and optimizer state
         res.push(lambda: [b.close() for b in list(steps.bindings)])
 
     def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
@@ -244,15 +190,13 @@ class DataParallel(nn.Module):
         self._stream.disarm()
         return DenseGrads(self._stream, before, self._param_hooks, self._comm, self._guard.timeout_s), tuner
 
-    # ------------------------------------------------------------------ public API
     @property
     def replicas(self) -> list[nn.Module]:
         self._life.ops.clean_stale()  # after a backward that raised: its clean-up first
         return list(self._replicas)
 
     def rng_state(self) -> dict[str, Any]:
-        """The replicas' random streams (dropout), for a checkpoint: :meth:`set_rng_state`
-        continues them where they were, so a resumed run draws what an uninterrupted one would."""
+        """The replicas' random streams, for a checkpoint: :meth:`set_rng_state` continues them exactly."""
         return {"states": [s.clone() for s in self._rng.states], "turns": getattr(self._rng, "turns", None)}
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
@@ -265,16 +209,13 @@ class DataParallel(nn.Module):
 
     @operation("bind()")
     def bind(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Bind ``optimizer`` (over this model's parameters) once: its ``step()`` then steps every
-        replica (:mod:`cgdp.engine.dataparallel.binding`), until :meth:`close`. Returns it; binding
-        it again does nothing."""
+        """Bind ``optimizer`` once: its ``step()`` steps every replica until :meth:`close`. Returns it; idempotent."""
         bind(optimizer, self._steps, {id(p) for p in self._state.params[0]} | set(self._grad_buffers.ids()))
         return optimizer
 
     @property
     def plan(self) -> Plan:
-        """The chunk plan in use (send order, forward layer numbering); empty without dense
-        trainable parameters."""
+        """The chunk plan in use; empty without dense trainable parameters."""
         return self._stream.plan if self._stream is not None else []
 
     @operation("forward()")
@@ -314,8 +255,7 @@ class DataParallel(nn.Module):
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
         on_backward = ((lambda me=threading.current_thread(): self._begin_backward(sync, me))
                        if self._grads.trains else None)
-        # the scalars are shares of a global sum when the model divided by the count it was given
-        summed = self._scalar_outputs == "sum" or any(c.used for c in counts)
+        summed = self._scalar_outputs == "sum" or any(c.used for c in counts)  # shares of a global sum
         out = gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
         if not summed:  # a model's own loss under uneven padding, trained on: said once
             self._own_loss.when_trained(out, [labels_of(kw) for _, kw in parts])
@@ -323,8 +263,7 @@ class DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backwards of forwards run inside accumulate on each device without communication; the
-        first backward of a forward outside sends the accumulated gradient (as DDP's ``no_sync``)."""
+        """Backwards of forwards run inside accumulate locally; the next synced one sends it all (as DDP's)."""
         old, self._no_sync = self._no_sync, True
         try:
             yield
@@ -333,9 +272,7 @@ class DataParallel(nn.Module):
 
     @operation("clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradient of every replica by the norm of the whole (summed) gradient, computed
-        on the host during backward (from the second call on); returns that norm (as FSDP's
-        method of the same name)."""
+        """Clip every replica by the summed gradient's norm (the host's from the 2nd call on); returns it, as FSDP."""
         return self._grads.clip(max_norm, float(norm_type))
 
     def train(self, mode: bool = True) -> "DataParallel":
@@ -345,11 +282,7 @@ class DataParallel(nn.Module):
         return self
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "DataParallel":
-        """``model.to(...)``, ``.half()``, ``.cuda()``, ``.to(memory_format=...)``...: nn.Module would
-        convert replica 0 alone (the other replicas are no submodules), and the engine's gradient
-        buffers are laid out for the parameters as wrapped, so any change of dtype, device or
-        memory format is refused; one that changes nothing (``.to`` the device and dtype already in
-        use) is a no-op."""
+        """A conversion would change replica 0 alone and the buffers' layout: refused unless a no-op."""
         for t in [*self.module.parameters(), *self.module.buffers()]:
             out = fn(t)
             if out.dtype != t.dtype or out.device != t.device:
@@ -364,28 +297,16 @@ class DataParallel(nn.Module):
         return self
 
     def __deepcopy__(self, memo: dict) -> nn.Module:
-        """A copy of the model it wraps (``model.module``, replica 0, on ``devices[0]``), not a second
-        engine (threads, devices, pinned memory): ``copy.deepcopy(model)`` and
-        ``torch.optim.swa_utils.AveragedModel(model)`` (EMA, SWA) keep a plain module, which
-        ``update_parameters(model)`` updates from replica 0's parameters. Wrap the copy to train it
-        on several devices."""
+        """A plain copy of ``model.module``, not a second engine (``AveragedModel(model)`` keeps one)."""
         self._life.ops.clean_stale()  # after a backward that raised: its clean-up first
         return copy.deepcopy(self.module, memo)
 
     def close(self) -> None:
-        """Remove every hook, stop every thread, free the flat and pinned buffers. Replica 0
-        (``.module``) keeps its gradients.
-
-        From another thread while an operation runs (forward, backward, ``optimizer.step()``,
-        ``clip_grad_norm_``): that operation stops with a ``RuntimeError`` that names ``close()``
-        (or completes, if it was past its last wait), and ``close()`` waits up to
-        :data:`~cgdp.engine.core.lifetime.CLOSE_WAIT_S` for it; one still running then releases
-        everything when it ends (:mod:`cgdp.engine.core.lifetime`)."""
+        """Remove every hook, stop every thread, free the buffers; ``.module`` keeps its gradients. A running
+        operation stops with a ``RuntimeError`` naming ``close()`` (:mod:`cgdp.engine.core.lifetime`)."""
         self._life.close()
 
     def memory_report(self) -> dict[str, dict[str, int]]:
-        """Bytes of parameters, gradients, optimizer state and transfer buffers per device and on
-        the host (:mod:`cgdp.engine.core.memory_report`)."""
         per, host = self._steps.optimizers()
         masters = self._steps.host_masters
         return memory_report(self.devices, self._params, per, self._stream,
@@ -407,15 +328,13 @@ class DataParallel(nn.Module):
         return self._life.closed
 
     def _parameter_maps(self) -> list[dict[int, nn.Parameter]]:
-        """Per replica j > 0: id(replica 0's parameter) -> replica j's (all parameters, and the
-        stand-ins of buffers that require grad, which the replicas read from replica 0)."""
+        """Per replica j > 0: id(replica 0's parameter) -> replica j's (grad-requiring buffers' stand-ins too)."""
         first = list(self.module.parameters())
         maps = [{id(p): q for p, q in zip(first, r.parameters())} for r in self._replicas[1:]]
         for m, stand_ins in zip(maps, self._grad_buffers.parameter_maps()):
             m.update(stand_ins)
         return maps
 
-    # ------------------------------------------------------------------ backward
     def _begin_backward(self, sync: bool, owner: threading.Thread) -> None:
         """Autograd thread, in the gather's backward, before any replica's gradient exists."""
         if not self._life.ops.take_backward(owner, self._after_failed_backward):
@@ -433,18 +352,15 @@ class DataParallel(nn.Module):
             raise
 
     def _after_failed_backward(self) -> None:
-        """A backward that raised never reached :meth:`_end_backward` (the clean-up of its stale
-        hold of the operation lock): its copies may still be in flight and the gradients are
-        partial. Let everything stop, then keep or drop them."""
+        """A backward raised before :meth:`_end_backward`: let every copy stop, then keep or drop the gradients."""
         self._life.fail(RuntimeError("the previous backward failed"), self._devs, self._host())
         self._guard.reset()
         self._grads.fail()
 
     def _end_backward(self) -> None:
-        """Autograd's final callback (before ``backward()`` returns): all gradients are in."""
         try:
             self._grads.end()
-        except UserFault as exc:  # the user's hook raised, or an edit inside no_sync(): gradients dropped, nothing broke
+        except UserFault as exc:  # a hook raised, or an edit inside no_sync(): gradients dropped, nothing broke
             raise exc.error from None
         except BaseException as exc:
             self._life.broken = (self._life.fail(exc, self._devs, self._host())
@@ -473,7 +389,6 @@ def _stopped(running: str) -> str:
 
 
 def _close_keeping_grads(stream: GradientStream) -> None:
-    """Remove the hooks and free the buffers; replica 0 keeps its gradients."""
     kept = [None if p.grad is None else p.grad.clone() for p in stream.params[0]]
     stream.close()
     for p, g in zip(stream.params[0], kept):

@@ -1,24 +1,13 @@
 """Which backward passes through ``DataParallel``'s output: one that trains, or one for input gradients.
 
-The gather's backward (:class:`cgdp.engine.dataparallel.scatter._Gather`) runs at the start of
-every backward through the wrapper's output, before any replica's gradient exists. It asks
-autograd's engine what this backward will do (:meth:`BackwardCheck.trains`):
+The gather's backward runs first and asks autograd what this backward will do (:meth:`BackwardCheck.trains`):
 
-* ``loss.backward()`` that accumulates into some trainable parameter's ``.grad``: the engine is
-  armed and the replicas' gradients stream to the host (the usual path);
-* a backward that accumulates into no parameter: ``loss.backward(inputs=[x])``, or any backward of
-  a frozen model (saliency maps, adversarial examples, a frozen teacher): the input gradients
-  flow back through the scatter by autograd alone, exactly as on one device, and the engine is
-  not involved;
-* ``torch.autograd.grad``, which never accumulates into ``.grad``: also input gradients only, as
-  long as no trainable parameter is among its ``inputs``. That cannot be asked of the engine
-  beforehand, so a guard hook on each of replica 0's trainable parameters
-  (:meth:`BackwardCheck.arm`, in place for this one backward) raises if autograd reaches one as an input: it would return
-  replica 0's share of the gradient only.
+* into some trainable parameter's ``.grad``: the engine is armed; into none (``backward(inputs=[x])``, a frozen
+  model): input gradients flow back by autograd alone, as on one device;
+* ``torch.autograd.grad``: the engine cannot tell its ``inputs`` beforehand, so guard hooks (:meth:`BackwardCheck.arm`)
+  raise if it reaches a trainable parameter (it would get replica 0's share only).
 
-Not supported, with a clear error: input gradients with ``create_graph=True`` while the model has
-trainable parameters (a gradient penalty): the backward of that gradient reaches the replicas'
-parameters without passing through the gather, where the engine could be armed.
+Refused: input gradients with ``create_graph=True`` while training (their backward bypasses the gather).
 """
 from __future__ import annotations
 
@@ -30,20 +19,13 @@ AUTOGRAD_GRAD = "autograd.grad"
 
 
 class BackwardCheck:
-    """One ``DataParallel``'s view of the backwards through its output: which kind each is
-    (:meth:`trains`), and the guard hooks of an ``autograd.grad`` (removed when it is done)."""
-
     def __init__(self) -> None:
         self._handles: list = []
         self._accs: dict[int, torch.autograd.graph.Node] = {}
-        """id(parameter) -> its AccumulateGrad node, held (as DDP holds them) so that every graph
-        uses the same one: a lookup costs 0.1 us, making the node again inside backward 30 us."""
+        """id(parameter) -> its AccumulateGrad node, held as DDP does (a lookup: 0.1 us; making it: 30 us)."""
 
     def trains(self, params: Sequence[torch.Tensor], trainable: Sequence[bool]) -> bool:
-        """In the gather's backward: whether this backward accumulates into the ``.grad`` of the
-        model's trainable parameters (replica 0's ``params`` where ``trainable``); if not, input
-        gradients only, and the guard is armed under ``torch.autograd.grad``. Refuses a double
-        backward."""
+        """Whether this backward trains; if not, the guard is armed under ``autograd.grad``. Refuses double backward."""
         reach = self.reaches(p for p, t in zip(params, trainable) if t)
         if reach is True:
             return True
@@ -54,15 +36,12 @@ class BackwardCheck:
         return False
 
     def reaches(self, params: Iterable[torch.Tensor]) -> bool | str:
-        """Whether autograd will accumulate into the ``.grad`` of any of ``params`` (trainable
-        leaves); :data:`AUTOGRAD_GRAD` under ``torch.autograd.grad``. Stops at the first one it
-        reaches (in a training backward, nearly always the first one asked)."""
+        """Whether autograd will accumulate into any of ``params``; :data:`AUTOGRAD_GRAD` under ``autograd.grad``."""
         try:
             for i, p in enumerate(params):
                 node = self._accs.get(id(p))
                 if node is None or (i == 0 and not torch._C._will_engine_execute_node(node)):
-                    # new, or the first one says no: make it again, in case the parameter's node
-                    # changed (p.data = ...); if it did, forget every node held
+                    # new, or the first says no: the node may have changed (p.data = ...); if so, forget all
                     fresh = _grad_accumulator(p)
                     if node is not None and fresh is not node:
                         self._accs.clear()
@@ -74,7 +53,6 @@ class BackwardCheck:
         return False
 
     def arm(self, params: Sequence[torch.Tensor]) -> None:
-        """Hooks that refuse this ``torch.autograd.grad`` if its inputs include one of ``params``."""
         self.disarm()
 
         def refuse(grad: torch.Tensor) -> None:
@@ -84,7 +62,6 @@ class BackwardCheck:
                                "gradient only. Use loss.backward() and read .grad (input gradients, "
                                "torch.autograd.grad(loss, x), are supported)")
         self._handles = [p.register_hook(refuse) for p in params]
-        # removed when this backward is done (autograd's final callback), or at the next forward
         torch.autograd.Variable._execution_engine.queue_callback(self.disarm)
 
     def disarm(self) -> None:

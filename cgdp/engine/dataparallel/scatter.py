@@ -1,38 +1,20 @@
 """``DataParallel``'s step 1 and its mirror image: scatter the arguments, gather the outputs.
 
-**Scatter.** Every tensor argument with a batch dimension (positional or keyword, nested in
-tuples, lists and dicts) is split along dimension 0 in device order, as ``torch.tensor_split``
-does, and moved to its device; all of them must share that first dimension (the batch). A batch
-of n < G samples runs on the first n devices only, one sample each (the others run nothing, send
-zeros to the host sum and step with the others: the rule of ``cgdp.Trainer`` too). 0-dim tensors and other objects go to every
-replica unchanged (tensors moved to its device). Each part runs on its device's thread with the
-caller's grad mode and autocast (:func:`cgdp.engine.core.threads.caller_context`). A call with no batch to split (no arguments, or
-no tensor with a dimension) runs on replica 0 alone, as on one device (as ``nn.DataParallel``
-does for a call without inputs).
+**Scatter.** Every tensor argument with a batch dimension (nested ones too) is split along dim 0 in device order, as
+``torch.tensor_split``; all must share that dimension. A batch of n < G runs on the first n devices (the others send
+zeros and step, as in ``Trainer``). Other arguments go to every replica; a call with nothing to split runs on replica 0.
 
-**Gather.** Every replica returns the same structure (a tensor, tuples, lists, dicts, dataclasses
-such as ``transformers``' ``ModelOutput``). For each tensor in it:
+**Gather.** Every replica returns the same structure (dataclasses such as ``ModelOutput`` too). Per tensor in it:
 
-* dimension >= 1: concatenated along dimension 0 on ``devices[0]``, in device order;
-* a floating 0-dim tensor (a loss the model computed): ``sum_j w_j * t_j`` with
-  ``w_j = n_j / N``, which is the global value when each replica returns the mean over its own
-  samples (exact for per-sample means; a token mean with padding is not a per-sample mean);
-  or, with ``sum_scalars``, ``w_j = 1``: the global value when each replica returns its share of
-  a global sum, its own sum divided by a count of the whole batch (Hugging Face's
-  ``num_items_in_batch``), which is how a token mean over several devices (and micro-batches) is
-  exact. Whether a model divided by the count it was given is seen, not assumed: each replica
-  gets it as a :class:`GlobalCount`, which notes any torch operation on it (Hugging Face's
-  sequence classifiers accept ``num_items_in_batch`` and ignore it: their loss is a mean);
-* any other 0-dim tensor: stacked into a vector of G values, as ``nn.DataParallel`` does.
+* dimension >= 1: concatenated along dim 0 on ``devices[0]``, in device order;
+* a floating 0-dim tensor (a loss): ``sum_j w_j * t_j``, ``w_j = n_j / N`` (exact for per-sample means), or with
+  ``sum_scalars`` ``w_j = 1`` (exact for shares of a global sum: a loss divided by ``num_items_in_batch``, whose use
+  a :class:`GlobalCount` sees, not assumes: some models accept the count and ignore it);
+* any other 0-dim tensor: stacked into a vector of G values, as ``nn.DataParallel``; other leaves kept if equal on
+  every replica, else None with a warning.
 
-Other leaves (ints, strings, None, cache objects) are kept once if every replica returned an
-equal value, otherwise replaced by None with a warning naming the field.
-
-The gathered tensors come out of one autograd function (:class:`_Gather`), so that a backward
-through any of them visits it exactly once: its backward first calls ``on_backward`` (where
-``DataParallel`` readies the engine for this backward), then hands each replica the gradient of
-its share (the slice of the concatenated gradient, or ``w_j`` times a scalar's), times ``scale``
-(``1/R`` across R MPI ranks, so that ranks average as in DDP).
+One autograd function (:class:`_Gather`) makes every gathered tensor, so a backward visits it once: it calls
+``on_backward`` (the engine readied), then hands each replica its share of the gradient times ``scale`` (1/R ranks).
 """
 from __future__ import annotations
 
@@ -48,7 +30,6 @@ _LEAF = "leaf"
 
 
 def _flatten(obj: Any, leaves: list[Any]) -> Any:
-    """Append obj's leaves to ``leaves``; return the spec that rebuilds obj from them."""
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return _LEAF
@@ -80,7 +61,6 @@ def _unflatten(spec: Any, it) -> Any:
 
 
 def _paths(spec: Any, prefix: str = "output") -> list[str]:
-    """A readable name for each leaf, in leaf order (for messages)."""
     if spec == _LEAF:
         return [prefix]
     if spec[0] == "seq":
@@ -126,9 +106,7 @@ COUNT = "num_items_in_batch"
 
 
 class GlobalCount(torch.Tensor):
-    """``num_items_in_batch`` as a replica receives it: a 0-dim tensor that records whether the
-    model used it (``used``): any torch operation on it, ``.item()`` and ``.to()`` included.
-    Results are plain tensors; only the operations on the count itself pay for the check."""
+    """``num_items_in_batch`` as a replica gets it: ``used`` notes any torch operation on it (results are plain)."""
 
     used: bool
 
@@ -144,8 +122,6 @@ class GlobalCount(torch.Tensor):
 
 
 def watch_counts(parts: list[tuple[tuple, dict]], devices: Sequence[torch.device]) -> list[GlobalCount]:
-    """Each part's keyword ``num_items_in_batch`` (a number or a 0-dim tensor, on its device by
-    now) replaced by a :class:`GlobalCount` of the same value; those counts."""
     counts = []
     for (_, kw), dev in zip(parts, devices):
         n = kw.get(COUNT)
@@ -163,19 +139,14 @@ def watch_counts(parts: list[tuple[tuple, dict]], devices: Sequence[torch.device
 
 @dataclasses.dataclass
 class _Plan:
-    """What :class:`_Gather` needs to split gradients back (one entry per tensor leaf)."""
-    kinds: list[str]
-    """"cat", "wsum" or "stack" per tensor leaf."""
+    """What :class:`_Gather` needs to split gradients back; lists are per tensor leaf, then per replica."""
+    kinds: list[str]  # "cat", "wsum" or "stack"
     devices: list[list[torch.device]]
-    """Per tensor leaf, the device of each replica's tensor."""
-    lengths: list[list[int]]
-    """Per tensor leaf, each replica's size along dimension 0 ("cat")."""
-    weights: list[float]
-    """The weight ``w_j`` of each replica's scalars."""
+    lengths: list[list[int]]  # sizes along dim 0 ("cat")
+    weights: list[float]  # w_j of each replica's scalars
     dst: torch.device
     on_backward: Callable[[], None] | None
     scale: float = 1.0
-    """Every gradient handed to the replicas is multiplied by this (1/R across R ranks)."""
 
 
 class _Gather(torch.autograd.Function):
@@ -227,7 +198,6 @@ _warned: set[str] = set()
 
 def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
            on_backward: Callable[[], None] | None, scale: float = 1.0, sum_scalars: bool = False) -> Any:
-    """The replicas' outputs combined on ``dst`` (see the module docstring)."""
     flat, specs = [], []
     for o in outputs:
         leaves: list[Any] = []

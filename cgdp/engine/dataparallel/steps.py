@@ -1,19 +1,8 @@
 """The model's side of a bound ``optimizer.step()``: every replica takes the same step.
 
-``DataParallel``'s update strategy (per-replica optimizers or the host's masters; ``Trainer``'s
-are in :mod:`cgdp.engine.core.update`). The optimizer bound to the model
-(:mod:`cgdp.engine.dataparallel.binding`) asks this object, never the user's module:
-
-* :meth:`ReplicaSteps.begin` before the step: the model's operation lock (held until
-  :meth:`ReplicaSteps.end`, which the bound step calls in ``finally``), the gradients checked and
-  made the same on every replica;
-* :meth:`ReplicaSteps.submit`: replica j's step on its device thread; :meth:`ReplicaSteps.kept`
-  after it;
-* :meth:`ReplicaSteps.host_sum` and :meth:`ReplicaSteps.host_copy_back` (``update="host"``): the
-  gradients the host step may read in place, and every replica's parameters from the masters;
-* :meth:`ReplicaSteps.end`: the replicas' parameters recorded, the time since the last step given
-  to the chunk-plan tuner (``chunks="auto"``: one iteration of the user's loop under the current
-  plan), and the lock given back.
+The bound optimizer (:mod:`~.binding`) asks this, never the user's module. :meth:`ReplicaSteps.begin` takes the
+operation lock (given back by :meth:`ReplicaSteps.end` in ``finally``) and makes the gradients the same everywhere;
+:meth:`~ReplicaSteps.end` records the parameters and gives the ``chunks="auto"`` tuner one iteration's time.
 """
 from __future__ import annotations
 
@@ -37,9 +26,7 @@ class ReplicaSteps:
     def __init__(self, life: Lifetime, devs: list, threads: DeviceThreads, grads: Gradients, state: ReplicaState,
                  maps: Callable[[], list[dict[int, nn.Parameter]]], stream: Any, comm: Any, tuner: Any,
                  timeout_s: float | None, host_masters: HostMasters | None = None):
-        """``maps()``: per replica j > 0, id(replica 0's parameter) -> replica j's; ``tuner``: the
-        chunk-plan tuner while it times plans (None: the plan is fixed); ``host_masters``: the
-        float32 masters of ``update="host"`` (None: every replica steps its own optimizer)."""
+        """``maps()``: per replica j > 0, id(replica 0's parameter) -> replica j's; ``tuner``: None once fixed."""
         self.host_masters = host_masters
         self._life, self._devs, self._threads = life, devs, threads
         self._grads, self._state, self._maps = grads, state, maps
@@ -47,7 +34,6 @@ class ReplicaSteps:
         self.tuner = tuner
         self._t_step: float | None = None
         self.bindings: weakref.WeakSet = weakref.WeakSet()
-        """The :class:`~cgdp.engine.dataparallel.binding.Binding` of each optimizer bound to the model."""
 
     def parameter_maps(self) -> list[dict[int, nn.Parameter]]:
         return self._maps()
@@ -56,7 +42,6 @@ class ReplicaSteps:
         return self._threads.submit(j, fn)
 
     def begin(self) -> None:
-        """Before the optimizer steps: the operation lock, held until :meth:`end`."""
         ops = self._life.ops
         ops.take("optimizer.step()")
         try:
@@ -69,7 +54,6 @@ class ReplicaSteps:
             raise
 
     def optimizers(self) -> tuple[list[list[Any]], list[Any]]:
-        """Per replica, the optimizers that step it on its device; and those that step on the host."""
         bound = [b for b in self.bindings if b.opt() is not None]
         on_devices = [b for b in bound if not hasattr(b, "host")]
         return ([[b.opt() for b in on_devices]] + [[b.mirrors[j - 1] for b in on_devices if b.mirrors]
@@ -77,9 +61,7 @@ class ReplicaSteps:
                 [b.opt() for b in bound if hasattr(b, "host")])
 
     def host_sum(self) -> tuple[Any, list[int]] | None:
-        """The host's sum row and the flat layout's offsets, when every replica holds that sum as
-        is (``SUMMED``: nothing edited since) and it is the total (one machine): the host step reads
-        it in place instead of copying replica 0's gradients back to the host."""
+        """The host's sum row and offsets when every replica holds it (``SUMMED``, one machine): read in place."""
         st = self._stream
         if self._grads.state is not GradState.SUMMED or self._comm is not None or st is None or st.host is None:
             return None
@@ -87,17 +69,13 @@ class ReplicaSteps:
         return None if row is None else (row, st.layout.offsets)
 
     def host_copy_back(self, pids: list[int]) -> None:
-        """Every replica's parameters ``pids`` ← their masters (after the host step)."""
         self.host_masters.to_devices(self._threads, pids)
 
     def kept(self) -> bool:
-        """After the optimizer stepped every replica: whether replica 0's gradients were left as
-        the mirrors had them (if not, the mirrors resync and this warns)."""
         return self._grads.kept()
 
     def end(self) -> None:
-        """After the user's optimizer stepped every replica; gives the operation lock back,
-        whatever happens."""
+        """After every replica stepped; gives the operation lock back, whatever happens."""
         try:
             self._state.record_parameters()
             if self.tuner is not None:
@@ -106,8 +84,6 @@ class ReplicaSteps:
             self._life.ops.give()
 
     def _tune(self) -> None:
-        """The time since the last step is one iteration under the current plan; switch to the
-        tuner's next plan."""
         now = time.perf_counter()
         if self._t_step is not None:
             self.tuner.observe(now - self._t_step)

@@ -1,15 +1,9 @@
 """What ``DataParallel`` keeps on the user's module (replica 0), and what it must not leave there.
 
-* **A load hook that stays in this process** (``model.module.load_state_dict(...)`` reaches every
-  replica): :class:`cgdp.engine.core.follow.LocalHooks`, shared with ``Trainer``.
-* **Buffers that require grad** (``register_buffer("scale", t.requires_grad_())``: a learnable
-  tensor kept out of ``parameters()``). One device accumulates their whole gradient into the
-  buffer's ``.grad``. Here every replica reads replica 0's buffer through a differentiable copy
-  made at each forward (:meth:`GradBuffers.refresh`, as ``nn.DataParallel``'s replicate does), so
-  autograd itself adds every replica's part into replica 0's buffer: the full gradient, exactly,
-  without the flat buffer. An optimizer that steps such a buffer steps replica 0's; the replicas
-  read it again at the next forward. Their own copies (from the deep copy when wrapping) stand in
-  for it in the other replicas' mirror optimizers, where they never get a gradient.
+* **A load hook that stays in this process**: :class:`cgdp.engine.core.follow.LocalHooks`, shared with ``Trainer``.
+* **Buffers that require grad**: every replica reads replica 0's through a differentiable copy made at each forward
+  (as ``nn.DataParallel``'s replicate), so autograd adds every part into replica 0's ``.grad``, exactly. The others'
+  own copies stand in for it in the mirror optimizers, never getting a gradient.
 """
 from __future__ import annotations
 
@@ -19,15 +13,12 @@ from torch import nn
 
 
 class GradBuffers:
-    """The buffers that require grad, found by name on replica 0; every replica reads replica 0's."""
-
     def __init__(self, replicas: list[nn.Module]):
         first = replicas[0]
         self.names = [name for name, b in first.named_buffers() if b.requires_grad]
         owners = [[_owner(r, name) for name in self.names] for r in replicas]
         self._slots = owners  # per replica: (submodule, attribute) of each such buffer
-        self.stand_ins = [[getattr(m, a) for m, a in slots] for slots in owners]
-        """Per replica, its own copy of each buffer (the deep copy's); replica 0's are the buffers."""
+        self.stand_ins = [[getattr(m, a) for m, a in slots] for slots in owners]  # the deep copy's (replica 0's: them)
 
     def __bool__(self) -> bool:
         return bool(self.names)
@@ -39,15 +30,12 @@ class GradBuffers:
         return [getattr(m, a) for m, a in self._slots[j]]
 
     def refresh(self, devices: list[torch.device], used: int) -> None:
-        """Before a forward: replicas 1..used-1 read replica 0's buffers (a differentiable copy on
-        their device when grad is enabled; the same tensor on emulated devices, which share the host)."""
         first = self.current(0)
         for j in range(1, used):
             for (m, a), b in zip(self._slots[j], first):
                 m._buffers[a] = b.to(devices[j])
 
     def parameter_maps(self) -> list[dict[int, torch.Tensor]]:
-        """Per replica j > 0: id(replica 0's buffer) -> replica j's stand-in (for the mirrors)."""
         first = self.current(0)
         return [{id(b): s for b, s in zip(first, stand)} for stand in self.stand_ins[1:]]
 
