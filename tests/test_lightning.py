@@ -10,6 +10,7 @@ from torch import nn
 
 L = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
@@ -218,3 +219,219 @@ def test_refused_with_a_sentence(kw, model, match):
 def test_several_machines_refused_with_a_sentence():
     with pytest.raises(NotImplementedError, match="comm='mpi'"):
         CGDPStrategy(comm="mpi")
+
+
+# ---- Lightning's own cases (tests_pytorch/trainer/optimization, core/test_lightning_module.py), ported: the
+# LightningModule as written, its module tree read during training, compared with Lightning on one device.
+
+def boring_data(n=32, batch=8, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.DataLoader(torch.randn(n, 32, generator=g), batch_size=batch)
+
+
+def fit_both(model, strategy_kw=None, data=boring_data, **kw):
+    """The model trained on one device and a copy on 2 through CGDPStrategy, with cgdp's warnings caught."""
+    one, two = model, copy.deepcopy(model)
+    trainer(devices=1, **kw).fit(one, data())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(devices=2, strategy=CGDPStrategy(**(strategy_kw or {})), **kw).fit(two, data())
+    return one, two, [str(w.message) for w in caught if "cgdp" in str(w.message)]
+
+
+class ManualOptModel(BoringModel):
+    """test_manual_optimization.py's ManualOptModel: two optimizers, self.layer.weight.grad read between steps,
+    a second backward through a retained graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        assert type(self.layer) is nn.Linear  # the user's module, where the user put it
+        opt_a, opt_b = self.optimizers()
+        assert self.layer.weight.grad is None
+        loss_1 = self.step(batch)
+        self.manual_backward(loss_1)
+        self.seen.append(self.layer.weight.grad.clone())  # the whole batch's gradient, as on one device
+        opt_a.step()
+        opt_a.zero_grad()
+        assert self.layer.weight.grad is None
+        loss_2 = self.step(batch)
+        self.manual_backward(loss_2, retain_graph=True)
+        self.manual_backward(loss_2)
+        self.seen.append(self.layer.weight.grad.clone())
+        opt_b.step()
+        opt_b.zero_grad()
+        assert self.layer.weight.grad is None
+        return loss_2
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.layer.parameters(), lr=0.1), torch.optim.SGD(self.layer.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("update", ["devices", "host"])
+def test_manual_two_optimizers_read_the_childs_attributes(update):
+    torch.manual_seed(0)
+    one, two, said = fit_both(ManualOptModel(), {"update": update}, max_epochs=1)
+    assert not said
+    assert len(two.seen) == len(one.seen) == 8
+    for a, b in zip(one.seen, two.seen):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    assert_params(one, two)
+
+
+class ToggleModel(BoringModel):
+    """test_toggle_untoggle_2_optimizers_no_shared_parameters, its two parts in one child (``self.net``): cgdp
+    runs the one child that holds the trainable parameters."""
+
+    def __init__(self):
+        super().__init__()
+        del self.layer
+        self.automatic_optimization = False
+        layer_1 = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+        layer_2 = nn.Sequential(nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 2))
+        self.net = nn.Sequential()
+        self.net.layer_1, self.net.layer_2 = layer_1, layer_2
+        # some weights frozen, to check that toggle/untoggle works as expected
+        layer_1[2].weight.requires_grad = False
+        layer_1[4].weight.requires_grad = False
+        layer_2[1].weight.requires_grad = False
+        layer_2[3].weight.requires_grad = False
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        opt1, opt2 = self.optimizers()
+        # requires_grad of layer_1[0], [2], [4] and layer_2[1], [3], [5] while each optimizer is toggled
+        self.toggled_step(batch, opt1, [True, False, False, False, False, False])
+        self.toggled_step(batch, opt2, [False, False, False, False, False, True])
+
+    def toggled_step(self, batch, opt, trains):
+        self.toggle_optimizer(opt)
+        loss = self.step(batch)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        l1, l2 = self.net.layer_1, self.net.layer_2
+        assert [m.weight.requires_grad for m in (l1[0], l1[2], l1[4], l2[1], l2[3], l2[5])] == trains
+        opt.step()
+        self.untoggle_optimizer(opt)
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net.layer_1.parameters(), lr=0.1),
+                torch.optim.Adam(self.net.layer_2.parameters(), lr=0.1)]
+
+
+def test_toggle_optimizer():
+    torch.manual_seed(0)
+    one, two, said = fit_both(ToggleModel(), max_epochs=1)
+    assert not said
+    assert_params(one, two)
+    assert all(p.requires_grad for p in two.net.layer_1[0].parameters())  # untoggled
+
+
+class GD(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 32))
+        self.d = nn.Sequential(nn.Linear(32, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.d(self.g(x))
+
+
+class PerSubmoduleOptimizers(L.LightningModule):
+    """One optimizer per submodule (issue 36's ``configure_optimizers``), manual optimization as in
+    test_multiple_optimizers_manual: a generator step then a discriminator step, submodules read by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = GD()
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        assert isinstance(opt_g.optimizer, torch.optim.Adam) and isinstance(opt_d.optimizer, torch.optim.SGD)
+        self.toggle_optimizer(opt_g)
+        loss_g = -self.net(batch).mean()
+        self.manual_backward(loss_g)
+        assert self.net.d[0].weight.grad is None
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        loss_d = self.net(batch).pow(2).mean()
+        self.manual_backward(loss_d)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.log("loss_d", loss_d)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.net.g.parameters()), torch.optim.SGD(self.net.d.parameters(), lr=.1)
+
+
+def test_per_submodule_optimizers():
+    torch.manual_seed(0)
+    one, two, said = fit_both(PerSubmoduleOptimizers(), max_epochs=2)
+    assert not said
+    assert_params(one, two)
+    assert type(two.net) is GD
+
+
+class ClosureModel(BoringModel):
+    """test_step_with_optimizer_closure (without its dropout): manual optimization, opt.step(closure=...) whose
+    closure runs two backwards through a retained graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        assert self.layer.weight.grad is None
+        opt = self.optimizers()
+
+        def optimizer_closure():
+            losses = []
+            for backward_idx in range(2):
+                loss = self.step(batch)
+                losses.append(loss)
+                self.manual_backward(loss, retain_graph=backward_idx == 0)
+            self.log("train_loss", torch.stack(losses).mean(), on_step=True, on_epoch=True)
+
+        weight_before = self.layer.weight.clone()
+        opt.step(closure=optimizer_closure)
+        opt.zero_grad()
+        assert not torch.equal(weight_before, self.layer.weight)
+
+
+def test_manual_step_with_closure():
+    torch.manual_seed(0)
+    one, two, said = fit_both(ClosureModel(), max_epochs=1)
+    assert not said
+    assert_params(one, two)
+
+
+class ReadsDuringTraining(Model):
+    """The tree read during fit: a penalty on a weight read by name, a copy of the module (as
+    StochasticWeightAveraging makes)."""
+
+    def training_step(self, batch, i):
+        assert type(self.net) is nn.Sequential and isinstance(self.net[0], nn.Linear)
+        assert list(self.state_dict()) == list(Model().state_dict())
+        x, y = batch
+        copied = copy.deepcopy(self.net)  # a plain module: its forward is the module's own
+        assert copied.forward.__self__ is copied
+        torch.testing.assert_close(copied(x), nn.Sequential.forward(self.net, x))
+        penalty = self.net[0].weight.pow(2).sum()  # reaches the user's parameter alone, outside the replicas
+        return nn.functional.cross_entropy(self.net(x), y) + 1e-2 * penalty
+
+
+def test_module_tree_read_during_fit():
+    torch.manual_seed(0)
+    one, two, said = fit_both(ReadsDuringTraining(), data=loader, max_epochs=1)
+    assert not said
+    assert_params(one, two)
+    assert "forward" not in two.net.__dict__  # put back as it was

@@ -6,16 +6,20 @@ One process drives every device (no launcher, no ``torch.distributed``); the use
 * **What is wrapped.** Not the ``LightningModule`` (Lightning calls its ``training_step`` and
   ``self.log`` on it, and a deep copy per device would lose its ``trainer``), but the one child
   module that holds every trainable parameter (``self.model``, ``self.net``...; ``module=`` names
-  it when there are several children), wrapped in :class:`cgdp.DataParallel` for the duration of
-  each ``fit`` / ``validate`` / ``test`` / ``predict`` and put back at teardown. ``self.net(x)``
-  inside ``training_step`` then splits the batch across the devices and gathers the output on
-  ``devices[0]``, where the loss, ``self.log`` and every metric are computed as on one device.
-  The optimizer from ``configure_optimizers`` is on replica 0's parameters (the child's own); the
-  strategy binds it to the wrapper (``DataParallel.bind``), so its step steps every replica,
-  schedulers included.
+  it when there are several children), run by a :class:`cgdp.DataParallel` for the duration of
+  each ``fit`` / ``validate`` / ``test`` / ``predict``. The wrapper stays outside the user's module
+  tree, as Lightning's DDP keeps its wrapper outside: the child stays where it is, of its own type,
+  and only its ``forward`` is routed (:class:`_Route`), so ``self.net(x)`` inside ``training_step``
+  splits the batch across the devices and gathers the output on ``devices[0]``, where the loss,
+  ``self.log`` and every metric are computed as on one device, while ``self.net.g``,
+  ``self.layer.weight`` and its ``.grad``, ``self.parameters()`` and ``state_dict()`` read as on
+  one device (replica 0 is the user's module, and after a synced backward its ``.grad`` holds the
+  whole batch's gradient). ``configure_optimizers`` runs on that tree; the strategy binds each of
+  its optimizers over the child's parameters to the DataParallel (``DataParallel.bind``), so its
+  step steps every replica, schedulers included.
 * **Optimizer step.** Lightning's precision plugins call ``optimizer.step(closure=...)``; cgdp
   refuses a closure (every replica must step after one backward), so the strategy hands the
-  plugin an optimizer whose ``step`` runs the closure (forward, backward, Lightning's
+  plugin an optimizer whose ``step`` runs the closure once (forward, backward, Lightning's
   ``on_before_optimizer_step`` and clipping) and then ``optimizer.step()``, as Lightning's AMP
   plugin does.
 * **Accumulation.** Lightning enters ``block_backward_sync()`` for every micro-batch but the last
@@ -27,7 +31,7 @@ One process drives every device (no launcher, no ``torch.distributed``); the use
   ``"16-mixed"`` (its gradient scaler would unscale replica 0 only) and the ``"*-true"``
   precisions other than ``"32-true"`` (they convert the module in place; convert it yourself before
   ``fit`` if you want that, cgdp trains it in its dtype).
-* **Checkpoints.** The state dict has the user's keys (no ``module.`` prefix); the checkpoint also
+* **Checkpoints.** The state dict is the user's module's (nothing of cgdp in the tree); the checkpoint also
   holds the replicas' random streams (:data:`RNG_KEY`), restored by ``fit(ckpt_path=...)`` so that a
   resumed run with dropout is bitwise the uninterrupted one (on as many devices).
 * ``self.log(..., sync_dist=True)`` is one process's value, as on one device (there is nothing to
@@ -36,6 +40,7 @@ One process drives every device (no launcher, no ``torch.distributed``); the use
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -77,6 +82,49 @@ class _StepAfterClosure:
         return type(self.optimizer)
 
 
+class _Route:
+    """The wrapped child's ``forward`` while a :class:`DataParallel` runs it, an attribute of that one instance.
+
+    ``self.net(x)`` in the user's code enters the DataParallel (the batch split across the devices, the output
+    gathered on the first); the DataParallel's own call of replica 0, which is the same module, runs the module's
+    forward. The module stays where the user put it: its attributes, submodules, ``parameters()`` and
+    ``state_dict()`` are the user's, as on one device. A deep copy or a pickle of the module while it is wrapped
+    (``StochasticWeightAveraging``) gets the plain forward. :meth:`remove` puts the module back as it was.
+    """
+
+    def __init__(self, child: nn.Module, dp: DataParallel):
+        self.child, self.dp = child, dp
+        self.own = child.__dict__.get("forward")  # a forward the user set on the instance, kept
+        self.inner = _plain_forward(child, self.own)
+        self.inside = False  # the DataParallel is running: this call is replica 0's
+        child.forward = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inside:
+            return self.inner(*args, **kwargs)
+        self.inside = True
+        try:
+            return self.dp(*args, **kwargs)
+        finally:
+            self.inside = False
+
+    def __reduce__(self) -> tuple:
+        return _plain_forward, (self.child, self.own)
+
+    def remove(self) -> None:
+        d = self.child.__dict__
+        if d.get("forward") is self:
+            if self.own is None:
+                del d["forward"]
+            else:
+                d["forward"] = self.own
+        self.dp.close()
+
+
+def _plain_forward(child: nn.Module, own: Callable[..., Any] | None) -> Callable[..., Any]:
+    return own if own is not None else types.MethodType(type(child).forward, child)
+
+
 class CGDPStrategy(ParallelStrategy):
     """Lightning's strategy for several devices in one process, through :class:`cgdp.DataParallel`.
 
@@ -101,7 +149,7 @@ class CGDPStrategy(ParallelStrategy):
             self.parallel_devices = [_torch_device(d) for d in self._devices]
         self._child = module
         self._options = options
-        self._wrapped: tuple[str, nn.Module, DataParallel] | None = None
+        self._route: _Route | None = None  # the wrapped child's forward while a DataParallel runs it
         self._rng_to_restore: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ devices
@@ -153,9 +201,9 @@ class CGDPStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         self._check_precision()
         super().setup(trainer)  # convert_module, model_to_device, _setup_model, optimizers
-        if self._rng_to_restore is not None and self._wrapped is not None:
+        dp = self._dp
+        if self._rng_to_restore is not None and dp is not None:
             state, self._rng_to_restore = self._rng_to_restore, None
-            dp = self._wrapped[2]
             if len(state["states"]) == len(dp.devices) or trainer.state.fn == "fit":
                 dp.set_rng_state(state)  # fit on another number of devices: its clear error
 
@@ -174,20 +222,23 @@ class CGDPStrategy(ParallelStrategy):
                          f"and keep precision='32-true'")
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
-        """Wrap the child that holds the trainable parameters; the LightningModule stays itself."""
+        """Build the DataParallel over the child that holds the trainable parameters; the tree stays the user's."""
         name = self._child_to_wrap(model)
         if name is not None:
             child = getattr(model, name)
-            dp = DataParallel(child, self.devices, **self._options)
-            setattr(model, name, dp)
-            self._wrapped = (name, child, dp)
+            self._route = _Route(child, DataParallel(child, self.devices, **self._options))
         return model
 
+    @property
+    def _dp(self) -> DataParallel | None:
+        return self._route.dp if self._route is not None else None
+
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
-        """``configure_optimizers``'s optimizers, each over the wrapped child's parameters bound to it."""
+        """``configure_optimizers``'s optimizers; those over the wrapped child's parameters bound to its
+        DataParallel."""
         super().setup_optimizers(trainer)
-        if self._wrapped is not None:
-            dp = self._wrapped[2]
+        dp = self._dp
+        if dp is not None:
             ours = {id(p) for p in dp.parameters()}
             for opt in self.optimizers:
                 if any(id(p) in ours for g in opt.param_groups for p in g["params"]):
@@ -222,13 +273,9 @@ class CGDPStrategy(ParallelStrategy):
         return children[0] if len(children) == 1 else None  # nothing trains: inference on every device
 
     def _unwrap(self) -> None:
-        if self._wrapped is None:
-            return
-        name, child, dp = self._wrapped
-        self._wrapped = None
-        if self.lightning_module is not None and getattr(self.lightning_module, name, None) is dp:
-            setattr(self.lightning_module, name, child)
-        dp.close()
+        if self._route is not None:
+            route, self._route = self._route, None
+            route.remove()
 
     def teardown(self) -> None:
         self._unwrap()  # before Lightning moves the module to the CPU: a wrapper refuses to move
@@ -241,7 +288,7 @@ class CGDPStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
                        model: "pl.LightningModule | nn.Module | None" = None, **kwargs: Any) -> Any:
         model = model or self.lightning_module
-        if self._wrapped is None:
+        if self._route is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         return self.precision_plugin.optimizer_step(_StepAfterClosure(optimizer), model=model, closure=closure,
                                                     **kwargs)
@@ -249,15 +296,15 @@ class CGDPStrategy(ParallelStrategy):
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         """A micro-batch that does not end an optimizer step accumulates without communication."""
-        with self._wrapped[2].no_sync() if self._wrapped is not None else contextlib.nullcontext():
+        with self._dp.no_sync() if self._dp is not None else contextlib.nullcontext():
             yield None
 
     def _clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        self._wrapped[2].clip_grad_norm_(clip_val)
+        self._dp.clip_grad_norm_(clip_val)
 
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
-        if self._wrapped is not None:  # the norm the host summed, every replica clipped alike
+        if self._route is not None:  # the norm the host summed, every replica clipped alike
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
 
     # ------------------------------------------------------------------ one process
@@ -280,31 +327,9 @@ class CGDPStrategy(ParallelStrategy):
         pass
 
     # ------------------------------------------------------------------ checkpoints
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        with self._unwrapped():
-            return super().lightning_module_state_dict()
-
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        with self._unwrapped():
-            super().load_model_state_dict(checkpoint, strict=strict)  # replica 0's load reaches the others
-
-    @contextlib.contextmanager
-    def _unwrapped(self) -> Iterator[None]:
-        """The user's module in its place (the user's keys); the wrapper back afterwards."""
-        if self._wrapped is None:
-            yield
-            return
-        name, child, dp = self._wrapped
-        lm = self.lightning_module
-        setattr(lm, name, child)
-        try:
-            yield
-        finally:
-            setattr(lm, name, dp)
-
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if self._wrapped is not None:
-            checkpoint = {**checkpoint, RNG_KEY: self._wrapped[2].rng_state()}
+        if self._dp is not None:
+            checkpoint = {**checkpoint, RNG_KEY: self._dp.rng_state()}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
