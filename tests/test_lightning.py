@@ -414,6 +414,22 @@ def test_manual_step_with_closure():
     assert_params(one, two)
 
 
+class LBFGSModel(BoringModel):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1)
+
+    def training_step(self, batch, batch_idx):
+        raise AssertionError("training started")
+
+
+def test_closure_optimizer_refused_before_training():
+    """LBFGS re-runs the closure inside its step: refused when the Trainer sets up the optimizers."""
+    model = LBFGSModel()
+    with pytest.raises(ValueError, match=r"cannot train with LBFGS: its step\(closure\) re-runs"):
+        trainer(devices=2, strategy=CGDPStrategy()).fit(model, boring_data())
+    assert "forward" not in model.layer.__dict__  # the module put back as it was
+
+
 class ReadsDuringTraining(Model):
     """The tree read during fit: a penalty on a weight read by name, a copy of the module (as
     StochasticWeightAveraging makes)."""

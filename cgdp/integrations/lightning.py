@@ -21,7 +21,9 @@ One process drives every device (no launcher, no ``torch.distributed``); the use
   refuses a closure (every replica must step after one backward), so the strategy hands the
   plugin an optimizer whose ``step`` runs the closure once (forward, backward, Lightning's
   ``on_before_optimizer_step`` and clipping) and then ``optimizer.step()``, as Lightning's AMP
-  plugin does.
+  plugin does. An optimizer whose ``step`` needs the closure to re-run forward and backward
+  (``torch.optim.LBFGS``: ``closure`` without a default) is refused when the Trainer sets up the
+  optimizers, before training starts.
 * **Accumulation.** Lightning enters ``block_backward_sync()`` for every micro-batch but the last
   of a step: that is ``no_sync()``, so one transfer per optimizer step.
 * **Clipping** by norm uses the norm the host summed during backward
@@ -40,6 +42,7 @@ One process drives every device (no launcher, no ``torch.distributed``); the use
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 from typing import Any, Callable, Iterator, Sequence
 
@@ -123,6 +126,18 @@ class _Route:
 
 def _plain_forward(child: nn.Module, own: Callable[..., Any] | None) -> Callable[..., Any]:
     return own if own is not None else types.MethodType(type(child).forward, child)
+
+
+def _refuse_closure_optimizer(opt: Any) -> None:
+    """An optimizer whose ``step(closure)`` must re-run forward and backward (``LBFGS``): refused at setup."""
+    closure = inspect.signature(type(opt).step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        name = type(opt).__name__
+        raise ValueError(f"CGDPStrategy cannot train with {name}: its step(closure) re-runs your forward and "
+                         f"backward inside the step, while cgdp.DataParallel steps every replica after one "
+                         f"backward (the replicas would step apart). Use an optimizer whose step() needs no "
+                         f"closure (SGD, Adam, AdamW, ...), or train {name} on one device "
+                         f"(strategy='auto', devices=1)")
 
 
 class CGDPStrategy(ParallelStrategy):
@@ -235,8 +250,10 @@ class CGDPStrategy(ParallelStrategy):
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         """``configure_optimizers``'s optimizers; those over the wrapped child's parameters bound to its
-        DataParallel."""
+        DataParallel. An optimizer whose ``step`` needs a closure is refused here, before training starts."""
         super().setup_optimizers(trainer)
+        for opt in self.optimizers:
+            _refuse_closure_optimizer(opt)
         dp = self._dp
         if dp is not None:
             ours = {id(p) for p in dp.parameters()}
