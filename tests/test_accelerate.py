@@ -154,3 +154,55 @@ def test_save_state_load_state_resume_bitwise(tmp_path):
 def test_fp16_refused():
     with pytest.raises(ValueError, match="use 'bf16'"):
         Accelerator(cpu=True, mixed_precision="fp16")
+
+
+def regression_setup(accelerator, batch=16):
+    """accelerate/test_utils/scripts/test_sync.py's ``get_training_setup``: its model and data, seeded."""
+    from accelerate.test_utils import RegressionDataset, RegressionModel
+    torch.manual_seed(42)
+    net = RegressionModel(a=1, b=1)
+    dl = torch.utils.data.DataLoader(RegressionDataset(length=80, seed=42), batch_size=batch)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    model, opt, dl = accelerator.prepare(net, opt, dl)
+    return net, model, opt, dl
+
+
+def grads(net):
+    return [p.grad.detach().clone() for p in net.parameters()]
+
+
+def multiple_forwards(accelerator):
+    """test_sync.py's ``test_distributed_sync_multiple_fwd``: 3 forwards under ``no_sync``, their
+    backwards, the last under ``trigger_sync_in_backward``, then a step. ``.grad`` after each."""
+    net, model, opt, dl = regression_setup(accelerator)
+    losses, seen = [], []
+    for i, batch in zip(range(3), dl):
+        with accelerator.no_sync(model):
+            out = model(batch["x"])
+            losses.append(nn.functional.mse_loss(out, batch["y"].to(out.device)))
+    for i, loss in enumerate(losses):
+        if i < 2:
+            accelerator.backward(loss)
+        else:
+            with accelerator.trigger_sync_in_backward(model):
+                accelerator.backward(loss)
+        seen.append(grads(net))
+    opt.step()
+    return net, model, seen
+
+
+def test_trigger_sync_in_backward_equals_one_device():
+    """Several forwards under no_sync, the last backward under trigger_sync_in_backward: that
+    backward sums what every replica accumulated, .grad and the step are one device's (on every
+    replica); before it, replica 0 holds its own share (test_sync.py: "not in sync")."""
+    one, _, ref = multiple_forwards(accelerate.Accelerator(cpu=True))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True)
+    net, model, seen = multiple_forwards(acc)
+    for i in range(2):  # accumulated locally: replica 0's share only
+        assert not any(torch.allclose(g, r) for g, r in zip(seen[i], ref[i]))
+    for g, r in zip(seen[2], ref[2]):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+    for replica in model.replicas:
+        assert_params(one, replica)
+    acc.free_memory()

@@ -13,6 +13,8 @@ every device, equal to Accelerate on one device with the same batches:
   autocasts a model's; ``"fp16"`` is refused (its gradient scaler would unscale replica 0 only).
 * ``accumulate()`` runs every micro-batch but the last of a step inside ``model.no_sync()``
   (plain Accelerate enters ``no_sync`` only with several processes): one transfer per step.
+* ``trigger_sync_in_backward(model)`` is the model's ``sync_in_backward()``: several forwards under
+  ``no_sync``, then the backward inside it sums everything the replicas accumulated (exact).
 * ``prepare`` binds each optimizer to the cgdp model whose parameters it holds
   (``model.bind(optimizer)``): its ``step()`` steps every replica.
 * ``clip_grad_norm_(model.parameters(), ...)`` uses the norm the host summed during backward,
@@ -115,6 +117,18 @@ class Accelerator(accelerate.Accelerator):
                 yield
         else:
             with super().no_sync(model):
+                yield
+
+    @staticmethod
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(model: nn.Module) -> Iterator[None]:
+        """For a cgdp model, its ``sync_in_backward()``: the backward run inside sums every replica's gradient,
+        also through forwards run under ``no_sync`` (Accelerate's own does nothing for a model that is not DDP)."""
+        if isinstance(model, DataParallel):
+            with model.sync_in_backward():
+                yield
+        else:
+            with accelerate.Accelerator.trigger_sync_in_backward(model):
                 yield
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2):

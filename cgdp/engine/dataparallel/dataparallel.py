@@ -62,6 +62,9 @@ from cgdp.planning.chunks import Plan
 
 NAME = "cgdp.DataParallel"
 
+# a forward's backward sums (the default); accumulates locally (no_sync()); every backward sums (sync_in_backward())
+_SYNCED, _NO_SYNC, _SYNC_IN_BACKWARD = "synced", "no_sync", "sync_in_backward"
+
 
 _SAID_EMULATED = [False]
 
@@ -126,7 +129,7 @@ class DataParallel(nn.Module):
         self._own_loss = OwnLossCheck(NAME, "pass num_items_in_batch (the token count of the whole batch, "
                                       "(labels != -100).sum()) to a model that divides by it, as Hugging Face "
                                       "models do, or compute the loss from the gathered logits", warn_user)
-        self._no_sync = False
+        self._sync = _SYNCED  # what a forward's backward does: no_sync() and sync_in_backward() set it
         self._guard = Guard(timeout_s)
         # one operation at a time, and what close() releases (also when dropped without close())
         self._life = Lifetime(self, NAME, "wrap model.module again", _refusal, _stopped, self._guard.fail)
@@ -251,9 +254,11 @@ class DataParallel(nn.Module):
         self._state.follow.after_forward(g)  # parameters the forward changed in place
         if self.module.training:  # the buffers the forward wrote (BatchNorm's statistics): the same everywhere
             self._state.after_forward(sizes, self._comm)
-        sync = not self._no_sync
+        sync = self._sync != _NO_SYNC
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
-        on_backward = ((lambda me=threading.current_thread(): self._begin_backward(sync, me))
+        # read again when the backward starts (autograd's thread): sync_in_backward() around it sums it
+        on_backward = ((lambda me=threading.current_thread():
+                        self._begin_backward(sync or self._sync == _SYNC_IN_BACKWARD, me))
                        if self._grads.trains else None)
         summed = self._scalar_outputs == "sum" or any(c.used for c in counts)  # shares of a global sum
         out = gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
@@ -264,11 +269,22 @@ class DataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backwards of forwards run inside accumulate locally; the next synced one sends it all (as DDP's)."""
-        old, self._no_sync = self._no_sync, True
+        old, self._sync = self._sync, _NO_SYNC
         try:
             yield
         finally:
-            self._no_sync = old
+            self._sync = old
+
+    @contextlib.contextmanager
+    def sync_in_backward(self) -> Iterator[None]:
+        """Every backward run inside sums, also through forwards run inside :meth:`no_sync` (which then send what
+        they accumulated); forwards inside count as synced. DDP's ``require_backward_grad_sync``, as Accelerate's
+        ``trigger_sync_in_backward`` sets it: several forwards under ``no_sync()``, their last backward in here."""
+        old, self._sync = self._sync, _SYNC_IN_BACKWARD
+        try:
+            yield
+        finally:
+            self._sync = old
 
     @operation("clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
