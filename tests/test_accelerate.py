@@ -156,13 +156,17 @@ def test_fp16_refused():
         Accelerator(cpu=True, mixed_precision="fp16")
 
 
-def regression_setup(accelerator, batch=16):
+def regression_setup(accelerator, batch=16, sched=False):
     """accelerate/test_utils/scripts/test_sync.py's ``get_training_setup``: its model and data, seeded."""
     from accelerate.test_utils import RegressionDataset, RegressionModel
-    torch.manual_seed(42)
     net = RegressionModel(a=1, b=1)
     dl = torch.utils.data.DataLoader(RegressionDataset(length=80, seed=42), batch_size=batch)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3) if sched else torch.optim.SGD(net.parameters(), lr=0.1,
+                                                                                    momentum=0.9)
+    if sched:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda=lambda epoch: epoch**0.65)
+        model, opt, dl, sched = accelerator.prepare(net, opt, dl, sched)
+        return net, model, opt, dl, sched
     model, opt, dl = accelerator.prepare(net, opt, dl)
     return net, model, opt, dl
 
@@ -203,6 +207,53 @@ def test_trigger_sync_in_backward_equals_one_device():
         assert not any(torch.allclose(g, r) for g, r in zip(seen[i], ref[i]))
     for g, r in zip(seen[2], ref[2]):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+    for replica in model.replicas:
+        assert_params(one, replica)
+    acc.free_memory()
+
+
+def accumulation(accelerator):
+    """test_sync.py's ``test_gradient_accumulation_with_opt_and_scheduler``: 5 batches, accumulation
+    2, AdamW and a scheduler. ``.grad`` after each micro-batch's backward, the learning rates."""
+    net, model, opt, dl, sched = regression_setup(accelerator, sched=True)
+    seen, lrs = [], []
+    for batch in dl:
+        with accelerator.accumulate(model):
+            out = model(batch["x"])
+            accelerator.backward(nn.functional.mse_loss(out, batch["y"].to(out.device)))
+            seen.append(grads(net))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        lrs.append(opt.param_groups[0]["lr"])
+    return net, model, seen, lrs
+
+
+@pytest.mark.parametrize("sync_each_batch", [True, False])
+def test_sync_each_batch_equals_one_device(monkeypatch, sync_each_batch):
+    """GradientAccumulationPlugin(sync_each_batch=True): no no_sync, every backward sums, .grad after
+    each micro-batch is one device's (test_sync.py: "syncs at each grad_accum interval or if
+    sync_each_batch"); False: replica 0's share between steps, one device's at each step."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    def plugin():
+        return GradientAccumulationPlugin(num_steps=2, sync_each_batch=sync_each_batch)
+    one, _, ref, lrs1 = accumulation(accelerate.Accelerator(cpu=True, gradient_accumulation_plugin=plugin()))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    quiet = []
+    no_sync = cgdp.DataParallel.no_sync
+    monkeypatch.setattr(cgdp.DataParallel, "no_sync", lambda self: quiet.append(1) or no_sync(self))
+    acc = Accelerator(cpu=True, gradient_accumulation_plugin=plugin())
+    net, model, seen, lrs2 = accumulation(acc)
+    assert lrs2 == lrs1
+    for i, (g, r) in enumerate(zip(seen, ref)):
+        if sync_each_batch or i % 2 == 1 or i == len(ref) - 1:
+            for a, b in zip(g, r):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        else:
+            assert not any(torch.allclose(a, b) for a, b in zip(g, r))
+    assert len(quiet) == (0 if sync_each_batch else 2)  # 5 batches: the 1st and 3rd accumulate
     for replica in model.replicas:
         assert_params(one, replica)
     acc.free_memory()

@@ -12,7 +12,8 @@ every device, equal to Accelerate on one device with the same batches:
   autocasts the wrapper's forward (every replica, through cgdp's caller context), as Accelerate
   autocasts a model's; ``"fp16"`` is refused (its gradient scaler would unscale replica 0 only).
 * ``accumulate()`` runs every micro-batch but the last of a step inside ``model.no_sync()``
-  (plain Accelerate enters ``no_sync`` only with several processes): one transfer per step.
+  (plain Accelerate enters ``no_sync`` only with several processes): one transfer per step;
+  ``GradientAccumulationPlugin(sync_each_batch=True)``: none, every backward sums.
 * ``trigger_sync_in_backward(model)`` is the model's ``sync_in_backward()``: several forwards under
   ``no_sync``, then the backward inside it sums everything the replicas accumulated (exact).
 * ``prepare`` binds each optimizer to the cgdp model whose parameters it holds
@@ -108,6 +109,16 @@ class Accelerator(accelerate.Accelerator):
                     raw = getattr(opt, "optimizer", opt)
                     if any(id(p) in ours for g in raw.param_groups for p in g["params"]):
                         model.bind(raw)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """Accelerate's, which enters ``no_sync`` on every micro-batch but a step's last; with
+        ``GradientAccumulationPlugin(sync_each_batch=True)`` none: every backward sums (Accelerate
+        honours it only with several processes)."""
+        if self.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+            models = ()  # Accelerate's counting of micro-batches, no no_sync
+        with super().accumulate(*models):
+            yield
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
