@@ -257,3 +257,37 @@ def test_sync_each_batch_equals_one_device(monkeypatch, sync_each_batch):
     for replica in model.replicas:
         assert_params(one, replica)
     acc.free_memory()
+
+
+def loaded(device_map, bits=8):
+    """A module as transformers leaves a quantized or dispatched model: the attributes
+    accelerate's ``prepare_model`` reads."""
+    net = network()
+    if bits:
+        setattr(net, f"is_loaded_in_{bits}bit", True)
+    net.hf_device_map = device_map
+    return net
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_with_cpu_offload_refused_as_by_accelerate(bits):
+    """An 8/4-bit model with CPU offload: accelerate's own ValueError, before anything is wrapped."""
+    with pytest.raises(ValueError) as plain:
+        accelerate.Accelerator(cpu=True).prepare(loaded({"": "cpu"}, bits))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True)
+    with pytest.raises(ValueError) as ours:
+        acc.prepare(loaded({"": "cpu"}, bits))
+    assert str(ours.value) == str(plain.value) and "CPU or disk offload" in str(ours.value)
+    assert acc._models == []  # nothing wrapped: no replicas, no threads
+
+
+def test_device_map_of_several_entries_refused():
+    """Dispatched over a device map of several entries (quantized or not): its hooks tie layers to
+    devices; accelerate refuses it in a distributed mode, and cgdp's devices are one."""
+    for net in (loaded({"0": "cpu", "3": "cpu"}, bits=None), loaded({"0": "cpu", "3": "cpu"}, bits=4)):
+        acc = Accelerator(cpu=True)
+        with pytest.raises(ValueError, match=r"dispatched by a device_map of several entries.*without a device_map"):
+            acc.prepare(net)
+        assert acc._models == []
+        AcceleratorState._reset_state(reset_partial_state=True)

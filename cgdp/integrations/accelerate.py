@@ -41,6 +41,8 @@ except ImportError as exc:  # pragma: no cover - the accelerate extra is install
     raise ImportError("cgdp.integrations.accelerate needs Accelerate: pip install -e \".[accelerate]\" "
                       "(or pip install accelerate)") from exc
 
+from accelerate.utils import is_bitsandbytes_multi_backend_available, is_xpu_available
+
 from cgdp.engine.backend import default_devices
 from cgdp.engine.dataparallel.dataparallel import DataParallel
 
@@ -89,11 +91,34 @@ class Accelerator(accelerate.Accelerator):
                       evaluation_mode: bool = False) -> nn.Module:
         if (isinstance(model, nn.Module) and not isinstance(model, DataParallel)
                 and not getattr(model, "_is_accelerate_prepared", False)):
+            self._check_loading(model)
             model = DataParallel(model, self.devices, **self._cgdp_options)
         # the wrapper places every replica; Accelerate's autocast goes on the wrapper's forward
         model = super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
         self._bind()  # an optimizer prepared before its model
         return model
+
+    def _check_loading(self, model: nn.Module) -> None:
+        """Accelerate's ``prepare_model`` guards on how the model was loaded (``hf_device_map``,
+        ``is_loaded_in_8bit`` / ``4bit``), read on the user's module before cgdp wraps it (the wrapper
+        has neither). Accelerate refuses a device map of several entries in a distributed mode only;
+        cgdp copies the model to each device, which counts as one when there are several."""
+        several = len(self.devices) > 1
+        if several and self.verify_device_map(model):
+            raise ValueError(_SPREAD)
+        device_map = getattr(model, "hf_device_map", None)
+        quantized = getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)
+        if not (quantized and device_map):
+            return
+        where = set(device_map.values())
+        bnb_cpu = is_bitsandbytes_multi_backend_available()  # bitsandbytes that trains on CPU
+        if len(where) == 1 and not where & {"cpu", "disk"} and not (self.device.type == "cpu" and bnb_cpu):
+            (at,) = where
+            index = at if isinstance(at, int) else torch.device(at).index
+            if torch.device(self.device.type, index) != self.device and (self.device.index is not None or index != 0):
+                raise ValueError(_QUANTIZED_ELSEWHERE)
+        if "disk" in where or ("cpu" in where and (not bnb_cpu or is_xpu_available())):
+            raise ValueError(_QUANTIZED_OFFLOAD)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
         optimizer = super().prepare_optimizer(optimizer, device_placement=device_placement)
@@ -163,6 +188,21 @@ class Accelerator(accelerate.Accelerator):
 
 _FP16 = ("cgdp.integrations.accelerate.Accelerator trains with mixed_precision='bf16' or in float32; "
          "'fp16' needs a gradient scaler, which would unscale replica 0 only: use 'bf16'")
+
+
+# Accelerate's own sentences (accelerator.py, prepare_model), then cgdp's for a model spread over devices
+_QUANTIZED_OFFLOAD = (
+    "You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk offload. "
+    "If you want train the 8-bit or 4-bit model in CPU, please install bitsandbytes with multi-backend, see "
+    "https://huggingface.co/docs/bitsandbytes/main/en/installation#multi-backend")
+_QUANTIZED_ELSEWHERE = (
+    "You can't train a model that has been loaded in 8-bit or 4-bit precision on a different device than the one "
+    "you're training on. Make sure you loaded the model on the correct device using for example "
+    "`device_map={'':torch.cuda.current_device()}` or `device_map={'':torch.xpu.current_device()}`")
+_SPREAD = ("cgdp.integrations.accelerate.Accelerator trains a copy of the model on each of its devices, and this "
+           "model was dispatched by a device_map of several entries (its hf_device_map: device_map='auto' or a "
+           "dict), whose hooks tie each layer to the device the map names: load it without a device_map or on "
+           "one device (device_map={'': 0}), or train it over its device_map with plain accelerate.Accelerator")
 
 
 def _save_replica_rng(models: list[nn.Module], weights: list, output_dir: str) -> None:
