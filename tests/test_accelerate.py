@@ -291,3 +291,29 @@ def test_device_map_of_several_entries_refused():
             acc.prepare(net)
         assert acc._models == []
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_one_sample_without_batch_dimension_is_said():
+    """A 1-D tensor of 32 features into Linear(32, 2): one device computes it as is; cgdp splits it
+    as a batch of 32 scalars, and the replica's error carries a note saying so and what to do
+    (a 1-D tensor can be a batch, so it is not refused: RegressionModel's 1-D inputs train above).
+    Done as the note says, the output is one device's."""
+    torch.manual_seed(0)
+    one = nn.Linear(32, 2)
+    net = nn.Linear(32, 2)
+    net.load_state_dict(one.state_dict())
+    x = torch.randn(32)
+    expected = accelerate.Accelerator(cpu=True).prepare(one)(x)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True)
+    model, batched = acc.prepare(net, nn.Linear(32, 2))
+    with pytest.raises(RuntimeError, match="mat1 and mat2") as err:  # a batched input: no such note
+        batched(torch.randn(4, 16))
+    assert "1-D" not in "\n".join(getattr(err.value, "__notes__", []))
+    with pytest.raises(RuntimeError, match="mat1 and mat2") as err:
+        model(x)
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    assert "split the 1-D tensor input of shape (32,) along its only dimension" in notes
+    assert "16 + 16" in notes and "model(x.unsqueeze(0))" in notes
+    torch.testing.assert_close(model(x.unsqueeze(0)).squeeze(0), expected)
+    acc.free_memory()

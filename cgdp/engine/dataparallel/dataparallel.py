@@ -52,7 +52,7 @@ from cgdp.engine.core.dense_grads import DenseGrads
 from cgdp.engine.core.gradients import GradPart, Gradients, UserFault
 from cgdp.engine.dataparallel.steps import ReplicaSteps
 from cgdp.engine.dataparallel.replica_state import ReplicaState
-from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
+from cgdp.engine.dataparallel.scatter import gather, scatter, unbatched_note, watch_counts
 from cgdp.engine.core.sparse_grads import SparseGrads, sparse_parameters
 from cgdp.engine.dataparallel.user_module import GradBuffers
 from cgdp.engine.core.user_warning import warn_user
@@ -243,6 +243,9 @@ class DataParallel(nn.Module):
                     return self._rng.on_device(j, lambda: self._replicas[j](*parts[j][0], **parts[j][1]))
             except Exception as exc:  # the user's own error, said where it happened (Python >= 3.11)
                 getattr(exc, "add_note", lambda _: None)(f"(raised in replica {j} of cgdp.DataParallel, on {self.devices[j]})")
+                hint = unbatched_note(args, kwargs, sizes)
+                if hint:
+                    getattr(exc, "add_note", lambda _: None)(hint)
                 raise
 
         try:
