@@ -104,3 +104,23 @@ def test_accelerate_forwards_under_no_sync_without_trigger_are_refused():
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
         del accelerate
+
+
+def test_sync_in_backward_completes_forwards_run_inside_no_sync():
+    """Forwards inside no_sync(), one backward inside sync_in_backward() (what Accelerate's
+    trigger_sync_in_backward enters): summed, the step is one device's on every replica."""
+    batches = data()
+    net, ref = mlp(), mlp()
+    with cgdp.DataParallel(net, DEVICES) as model:
+        opt = model.bind(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        with model.no_sync():
+            losses = [F.cross_entropy(model(x), y.to(model.output_device)) for x, y in batches]
+        with model.sync_in_backward():
+            torch.stack(losses).mean().backward()
+        opt.step()
+        replicas = [copy.deepcopy(r).cpu() for r in model.replicas]
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    torch.stack([F.cross_entropy(ref(x), y) for x, y in batches]).mean().backward()
+    ropt.step()
+    for r in replicas:
+        assert_params_close(r, ref)
