@@ -111,9 +111,23 @@ class Gradients:
     def whole(self) -> bool:
         return self.state in _WHOLE
 
-    def begin_step(self, timing: bool, sink: Any) -> None:
+    def begin_step(self, timing: bool, sink: Any, take_hooks: bool) -> bool:
+        """A ``Trainer`` step from zero; with ``take_hooks`` the user's gradient hooks wait for the sum: whether any."""
         self.dense.fresh(timing, sink)
         self.state = _SENDING
+        return bool(take_hooks and self.dense.param_hooks.take())
+
+    def run_hooks(self, touched: Any, hook_views: Any) -> bool:
+        """The hooks taken by :meth:`begin_step`, on the sum, the result in every view ``hook_views`` picks of
+        :meth:`views` (the first holds the sum): whether any ran. Also after a failure, :meth:`put_back_hooks`."""
+        hooks = self.dense.param_hooks
+        if not hooks.taken:
+            return False
+        hooks.run(touched, hook_views(self.views()))
+        return True
+
+    def put_back_hooks(self) -> None:
+        self.dense.param_hooks.put_back()
 
     def end_step(self, touched: Any) -> None:
         self.dense.settle(touched)
@@ -124,6 +138,10 @@ class Gradients:
 
     def none_pids(self) -> list[int]:
         return self.parts[0].none_pids
+
+    def touched(self) -> Any:
+        """Per dense parameter, on how many replicas it got a gradient since the marks were reset."""
+        return self.dense.marks.counts()
 
     def device_norm(self) -> float:
         """The 2-norm of replica 0's gradient, read from its device (not the host's sum)."""

@@ -183,7 +183,7 @@ is_none = functools.partial(operator.is_, None)
 def after_forward(replicas_follow: Callable[[int], None], update: Update) -> Callable[[int], None]:
     """After each forward the replicas follow replica 0's writes, then the masters do (the host step must start from
     what a forward wrote in place, not overwrite it)."""
-    masters = getattr(update, "masters", None)
+    masters = update.masters
     if masters is None:
         return replicas_follow
 
@@ -211,6 +211,7 @@ class HostUpdate(Update):
 
     streams = True
     sums = True
+    early = True
 
     def __init__(self, devs: Sequence[Device], optimizers: Sequence[torch.optim.Optimizer],
                  params: Sequence[Sequence[nn.Parameter]], factory: Callable[..., torch.optim.Optimizer]):
@@ -261,6 +262,9 @@ class HostUpdate(Update):
             weakref.finalize(self, self._queue.put, None)
             resources.push(functools.partial(_stop, self._queue, thread))
             host.on_summed = weak_call(self._summed)
+
+    def shown(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]  # the replicas' are never stepped
 
     def begin_step(self, hooked: bool = False) -> None:
         """Before the first forward (caller's thread). With gradient hooks (``hooked``, refused after backward) nothing
@@ -345,7 +349,7 @@ class HostUpdate(Update):
             masters = self.masters.masters
             for pid in self._chunk_pids[c]:
                 k = self._group[pid]
-                if k is not None and any(h.touched[pid] for h in st.hooks):  # untouched: skipped, as on one device
+                if k is not None and any(t[pid] for t in st.marks.touched):  # untouched: skipped, as on one device
                     lent[k].append(masters[pid])
             if self.masters.wire is not None:  # the replicas hold the masters' rounding: keep the masters
                 self.masters.wire.keep(self._chunk_pids[c])

@@ -48,6 +48,17 @@ class Update(ABC):
         self.params = [list(p) for p in params]
 
     figures: dict[str, float] = {}  # the last step's, for Trainer.stats
+    masters: Any = None  # the float32 masters it steps (HostMasters), if any
+    undone = False  # the last step raised and was undone: nothing changed, the face stays usable
+    early = False  # it steps during backward: (loss_sum, count) counts are read before backward
+
+    def shown(self) -> list[torch.optim.Optimizer]:
+        """The optimizers the face shows (``Trainer.optimizers``)."""
+        return self.optimizers
+
+    def attach(self, stream: GradientStream, grads: Any, clipping: bool, guard: Any, resources: Any,
+               module: nn.Module | None = None) -> None:
+        """Once the gradient path exists."""
 
     def begin_step(self, hooked: bool = False) -> None:
         """Before the first forward (caller's thread); ``hooked``: user gradient hooks will run."""
