@@ -43,7 +43,7 @@ from cgdp.engine.core.layers import find_layers, number_params, trainable_dtype
 from cgdp.engine.core.padding import OwnLossCheck, labels_of
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan
-from cgdp.engine.core.replicas import make_replicas, signature
+from cgdp.engine.core.replicas import make_replicas, settings, signature
 from cgdp.engine.core.stream import GradientStream, check_sizes
 from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.dataparallel.binding import bind
@@ -138,7 +138,10 @@ class DataParallel(nn.Module):
             self.output_device = self._devs[0].torch_device
             """Where the gathered outputs are (``devices[0]``): put the targets there."""
             self._comm = self._life.open_comm(comm, timeout_s,
-                                              lambda: signature("DataParallel", module, infos, len(devices), dtype))
+                                              lambda: signature("DataParallel", module, infos, len(devices), dtype,
+                                                                **settings(update=update, segment_bytes=segment_bytes,
+                                                                           host_memory=host_memory,
+                                                                           scalar_outputs=scalar_outputs)))
             self._build(module, infos, layer_params, dtype, chunks, segment_bytes, host_memory)
         except BaseException:
             self.close()

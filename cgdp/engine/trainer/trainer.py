@@ -34,7 +34,7 @@ from cgdp.engine.core.host_update import after_forward
 from cgdp.engine.core.memory_report import memory_report
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan, tuned_plan
-from cgdp.engine.core.replicas import Replicas, batch_weights, signature, split_buffers
+from cgdp.engine.core.replicas import Replicas, batch_weights, settings, signature, split_buffers
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.sync import Guard
@@ -159,7 +159,10 @@ class Trainer:
         opt = reps.optimizers[0]
         self._comm = self._life.open_comm(comm, self._timeout_s, lambda: signature(
             "Trainer", model, self.layers, len(self._devs), self._dtype, mode=self.mode, optimizer=type(opt).__name__,
-            optimizer_defaults=repr(sorted(opt.defaults.items(), key=str))))
+            optimizer_defaults=repr(sorted(opt.defaults.items(), key=str)), **settings(
+                grad_transfer=None if self._transfer is None else "bf16", update="host" if self._host_update else
+                "devices", segment_bytes=self._segment, host_memory=self._host_memory, clip_grad_norm=self._max_norm,
+                micro_batches=self._micro)))
 
         plan, self.tuner = first_plan(chunks, self._layer_bytes, len(self._devs), self._comm,
                                       tuned=self._update.streams, paper=True)
