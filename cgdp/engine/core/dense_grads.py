@@ -15,6 +15,7 @@ import torch
 
 from cgdp.comm import Comm
 from cgdp.engine.backend import host_threads
+from cgdp.engine.core.drain import quiesce
 from cgdp.engine.core.hooks import StepMarks
 from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.param_hooks import ParamHooks
@@ -31,7 +32,7 @@ def build_dense(devs: list, params: list, layer_pids: list, dtype: torch.dtype, 
     :meth:`GradientStream.close`) laid out for ``plan``, the dense part over them."""
     stream = GradientStream(devs, params, layer_pids, dtype, StepMarks(len(devs), len(params[0])), guard=guard,
                             comm=comm, host_threads=host_threads(devs), **stream_options)
-    resources.stream = stream
+    resources.drain = functools.partial(quiesce, devs, stream.host, 30.0)  # the host's copies too
     resources.push(functools.partial(stream.close, keep_grads))
     stream.set_plan(plan)
     return DenseGrads(stream, initial, param_hooks, comm, guard.timeout_s)

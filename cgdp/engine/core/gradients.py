@@ -136,9 +136,6 @@ class Gradients:
     def views(self) -> list[list[torch.Tensor]]:
         return self.parts[0].views()
 
-    def none_pids(self) -> list[int]:
-        return self.parts[0].none_pids
-
     def touched(self) -> Any:
         """Per dense parameter, on how many replicas it got a gradient since the marks were reset."""
         return self.dense.marks.counts()

@@ -118,6 +118,16 @@ class HostMasters:
         self.wire.round_replicas(range(len(self.masters)))
         self._versions = list(map(_VERSION, self.params[0]))
 
+    def take_grads(self, row: torch.Tensor | None, offsets: Sequence[int], pids: Sequence[int] | None = None) -> None:
+        """The masters' gradients (``pids``, or all), for either face: views of the host's sum ``row`` when every
+        replica holds it (None where replica 0's ``.grad`` is), else copies of replica 0's gradients."""
+        grads = [grad_of(self.params[0][k]) for k in pids] if pids is not None else list(map(grad_of, self.params[0]))
+        if row is None:
+            self.grads_from(grads, pids)
+        else:
+            self.grads_from_row(row, offsets, [k for k, g in zip(pids or itertools.count(), grads) if g is None]
+                                if any(map(is_none, grads)) else ())
+
     def grads_from_row(self, row: torch.Tensor, offsets: Sequence[int], none: Sequence[int]) -> None:
         key = (row.data_ptr(), tuple(offsets), tuple(none))
         # views still in place (an optimizer's zero_grad() drops them): no slicing per parameter
@@ -409,11 +419,9 @@ class HostUpdate(Update):
         if not overlapped:
             t0 = time.perf_counter()
             host = stream.host
-            row = self._sum_row(widen=True) if host is not None and not host.send_back else None
-            if row is not None:
-                m.grads_from_row(row, stream.layout.offsets, self._grads.none_pids())
-            else:  # replica 0 holds the averaged gradient (a bf16 wire, a ring of host slots)
-                m.grads_from([p.grad for p in self.params[0]])
+            # else replica 0 holds the averaged gradient (a bf16 wire, a ring of host slots)
+            m.take_grads(self._sum_row(widen=True) if host is not None and not host.send_back else None,
+                         stream.layout.offsets)
             if coef is not None:
                 grads = [g.grad for g in m.masters if g.grad is not None]
                 if grads:
