@@ -170,32 +170,53 @@ def test_trainer_waits_per_step(feature, kw, want):
     assert got == Counter(want)
 
 
-@pytest.mark.parametrize("feature, want", [
-    ("plain", {("MainThread", "read"): 1}),
-    ("batchnorm", {("MainThread", "read"): 1}),
-    ("clipping", {("MainThread", "read"): 2}),
-])
-def test_dataparallel_waits_per_iteration(feature, want):
-    """No wait in forward (BatchNorm's buffers: a mask on the device), none in clip_grad_norm_ (the
-    coefficient and the norm stay on the device), inputs through page-locked memory; what is left
-    is the check for gradients edited through ``.data`` (one read per optimizer.step() and per
-    clip_grad_norm_, docs/cuda.md). Before: two reads per check, a flag read per device in a
-    BatchNorm forward, the coefficient from pageable memory, inputs from pageable memory."""
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("clipping", [None, "model.clip_grad_norm_", "torch.nn.utils.clip_grad_norm_"])
+@pytest.mark.parametrize("batchnorm", [False, True])
+def test_dataparallel_waits_per_iteration(optimizer, clipping, batchnorm):
+    """One wait per iteration, whatever the loop adds: no wait in forward (BatchNorm's buffers: a mask on the device),
+    none in clipping (the norm is taken on replica 0's device, the coefficient stays there; torch's own
+    clip_grad_norm_ on the model's parameters as on one device), inputs through page-locked memory; what is left is
+    the check for gradients edited through ``.data`` at optimizer.step() (docs/cuda.md). Before: two reads per check,
+    a flag read per device in a BatchNorm forward, the coefficient from pageable memory, inputs from pageable memory,
+    and one more check (a read) in model.clip_grad_norm_."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(12, 12, generator=g), torch.randint(0, 4, (12,), generator=g)
     with simulated_cuda(2, max_delay_s=0.0) as sim:
-        with cgdp.DataParallel(mlp(feature == "batchnorm"), ["cuda:0", "cuda:1"], chunks=1) as dp:
-            opt = dp.bind(torch.optim.SGD(dp.parameters(), lr=0.05))
+        with cgdp.DataParallel(mlp(batchnorm), ["cuda:0", "cuda:1"], chunks=1) as dp:
+            opt = dp.bind(torch.optim.AdamW(dp.parameters(), lr=1e-3) if optimizer == "adamw"
+                          else torch.optim.SGD(dp.parameters(), lr=0.05))
             yd = y.to(sim.runtime.torch_device(0))  # the user's own upload, once
 
             def step():
                 opt.zero_grad()
                 F.cross_entropy(dp(x), yd).backward()
-                if feature == "clipping":
+                if clipping == "model.clip_grad_norm_":
                     dp.clip_grad_norm_(0.5)
+                elif clipping:
+                    torch.nn.utils.clip_grad_norm_(dp.parameters(), 0.5)
                 opt.step()
             got = counted_step(sim, step)
-    assert got == Counter(want)
+    assert got == Counter({("MainThread", "read"): 1})
+
+
+def test_torch_code_moving_a_tensor_to_the_device_it_read_stays_on_that_device():
+    """On a GPU, torch's clip_grad_norm_ moves each norm and the coefficient to the device it read from the gradients
+    (``.to(cuda:0)`` of a tensor on cuda:0: no copy). The simulator shows torch's code ``cpu`` as that device, so a
+    move there must stay on it too (it counted a read per parameter); a move to the host by name still reads."""
+    with simulated_cuda(1, max_delay_s=0.0) as sim:
+        d0 = sim.runtime.torch_device(0)
+        grads = [torch.ones(3, device=d0), torch.ones(2, device=d0)]
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g
+        sim.reset_host_syncs()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        assert sim.host_syncs() == Counter()
+        assert sim.syncs.device_of(norm) == 0 and sim.syncs.device_of(params[0].grad) == 0
+        float(norm)
+        grads[0].to("cpu")
+        assert sim.host_syncs() == Counter({("MainThread", "read"): 2})
 
 
 def test_tensor_hyperparameters_that_differ_reject_the_step_after_backward():

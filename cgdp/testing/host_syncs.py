@@ -49,6 +49,20 @@ _READS = {T.item, T.__float__, T.__int__, T.__bool__, T.__index__, T.__complex__
           T.__array__, T.__format__, T.__repr__, T.equal, T.allclose, torch.equal, torch.allclose}
 """Torch calls that hand device data to the host (each waits for it on a GPU)."""
 _UPLOADS = {torch.tensor, torch.as_tensor, T.new_tensor}
+_SEEN: dict[int, torch.device] = {}
+"""Per simulated device, the ``cpu`` device object torch's own code reads from its tensors' ``.device``."""
+_SEEN_INDEX: dict[int, int] = {}
+"""``id`` of each object of :data:`_SEEN` → its simulated device (the objects live as long as the module)."""
+
+
+def _seen_by_torch(index: int) -> torch.device:
+    """``cpu``, as torch's code must see it, but one object per simulated device: a device torch's code read from a
+    tensor and passes on (``norm.to(first_device)``) names that device, as ``cuda:N`` would on a GPU."""
+    view = _SEEN.get(index)
+    if view is None:
+        view = _SEEN[index] = torch.device("cpu")
+        _SEEN_INDEX[id(view)] = index
+    return view
 """Creation from host data with ``device=``: a blocking copy from pageable memory."""
 
 
@@ -89,7 +103,7 @@ class HostSyncs:
     def index(device: Any) -> int | None:
         """The simulated device a ``device=`` argument names (None: the host, or not a device)."""
         if isinstance(device, torch.device) and device.type == "cpu":
-            return device.index
+            return _SEEN_INDEX.get(id(device), device.index)
         return None
 
     def device_of(self, t: Any) -> int | None:
@@ -233,9 +247,9 @@ class SyncMode(TorchFunctionMode):
             # ``model.output_device``); to torch's own Python code, "cpu": its functions compare
             # and make tensors in the host memory the tensor really lives in
             index = s.device_of(args[0])
-            if index is None or _from_torch(sys._getframe(1)):
+            if index is None:
                 return func(*args, **kwargs)
-            return torch.device("cpu", index)
+            return _seen_by_torch(index) if _from_torch(sys._getframe(1)) else torch.device("cpu", index)
         if func in s.backwards and s.run_backward is not None:
             return s.run_backward(func, args, kwargs)
         if func in _READS:
@@ -246,7 +260,14 @@ class SyncMode(TorchFunctionMode):
             device, non_blocking = (_to_args(args, kwargs) if func is T.to else (torch.device("cpu"), False))
             if device is None:
                 return func(*args, **kwargs)
-            target = s.index(device)
+            named = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, torch.device)]
+            target = s.index(named[0] if named else device)
+            if (named and target is None and named[0].type == "cpu" and id(named[0]) not in _SEEN_INDEX
+                    and _from_torch(sys._getframe(1))):
+                # torch's code saw this tensor's device as "cpu" (its C++ groups tensors by device, as
+                # clip_grad_norm_ does): a move there keeps it on its device, as .to(cuda:N) would on a GPU;
+                # a move to the host by name ("cpu") or .cpu() stays a read
+                target = s.device_of(args[0])
             if s.device_of(args[0]) == target:  # no move: torch's answer (``x.to(x.device) is x``)
                 host_args, host_kwargs = _on_host(args, kwargs)
                 out = func(*host_args, **host_kwargs)

@@ -17,7 +17,6 @@ from cgdp.comm import Comm
 from cgdp.engine.backend import host_threads
 from cgdp.engine.core.drain import quiesce
 from cgdp.engine.core.hooks import StepMarks
-from cgdp.engine.core.clip import device_norm
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.sync import Guard
@@ -202,14 +201,9 @@ class DenseGrads(GradPart):
         self.set_none()
         self.record()
 
-    def norm(self, norm_type: float, host: bool) -> float:
-        """The total's norm: from the host's sum of squares when ``host`` (from the 2nd clip on), else replica 0's."""
-        st = self.stream
-        if norm_type != 2.0:
-            return float(torch.linalg.vector_norm(st.flats[0], norm_type, dtype=torch.float64))
-        value = st.grad_norm() if host and st.want_norm else device_norm(st.flats[0])
-        st.want_norm = True  # from the next backward on, the host sums the squares
-        return value
+    def norm(self, norm_type: float) -> torch.Tensor:
+        """Replica 0's (every replica holds the total), on its device, as one device computes it."""
+        return torch.linalg.vector_norm(self.stream.flats[0], norm_type, dtype=torch.float64)
 
     def scale(self, coef: torch.Tensor) -> None:
         self.stream.scale_grads(coef)
@@ -220,13 +214,14 @@ class DenseGrads(GradPart):
         self.set_none()
         self.record()
 
-    def follow_edits(self, whole: bool) -> bool:
-        """Copy replica 0's gradients everywhere if changed (``.data`` edits: found against replica 1's bits)."""
+    def follow_edits(self, whole: bool, data: bool = True) -> bool:
+        """Copy replica 0's gradients everywhere if changed (``data``: ``.data`` edits too, found against replica 1's
+        bits)."""
         st = self.stream
         views0 = st.views[0]
         grads = [p.grad for p in st.params[0]]
         changed = st.flats[0]._version != self.versions[0] or not self.attached(grads)
-        through_data = (not changed and whole and len(st.flats) > 1
+        through_data = (data and not changed and whole and len(st.flats) > 1
                         and not same_bits(st.flats[0], st.flats[1]))
         if not (changed or through_data):
             return False

@@ -273,7 +273,7 @@ class DataParallel(nn.Module):
 
     @operation("clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip every replica by the summed gradient's norm (the host's from the 2nd call on); returns it, as FSDP."""
+        """Clip every replica by the summed gradient's norm (taken on replica 0's device); returns it, as FSDP."""
         return self._grads.clip(max_norm, float(norm_type))
 
     def train(self, mode: bool = True) -> "DataParallel":
