@@ -140,6 +140,10 @@ def pair_loss(model, part):
     ("(loss_sum, count), micro-batches", {"micro_batches": 2}, {("MainThread", "read"): 1}),
     # the host optimizer steps during backward: the counts are read (once) and checked before it
     ("(loss_sum, count), update='host'", {"update": "host"}, {("MainThread", "read"): 2}),
+    # with a ring the host holds no full row: replica 0's averaged gradient comes to the host in one copy (one wait;
+    # it was one blocking copy per parameter, which the counter did not see)
+    ("update='host', host_memory", {"update": "host", "host_memory": 1 << 16, "segment_bytes": 1024},
+     {("MainThread", "read"): 2}),
     # the non-finite count of the reduced gradient: read with the losses
     ("typical", {"mode": "typical"}, {("MainThread", "read"): 1}),
     ("typical, clipping", {"mode": "typical", "clip_grad_norm": 0.5}, {("MainThread", "read"): 1}),

@@ -56,13 +56,12 @@ class ReplicaSteps:
                                                    for j in range(1, len(self.devs))],
                 [b.opt() for b in bound if hasattr(b, "host")])
 
-    def host_sum(self) -> tuple[Any, list[int] | None]:
-        """The host's sum row and offsets when every replica holds it (``SUMMED``, one machine); else None, None."""
+    def host_sum(self) -> tuple[Any, list[int], Any]:
+        """The host's sum row when every replica holds it (``SUMMED``, one machine; else None), the offsets and replica
+        0's flat gradient (:meth:`~cgdp.engine.core.host_update.HostMasters.take_grads`)."""
         st = self._stream
-        if self._grads.state is not GradState.SUMMED or self._comm is not None or st is None or st.host is None:
-            return None, None
-        row = st.host.sum_row()
-        return (None, None) if row is None else (row, st.layout.offsets)
+        whole = self._grads.state is GradState.SUMMED and self._comm is None and st.host is not None
+        return st.host.sum_row() if whole else None, st.layout.offsets, st.flats[0]
 
     def host_copy_back(self, pids: list[int]) -> None:
         self.host_masters.to_devices(self.threads, pids)
