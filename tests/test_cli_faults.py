@@ -127,6 +127,31 @@ def test_used_out_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
     assert [r["step"] for r in rows(out) if r["kind"] == "step"] == [1, 2]
 
 
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_lock_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path, capsys, link):
+    """``OUT/.lock`` is written with the process id; planted as a link to a file elsewhere, it
+    would empty and overwrite that file. The run is refused before anything is written."""
+    out, target = tmp_path / "run", tmp_path / "precious.txt"
+    out.mkdir()
+    target.write_text("the user's data\n")
+    (out / ".lock").symlink_to(target) if link == "symbolic" else os.link(target, out / ".lock")
+    rc, text = run(capsys, "--out", str(out), "--steps", "2")
+    assert rc == 2 and f"{out / '.lock'} is a {link} link" in text and "Remove" in text, text
+    assert target.read_text() == "the user's data\n"
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing else was written
+
+
+def test_metrics_planted_as_a_link_is_not_written_through(tmp_path, capsys):
+    """metrics.jsonl is appended to, not replaced by a rename: a link there (here one that points
+    nowhere yet, so --out looks unused) would create or empty a file elsewhere."""
+    out, target = tmp_path / "run", tmp_path / "elsewhere.txt"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to(target)
+    rc, text = run(capsys, "--out", str(out), "--steps", "2")
+    assert rc == 2 and "metrics.jsonl: it is a symbolic link" in text and "remove the link" in text, text
+    assert not target.exists()
+
+
 def test_resume_after_a_crash_marks_the_repeated_steps(tmp_path, capsys):
     out = tmp_path / "run"
     assert run(capsys, "--out", str(out), "--steps", "3")[0] == 0

@@ -33,6 +33,9 @@ def disk_error(e: OSError, path: pathlib.Path, kept: str) -> OutputError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         what = f"the disk is full (no space left on the device of {path.parent})"
         fix = "free some space (or choose another --out)"
+    elif e.errno == errno.ELOOP:  # opened with O_NOFOLLOW
+        what = "it is a symbolic link, and cgdp.train does not write through links"
+        fix = "remove the link (or choose another --out)"
     elif e.errno == errno.EFBIG:
         what = "the file would exceed the largest file this process may write (ulimit -f)"
         fix = "raise the limit (or choose another --out)"
@@ -76,7 +79,9 @@ class Metrics:
             return
         try:
             cut = append and self.path.exists() and self.path.stat().st_size and not _ends_with_newline(self.path)
-            self.f = open(self.path, "a" if append else "w")
+            flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+            # never through a link planted in --out: it would write (or empty) a file elsewhere
+            self.f = os.fdopen(os.open(self.path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644), "w")
             if cut:
                 self.f.write("\n")  # a crash cut the last line: start on a line of our own
                 self.f.flush()
