@@ -11,7 +11,8 @@ second holds the old one.
 
 ``OUT/.lock`` is opened without following a symbolic link and must be a plain file with one name:
 a ``.lock`` planted as a link (symbolic or hard) to a file elsewhere is refused, never written
-through.
+through. A disk that cannot take the process id (full, or over quota) is refused with what to do,
+and nothing else in ``OUT`` is touched.
 
 Where ``fcntl`` does not exist (Windows) there is no lock; with MPI only rank 0 takes it (the ranks
 of one run share ``OUT``).
@@ -22,6 +23,8 @@ import errno
 import os
 import pathlib
 import stat
+
+from cgdp.cli.output import disk_error
 
 try:
     import fcntl
@@ -64,8 +67,13 @@ class OutLock:
             raise RuntimeError(f"--out {out} is in use by another cgdp.train run (process {holder}), which "
                                f"writes its checkpoint and metrics there; wait for it to end, or choose "
                                f"another --out") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        pid = f"{os.getpid()}\n".encode()
+        try:  # written before the old id is cut off: a full disk leaves the file as it was
+            os.pwrite(fd, pid, 0)
+            os.ftruncate(fd, len(pid))
+        except OSError as e:
+            os.close(fd)
+            raise disk_error(e, path, f"nothing was changed in {out}") from None
         self._fd = fd
 
     def release(self) -> None:
