@@ -152,6 +152,19 @@ def test_metrics_planted_as_a_link_is_not_written_through(tmp_path, capsys):
     assert not target.exists()
 
 
+def test_an_out_holding_only_a_users_model_is_refused_without_overwrite(tmp_path, capsys):
+    """A run writes OUT/model.pt at its end: a user's own model.pt there is not replaced unasked."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model.pt").write_bytes(b"the user's pretrained weights")
+    rc, text = run(capsys, "--out", str(out), "--steps", "2")
+    assert rc == 2 and f"--out {out} holds a model.pt but no run" in text and "--overwrite" in text, text
+    assert (out / "model.pt").read_bytes() == b"the user's pretrained weights"
+    assert not (out / "metrics.jsonl").exists() and not (out / "config.toml").exists()
+    assert run(capsys, "--out", str(out), "--steps", "2", "--overwrite")[0] == 0
+    assert torch.load(out / "model.pt", weights_only=True)
+
+
 def test_resume_after_a_crash_marks_the_repeated_steps(tmp_path, capsys):
     out = tmp_path / "run"
     assert run(capsys, "--out", str(out), "--steps", "3")[0] == 0

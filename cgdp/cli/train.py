@@ -45,9 +45,10 @@ from cgdp.cli.progress import Progress
 # settings a resumed run may change; anything else must match the checkpoint's run
 RESUMABLE_CHANGES = {"train.steps", "train.epochs", "train.timeout_s", "data.prefetch"}
 RUN_FILES = ("checkpoint.pt", "metrics.jsonl")
-MODEL_FILE = "model.pt"
-"""The trained model's state_dict, written at the end of a run with --out (``torch.load`` reads it)."""
 """Files whose presence marks ``out`` as holding a run (refused without --resume or --overwrite)."""
+MODEL_FILE = "model.pt"
+"""The trained model's state_dict, written at the end of a run with --out (``torch.load`` reads it);
+one found alone in ``out`` is refused without --overwrite too."""
 
 
 # ------------------------------------------------------------------------------- the job
@@ -236,6 +237,12 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
                      "it has no checkpoint to continue from (it stopped before saving one); ")
             raise ConfigError(f"--out {out} already holds a run ({', '.join(held)}); {go_on}"
                               f"choose a new --out, or pass --overwrite to replace it")
+        model_file = out / MODEL_FILE
+        if not held and (model_file.exists() or model_file.is_symlink()) and not cfg.run.resume \
+                and not cfg.run.overwrite:  # a user's own model, say a pretrained one
+            raise ConfigError(f"--out {out} holds a {MODEL_FILE} but no run (no checkpoint.pt or metrics.jsonl), "
+                              f"and this run would replace it with its trained model at the end; choose a new "
+                              f"--out, or pass --overwrite to replace it")
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
