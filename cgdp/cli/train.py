@@ -518,7 +518,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str], lock: OutLock) -> int:
-    world = startup.early_world(argv)  # several MPI ranks: MPI is up before anything can fail
+    try:
+        world = startup.early_world(argv)  # several MPI ranks: MPI is up before anything can fail
+    except ValueError as e:  # the launcher's environment is wrong (MASTER_PORT out of range...)
+        print(f"cgdp.train: error: {e}", file=sys.stderr)
+        return 2
     job, error = None, None
     try:
         cfg, flags = parse_args(argv)
