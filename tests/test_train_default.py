@@ -70,6 +70,14 @@ def test_the_phase_columns_add_up_to_the_step(default_run):
     assert len(parts) == 5 and abs(sum(parts) - step) <= 0.003, row  # each figure rounded to 1 us
 
 
+def test_without_out_the_run_says_that_nothing_was_saved(capsys):
+    rc = main(["--steps", "2", "--progress", "off", "--plots", "false", "--profile_every", "0", "--chunks", "1"])
+    printed = capsys.readouterr().out
+    assert rc == 0 and "eval accuracy" in printed
+    assert printed.splitlines()[-1] == ("nothing was saved (no --out): pass --out DIR to keep the trained model, a "
+                                        "checkpoint to resume from, the metrics and the plots"), printed
+
+
 def test_progress_lines_when_not_a_terminal(default_run, capsys):
     from io import StringIO
 

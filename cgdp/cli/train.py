@@ -599,6 +599,9 @@ def _main(argv: list[str], lock: OutLock) -> int:
         print(final["note"])
     if job.out is not None and (job.out / MODEL_FILE).is_file():
         print(f"trained model: {job.out / MODEL_FILE} (model.load_state_dict(torch.load(path, weights_only=True)))")
+    elif job.out is None and final.get("final"):  # a stopped run's note already says so
+        print("nothing was saved (no --out): pass --out DIR to keep the trained model, a checkpoint to resume "
+              "from, the metrics and the plots")
     return 130 if final.get("interrupted") else 0
 
 
