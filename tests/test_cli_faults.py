@@ -466,6 +466,18 @@ def test_the_documented_vgg16_command_on_a_small_machine(capsys, monkeypatch):
     assert rc == 0 and "one step can take minutes" not in text, text
 
 
+def test_the_gpu_preset_note_gives_only_advice_not_yet_followed():
+    from cgdp.cli.memory import time_note
+    cpu = ["cpu:0", "cpu:1"]
+    note = lambda batch, steps: time_note("vgg16", 138_000_000, cpu, batch, 2 * batch, steps)  # noqa: E731
+    assert note(32, 300).endswith("300 steps hours (the ETA follows the first step). For a quick look, pass "
+                                  "--steps 3 --batch 2")
+    assert note(32, 3).endswith("For a quick look, pass --batch 2") and "steps hours" not in note(32, 3)
+    assert note(2, 300).endswith("For a quick look, pass --steps 3")
+    assert note(2, 3).endswith("one step can take minutes (the ETA follows the first step)")  # as advised
+    assert time_note("vgg16", 138_000_000, ["cuda:0"], 2, 2, 3) is None
+
+
 def test_no_gpu_note_for_a_device_count(capsys):
     if torch.cuda.is_available():
         pytest.skip("the note is for machines without a GPU")

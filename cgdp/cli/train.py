@@ -265,7 +265,7 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
                               f"{total} steps: nothing to do. Raise --steps to train further")
     return Job(cfg, devices, model, train_set, eval_set, classes, chunks, total, out, resume, rank, ranks,
                saved_step=saved, record=record, notes=[n for n in (memory_note, memory.time_note(
-                   cfg.model.name, count_params(model), devices, global_batch, total)) if n])
+                   cfg.model.name, count_params(model), devices, t.batch, global_batch, total)) if n])
 
 
 def _check_memory(cfg: Config, devices: list[str], global_batch: int, classes: int, train_set: Any,
