@@ -157,6 +157,9 @@ class PaperTuner:
         state = f"stopped at iteration {s.stop_iteration}" if s.done else f"searching (chunk {s.chunk})"
         return f"paper tuner (Algorithm 1, step={s.step}, range={s.range}): best chunk {s.best_chunk}, {state}"
 
+    def __repr__(self) -> str:
+        return f"<PaperTuner for {self.num_layers} layers: {self.describe().partition(': ')[2]}>"
+
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "num_layers": self.num_layers, "search": self.search.state_dict(),
                 "confirmed": self.confirmed}
@@ -338,6 +341,11 @@ class AutoTuner:
             m = median(self.measured[k]) if k in self.measured else math.nan
             lines.append(f"  {name:<28} predicted {pred * 1e3:9.3f} ms   measured {m * 1e3:9.3f} ms")
         return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        """One line: layers, devices, and how far it is (:meth:`describe` has the candidates)."""
+        where = self.describe().splitlines()[0].removeprefix("auto tuner ")
+        return f"<AutoTuner for {len(self.layer_bytes)} layers on {self.devices} device(s), {where}>"
 
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "layer_bytes": self.layer_bytes, "devices": self.devices,
