@@ -18,8 +18,10 @@ Two tuners:
 * :class:`AutoTuner` profiles a few steps under two contrasting plans, fits the simulator to them
   (:mod:`cgdp.planning.calibrate`), plans on it (:mod:`cgdp.planning.planner`: dynamic programming over layer
   boundaries, the best uniform and byte-bucket plans), then measures the few best candidates
-  against the naive plan, interleaved, and keeps the fastest measured. About 15 steps. If profiles
-  are not available or the fit fails, it falls back to measuring uniform plans of sizes 1, 2, 4, ….
+  against the naive plan, interleaved, and keeps the fastest measured. With the default
+  :class:`AutoTunerConfig`, 8 to 17 steps (1 warm-up, 4 profiled, then 3 rounds of its 1 to 4
+  candidates). If profiles are not available or the fit fails, it falls back to measuring uniform
+  plans of sizes 1, 2, 4, ….
 """
 from __future__ import annotations
 
@@ -375,5 +377,5 @@ def make_tuner(spec: object, layer_bytes: Sequence[int], devices: int,
         return PaperTuner(len(layer_bytes))
     if isinstance(spec, Tuner) and not isinstance(spec, (str, type)):
         return spec
-    raise ValueError(f"unknown tuner {spec!r}: use 'auto' (model-based, ~15 steps) or 'paper' "
+    raise ValueError(f"unknown tuner {spec!r}: use 'auto' (model-based, 8 to 17 steps) or 'paper' "
                      f"(the paper's Algorithm 1, ~150 steps)")
