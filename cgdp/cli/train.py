@@ -36,7 +36,7 @@ from cgdp.cli import report
 from cgdp.cli import resume as resuming
 from cgdp.cli import startup
 from cgdp.cli import trace
-from cgdp.cli.output import Metrics, OutputError, disk_error, resume_row, write_text
+from cgdp.cli.output import MODEL_FILE, Metrics, OutputError, disk_error, resume_row, used_out, write_text
 from cgdp.cli.config import Config, ConfigError, help_text, parse_args, presets, resumed_config, to_toml
 from cgdp.data import DataError, Loader, SyntheticDataset, digits, eval_batches, open_shards
 from cgdp.models import MODELS, build_model, count_params, get_spec
@@ -44,11 +44,6 @@ from cgdp.cli.progress import Progress
 
 # settings a resumed run may change; anything else must match the checkpoint's run
 RESUMABLE_CHANGES = {"train.steps", "train.epochs", "train.timeout_s", "data.prefetch"}
-RUN_FILES = ("checkpoint.pt", "metrics.jsonl")
-"""Files whose presence marks ``out`` as holding a run (refused without --resume or --overwrite)."""
-MODEL_FILE = "model.pt"
-"""The trained model's state_dict, written at the end of a run with --out (``torch.load`` reads it);
-one found alone in ``out`` is refused without --overwrite too."""
 
 
 # ------------------------------------------------------------------------------- the job
@@ -231,18 +226,8 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
 
     out = pathlib.Path(cfg.run.out) if cfg.run.out else None
     if out is not None:
-        held = [f for f in RUN_FILES if (out / f).exists()]
-        if held and not cfg.run.resume and not cfg.run.overwrite:
-            go_on = (f"continue it with --out {out} --resume, " if "checkpoint.pt" in held else
-                     "it has no checkpoint to continue from (it stopped before saving one); ")
-            raise ConfigError(f"--out {out} already holds a run ({', '.join(held)}); {go_on}"
-                              f"choose a new --out, or pass --overwrite to replace it")
-        model_file = out / MODEL_FILE
-        if not held and (model_file.exists() or model_file.is_symlink()) and not cfg.run.resume \
-                and not cfg.run.overwrite:  # a user's own model, say a pretrained one
-            raise ConfigError(f"--out {out} holds a {MODEL_FILE} but no run (no checkpoint.pt or metrics.jsonl), "
-                              f"and this run would replace it with its trained model at the end; choose a new "
-                              f"--out, or pass --overwrite to replace it")
+        if not cfg.run.resume and not cfg.run.overwrite:
+            _raise(used_out(out), ConfigError)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
