@@ -68,7 +68,7 @@ class Trainer:
             averages, updates and broadcasts the parameters) or ``"single"`` (one device).
         chunks: chunk size k (the paper's uniform plan), an explicit plan (list of lists of layer
             indices, in send order), or ``"auto"`` (the default, as for ``DataParallel``: tuned
-            over the first ~15 steps, then fixed; ``"paper"`` runs the paper's Algorithm 1). The
+            over the first 8 to 17 steps, then fixed; ``"paper"`` runs the paper's Algorithm 1). The
             plan never changes results, only speed. Modes ``"typical"`` and ``"single"`` send no
             chunks: ``"auto"`` is then one layer per chunk, untuned.
         comm: ``None`` for one machine, ``"mpi"``, ``"gloo"`` (docs/multinode.md; or a process group, or a :class:`cgdp.comm.Comm`) for several.
