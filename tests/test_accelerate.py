@@ -154,3 +154,47 @@ def test_save_state_load_state_resume_bitwise(tmp_path):
 def test_fp16_refused():
     with pytest.raises(ValueError, match="use 'bf16'"):
         Accelerator(cpu=True, mixed_precision="fp16")
+
+
+def test_sync_each_batch_sums_every_backward():
+    """``GradientAccumulationPlugin(sync_each_batch=True)``: no ``no_sync`` in ``accumulate()`` (Accelerate honours it
+    with several processes only), so between micro-batches ``.grad`` holds the summed gradient, as on one device, and
+    the loop equals one device's."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    def plugin():
+        return GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)
+    one, net = network(), network()
+    train(accelerate.Accelerator(cpu=True, gradient_accumulation_plugin=plugin()), one)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, gradient_accumulation_plugin=plugin())
+    model = acc.prepare(network())
+    ref = network()
+    x, y = next(iter(loader()))
+    with acc.accumulate(model):  # the first micro-batch of a step: not synced by Accelerate, summed here
+        nn.functional.cross_entropy(model(x), y).backward()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    acc.free_memory()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, gradient_accumulation_plugin=plugin())
+    train(acc, net)
+    assert_params(one, net)
+    acc.free_memory()
+
+
+@pytest.mark.parametrize("device_map, words", [({"": "cpu"}, "CPU or disk offload"),
+                                               ({"a": 0, "b": "disk"}, "CPU or disk offload"),
+                                               ({"a": 0, "b": 1}, "on multiple devices")])
+def test_a_quantized_model_offloaded_is_refused_before_wrapping(device_map, words):
+    """Accelerate's guard against training a model loaded in 8 or 4 bits with CPU or disk offload, or across devices,
+    runs on the user's model (it would see only cgdp's wrapper), before anything is wrapped."""
+    net = network()
+    net.is_loaded_in_8bit, net.hf_device_map = True, device_map
+    acc = Accelerator(cpu=True)
+    with pytest.raises(ValueError, match=words):
+        acc.prepare(net)
+    assert not acc._models

@@ -3,9 +3,9 @@
 Inside ``model.no_sync()`` each replica keeps its own part of the gradient; one device holds their
 sum. A step taken there would move every replica by a different part (as DDP's ranks step on
 their local gradients): the replicas would part ways silently. cgdp refuses it, whatever led to
-it: a backward inside ``no_sync()`` alone, or forwards run inside it and one backward outside
-(Accelerate's documented ``trigger_sync_in_backward`` pattern), through the plain model or
-Accelerate's integration. The gradients stay as they were: the next synced backward completes
+it: a backward inside ``no_sync()`` alone, or forwards run inside it and one backward outside,
+through the plain model or Accelerate's integration (whose ``trigger_sync_in_backward`` makes that
+backward sum: exact). The gradients stay as they were: the next synced backward completes
 them and the step is then exact.
 """
 import copy
@@ -74,10 +74,10 @@ def test_update_host_refuses_it_too():
             opt.step()
 
 
-def test_accelerate_trigger_sync_in_backward_is_refused_not_silent():
+def test_accelerate_trigger_sync_in_backward_is_exact():
     """Accelerate's documented pattern (several forwards under ``no_sync``, then one backward under
-    ``trigger_sync_in_backward``): its own ``trigger_sync_in_backward`` does nothing for a model
-    that is not DDP, so the gradients stay in parts: refused at the step, never stepped apart."""
+    ``trigger_sync_in_backward``): cgdp's Accelerator sums that backward over every replica
+    (``DataParallel.sync_in_backward``; Accelerate's own does nothing without DDP), so the step is one device's."""
     accelerate = pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -86,20 +86,27 @@ def test_accelerate_trigger_sync_in_backward_is_refused_not_silent():
     GradientState._reset_state()
     try:
         acc = Accelerator(cpu=True)
-        net = mlp()
+        net, ref = mlp(), mlp()
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         model, opt = acc.prepare(net, opt)
-        before = [p.detach().clone() for p in net.parameters()]
-        losses = []
-        for x, y in data(2):
-            with acc.no_sync(model):
-                losses.append(F.cross_entropy(model(x), y.to(acc.device)))
-        with acc.trigger_sync_in_backward(model):
-            acc.backward(torch.stack(losses).mean())
-        with pytest.raises(RuntimeError, match=r"no_sync\(\)"):
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for _ in range(2):
+            batches = data(2)
+            losses = []
+            for x, y in batches:
+                with acc.no_sync(model):
+                    losses.append(F.cross_entropy(model(x), y.to(acc.device)))
+            with acc.trigger_sync_in_backward(model):
+                acc.backward(torch.stack(losses).mean())
             opt.step()
-        for p, q in zip(net.parameters(), before):
-            assert torch.equal(p, q)
+            opt.zero_grad()
+            torch.stack([F.cross_entropy(ref(x), y) for x, y in batches]).mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert_params_close(net, ref)
+        for r in model.replicas[1:]:
+            for p, q in zip(r.parameters(), net.parameters()):
+                assert torch.equal(p, q)
         acc.free_memory()
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)

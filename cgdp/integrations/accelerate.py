@@ -15,8 +15,10 @@ every device, equal to Accelerate on one device with the same batches:
   (plain Accelerate enters ``no_sync`` only with several processes): one transfer per step.
 * ``prepare`` binds each optimizer to the cgdp model whose parameters it holds
   (``model.bind(optimizer)``): its ``step()`` steps every replica.
-* ``clip_grad_norm_(model.parameters(), ...)`` uses the norm the host summed during backward,
-  every replica clipped alike (other parameter lists: Accelerate's own clipping of replica 0,
+* ``trigger_sync_in_backward(model)`` makes the backward inside sum every replica's gradient
+  (Accelerate's own does nothing without DDP); ``GradientAccumulationPlugin(sync_each_batch=True)``
+  keeps ``accumulate()`` out of ``no_sync``, as Accelerate does with several processes.
+* ``clip_grad_norm_(model.parameters(), ...)`` is the model's, every replica clipped alike (other parameter lists: Accelerate's own clipping of replica 0,
   which cgdp copies to every replica with a warning).
 * ``unwrap_model`` and ``get_state_dict`` give the user's module and its keys.
 * ``save_state`` / ``load_state`` also keep the replicas' random streams (:data:`RNG_FILE`), so that
@@ -66,6 +68,7 @@ class Accelerator(accelerate.Accelerator):
         self.devices = [str(d) for d in devices]
         """The devices every prepared model trains on; ``accelerator.device`` is ``devices[0]``."""
         self._cgdp_options = dict(cgdp_options or {})
+        self._each_batch = False  # inside accumulate() with sync_each_batch: no no_sync()
         first = self.devices[0]
         self._first_device = torch.device("cpu") if first.startswith("cpu") else torch.device(first)
         super().__init__(**accelerate_kwargs)
@@ -86,6 +89,7 @@ class Accelerator(accelerate.Accelerator):
                       evaluation_mode: bool = False) -> nn.Module:
         if (isinstance(model, nn.Module) and not isinstance(model, DataParallel)
                 and not getattr(model, "_is_accelerate_prepared", False)):
+            _refuse_quantized_offload(model)  # Accelerate's guard, which would see only the wrapper
             model = DataParallel(model, self.devices, **self._cgdp_options)
         # the wrapper places every replica; Accelerate's autocast goes on the wrapper's forward
         model = super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
@@ -110,11 +114,34 @@ class Accelerator(accelerate.Accelerator):
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """For a cgdp model, its ``no_sync()`` (accumulation without communication)."""
-        if isinstance(model, DataParallel):
+        if isinstance(model, DataParallel) and not self._each_batch:
             with model.no_sync():
                 yield
         else:
             with super().no_sync(model):
+                yield
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """Accelerate's, with ``GradientAccumulationPlugin(sync_each_batch=True)`` honoured as with several
+        processes: no ``no_sync`` then, every backward sums."""
+        with contextlib.ExitStack() as stack:
+            self._each_batch = bool(self.gradient_state.plugin_kwargs.get("sync_each_batch", False))
+            try:
+                stack.enter_context(super().accumulate(*models))  # enters no_sync() here, or not
+            finally:
+                self._each_batch = False
+            yield
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
+        """Accelerate's pattern after several forwards under ``no_sync``: the backward inside sums every replica's
+        gradient (:meth:`cgdp.DataParallel.sync_in_backward`); Accelerate's own does nothing without DDP."""
+        if isinstance(model, DataParallel):
+            with model.sync_in_backward():
+                yield
+        else:
+            with super().trigger_sync_in_backward(model):
                 yield
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2):
@@ -134,6 +161,21 @@ class Accelerator(accelerate.Accelerator):
             if isinstance(model, DataParallel):
                 model.close()
         return super().free_memory(*objects)
+
+
+def _refuse_quantized_offload(model: nn.Module) -> None:
+    """Accelerate's refusal (``prepare_model``, its words) of a model loaded in 8 or 4 bits across devices or with CPU
+    or disk offload, run on the user's model before it is wrapped."""
+    if not ((getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False))
+            and getattr(model, "hf_device_map", False)):
+        return
+    where = set(model.hf_device_map.values())
+    if "cpu" in where or "disk" in where:
+        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk "
+                         "offload.")
+    if len(where) > 1:
+        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision on multiple "
+                         "devices in any distributed mode (cgdp trains replicas on several devices).")
 
 
 _FP16 = ("cgdp.integrations.accelerate.Accelerator trains with mixed_precision='bf16' or in float32; "

@@ -92,7 +92,8 @@ class GradPart:
 
 NOT_SUMMED = ("optimizer.step() after a backward inside model.no_sync() (or a backward through forwards run "
               "inside it): each replica holds only its own part of the gradient, never summed; run the last "
-              "backward of the step outside no_sync() (forward and backward both) before optimizer.step()")
+              "backward of the step outside no_sync() (forward and backward both), or inside "
+              "model.sync_in_backward(), before optimizer.step()")
 
 _SENDING, _SUMMED_STATE = GradState.SENDING, GradState.SUMMED
 

@@ -52,7 +52,7 @@ from cgdp.engine.core.dense_grads import DenseGrads, build_dense
 from cgdp.engine.core.gradients import GradPart, Gradients, UserFault
 from cgdp.engine.dataparallel.steps import ReplicaSteps
 from cgdp.engine.dataparallel.replica_state import ReplicaState
-from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
+from cgdp.engine.dataparallel.scatter import UNBATCHED, gather, scatter, unbatched, watch_counts
 from cgdp.engine.core.sparse_grads import SparseGrads, sparse_parameters
 from cgdp.engine.dataparallel.user_module import GradBuffers
 from cgdp.engine.core.user_warning import warn_user
@@ -126,7 +126,7 @@ class DataParallel(nn.Module):
         self._own_loss = OwnLossCheck(NAME, "pass num_items_in_batch (the token count of the whole batch, "
                                       "(labels != -100).sum()) to a model that divides by it, as Hugging Face "
                                       "models do, or compute the loss from the gathered logits", warn_user)
-        self._no_sync = False
+        self._no_sync = self._sync_backward = False
         self._guard = Guard(timeout_s)
         # one operation at a time, and what close() releases (also when dropped without close())
         self._life = Lifetime(self, NAME, "wrap model.module again", _refusal, _stopped, self._guard.fail)
@@ -240,7 +240,10 @@ class DataParallel(nn.Module):
                 with in_caller():
                     return self._rng.on_device(j, lambda: self._replicas[j](*parts[j][0], **parts[j][1]))
             except Exception as exc:  # the user's own error, said where it happened (Python >= 3.11)
-                getattr(exc, "add_note", lambda _: None)(f"(raised in replica {j} of cgdp.DataParallel, on {self.devices[j]})")
+                note = getattr(exc, "add_note", lambda _: None)
+                note(f"(raised in replica {j} of cgdp.DataParallel, on {self.devices[j]})")
+                if g > 1 and unbatched(args, kwargs):
+                    note(UNBATCHED.format(sizes=sizes))
                 raise
 
         try:
@@ -254,7 +257,7 @@ class DataParallel(nn.Module):
             self._state.after_forward(sizes, self._comm)
         sync = not self._no_sync
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
-        on_backward = ((lambda me=threading.current_thread(): self._begin_backward(sync, me))
+        on_backward = ((lambda me=threading.current_thread(): self._begin_backward(sync or self._sync_backward, me))
                        if self._grads.trains else None)
         summed = self._scalar_outputs == "sum" or any(c.used for c in counts)  # shares of a global sum
         out = gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
@@ -270,6 +273,16 @@ class DataParallel(nn.Module):
             yield
         finally:
             self._no_sync = old
+
+    @contextlib.contextmanager
+    def sync_in_backward(self) -> Iterator[None]:
+        """Backwards run inside sum every replica's gradient, also through forwards run inside :meth:`no_sync`
+        (Accelerate's ``trigger_sync_in_backward``): the one backward that completes an accumulation."""
+        old, self._sync_backward = self._sync_backward, True
+        try:
+            yield
+        finally:
+            self._sync_backward = old
 
     @operation("clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -70,6 +70,18 @@ def _paths(spec: Any, prefix: str = "output") -> list[str]:
             for p in _paths(s, f"{prefix}.{k}" if sep else f"{prefix}[{k!r}]")]
 
 
+UNBATCHED = ("cgdp.DataParallel splits every tensor argument along its first dimension, as the batch (parts of "
+             "{sizes} samples here), and a 1-D tensor was among them: if it is one sample without a batch dimension "
+             "(a layer accepts that on one device), give it one, x.unsqueeze(0), or run it on the plain module")
+
+
+def unbatched(args: tuple, kwargs: dict) -> bool:
+    """Whether a 1-D tensor is among the arguments (said when a replica's forward raised)."""
+    leaves: list[Any] = []
+    _flatten((tuple(args), dict(kwargs)), leaves)
+    return any(isinstance(x, torch.Tensor) and x.dim() == 1 for x in leaves)
+
+
 def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
             ) -> tuple[list[tuple[tuple, dict]], list[int]]:
     """Per device, its ``(args, kwargs)``; and each part's number of samples."""
