@@ -148,7 +148,7 @@ class Accelerator(accelerate.Accelerator):
         parameters = list(parameters)
         for model in self._models:
             if isinstance(model, DataParallel) and parameters == list(model.parameters()):
-                return model.clip_grad_norm_(max_norm, norm_type)  # the host norm, every replica alike
+                return model.clip_grad_norm_(max_norm, norm_type)  # every replica alike
         return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
