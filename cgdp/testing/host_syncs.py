@@ -8,7 +8,11 @@ step its overlap: the simulator counts each under the name of the thread that wa
   ``torch.cuda.synchronize``, and a blocking host-to-device copy from page-locked memory.
 * ``"read"``: the host reads device data: ``.item()``, ``float()``/``int()``/``bool()``,
   ``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")`` without ``non_blocking``, ``torch.equal``,
-  a copy into pageable host memory, and ``torch.tensor(..., device=cuda)``.
+  a copy into pageable host memory (``copy_``, and one per tensor of a ``_foreach_copy_``), a
+  blocking copy to the host, ``torch.tensor(..., device=cuda)``, and every operator whose CUDA
+  kernel reads the device (``nonzero``, boolean masks, ``unique``…:
+  :func:`cgdp.testing.sim_kernels.host_waits`). A read counted by name counts once, whatever
+  operators it runs; a dtype cast that names no other device stays on its device and reads nothing.
 * ``"pageable"``: a host-to-device copy from pageable host memory: CUDA stages it through a
   page-locked buffer of its own and returns only when the data has been staged, even with
   ``non_blocking=True``.
@@ -29,11 +33,12 @@ as an allocation (``torch.tensor(0)``, as BatchNorm makes ``num_batches_tracked`
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
 from collections import Counter
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -93,11 +98,37 @@ class HostSyncs:
         """``synced(device)``: the host waited for the device's current stream (a blocking copy)."""
         """Runs ``backward`` / ``autograd.grad`` (the simulator's autograd device threads)."""
         self._lock = threading.Lock()
+        self._here = threading.local()
+        """Per thread: ``reading`` (inside a read counted here, whose operators count nothing more)
+        and ``to_host`` (inside a move to the host: its ``_to_copy`` leaves the device)."""
         self.mode = SyncMode(self)
 
-    def count(self, kind: str) -> None:
+    def count(self, kind: str, n: int = 1) -> None:
         with self._lock:
-            self.counts[(threading.current_thread().name, kind)] += 1
+            self.counts[(threading.current_thread().name, kind)] += n
+
+    def reading(self) -> bool:
+        """Whether this thread is inside a read already counted (``.item()``, ``repr``, ``.cpu()``):
+        the operators it runs are that read, not waits of their own."""
+        return getattr(self._here, "reading", False)
+
+    def moving_to_host(self) -> bool:
+        """Whether this thread is inside a move of device data to the host (``.cpu()``,
+        ``.to("cpu")``): any other ``_to_copy`` that names no other device stays on its device."""
+        return getattr(self._here, "to_host", False)
+
+    @contextlib.contextmanager
+    def within(self, **flags: bool) -> Iterator[None]:
+        """This thread's calls inside run with ``flags`` (``reading``, ``to_host``) set."""
+        here = self._here
+        before = {k: getattr(here, k, False) for k in flags}
+        for k, v in flags.items():
+            setattr(here, k, v)
+        try:
+            yield
+        finally:
+            for k, v in before.items():
+                setattr(here, k, v)
 
     @staticmethod
     def index(device: Any) -> int | None:
@@ -253,15 +284,22 @@ class SyncMode(TorchFunctionMode):
         if func in s.backwards and s.run_backward is not None:
             return s.run_backward(func, args, kwargs)
         if func in _READS:
-            if any(s.device_of(a) is not None for a in args[:2]):
+            devices = [d for a in args[:2] if (d := s.device_of(a)) is not None]
+            if devices and not s.reading():
                 s.count("read")
-            return func(*args, **kwargs)
+                for d in dict.fromkeys(devices):
+                    if s.synced is not None:
+                        s.synced(d)  # the host waits for the data (``.tolist()``: a blocking copy on a GPU)
+            with s.within(reading=True):  # (``repr`` indexes with a mask, ``allclose`` reads: one read)
+                return func(*args, **kwargs)
         if func is T.to or func is T.cpu:
             device, non_blocking = (_to_args(args, kwargs) if func is T.to else (torch.device("cpu"), False))
             if device is None:
                 return func(*args, **kwargs)
             named = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, torch.device)]
             target = s.index(named[0] if named else device)
+            if func is T.to and len(args) > 1 and isinstance(args[1], torch.Tensor):
+                target = s.device_of(args[1])  # ``x.to(other)``: other's device and dtype
             if (named and target is None and named[0].type == "cpu" and id(named[0]) not in _SEEN_INDEX
                     and _from_torch(sys._getframe(1))):
                 # torch's code saw this tensor's device as "cpu" (its C++ groups tensors by device, as
@@ -274,11 +312,23 @@ class SyncMode(TorchFunctionMode):
                 if out is not args[0]:
                     s.place(out, target)
                 return out
-            return self._move(args[0], target, non_blocking, func(*args, **kwargs))
+            if target is None and s.device_of(args[0]) is not None:
+                with s.within(to_host=True):  # (the one ``_to_copy`` that leaves the device)
+                    out = func(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
+            return self._move(args[0], target, non_blocking, out)
         if func is T.copy_:
             dst, src = args[0], args[1]
             non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
             self._copy(s.device_of(src), s.device_of(dst), src, dst, non_blocking)
+            return func(*args, **kwargs)
+        if func is torch._foreach_copy_:
+            # between the host and a device torch runs one ``copy_`` per tensor (the lists share no
+            # device: ForeachBinaryOpList.cu's slow path), each blocking one a memcpy_and_sync
+            non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            for dst, src in zip(args[0], args[1]):
+                self._copy(s.device_of(src), s.device_of(dst), src, dst, non_blocking)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         index = s.index(kwargs.get("device"))
