@@ -203,9 +203,10 @@ def sgd(params):
 
 
 def tensor_lr(params):
-    """A learning rate on the replica's device, as torch's optimizers take it (``capturable``)."""
+    """A learning rate on the replica's device, as torch's optimizers take it (``capturable``); foreach, as torch
+    picks on a GPU (the simulator's tensors are host tensors, for which it would pick its per-tensor loop)."""
     params = list(params)
-    return torch.optim.SGD(params, lr=torch.tensor(0.05, device=params[0].device))
+    return torch.optim.SGD(params, lr=torch.tensor(0.05, device=params[0].device), foreach=True)
 
 
 def pair_loss(model, part):
@@ -232,10 +233,9 @@ def pair_loss(model, part):
     ("typical", {"mode": "typical"}, {("MainThread", "read"): 1}),
     ("typical, clipping", {"mode": "typical", "clip_grad_norm": 0.5}, {("MainThread", "read"): 1}),
     # replica 1's lr compared with replica 0's on the device, the count read with the losses; the
-    # rest is torch's SGD, not cgdp: ``add_(grad, alpha=-lr)`` reads a tensor lr (an ``.item()``)
-    # once per parameter in its per-tensor loop, which it runs on the simulator's host tensors (its
-    # foreach loop, which a GPU runs, reads it once per device)
-    ("tensor lr", {}, {("MainThread", "read"): 1, ("cgdp-cuda:0", "read"): 4, ("cgdp-cuda:1", "read"): 4}),
+    # rest is torch's SGD, not cgdp: its foreach step reads a tensor lr once per device
+    # (``alpha=-lr``, an ``.item()``)
+    ("tensor lr", {}, {("MainThread", "read"): 1, ("cgdp-cuda:0", "read"): 1, ("cgdp-cuda:1", "read"): 1}),
     # the user's gradient hooks run on the average once it is known to be finite (at the read);
     # the norm of what they return is read after them
     ("gradient hook, clipping", {"clip_grad_norm": 0.5}, {("MainThread", "read"): 2}),
