@@ -849,3 +849,16 @@ def test_closing_from_a_device_thread_does_not_join_itself():
     model = cgdp.DataParallel(mlp(), devs(2))
     inside(model).threads.submit(1, model.close).result(timeout=30)
     assert model.closed
+
+
+def test_a_sample_without_batch_dimension_is_said_when_the_forward_fails():
+    """A 1-D input of 32 features to Linear(32, 2) is one sample to the layer, but cgdp splits every tensor along its
+    first dimension: the replica's error (torch's shape message) comes with what happened and what to do. A 1-D
+    batch that a module takes (token ids for an embedding) runs as before."""
+    with cgdp.DataParallel(nn.Linear(32, 2), ["cpu:0", "cpu:1"]) as model:
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as err:
+            model(torch.randn(32))
+        assert any("one sample without a batch dimension" in n and "x.unsqueeze(0)" in n for n in err.value.__notes__)
+        assert model(torch.randn(1, 32)).shape == (1, 2)
+    with cgdp.DataParallel(nn.Embedding(10, 3), ["cpu:0", "cpu:1"]) as model:
+        assert model(torch.arange(6)).shape == (6, 3)

@@ -18,8 +18,10 @@ every device, equal to Accelerate on one device with the same batches:
   ``no_sync``, then the backward inside it sums everything the replicas accumulated (exact).
 * ``prepare`` binds each optimizer to the cgdp model whose parameters it holds
   (``model.bind(optimizer)``): its ``step()`` steps every replica.
-* ``clip_grad_norm_(model.parameters(), ...)`` uses the norm the host summed during backward,
-  every replica clipped alike (other parameter lists: Accelerate's own clipping of replica 0,
+* ``trigger_sync_in_backward(model)`` makes the backward inside sum every replica's gradient
+  (Accelerate's own does nothing without DDP); ``GradientAccumulationPlugin(sync_each_batch=True)``
+  keeps ``accumulate()`` out of ``no_sync``, as Accelerate does with several processes.
+* ``clip_grad_norm_(model.parameters(), ...)`` is the model's, every replica clipped alike (other parameter lists: Accelerate's own clipping of replica 0,
   which cgdp copies to every replica with a warning).
 * ``unwrap_model`` and ``get_state_dict`` give the user's module and its keys.
 * ``save_state`` / ``load_state`` also keep the replicas' random streams (:data:`RNG_FILE`), so that
@@ -71,6 +73,7 @@ class Accelerator(accelerate.Accelerator):
         self.devices = [str(d) for d in devices]
         """The devices every prepared model trains on; ``accelerator.device`` is ``devices[0]``."""
         self._cgdp_options = dict(cgdp_options or {})
+        self._each_batch = False  # inside accumulate() with sync_each_batch: no no_sync()
         first = self.devices[0]
         self._first_device = torch.device("cpu") if first.startswith("cpu") else torch.device(first)
         super().__init__(**accelerate_kwargs)
@@ -148,7 +151,7 @@ class Accelerator(accelerate.Accelerator):
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """For a cgdp model, its ``no_sync()`` (accumulation without communication)."""
-        if isinstance(model, DataParallel):
+        if isinstance(model, DataParallel) and not self._each_batch:
             with model.no_sync():
                 yield
         else:
@@ -171,7 +174,7 @@ class Accelerator(accelerate.Accelerator):
         parameters = list(parameters)
         for model in self._models:
             if isinstance(model, DataParallel) and parameters == list(model.parameters()):
-                return model.clip_grad_norm_(max_norm, norm_type)  # the host norm, every replica alike
+                return model.clip_grad_norm_(max_norm, norm_type)  # every replica alike
         return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
@@ -184,6 +187,21 @@ class Accelerator(accelerate.Accelerator):
             if isinstance(model, DataParallel):
                 model.close()
         return super().free_memory(*objects)
+
+
+def _refuse_quantized_offload(model: nn.Module) -> None:
+    """Accelerate's refusal (``prepare_model``, its words) of a model loaded in 8 or 4 bits across devices or with CPU
+    or disk offload, run on the user's model before it is wrapped."""
+    if not ((getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False))
+            and getattr(model, "hf_device_map", False)):
+        return
+    where = set(model.hf_device_map.values())
+    if "cpu" in where or "disk" in where:
+        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk "
+                         "offload.")
+    if len(where) > 1:
+        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision on multiple "
+                         "devices in any distributed mode (cgdp trains replicas on several devices).")
 
 
 _FP16 = ("cgdp.integrations.accelerate.Accelerator trains with mixed_precision='bf16' or in float32; "

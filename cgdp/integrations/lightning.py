@@ -20,8 +20,7 @@ One process drives every device (no launcher, no ``torch.distributed``); the use
   plugin does.
 * **Accumulation.** Lightning enters ``block_backward_sync()`` for every micro-batch but the last
   of a step: that is ``no_sync()``, so one transfer per optimizer step.
-* **Clipping** by norm uses the norm the host summed during backward
-  (``DataParallel.clip_grad_norm_``): every replica clipped alike. Clipping by value changes
+* **Clipping** by norm is ``DataParallel.clip_grad_norm_``: every replica clipped alike. Clipping by value changes
   replica 0 and is copied to the others, with cgdp's warning.
 * **Precision.** ``"32-true"`` and ``"bf16-mixed"`` (autocast on every replica). Refused:
   ``"16-mixed"`` (its gradient scaler would unscale replica 0 only) and the ``"*-true"``
@@ -36,6 +35,7 @@ One process drives every device (no launcher, no ``torch.distributed``); the use
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -57,6 +57,10 @@ __all__ = ["CGDPStrategy", "RNG_KEY"]
 RNG_KEY = "cgdp_rng_state"
 """The key of the replicas' random streams in a Lightning checkpoint."""
 
+CLOSURE = ("CGDPStrategy cannot train with {cls}: its step(closure) re-runs forward and backward several times "
+           "while it moves the parameters, which cgdp's replicas would follow only after the step. Use an optimizer "
+           "whose step needs no closure (SGD, Adam, ...), or train {cls} on one device (strategy='auto')")
+
 
 class _StepAfterClosure:
     """What a precision plugin steps: runs the closure, then ``optimizer.step()`` without it."""
@@ -75,6 +79,31 @@ class _StepAfterClosure:
     @property
     def __class__(self) -> type:  # isinstance(optimizer, torch.optim.AdamW) in the user's hooks
         return type(self.optimizer)
+
+
+class _InPlaceOfChild(DataParallel):
+    """The wrapper in the child's place: what the wrapper does not have (``self.net.g``, ``self.layer.weight``,
+    ``self.net.encode``) is read from the child, so ``training_step`` and ``configure_optimizers`` run as written;
+    calling it (``self.net(x)``) splits the batch. A submodule or method of the child called directly runs on replica 0
+    alone, and the bound optimizer's step copies its gradient everywhere (exact, one device's speed)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            child = self.__dict__.get("_modules", {}).get("module")
+            if child is None or name.startswith("__"):
+                raise
+            return getattr(child, name)
+
+    def __getitem__(self, key: Any) -> Any:  # self.net[0] of an nn.Sequential, self.net["g"] of a ModuleDict
+        return self.module[key]
+
+    def __len__(self) -> int:
+        return len(self.module)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.module)
 
 
 class CGDPStrategy(ParallelStrategy):
@@ -178,7 +207,7 @@ class CGDPStrategy(ParallelStrategy):
         name = self._child_to_wrap(model)
         if name is not None:
             child = getattr(model, name)
-            dp = DataParallel(child, self.devices, **self._options)
+            dp = _InPlaceOfChild(child, self.devices, **self._options)
             setattr(model, name, dp)
             self._wrapped = (name, child, dp)
         return model
@@ -186,6 +215,10 @@ class CGDPStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         """``configure_optimizers``'s optimizers, each over the wrapped child's parameters bound to it."""
         super().setup_optimizers(trainer)
+        for opt in self.optimizers:
+            closure = inspect.signature(type(opt).step).parameters.get("closure")
+            if closure is not None and closure.default is inspect.Parameter.empty:
+                raise ValueError(CLOSURE.format(cls=type(opt).__name__))
         if self._wrapped is not None:
             dp = self._wrapped[2]
             ours = {id(p) for p in dp.parameters()}
@@ -257,7 +290,7 @@ class CGDPStrategy(ParallelStrategy):
 
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
-        if self._wrapped is not None:  # the norm the host summed, every replica clipped alike
+        if self._wrapped is not None:  # the model's clip_grad_norm_: every replica clipped alike
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
 
     # ------------------------------------------------------------------ one process

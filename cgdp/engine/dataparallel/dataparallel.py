@@ -35,7 +35,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from cgdp.comm import Comm
-from cgdp.engine.backend import default_devices, host_threads, make_rng, parse_devices
+from cgdp.engine.backend import default_devices, make_rng, parse_devices
 from cgdp.engine.core.host_update import HostMasters, check_host_update
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.memory_report import memory_report
@@ -43,12 +43,12 @@ from cgdp.engine.core.layers import find_layers, number_params, trainable_dtype
 from cgdp.engine.core.padding import OwnLossCheck, labels_of
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan
-from cgdp.engine.core.replicas import make_replicas, signature
+from cgdp.engine.core.replicas import make_replicas, settings, signature
 from cgdp.engine.core.stream import GradientStream, check_sizes
 from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.dataparallel.binding import bind
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
-from cgdp.engine.core.dense_grads import DenseGrads
+from cgdp.engine.core.dense_grads import DenseGrads, build_dense
 from cgdp.engine.core.gradients import GradPart, Gradients, UserFault
 from cgdp.engine.dataparallel.steps import ReplicaSteps
 from cgdp.engine.dataparallel.replica_state import ReplicaState
@@ -141,7 +141,10 @@ class DataParallel(nn.Module):
             self.output_device = self._devs[0].torch_device
             """Where the gathered outputs are (``devices[0]``): put the targets there."""
             self._comm = self._life.open_comm(comm, timeout_s,
-                                              lambda: signature("DataParallel", module, infos, len(devices), dtype))
+                                              lambda: signature("DataParallel", module, infos, len(devices), dtype,
+                                                                **settings(update=update, segment_bytes=segment_bytes,
+                                                                           host_memory=host_memory,
+                                                                           scalar_outputs=scalar_outputs)))
             self._build(module, infos, layer_params, dtype, chunks, segment_bytes, host_memory)
         except BaseException:
             self.close()
@@ -185,13 +188,11 @@ class DataParallel(nn.Module):
         itemsize = torch.tensor([], dtype=dtype).element_size()
         # no step profiles here (the loop is the user's): the tuner measures uniform plans
         plan, tuner = first_plan(chunks, [i.numel * itemsize for i in infos], len(devs), self._comm)
-        self._stream = st = self._life.resources.stream = GradientStream(
-            devs, params, layer_pids, dtype, segment_bytes=segment_bytes, streaming=True, guard=self._guard,
-            comm=self._comm, host_threads=host_threads(devs), host_memory=host_memory)
-        self._life.resources.push(lambda: _close_keeping_grads(st))
-        self._stream.set_plan(plan)
-        self._stream.disarm()
-        return DenseGrads(self._stream, before, self._param_hooks, self._comm, self._guard.timeout_s), tuner
+        dense = build_dense(devs, params, layer_pids, dtype, plan, resources=self._life.resources, guard=self._guard,
+                            comm=self._comm, param_hooks=self._param_hooks, initial=before, keep_grads=True,
+                            segment_bytes=segment_bytes, streaming=True, host_memory=host_memory)
+        self._stream = dense.stream
+        return dense, tuner
 
     @property
     def replicas(self) -> list[nn.Module]:
@@ -291,7 +292,7 @@ class DataParallel(nn.Module):
 
     @operation("clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip every replica by the summed gradient's norm (the host's from the 2nd call on); returns it, as FSDP."""
+        """Clip every replica by the summed gradient's norm (taken on replica 0's device); returns it, as FSDP."""
         return self._grads.clip(max_norm, float(norm_type))
 
     def train(self, mode: bool = True) -> "DataParallel":
@@ -407,8 +408,3 @@ def _stopped(running: str) -> str:
             f"applied unless it was past its last wait) and the {NAME} is closed")
 
 
-def _close_keeping_grads(stream: GradientStream) -> None:
-    kept = [None if p.grad is None else p.grad.clone() for p in stream.params[0]]
-    stream.close()
-    for p, g in zip(stream.params[0], kept):
-        p.grad = g
