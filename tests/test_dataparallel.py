@@ -862,3 +862,25 @@ def test_a_sample_without_batch_dimension_is_said_when_the_forward_fails():
         assert model(torch.randn(1, 32)).shape == (1, 2)
     with cgdp.DataParallel(nn.Embedding(10, 3), ["cpu:0", "cpu:1"]) as model:
         assert model(torch.arange(6)).shape == (6, 3)
+
+
+def test_a_forward_that_raises_reports_its_own_error_not_an_earlier_one():
+    """Each failing forward raises its own error: the first one's was kept and raised again for the next."""
+    class Picky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            if x.shape[1] != 4:
+                raise ValueError(f"wanted 4 features, got {x.shape[1]}")
+            return self.fc(x)
+
+    with cgdp.DataParallel(Picky(), ["cpu:0", "cpu:1"]) as model:
+        with pytest.raises(ValueError, match="got 3"):
+            model(torch.randn(4, 3))
+        assert model(torch.randn(4, 4)).shape == (4, 2)
+        with pytest.raises(ValueError, match="got 5"):
+            model(torch.randn(4, 5))
+        with pytest.raises(ValueError, match="got 6"):
+            model(torch.randn(4, 6))

@@ -232,6 +232,7 @@ class DataParallel(nn.Module):
         g = len(parts)
         counts = watch_counts(parts, [d.torch_device for d in devs]) if self._scalar_outputs == "auto" else []
         self._backward_check.disarm()  # guard hooks left by an autograd.grad that failed
+        self._guard.reset()  # a forward that raised before left its error: this one reports its own
         if self._grad_buffers:
             self._grad_buffers.refresh([d.torch_device for d in devs], g)
         in_caller = caller_context()
