@@ -22,7 +22,11 @@ segment is serialised across all devices. Measured here on a machine without GPU
   4 MiB layer in 64 segments against one (per segment).
 * **On emulated devices** (``"cpu:N"``, default settings): the same added CPU for the 96-tensor MLP
   (48 x Linear(32), one sample per replica) at G = 2 and 4, as a multiple of one replica's own
-  step; voluntary context switches per step and the share of the step's CPU spent in the kernel.
+  step; voluntary context switches per step and the share of the step's CPU spent in the kernel;
+  the CPU of threads Python did not start (an OpenMP pool thread spinning shows there) and the
+  caller's torch intra-op count before and after (the bench sets 1: a change is a warning). The
+  machine's description is gathered last: it starts Numba's threading layer, which the first
+  trainer must start itself, as in a user's process.
 
 CPU figures are process CPU time (``time.process_time``: every thread), which moves much less
 than wall time when other jobs share the machine; every figure is the median over interleaved
@@ -241,6 +245,8 @@ class Run:
         self.sys = (ru1.ru_stime - ru0.ru_stime) / steps
         self.vcsw = (ru1.ru_nvcsw - ru0.ru_nvcsw) / steps
         self.by = {k: (by1.get(k, 0.0) - by0.get(k, 0.0)) / steps for k in by1}
+        # threads Python did not start (OpenMP's and BLAS's pools): the process's CPU less its Python threads'
+        self.by["native pools"] = self.cpu - sum(self.by.values())
 
 
 def plain_replicas(case: Case, g: int):
@@ -318,6 +324,7 @@ def measure(case: Case, g: int, rounds: int, steps: int, *, emulated: bool = Fal
         threaded, stop = threaded_replicas(case, g) if g > 1 else (plain, lambda: None)
         batch = whole_batch(case, g)
         loss_fn = case.loss
+        threads_before = torch.get_num_threads()
         tr = cgdp.Trainer(case.build(), case.opt, devices, **trainer_kw)
         try:
             cg = lambda: tr.step(batch, loss_fn)  # noqa: E731
@@ -345,6 +352,10 @@ def measure(case: Case, g: int, rounds: int, steps: int, *, emulated: bool = Fal
                 runs["threads"].append(Run(threaded, steps))
                 runs["one"].append(Run(one, steps))
             registered = getattr(inside(tr).stream.host, "registered_bytes", None)
+            caller_threads = (threads_before, torch.get_num_threads())
+            if caller_threads[0] != caller_threads[1]:  # the user's setting, which the engine must leave
+                print(f"WARNING {case.name} G={g}: the caller's torch intra-op count went from {caller_threads[0]} "
+                      f"to {caller_threads[1]} when the trainer was built", file=sys.stderr, flush=True)
         finally:
             tr.close()
             stop()
@@ -363,7 +374,7 @@ def measure(case: Case, g: int, rounds: int, steps: int, *, emulated: bool = Fal
             "load": os.getloadavg()[0],
             "by_role_s": by, "sys_s": median([r.sys for r in runs["cgdp"]]),
             "vcsw": median([r.vcsw for r in runs["cgdp"]]),
-            "calls_per_step": calls, "registered_bytes": registered}
+            "calls_per_step": calls, "registered_bytes": registered, "caller_threads": caller_threads}
 
 
 class _NoRuntime:
@@ -503,13 +514,16 @@ def report(res: dict, info: dict, cmd: str, title: str | None = "## cgdp's own h
                          ms(r["threads_added_per_device_s"]),
                          fmt(r["vcsw"], 0), fmt(100 * r["sys_s"] / r["cgdp_cpu_s"], 0) + " %",
                          " / ".join(f"{k} {ms(v)}" for k, v in sorted(r["by_role_s"].items()) if abs(v) >= 5e-5),
-                         fmt(r["load"], 1)])
+                         " → ".join(map(str, r.get("caller_threads", ("?", "?")))), fmt(r["load"], 1)])
         out += ["### Emulated devices (`cpu:N`)", "",
                 "Added CPU per device per step over one replica's own step; context switches: voluntary, "
-                "whole process, per step; kernel share: system CPU / process CPU of the cgdp steps.", "",
+                "whole process, per step; kernel share: system CPU / process CPU of the cgdp steps; native pools: "
+                "the CPU of threads Python did not start (an OpenMP pool thread spinning after each parallel "
+                "region shows here); caller's torch threads: the caller's intra-op count before the trainer was "
+                "built and after its steps (the bench sets 1; the engine must leave it).", "",
                 table(["model", "chunks=", "G", "chunks", "own step ms", "added / device ms", "added / own",
                        "threads alone: added / device ms", "ctx switches / step", "kernel share",
-                       "CPU by role, all devices (ms)", "load"], rows), ""]
+                       "CPU by role, all devices (ms)", "caller's torch threads", "load"], rows), ""]
     if res.get("ring"):
         rg = res["ring"]
         rows = [[m["model"], fmt(m["grad_bytes"] / 2**20, 1), m["segments"], fmt(m["registered_full"] / 2**20, 2),
@@ -598,7 +612,8 @@ def collect(args: argparse.Namespace, gs: list[int], sections: list[str]) -> dic
                 print(f"emulated mlp48x32 G={g} chunks={label}: {r['chunks']} chunks, own {ms(r['own_s'])} ms, "
                       f"added/device {ms(r['added_per_device_s'])} ms = {r['added_per_device_s'] / r['own_s']:.2f} x own, "
                       f"threads alone {ms(r['threads_added_per_device_s'])} ms, {r['vcsw']:.0f} ctx switches, "
-                      f"load {r['load']:.2f}", flush=True)
+                      f"native pools {ms(r['by_role_s'].get('native pools', 0.0))} ms, caller's torch threads "
+                      f"{'→'.join(map(str, r['caller_threads']))}, load {r['load']:.2f}", flush=True)
                 res["emulated"].append(r)
     if "ring" in sections and 2 in gs:
         res["ring"] = ring_case(2, args.rounds, args.steps)
@@ -695,9 +710,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     gs = [int(v) for v in args.devices.split(",")]
     sections = args.sections.split(",")
-    info, cmd = machine(), command_line()
+    cmd, load = command_line(), " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+    def machine_info() -> dict:
+        # after the measurements: machine() runs a Numba parallel kernel, which starts Numba's threading layer (once per
+        # process), and starting it sets the OpenMP count of the thread that starts it; here first, it would spare the
+        # engine that start, and the caller's count the emulated section reports would say nothing
+        info = machine()
+        info["load average at start"] = load
+        return info
+
     if args.before:
         both = compare(args, list(sys.argv[1:] if argv is None else argv), gs, sections)
+        info = machine_info()
         md = "\n".join([
             "## cgdp's own host cost per step: before and after, same machine, same run", "",
             f"Command: `{cmd}`", "", "Machine:", machine_md(info), "",
@@ -714,6 +739,7 @@ def main(argv: list[str] | None = None) -> int:
         write_results(md, both, info, cmd, args.md, args.json)
         return 0
     res = collect(args, gs, sections)
+    info = machine_info()
     write_results(report(res, info, cmd), res, info, cmd, args.md, args.json)
     return 0
 

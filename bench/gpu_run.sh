@@ -22,13 +22,15 @@
 #                   and a chunk sweep (bench/gpu_all.py)
 #   4 overlap       copy/compute overlap and D2H/H2D bandwidth of pinned copies (GPU only)
 #   5 replicas      two replicas on the one GPU (share_devices=True), checked against autograd
-#   6 checks-full   every check of bench/gpu_checks.py, with the time that remains
-#   7 summary       $OUT/summary.txt
+#   6 integrations  Lightning and Accelerate through cgdp with accelerator="gpu", two replicas on the GPU,
+#                   each against the framework on one device (bench/gpu_integrations.py; skipped if absent)
+#   7 checks-full   every check of bench/gpu_checks.py, with the time that remains
+#   8 summary       $OUT/summary.txt
 # Files back (at most 8): run.log, summary.txt, q/gpu_checks.json, a/gpu.json, a/gpu.md,
 # b/gpu.json, f/gpu_checks.json, f/gpu_checks.md.
 set -u
 MODE=gpu DRY= ONLY=
-STAGES="checks-quick pytest measure overlap replicas checks-full"
+STAGES="checks-quick pytest measure overlap replicas integrations checks-full"
 usage="usage: bash bench/gpu_run.sh [--simulate] [--dry-run] [--only STAGE[,STAGE...]] (stages: ${STAGES// /, })"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -55,30 +57,30 @@ T0=$(date +%s)
 if [ "$MODE" = sim ]; then
   BUDGET=195  # the stages' limits together; with the kill graces and the summary: 4 minutes
   SIM=--simulate
-  # stage limits (s): preflight checks-quick pytest measure overlap replicas; checks-full takes the rest
-  LIMITS=(15 35 45 45 0 30)
+  # stage limits (s): preflight checks-quick pytest measure overlap replicas integrations; checks-full: the rest
+  LIMITS=(15 30 40 45 0 25 20)
   PYTEST=(-k "page_locked or two_replicas_on_one_gpu or equivalence_on_cuda and 1-sgd-cgdp")
   MEASURE=(--quick --models mlp --parts bandwidth,networks,sweep)
   REPLICAS=(--quick --models mlp --parts replicas --replicas 2)
 else
   BUDGET=300  # the stages' limits together: 5 minutes (with the kill graces and the summary: 6)
   SIM=
-  LIMITS=(20 50 60 80 20 40)
+  LIMITS=(20 50 55 70 20 40 25)
   PYTEST=()
   MEASURE=(--parts bandwidth,networks,sweep --models resnet152 --steps 8 --warmup 2 --sweep 4,16,64 --sweep-iters 5)
   REPLICAS=(--parts replicas --replicas 2 --models resnet152 --steps 4 --warmup 1)
 fi
-NAMES=(preflight checks-quick pytest measure overlap replicas)
+NAMES=(preflight checks-quick pytest measure overlap replicas integrations)
 if [ -n "$DRY" ]; then
   total=0 used=0
-  for i in 0 1 2 3 4 5; do
+  for i in 0 1 2 3 4 5 6; do
     total=$((total + LIMITS[i]))
     if [ "$i" = 0 ] || wanted "${NAMES[$i]}"; then echo "stage ${NAMES[$i]} ${LIMITS[$i]}s"; used=$((used + LIMITS[i])); fi
   done
   if wanted checks-full; then
     echo "stage checks-full $((BUDGET - used))s (at least: it takes what the stages before it left)"; used=$BUDGET
   fi
-  echo "budget ${BUDGET}s, at most $((BUDGET + 7 * 5 + 10))s with each stage's kill grace and the summary"
+  echo "budget ${BUDGET}s, at most $((BUDGET + 8 * 5 + 10))s with each stage's kill grace and the summary"
   exit 0
 fi
 mkdir -p "$OUT"
@@ -164,6 +166,8 @@ fi
 
 stage replicas
 skip replicas || run "${LIMITS[5]}" $PY bench/gpu_all.py "${REPLICAS[@]}" $SIM --out "$OUT/b"
+stage integrations
+skip integrations || run "${LIMITS[6]}" $PY bench/gpu_integrations.py $SIM
 left=$(( BUDGET - $(date +%s) + T0 ))
 stage checks-full
 skip checks-full || run "$left" $PY bench/gpu_checks.py $SIM --out "$OUT/f"
@@ -172,7 +176,7 @@ stage summary
 rm -f "$OUT"/q/*.md "$OUT"/b/*.md  # at most 8 files come back
 {
   echo "gpu_run.sh ($MODE${ONLY:+, only ${ONLY:1:-1}}) in $(( $(date +%s) - T0 )) s"
-  grep -hE "^===|^rc=|as they must|FAIL|overlap\]|preflight\]|passed|failed|error" "$L" | tail -60
+  grep -hE "^===|^rc=|as they must|FAIL|overlap\]|preflight\]|integrations\]|passed|failed|error" "$L" | tail -60
   $PY - "$OUT" <<'P' 2>&1
 import json, os, sys
 out = sys.argv[1]

@@ -7,15 +7,17 @@ per gradient hook, per ``Trainer`` step and per ``DataParallel`` iteration (READ
 Only code under the imported ``cgdp`` package is counted, on every thread.
 """
 import sys, torch, collections
-from cgdp.engine.core.hooks import DeviceHooks
+from cgdp.engine.core.hooks import DeviceHooks, StepMarks
 ps = [torch.nn.Parameter(torch.zeros(4)) for _ in range(8)]
-h = DeviceHooks(ps, lambda c: None, lambda: 0.0, bytearray())
+marks = StepMarks(1, len(ps))
+h = DeviceHooks(ps, marks, 0, lambda c: None, lambda: 0.0)
 views = [torch.zeros(4) for _ in ps]
-h.set_layout([0] * 8, [10**9], views)
-h.streaming = True
+h.set_layout([0] * 8, views)
+marks.set_layout([10**9])
+h.mode.streaming = True
 for p, v in zip(ps, views):
     p.grad = v
-fn = h._make(3)
+fn = h._make(3, marks, 0)
 count = collections.Counter()
 def tracer(frame, event, arg):
     frame.f_trace_opcodes = True

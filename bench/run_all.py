@@ -1,6 +1,6 @@
 """Run every CPU benchmark and write the results pages, in one command.
 
-    python bench/run_all.py            # full runs (about a minute on 2 cores: 61 s in run_all.json) → bench/results/*.md
+    python bench/run_all.py            # full runs (about two minutes on 2 cores: 2 min 05 s in one run) → bench/results/*.md
     python bench/run_all.py --quick    # seconds; used by tests/test_bench_smoke.py
 
 Writes ``accumulate.md`` (bench_accumulate.py), ``engine.md`` (bench_engine.py) and ``cpu.md``

@@ -190,3 +190,14 @@ def bound(model: nn.Module, opt: torch.optim.Optimizer) -> torch.optim.Optimizer
     """``opt`` bound to ``model`` when it is a ``cgdp.DataParallel`` (every replica then takes its
     step); as it is for a plain module: the same loop drives both."""
     return model.bind(opt) if getattr(model, "bind", None) is not None else opt
+
+
+def queued_upload(rt, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy from page-locked host memory (filled with 1.0) into a zeroed tensor of cuda:0, queued
+    on its default stream behind 50 ms of device work: (the host buffer, the device tensor)."""
+    host = rt.host_alloc(n, torch.float32)
+    host.fill_(1.0)
+    d = torch.zeros(n, device=rt.torch_device(0))
+    rt.cuda._sleep(int(0.05e9))  # the default stream is busy for 50 ms
+    rt.copy(d, host)  # on cuda:0's default stream: queued
+    return host, d

@@ -154,3 +154,166 @@ def test_save_state_load_state_resume_bitwise(tmp_path):
 def test_fp16_refused():
     with pytest.raises(ValueError, match="use 'bf16'"):
         Accelerator(cpu=True, mixed_precision="fp16")
+
+
+def regression_setup(accelerator, batch=16, sched=False):
+    """accelerate/test_utils/scripts/test_sync.py's ``get_training_setup``: its model and data, seeded."""
+    from accelerate.test_utils import RegressionDataset, RegressionModel
+    net = RegressionModel(a=1, b=1)
+    dl = torch.utils.data.DataLoader(RegressionDataset(length=80, seed=42), batch_size=batch)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3) if sched else torch.optim.SGD(net.parameters(), lr=0.1,
+                                                                                    momentum=0.9)
+    if sched:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda=lambda epoch: epoch**0.65)
+        model, opt, dl, sched = accelerator.prepare(net, opt, dl, sched)
+        return net, model, opt, dl, sched
+    model, opt, dl = accelerator.prepare(net, opt, dl)
+    return net, model, opt, dl
+
+
+def grads(net):
+    return [p.grad.detach().clone() for p in net.parameters()]
+
+
+def multiple_forwards(accelerator):
+    """test_sync.py's ``test_distributed_sync_multiple_fwd``: 3 forwards under ``no_sync``, their
+    backwards, the last under ``trigger_sync_in_backward``, then a step. ``.grad`` after each."""
+    net, model, opt, dl = regression_setup(accelerator)
+    losses, seen = [], []
+    for i, batch in zip(range(3), dl):
+        with accelerator.no_sync(model):
+            out = model(batch["x"])
+            losses.append(nn.functional.mse_loss(out, batch["y"].to(out.device)))
+    for i, loss in enumerate(losses):
+        if i < 2:
+            accelerator.backward(loss)
+        else:
+            with accelerator.trigger_sync_in_backward(model):
+                accelerator.backward(loss)
+        seen.append(grads(net))
+    opt.step()
+    return net, model, seen
+
+
+def test_trigger_sync_in_backward_equals_one_device():
+    """Several forwards under no_sync, the last backward under trigger_sync_in_backward: that
+    backward sums what every replica accumulated, .grad and the step are one device's (on every
+    replica); before it, replica 0 holds its own share (test_sync.py: "not in sync")."""
+    one, _, ref = multiple_forwards(accelerate.Accelerator(cpu=True))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True)
+    net, model, seen = multiple_forwards(acc)
+    for i in range(2):  # accumulated locally: replica 0's share only
+        assert not any(torch.allclose(g, r) for g, r in zip(seen[i], ref[i]))
+    for g, r in zip(seen[2], ref[2]):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+    for replica in model.replicas:
+        assert_params(one, replica)
+    acc.free_memory()
+
+
+def accumulation(accelerator):
+    """test_sync.py's ``test_gradient_accumulation_with_opt_and_scheduler``: 5 batches, accumulation
+    2, AdamW and a scheduler. ``.grad`` after each micro-batch's backward, the learning rates."""
+    net, model, opt, dl, sched = regression_setup(accelerator, sched=True)
+    seen, lrs = [], []
+    for batch in dl:
+        with accelerator.accumulate(model):
+            out = model(batch["x"])
+            accelerator.backward(nn.functional.mse_loss(out, batch["y"].to(out.device)))
+            seen.append(grads(net))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        lrs.append(opt.param_groups[0]["lr"])
+    return net, model, seen, lrs
+
+
+@pytest.mark.parametrize("sync_each_batch", [True, False])
+def test_sync_each_batch_equals_one_device(monkeypatch, sync_each_batch):
+    """GradientAccumulationPlugin(sync_each_batch=True): no no_sync, every backward sums, .grad after
+    each micro-batch is one device's (test_sync.py: "syncs at each grad_accum interval or if
+    sync_each_batch"); False: replica 0's share between steps, one device's at each step."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    def plugin():
+        return GradientAccumulationPlugin(num_steps=2, sync_each_batch=sync_each_batch)
+    one, _, ref, lrs1 = accumulation(accelerate.Accelerator(cpu=True, gradient_accumulation_plugin=plugin()))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    quiet = []
+    no_sync = cgdp.DataParallel.no_sync
+    monkeypatch.setattr(cgdp.DataParallel, "no_sync", lambda self: quiet.append(1) or no_sync(self))
+    acc = Accelerator(cpu=True, gradient_accumulation_plugin=plugin())
+    net, model, seen, lrs2 = accumulation(acc)
+    assert lrs2 == lrs1
+    for i, (g, r) in enumerate(zip(seen, ref)):
+        if sync_each_batch or i % 2 == 1 or i == len(ref) - 1:
+            for a, b in zip(g, r):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        else:
+            assert not any(torch.allclose(a, b) for a, b in zip(g, r))
+    assert len(quiet) == (0 if sync_each_batch else 2)  # 5 batches: the 1st and 3rd accumulate
+    for replica in model.replicas:
+        assert_params(one, replica)
+    acc.free_memory()
+
+
+def loaded(device_map, bits=8):
+    """A module as transformers leaves a quantized or dispatched model: the attributes
+    accelerate's ``prepare_model`` reads."""
+    net = network()
+    if bits:
+        setattr(net, f"is_loaded_in_{bits}bit", True)
+    net.hf_device_map = device_map
+    return net
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_with_cpu_offload_refused_as_by_accelerate(bits):
+    """An 8/4-bit model with CPU offload: accelerate's own ValueError, before anything is wrapped."""
+    with pytest.raises(ValueError) as plain:
+        accelerate.Accelerator(cpu=True).prepare(loaded({"": "cpu"}, bits))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True)
+    with pytest.raises(ValueError) as ours:
+        acc.prepare(loaded({"": "cpu"}, bits))
+    assert str(ours.value) == str(plain.value) and "CPU or disk offload" in str(ours.value)
+    assert acc._models == []  # nothing wrapped: no replicas, no threads
+
+
+def test_device_map_of_several_entries_refused():
+    """Dispatched over a device map of several entries (quantized or not): its hooks tie layers to
+    devices; accelerate refuses it in a distributed mode, and cgdp's devices are one."""
+    for net in (loaded({"0": "cpu", "3": "cpu"}, bits=None), loaded({"0": "cpu", "3": "cpu"}, bits=4)):
+        acc = Accelerator(cpu=True)
+        with pytest.raises(ValueError, match=r"dispatched by a device_map of several entries.*without a device_map"):
+            acc.prepare(net)
+        assert acc._models == []
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_one_sample_without_batch_dimension_is_said():
+    """A 1-D tensor of 32 features into Linear(32, 2): one device computes it as is; cgdp splits it
+    as a batch of 32 scalars, and the replica's error carries a note saying so and what to do
+    (a 1-D tensor can be a batch, so it is not refused: RegressionModel's 1-D inputs train above).
+    Done as the note says, the output is one device's."""
+    torch.manual_seed(0)
+    one = nn.Linear(32, 2)
+    net = nn.Linear(32, 2)
+    net.load_state_dict(one.state_dict())
+    x = torch.randn(32)
+    expected = accelerate.Accelerator(cpu=True).prepare(one)(x)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True)
+    model, batched = acc.prepare(net, nn.Linear(32, 2))
+    with pytest.raises(RuntimeError, match="mat1 and mat2") as err:  # a batched input: no such note
+        batched(torch.randn(4, 16))
+    assert "1-D" not in "\n".join(getattr(err.value, "__notes__", []))
+    with pytest.raises(RuntimeError, match="mat1 and mat2") as err:
+        model(x)
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    assert "split the 1-D tensor input of shape (32,) along its only dimension" in notes
+    assert "16 + 16" in notes and "model(x.unsqueeze(0))" in notes
+    torch.testing.assert_close(model(x.unsqueeze(0)).squeeze(0), expected)
+    acc.free_memory()

@@ -127,6 +127,44 @@ def test_used_out_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
     assert [r["step"] for r in rows(out) if r["kind"] == "step"] == [1, 2]
 
 
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_lock_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path, capsys, link):
+    """``OUT/.lock`` is written with the process id; planted as a link to a file elsewhere, it
+    would empty and overwrite that file. The run is refused before anything is written."""
+    out, target = tmp_path / "run", tmp_path / "precious.txt"
+    out.mkdir()
+    target.write_text("the user's data\n")
+    (out / ".lock").symlink_to(target) if link == "symbolic" else os.link(target, out / ".lock")
+    rc, text = run(capsys, "--out", str(out), "--steps", "2")
+    assert rc == 2 and f"{out / '.lock'} is a {link} link" in text and "Remove" in text, text
+    assert target.read_text() == "the user's data\n"
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing else was written
+
+
+def test_metrics_planted_as_a_link_is_not_written_through(tmp_path, capsys):
+    """metrics.jsonl is appended to, not replaced by a rename: a link there (here one that points
+    nowhere yet, so --out looks unused) would create or empty a file elsewhere."""
+    out, target = tmp_path / "run", tmp_path / "elsewhere.txt"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to(target)
+    rc, text = run(capsys, "--out", str(out), "--steps", "2")
+    assert rc == 2 and "metrics.jsonl: it is a symbolic link" in text and "remove the link" in text, text
+    assert not target.exists()
+
+
+def test_an_out_holding_only_a_users_model_is_refused_without_overwrite(tmp_path, capsys):
+    """A run writes OUT/model.pt at its end: a user's own model.pt there is not replaced unasked."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model.pt").write_bytes(b"the user's pretrained weights")
+    rc, text = run(capsys, "--out", str(out), "--steps", "2")
+    assert rc == 2 and f"--out {out} holds a model.pt but no run" in text and "--overwrite" in text, text
+    assert (out / "model.pt").read_bytes() == b"the user's pretrained weights"
+    assert not (out / "metrics.jsonl").exists() and not (out / "config.toml").exists()
+    assert run(capsys, "--out", str(out), "--steps", "2", "--overwrite")[0] == 0
+    assert torch.load(out / "model.pt", weights_only=True)
+
+
 def test_resume_after_a_crash_marks_the_repeated_steps(tmp_path, capsys):
     out = tmp_path / "run"
     assert run(capsys, "--out", str(out), "--steps", "3")[0] == 0
@@ -426,6 +464,18 @@ def test_the_documented_vgg16_command_on_a_small_machine(capsys, monkeypatch):
         assert slow in text and "one step can take minutes" in text and "--steps 3 --batch 2" in text, text
     rc, text = run(capsys, "--print-config")
     assert rc == 0 and "one step can take minutes" not in text, text
+
+
+def test_the_gpu_preset_note_gives_only_advice_not_yet_followed():
+    from cgdp.cli.memory import time_note
+    cpu = ["cpu:0", "cpu:1"]
+    note = lambda batch, steps: time_note("vgg16", 138_000_000, cpu, batch, 2 * batch, steps)  # noqa: E731
+    assert note(32, 300).endswith("300 steps hours (the ETA follows the first step). For a quick look, pass "
+                                  "--steps 3 --batch 2")
+    assert note(32, 3).endswith("For a quick look, pass --batch 2") and "steps hours" not in note(32, 3)
+    assert note(2, 300).endswith("For a quick look, pass --steps 3")
+    assert note(2, 3).endswith("one step can take minutes (the ETA follows the first step)")  # as advised
+    assert time_note("vgg16", 138_000_000, ["cuda:0"], 2, 2, 3) is None
 
 
 def test_no_gpu_note_for_a_device_count(capsys):

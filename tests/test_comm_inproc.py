@@ -180,6 +180,36 @@ def test_ranks_with_different_initial_parameters_are_named_at_start_up():
         assert "initial_parameters" in msg
 
 
+@pytest.mark.parametrize("face, setting, values", [
+    ("Trainer", "grad_transfer", (None, "bf16")),
+    ("Trainer", "update", ("devices", "host")),
+    ("Trainer", "segment_bytes", (4 << 20, 1 << 12)),
+    ("Trainer", "host_memory", (None, 1 << 20)),
+    ("Trainer", "clip_grad_norm", (None, 1.0)),
+    ("Trainer", "micro_batches", (1, 2)),
+    ("DataParallel", "update", ("devices", "host")),
+    ("DataParallel", "segment_bytes", (4 << 20, 1 << 12)),
+    ("DataParallel", "host_memory", (None, 1 << 20)),
+    ("DataParallel", "scalar_outputs", ("auto", "sum")),
+])
+def test_ranks_started_with_different_settings_fail_at_start_up_naming_the_setting(face, setting, values):
+    """A setting that changes what crosses the wire or what a step computes must agree on every rank: a rank started
+    differently fails on every rank, with words naming the setting and the rank (it would otherwise train apart)."""
+    def rank(comm):
+        kwargs = {setting: values[comm.rank]}
+        try:
+            if face == "Trainer":
+                cgdp.Trainer(mlp(), SGD, ["cpu:0"], comm=comm, timeout_s=10, **kwargs).close()
+            else:
+                cgdp.DataParallel(mlp(), ["cpu:0"], comm=comm, timeout_s=10, **kwargs).close()
+        except RuntimeError as exc:
+            return str(exc)
+        return "no error"
+
+    for msg in on_ranks(2, rank):
+        assert f"setting {setting}" in msg and "rank 1" in msg, msg
+
+
 def test_auto_tuner_learns_the_mpi_stage_from_the_probe():
     model = mlp()
 

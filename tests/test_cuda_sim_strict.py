@@ -9,6 +9,7 @@ import torch
 
 from cgdp.testing import simulated_cuda
 from cgdp.testing.stream_check import StreamChecker, StreamRaceError, stream_key
+from helpers import queued_upload
 
 
 # ------------------------------------------------------------------- default streams of two devices
@@ -147,11 +148,7 @@ def test_a_host_write_into_page_locked_memory_a_queued_copy_reads(ordered):
     device gets the new bytes); after an event's synchronize it is right."""
     with simulated_cuda(1, max_delay_s=0.0) as sim:
         rt = sim.runtime
-        host = rt.host_alloc(64, torch.float32)
-        host.fill_(1.0)
-        d = torch.zeros(64, device=rt.torch_device(0))
-        rt.cuda._sleep(int(0.05e9))  # the default stream is busy for 50 ms
-        rt.copy(d, host)  # on cuda:0's default stream: queued
+        host, d = queued_upload(rt)
         ev = rt.Event()
         ev.record(rt.default_stream(0))
         if ordered:

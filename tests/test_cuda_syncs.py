@@ -13,6 +13,8 @@ from torch import nn
 import cgdp
 from cgdp.engine.trainer.hyperparameters import HyperparameterMismatchError
 from cgdp.testing import simulated_cuda
+from cgdp.testing.stream_check import StreamRaceError
+from helpers import queued_upload
 
 HOST = "cgdp-host-cuda:0"
 
@@ -94,6 +96,88 @@ def test_a_freed_device_storage_leaves_its_bytes_to_the_host():
         sim.synchronize_device(2)
 
 
+# (what the operator does, its waits on a GPU: one per memcpy_and_sync or .item() in torch's CUDA kernel)
+SYNCING = [
+    ("blocking _foreach_copy_ to the host", lambda t, m: torch._foreach_copy_([torch.empty(6)] * 3, [t] * 3), 3),
+    ("torch.nonzero", lambda t, m: torch.nonzero(t), 1),
+    ("Tensor.nonzero", lambda t, m: t.nonzero(), 1),
+    ("torch.argwhere", lambda t, m: torch.argwhere(t), 1),
+    ("torch.where(cond)", lambda t, m: torch.where(m), 1),
+    ("t[mask]", lambda t, m: t[m], 1),
+    ("t[mask] = device tensor", lambda t, m: t.clone().__setitem__(m, t[0]), 1),
+    ("masked_select", lambda t, m: torch.masked_select(t, m), 1),
+    ("tolist", lambda t, m: t.tolist(), 1),
+    ("torch.unique", lambda t, m: torch.unique(t), 1),
+    ("unique_consecutive", lambda t, m: torch.unique_consecutive(t), 1),
+    ("repeat_interleave without output_size", lambda t, m: torch.repeat_interleave(t.long()), 2),
+    ("bincount", lambda t, m: torch.bincount(t.long()), 2),
+    ("histc, range from the data", lambda t, m: torch.histc(t), 2),
+    ("a device scalar as a Scalar argument", lambda t, m: t.add(t, alpha=t[1]), 1),
+    ("torch.linalg.inv (its error check)", lambda t, m: torch.linalg.inv(torch.diag(t + 1)), 1),
+    # none of these waits on a GPU
+    ("repeat_interleave with output_size", lambda t, m: torch.repeat_interleave(t.long(), output_size=15), 0),
+    ("nonzero_static", lambda t, m: torch.nonzero_static(t, size=3), 0),
+    ("t[mask] = host scalar (masked_fill_)", lambda t, m: t.clone().__setitem__(m, 0.0), 0),
+    ("masked_fill", lambda t, m: t.masked_fill(m, 0.0), 0),
+    ("torch.where(cond, a, b)", lambda t, m: torch.where(m, t, 0.0), 0),
+    ("histc over a given range", lambda t, m: torch.histc(t, 3, 0, 5), 0),
+    ("a cast on the device", lambda t, m: t.sum().to(torch.float64), 0),
+    ("type_as", lambda t, m: t.type_as(torch.ones(1, dtype=torch.float64, device=t.device)), 0),
+    ("to(other)", lambda t, m: t.to(torch.ones(1, dtype=torch.float64, device=t.device)), 0),
+    ("to(device, dtype)", lambda t, m: t.to(t.device, torch.float64), 0),
+]
+
+
+@pytest.mark.parametrize("what, op, waits", SYNCING, ids=[w for w, _, _ in SYNCING])
+def test_every_operator_that_synchronises_on_a_gpu_is_counted(what, op, waits):
+    """As torch's CUDA kernels: a blocking ``_foreach_copy_`` between the host and a device is one
+    ``copy_`` per tensor (ForeachBinaryOpList.cu's slow path), each a memcpy_and_sync; an output
+    sized by the data (nonzero, boolean masks, unique) reads its size first; a device scalar passed
+    as a Scalar is an ``.item()``. A cast stays on its device and waits for nothing."""
+    with simulated_cuda(1, max_delay_s=0.0) as sim:
+        t = torch.arange(6.0, device=sim.runtime.torch_device(0))
+        m = t > 2
+        sim.reset_host_syncs()
+        out = op(t, m)
+        assert sim.host_syncs() == Counter({("MainThread", "read"): waits} if waits else {})
+        if isinstance(out, torch.Tensor) and what.startswith(("a cast", "type_as", "to(")):
+            assert out.dtype == torch.float64 and sim.syncs.device_of(out) == 0
+
+
+def test_a_non_blocking_foreach_copy_into_page_locked_memory_does_not_wait():
+    with simulated_cuda(1, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        t = torch.arange(6.0, device=rt.torch_device(0))
+        rows = rt.host_alloc(12, torch.float32)
+        sim.reset_host_syncs()
+        torch._foreach_copy_([rows[:6], rows[6:]], [t, t * 2], non_blocking=True)
+        assert sim.host_syncs() == Counter()
+        torch._foreach_copy_([torch.empty(6), torch.empty(6)], [t, t], non_blocking=True)  # pageable
+        assert sim.host_syncs() == Counter({("MainThread", "read"): 2})
+        rt.default_stream(0).synchronize()
+        rt.host_free(rows)
+
+
+@pytest.mark.parametrize("cast", ["sum().to(float64)", "double()", "to(device, float64)", "type_as"])
+def test_a_cast_on_the_device_leaves_a_host_write_racing_a_queued_copy(cast):
+    """A dtype cast without a change of device stays on the device, asynchronous: the host learns
+    nothing from it, so a host write into page-locked memory that a queued copy still reads is a
+    race with the cast in between (the cast was taken as a copy to the host, which drained the
+    stream and told the checker the host had synchronised: the race went unreported)."""
+    with simulated_cuda(1, max_delay_s=0.0) as sim:
+        rt = sim.runtime
+        host, d = queued_upload(rt)
+        sim.reset_host_syncs()
+        x = {"sum().to(float64)": lambda: d.sum().to(torch.float64), "double()": lambda: d.double(),
+             "to(device, float64)": lambda: d.to(d.device, torch.float64),
+             "type_as": lambda: d.type_as(torch.zeros(1, dtype=torch.float64, device=d.device))}[cast]()
+        assert x.dtype == torch.float64 and x.device == d.device and sim.host_syncs() == Counter()
+        host.fill_(2.0)  # the host reuses the staging bytes before the copy is known to have run
+        with pytest.raises(StreamRaceError, match=r"fill_.* on stream the host writes .* copy_"):
+            sim.synchronize_device(0)
+        rt.host_free(host)
+
+
 def mlp(bn=False):
     torch.manual_seed(0)
     if bn:
@@ -119,9 +203,10 @@ def sgd(params):
 
 
 def tensor_lr(params):
-    """A learning rate on the replica's device, as torch's optimizers take it (``capturable``)."""
+    """A learning rate on the replica's device, as torch's optimizers take it (``capturable``); foreach, as torch
+    picks on a GPU (the simulator's tensors are host tensors, for which it would pick its per-tensor loop)."""
     params = list(params)
-    return torch.optim.SGD(params, lr=torch.tensor(0.05, device=params[0].device))
+    return torch.optim.SGD(params, lr=torch.tensor(0.05, device=params[0].device), foreach=True)
 
 
 def pair_loss(model, part):
@@ -140,11 +225,17 @@ def pair_loss(model, part):
     ("(loss_sum, count), micro-batches", {"micro_batches": 2}, {("MainThread", "read"): 1}),
     # the host optimizer steps during backward: the counts are read (once) and checked before it
     ("(loss_sum, count), update='host'", {"update": "host"}, {("MainThread", "read"): 2}),
+    # with a ring the host holds no full row: replica 0's averaged gradient comes to the host in one copy (one wait;
+    # it was one blocking copy per parameter, which the counter did not see)
+    ("update='host', host_memory", {"update": "host", "host_memory": 1 << 16, "segment_bytes": 1024},
+     {("MainThread", "read"): 2}),
     # the non-finite count of the reduced gradient: read with the losses
     ("typical", {"mode": "typical"}, {("MainThread", "read"): 1}),
     ("typical, clipping", {"mode": "typical", "clip_grad_norm": 0.5}, {("MainThread", "read"): 1}),
-    # replica 1's lr compared with replica 0's on the device, the count read with the losses
-    ("tensor lr", {}, {("MainThread", "read"): 1}),
+    # replica 1's lr compared with replica 0's on the device, the count read with the losses; the
+    # rest is torch's SGD, not cgdp: its foreach step reads a tensor lr once per device
+    # (``alpha=-lr``, an ``.item()``)
+    ("tensor lr", {}, {("MainThread", "read"): 1, ("cgdp-cuda:0", "read"): 1, ("cgdp-cuda:1", "read"): 1}),
     # the user's gradient hooks run on the average once it is known to be finite (at the read);
     # the norm of what they return is read after them
     ("gradient hook, clipping", {"clip_grad_norm": 0.5}, {("MainThread", "read"): 2}),
@@ -170,32 +261,53 @@ def test_trainer_waits_per_step(feature, kw, want):
     assert got == Counter(want)
 
 
-@pytest.mark.parametrize("feature, want", [
-    ("plain", {("MainThread", "read"): 1}),
-    ("batchnorm", {("MainThread", "read"): 1}),
-    ("clipping", {("MainThread", "read"): 2}),
-])
-def test_dataparallel_waits_per_iteration(feature, want):
-    """No wait in forward (BatchNorm's buffers: a mask on the device), none in clip_grad_norm_ (the
-    coefficient and the norm stay on the device), inputs through page-locked memory; what is left
-    is the check for gradients edited through ``.data`` (one read per optimizer.step() and per
-    clip_grad_norm_, docs/cuda.md). Before: two reads per check, a flag read per device in a
-    BatchNorm forward, the coefficient from pageable memory, inputs from pageable memory."""
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("clipping", [None, "model.clip_grad_norm_", "torch.nn.utils.clip_grad_norm_"])
+@pytest.mark.parametrize("batchnorm", [False, True])
+def test_dataparallel_waits_per_iteration(optimizer, clipping, batchnorm):
+    """One wait per iteration, whatever the loop adds: no wait in forward (BatchNorm's buffers: a mask on the device),
+    none in clipping (the norm is taken on replica 0's device, the coefficient stays there; torch's own
+    clip_grad_norm_ on the model's parameters as on one device), inputs through page-locked memory; what is left is
+    the check for gradients edited through ``.data`` at optimizer.step() (docs/cuda.md). Before: two reads per check,
+    a flag read per device in a BatchNorm forward, the coefficient from pageable memory, inputs from pageable memory,
+    and one more check (a read) in model.clip_grad_norm_."""
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(12, 12, generator=g), torch.randint(0, 4, (12,), generator=g)
     with simulated_cuda(2, max_delay_s=0.0) as sim:
-        with cgdp.DataParallel(mlp(feature == "batchnorm"), ["cuda:0", "cuda:1"], chunks=1) as dp:
-            opt = dp.bind(torch.optim.SGD(dp.parameters(), lr=0.05))
+        with cgdp.DataParallel(mlp(batchnorm), ["cuda:0", "cuda:1"], chunks=1) as dp:
+            opt = dp.bind(torch.optim.AdamW(dp.parameters(), lr=1e-3) if optimizer == "adamw"
+                          else torch.optim.SGD(dp.parameters(), lr=0.05))
             yd = y.to(sim.runtime.torch_device(0))  # the user's own upload, once
 
             def step():
                 opt.zero_grad()
                 F.cross_entropy(dp(x), yd).backward()
-                if feature == "clipping":
+                if clipping == "model.clip_grad_norm_":
                     dp.clip_grad_norm_(0.5)
+                elif clipping:
+                    torch.nn.utils.clip_grad_norm_(dp.parameters(), 0.5)
                 opt.step()
             got = counted_step(sim, step)
-    assert got == Counter(want)
+    assert got == Counter({("MainThread", "read"): 1})
+
+
+def test_torch_code_moving_a_tensor_to_the_device_it_read_stays_on_that_device():
+    """On a GPU, torch's clip_grad_norm_ moves each norm and the coefficient to the device it read from the gradients
+    (``.to(cuda:0)`` of a tensor on cuda:0: no copy). The simulator shows torch's code ``cpu`` as that device, so a
+    move there must stay on it too (it counted a read per parameter); a move to the host by name still reads."""
+    with simulated_cuda(1, max_delay_s=0.0) as sim:
+        d0 = sim.runtime.torch_device(0)
+        grads = [torch.ones(3, device=d0), torch.ones(2, device=d0)]
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g
+        sim.reset_host_syncs()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        assert sim.host_syncs() == Counter()
+        assert sim.syncs.device_of(norm) == 0 and sim.syncs.device_of(params[0].grad) == 0
+        float(norm)
+        grads[0].to("cpu")
+        assert sim.host_syncs() == Counter({("MainThread", "read"): 2})
 
 
 def test_tensor_hyperparameters_that_differ_reject_the_step_after_backward():

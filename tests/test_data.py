@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +23,19 @@ def test_digits_bundled_split():
     assert sorted(set(y.tolist())) == list(range(10))
     xt = tr.batch(np.arange(len(tr)))[0].reshape(len(tr), -1)
     assert not (xt[:, None, :] == x.reshape(360, -1)[None]).all(-1).any(), "a test image is also in train"
+
+
+def test_digits_gives_the_float_tensors_its_readme_promises():
+    """cgdp/data/README.md: ``x, y = cgdp.data.digits("train").tensors()``; the raw counts stay in ``.x``."""
+    ds = digits("train")
+    x, y = ds.tensors()
+    assert x.shape == (1437, 1, 8, 8) and x.dtype == torch.float32 and float(x.min()) == 0.0 and float(x.max()) == 1.0
+    assert y.shape == (1437,) and y.dtype == torch.int64
+    assert ds.x.dtype == np.uint8 and torch.equal(x, torch.from_numpy(ds.x).float() / 16)
+    with pytest.raises(TypeError, match=r"not a pair of tensors: ds.tensors\(\) gives \(x, y\)"):
+        x, y = ds
+    readme = (Path(__file__).resolve().parent.parent / "cgdp" / "data" / "README.md").read_text()
+    assert 'x, y = cgdp.data.digits("train").tensors()' in readme
 
 
 def test_runtime_never_imports_sklearn():

@@ -849,3 +849,38 @@ def test_closing_from_a_device_thread_does_not_join_itself():
     model = cgdp.DataParallel(mlp(), devs(2))
     inside(model).threads.submit(1, model.close).result(timeout=30)
     assert model.closed
+
+
+def test_a_sample_without_batch_dimension_is_said_when_the_forward_fails():
+    """A 1-D input of 32 features to Linear(32, 2) is one sample to the layer, but cgdp splits every tensor along its
+    first dimension: the replica's error (torch's shape message) comes with what happened and what to do. A 1-D
+    batch that a module takes (token ids for an embedding) runs as before."""
+    with cgdp.DataParallel(nn.Linear(32, 2), ["cpu:0", "cpu:1"]) as model:
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as err:
+            model(torch.randn(32))
+        assert any("one sample without a batch dimension" in n and "x.unsqueeze(0)" in n for n in err.value.__notes__)
+        assert model(torch.randn(1, 32)).shape == (1, 2)
+    with cgdp.DataParallel(nn.Embedding(10, 3), ["cpu:0", "cpu:1"]) as model:
+        assert model(torch.arange(6)).shape == (6, 3)
+
+
+def test_a_forward_that_raises_reports_its_own_error_not_an_earlier_one():
+    """Each failing forward raises its own error: the first one's was kept and raised again for the next."""
+    class Picky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            if x.shape[1] != 4:
+                raise ValueError(f"wanted 4 features, got {x.shape[1]}")
+            return self.fc(x)
+
+    with cgdp.DataParallel(Picky(), ["cpu:0", "cpu:1"]) as model:
+        with pytest.raises(ValueError, match="got 3"):
+            model(torch.randn(4, 3))
+        assert model(torch.randn(4, 4)).shape == (4, 2)
+        with pytest.raises(ValueError, match="got 5"):
+            model(torch.randn(4, 5))
+        with pytest.raises(ValueError, match="got 6"):
+            model(torch.randn(4, 6))

@@ -105,6 +105,16 @@ def test_resume_onto_a_full_disk_changes_nothing(small_disk, capsys):
     assert checkpoint.load(out / "checkpoint.pt")["trainer"]["step"] == 5
 
 
+def test_a_disk_full_before_the_start(small_disk, capsys):
+    """Full before anything is written: the lock's process id is the first write, and fails."""
+    out = small_disk / "run"
+    fill(small_disk)
+    rc, text = run(capsys, "--out", str(out), "--steps", "2")
+    assert rc == 2 and f"cannot write {out}/.lock: the disk is full" in text, text
+    assert "free some space (or choose another --out)" in text, text
+    assert not (out / "metrics.jsonl").exists() and not (out / "config.toml").exists()
+
+
 FSIZE = textwrap.dedent("""
     import resource, signal, sys
     from cgdp.cli.train import main

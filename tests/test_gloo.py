@@ -88,6 +88,33 @@ def test_env_world_reads_torchrun_slurm_and_says_what_is_missing():
         env_world({})
 
 
+@pytest.mark.parametrize("env, match", [
+    ({"MASTER_PORT": "296232422"}, r"MASTER_PORT=296232422 \(RANK/WORLD_SIZE\) is not a TCP port, which must be "
+                                   r"in 1..65535; set MASTER_PORT to a free port"),
+    ({"MASTER_PORT": "0"}, r"MASTER_PORT=0 .* is not a TCP port"),
+    ({"MASTER_PORT": "29x00"}, r"MASTER_PORT='29x00' \(RANK/WORLD_SIZE\) is not a whole number"),
+    ({"RANK": "one"}, r"RANK='one' .* is not a whole number"),
+    ({"MASTER_ADDR": "h0:29500"}, r"MASTER_ADDR='h0:29500' .* looks like HOST:PORT; put the host in MASTER_ADDR"),
+    ({"MASTER_ADDR": "tcp://h0"}, r"MASTER_ADDR='tcp://h0' .* is a URL"),
+    ({"MASTER_ADDR": "h0 "}, r"MASTER_ADDR='h0 ' .* holds a space"),
+])
+def test_env_world_refuses_a_bad_port_or_address_before_the_rendezvous(env, match):
+    """Said before any connection is tried: not as a rendezvous timeout with the cause in brackets."""
+    from cgdp.comm.gloo import env_world
+    with pytest.raises(ValueError, match=match):
+        env_world({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **env})
+    assert env_world({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "::1", "MASTER_PORT": "65535"})["port"] == 65535
+
+
+def test_training_cli_says_what_is_wrong_with_master_port(monkeypatch, capsys):
+    from cgdp.cli.train import main
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "296232422"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cgdp.train: error: comm='gloo': MASTER_PORT=296232422") and "Traceback" not in err, err
+
+
 def test_training_cli_picks_gloo_from_the_launchers_environment(tmp_path):
     """``python -m cgdp.train`` in processes started as torchrun starts them (RANK, WORLD_SIZE,
     MASTER_*): gloo is picked up by itself (``--comm auto``); rank 0 writes the results. (torchrun

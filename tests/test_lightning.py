@@ -451,3 +451,80 @@ def test_module_tree_read_during_fit():
     assert not said
     assert_params(one, two)
     assert "forward" not in two.net.__dict__  # put back as it was
+
+
+class ReadsChild(Model):
+    """A training_step that reads the child's attributes (a weight penalty on self.net[0].weight), as written for
+    one device."""
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y) + 1e-2 * self.net[0].weight.square().sum()
+
+
+class PerSubmodule(L.LightningModule):
+    """Lightning's manual optimization with one optimizer per submodule, built in configure_optimizers from the
+    child's own submodules (self.net.g, self.net.d), toggle_optimizer around each, a GAN-like pair of steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.ModuleDict({"g": nn.Linear(8, 8), "d": nn.Sequential(nn.Linear(8, 16), nn.Tanh(),
+                                                                           nn.Linear(16, 3))})
+
+    def forward(self, x):
+        return self.net["d"](self.net["g"](x))
+
+    def training_step(self, batch, i):
+        g_opt, d_opt = self.optimizers()
+        x, y = batch
+        self.toggle_optimizer(d_opt)
+        d_opt.zero_grad()
+        self.manual_backward(nn.functional.cross_entropy(self.forward(x), y))
+        d_opt.step()
+        self.untoggle_optimizer(d_opt)
+        self.toggle_optimizer(g_opt)
+        g_opt.zero_grad()
+        self.manual_backward(-nn.functional.cross_entropy(self.forward(x), y) + self.net.g.weight.norm())
+        g_opt.step()
+        self.untoggle_optimizer(g_opt)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.net.g.parameters(), lr=1e-2), torch.optim.SGD(self.net.d.parameters(), lr=0.1)
+
+
+class Wrapping(nn.Module):
+    """The GAN pair in one child whose forward the LightningModule calls, so that the batch splits."""
+
+    def __init__(self):
+        super().__init__()
+        self.g, self.d = nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.d(self.g(x))
+
+
+class PerSubmoduleSplit(PerSubmodule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = Wrapping()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("make", [ReadsChild, PerSubmodule, PerSubmoduleSplit])
+def test_the_lightning_module_stays_as_written(make):
+    """Lightning's DDP leaves the LightningModule's tree alone; so does CGDPStrategy as far as the module reads it:
+    attributes of the wrapped child (self.net[0].weight, self.net.g), optimizers per submodule built in
+    configure_optimizers after wrapping, toggle_optimizer, manual optimization: equal to Lightning on one device.
+    (They failed with "'DataParallel' object has no attribute ...".)"""
+    torch.manual_seed(0)
+    one = make()
+    two = copy.deepcopy(one)
+    fit(one, devices=1, max_epochs=1)
+    fit(two, devices=2, strategy="cgdp", max_epochs=1)
+    assert_params(one, two)
+    assert type(two.net) is type(one.net)  # the child back in its place after fit
+

@@ -83,3 +83,27 @@ def test_example_runs_as_written(where, code, results):
         pytest.skip(f"{where} needs {missing}")
     p = results[where]
     assert p.returncode == 0, f"the example at {where} failed:\n{p.stderr[-3000:]}"
+
+
+def test_the_readme_figures_about_the_tests_and_the_tuner_hold():
+    """The test commands and counts a newcomer reads are those they will see: CI's exact command, a
+    quick subset of files that exist, the suite's size, how many tests ``-m "not slow and not mpi"``
+    leaves out, and how many steps the auto tuner takes with its defaults."""
+    from cgdp.planning.tuner import AutoTunerConfig
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert f"```bash\n{ci}\n```" in readme, "README's full test command must be .ci/run's"
+    quick = re.search(r"^python -m pytest -q (tests/\S+\.py(?: tests/\S+\.py)*)$", readme, re.M)
+    assert quick and readme.index(quick.group(0)) < readme.index(ci), "a quick subset comes first"
+    assert all((ROOT / f).is_file() for f in quick.group(1).split()), quick.group(1)
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
+                        "not slow and not mpi"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    kept, total, left = map(int, re.search(r"(\d+)/(\d+) tests collected \((\d+) deselected\)", p.stdout).groups())
+    about = int(re.search(r"The whole suite \(about (\d+) tests", readme).group(1))
+    assert abs(about - total) <= 0.1 * total, f"README says about {about} tests; {total} are collected"
+    said = int(re.search(r'-m "not slow and not mpi"` leaves out the (\d+) tests', readme).group(1))
+    assert said == left, f"README says -m 'not slow and not mpi' leaves out {said} tests; it leaves out {left}"
+    c = AutoTunerConfig()
+    lo = c.warmup_steps + 2 * c.profile_rounds + c.verify_rounds  # one candidate
+    hi = lo + c.verify_rounds * c.candidates  # the model's best plans and the naive one
+    assert f"tunes it over the first {lo} to {hi} steps" in readme

@@ -70,22 +70,45 @@ def data_parallel(module, inputs, devices, module_kwargs=None):
 
 
 # ------------------------------------------------------------------ TestDataParallel
+class _BuffersRequiringGrad(nn.Module):
+    """torch's TestModule of the two cases below."""
+
+    def __init__(self, t):
+        super().__init__()
+        self.register_buffer("t_rg", t)
+        self.register_buffer("t_not_rg", t.clone().detach())
+
+    def forward(self, x):
+        return x * self.t_rg + self.t_not_rg
+
+
 def test_data_parallel_buffers_requiring_grad(devices):
     # adaptation: 10 features instead of 100 (gradcheck's cost grows with them), float64 given
-    class TestModule(nn.Module):
-        def __init__(self, t):
-            super().__init__()
-            self.register_buffer("t_rg", t)
-            self.register_buffer("t_not_rg", t.clone().detach())
-
-        def forward(self, x):
-            return x * self.t_rg + self.t_not_rg
-
-    m = TestModule(torch.randn(10, dtype=torch.double, requires_grad=True))
+    m = _BuffersRequiringGrad(torch.randn(10, dtype=torch.double, requires_grad=True))
     assert m.t_rg.requires_grad
     with wrapped(m, devices) as dpm:
         inp = torch.randn(2, 10, dtype=torch.double)
         assert torch.autograd.gradcheck(lambda t: dpm(inp), (m.t_rg,), check_batched_grad=False)
+
+
+def test_data_parallel_buffers_requiring_grad_backward(devices):
+    """torch's case above, by backward instead of gradcheck: the summed gradient reaches the buffer's leaf. Difference:
+    torch's case creates the buffer on the GPU; here it is created on the host, so on a GPU (the simulated runtime)
+    wrapping moves it, as ``model.to()`` does, which makes the module's buffer a non-leaf: the gradient goes to the
+    tensor it was moved from, as in torch, and cgdp says so when wrapping."""
+    t = torch.randn(10, dtype=torch.double, requires_grad=True)
+    inp = torch.randn(4, 10, dtype=torch.double)
+    ref = _BuffersRequiringGrad(t.detach().clone().requires_grad_())
+    (ref(inp) ** 2).sum().backward()
+    moved = devices[0].startswith("cuda")
+    with contextlib.ExitStack() as stack:
+        if moved:
+            stack.enter_context(pytest.warns(UserWarning, match="t_rg require grad and were moved"))
+        m = _BuffersRequiringGrad(t)
+        with wrapped(m, devices) as dpm:
+            (dpm(inp) ** 2).sum().backward()
+    assert m.t_rg.is_leaf is not moved
+    torch.testing.assert_close(t.grad, ref.t_rg.grad, rtol=1e-12, atol=1e-12)
 
 
 def test_data_parallel_rnn(devices):

@@ -59,6 +59,25 @@ def test_metrics_file_format(default_run):
     assert (out / "checkpoint.pt").is_file()
 
 
+def test_the_phase_columns_add_up_to_the_step(default_run):
+    """Table 3's row: the four phases, "other" (said what it is) and "step", which they add up to."""
+    _, out, _ = default_run
+    summary = (out / "summary.md").read_text()
+    head = "| forward | backward | exposed comm. after backward | update | other | step |"
+    assert head in summary and "other: the rest of the step" in summary, summary
+    row = summary.splitlines()[summary.splitlines().index(head) + 2]
+    *parts, step = [float(v) for v in row.strip("|").split("|")]
+    assert len(parts) == 5 and abs(sum(parts) - step) <= 0.003, row  # each figure rounded to 1 us
+
+
+def test_without_out_the_run_says_that_nothing_was_saved(capsys):
+    rc = main(["--steps", "2", "--progress", "off", "--plots", "false", "--profile_every", "0", "--chunks", "1"])
+    printed = capsys.readouterr().out
+    assert rc == 0 and "eval accuracy" in printed
+    assert printed.splitlines()[-1] == ("nothing was saved (no --out): pass --out DIR to keep the trained model, a "
+                                        "checkpoint to resume from, the metrics and the plots"), printed
+
+
 def test_progress_lines_when_not_a_terminal(default_run, capsys):
     from io import StringIO
 

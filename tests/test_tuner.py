@@ -2,6 +2,7 @@
 simulated machine."""
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -110,6 +111,18 @@ def test_auto_tuner_is_fast_and_close_to_best_uniform():
     assert t_auto <= best_uniform_s * 1.02
     assert t_auto <= predict_step(model, costs, paper.plan()) * 1.02
     assert "auto tuner (model)" in auto.describe()
+
+
+def test_a_tuner_prints_what_it_is_and_how_far_it_is():
+    """``print(trainer.tuner)`` says what the tuner is doing, not ``<AutoTuner object at 0x...>``."""
+    model, costs = simulated_machine(L=12)
+    auto = AutoTuner(model.layer_bytes, 4)
+    assert repr(auto) == "<AutoTuner for 12 layers on 4 device(s), (model): step 0 of 5>"
+    drive(auto, model, costs)
+    assert re.fullmatch(r"<AutoTuner for 12 layers on 4 device\(s\), \(model\): chose .+ \(\d+ chunks\) after "
+                        r"\d+ steps>", repr(auto)), repr(auto)
+    paper = PaperTuner(30)
+    assert repr(paper) == "<PaperTuner for 30 layers: best chunk 1, searching (chunk 1)>"
 
 
 def test_auto_tuner_deterministic_and_replays():

@@ -4,8 +4,8 @@ Inside ``model.no_sync()`` each replica keeps its own part of the gradient; one 
 sum. A step taken there would move every replica by a different part (as DDP's ranks step on
 their local gradients): the replicas would part ways silently. cgdp refuses it, whatever led to
 it: a backward inside ``no_sync()`` alone, or forwards run inside it and one backward outside
-(Accelerate's documented ``trigger_sync_in_backward`` pattern), through the plain model or
-Accelerate's integration. The gradients stay as they were: the next synced backward completes
+(without ``sync_in_backward()``, Accelerate's ``trigger_sync_in_backward``), through the plain
+model or Accelerate's integration. The gradients stay as they were: the next synced backward completes
 them and the step is then exact.
 """
 import copy
@@ -74,10 +74,10 @@ def test_update_host_refuses_it_too():
             opt.step()
 
 
-def test_accelerate_trigger_sync_in_backward_is_refused_not_silent():
-    """Accelerate's documented pattern (several forwards under ``no_sync``, then one backward under
-    ``trigger_sync_in_backward``): its own ``trigger_sync_in_backward`` does nothing for a model
-    that is not DDP, so the gradients stay in parts: refused at the step, never stepped apart."""
+def test_accelerate_forwards_under_no_sync_without_trigger_are_refused():
+    """Several forwards under Accelerate's ``no_sync``, then one backward outside it without
+    ``trigger_sync_in_backward`` (which sums it: tests/test_accelerate.py): the gradients stay in
+    parts, refused at the step, never stepped apart."""
     accelerate = pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState
 
@@ -94,8 +94,7 @@ def test_accelerate_trigger_sync_in_backward_is_refused_not_silent():
         for x, y in data(2):
             with acc.no_sync(model):
                 losses.append(F.cross_entropy(model(x), y.to(acc.device)))
-        with acc.trigger_sync_in_backward(model):
-            acc.backward(torch.stack(losses).mean())
+        acc.backward(torch.stack(losses).mean())
         with pytest.raises(RuntimeError, match=r"no_sync\(\)"):
             opt.step()
         for p, q in zip(net.parameters(), before):
@@ -105,3 +104,23 @@ def test_accelerate_trigger_sync_in_backward_is_refused_not_silent():
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
         del accelerate
+
+
+def test_sync_in_backward_completes_forwards_run_inside_no_sync():
+    """Forwards inside no_sync(), one backward inside sync_in_backward() (what Accelerate's
+    trigger_sync_in_backward enters): summed, the step is one device's on every replica."""
+    batches = data()
+    net, ref = mlp(), mlp()
+    with cgdp.DataParallel(net, DEVICES) as model:
+        opt = model.bind(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        with model.no_sync():
+            losses = [F.cross_entropy(model(x), y.to(model.output_device)) for x, y in batches]
+        with model.sync_in_backward():
+            torch.stack(losses).mean().backward()
+        opt.step()
+        replicas = [copy.deepcopy(r).cpu() for r in model.replicas]
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    torch.stack([F.cross_entropy(ref(x), y) for x, y in batches]).mean().backward()
+    ropt.step()
+    for r in replicas:
+        assert_params_close(r, ref)

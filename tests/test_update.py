@@ -154,7 +154,7 @@ def test_chunks_travel_in_the_last_micro_batch_only():
         sends = []
         for j, dev in enumerate(inside(tr).devices):
             def send(*args, _orig=dev.send, _j=j):
-                sends.append((_j, inside(tr).stream.hooks[_j].streaming))
+                sends.append((_j, inside(tr).stream.hooks[_j].mode.streaming))
                 return _orig(*args)
             dev.send = send
         tr.step(*data[0], F.cross_entropy)

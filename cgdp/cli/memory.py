@@ -177,14 +177,19 @@ LARGE_ON_CPU = 1_000_000
 bundled digits models: under 40 k)."""
 
 
-def time_note(name: str, params: int, devices: list[str], global_batch: int, steps: int) -> str | None:
+def time_note(name: str, params: int, devices: list[str], batch: int, global_batch: int, steps: int) -> str | None:
     """A note for a GPU-sized model on CPU-emulated devices, where a step takes minutes: said before
-    the run starts, with what makes it short; the first step's line gives the ETA."""
+    the run starts, with what makes it short (what the user has not already done); the first step's
+    line gives the ETA."""
     if devices[0].startswith("cuda") or params < LARGE_ON_CPU:
         return None
-    return (f"note: {name} ({params / 1e6:.1f} M parameters, {global_batch} samples a step) is sized for GPUs; on "
-            f"{len(devices)} CPU-emulated device(s) one step can take minutes and {steps} steps hours (the ETA "
-            f"follows the first step). For a quick look, pass --steps 3 --batch 2")
+    quick = [f for f, short in (("--steps 3", steps <= 3), ("--batch 2", batch <= 2)) if not short]
+    note = (f"note: {name} ({params / 1e6:.1f} M parameters, {global_batch} samples a step) is sized for GPUs; on "
+            f"{len(devices)} CPU-emulated device(s) one step can take minutes")
+    if steps > 3:
+        note += f" and {steps} steps hours"
+    note += " (the ETA follows the first step)"
+    return note + (f". For a quick look, pass {' '.join(quick)}" if quick else "")
 
 
 def _largest_batch(est: Estimate, host: float | None, gpu_free: list[float] | None) -> int:

@@ -1,5 +1,8 @@
 """The files a run writes in ``--out`` besides its checkpoint, and what a full disk does to them.
 
+:func:`used_out` says why a new run may not write in an ``--out`` that holds an earlier run's files
+(or a ``model.pt`` of the user's own), before anything there is changed.
+
 ``metrics.jsonl`` (:class:`Metrics`) is appended to, one JSON line per event, flushed as written:
 a line cut by a crash or a full disk is left on a line of its own, and the resumed run starts on
 the next one (:func:`resume_row` names the lines it supersedes). ``config.toml`` and
@@ -22,10 +25,31 @@ import tempfile
 from typing import Any
 
 METRICS = "metrics.jsonl"
+RUN_FILES = ("checkpoint.pt", METRICS)
+"""Files whose presence marks ``--out`` as holding a run (refused without --resume or --overwrite)."""
+MODEL_FILE = "model.pt"
+"""The trained model's state_dict, written at the end of a run with --out (``torch.load`` reads it);
+one found alone in ``--out`` is refused without --overwrite too."""
 
 
 class OutputError(RuntimeError):
     """A result file could not be written; the message says what is intact and what to do."""
+
+
+def used_out(out: pathlib.Path) -> str | None:
+    """Why a new run (no --resume, no --overwrite) may not write in ``out``, or None."""
+    held = [f for f in RUN_FILES if (out / f).exists()]
+    if held:
+        go_on = (f"continue it with --out {out} --resume, " if "checkpoint.pt" in held else
+                 "it has no checkpoint to continue from (it stopped before saving one); ")
+        return (f"--out {out} already holds a run ({', '.join(held)}); {go_on}"
+                f"choose a new --out, or pass --overwrite to replace it")
+    model = out / MODEL_FILE
+    if model.exists() or model.is_symlink():  # a user's own model, say a pretrained one
+        return (f"--out {out} holds a {MODEL_FILE} but no run (no checkpoint.pt or metrics.jsonl), and this run "
+                f"would replace it with its trained model at the end; choose a new --out, or pass --overwrite "
+                f"to replace it")
+    return None
 
 
 def disk_error(e: OSError, path: pathlib.Path, kept: str) -> OutputError:
@@ -33,6 +57,9 @@ def disk_error(e: OSError, path: pathlib.Path, kept: str) -> OutputError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         what = f"the disk is full (no space left on the device of {path.parent})"
         fix = "free some space (or choose another --out)"
+    elif e.errno == errno.ELOOP:  # opened with O_NOFOLLOW
+        what = "it is a symbolic link, and cgdp.train does not write through links"
+        fix = "remove the link (or choose another --out)"
     elif e.errno == errno.EFBIG:
         what = "the file would exceed the largest file this process may write (ulimit -f)"
         fix = "raise the limit (or choose another --out)"
@@ -76,7 +103,9 @@ class Metrics:
             return
         try:
             cut = append and self.path.exists() and self.path.stat().st_size and not _ends_with_newline(self.path)
-            self.f = open(self.path, "a" if append else "w")
+            flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+            # never through a link planted in --out: it would write (or empty) a file elsewhere
+            self.f = os.fdopen(os.open(self.path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644), "w")
             if cut:
                 self.f.write("\n")  # a crash cut the last line: start on a line of our own
                 self.f.flush()

@@ -17,15 +17,21 @@ PHASES = ("forward_s", "backward_s", "exposed_comm_s", "update_s", "step_s")
 
 
 def phase_table(rows: list[dict], skip: int = 2) -> str:
-    """Median phase times (ms) over the step rows after the first ``skip`` (Table 3's columns)."""
+    """Median phase times (ms) over the step rows after the first ``skip`` (Table 3's columns), and
+    "other", the rest of the step, so that the row adds up to "step"."""
     steps = [r for r in rows if r.get("kind") == "step"]
     steps = steps[skip:] if len(steps) > skip else steps
     if not steps:
         return "no steps recorded"
     med = {k: statistics.median(r[k] for r in steps) * 1e3 for k in PHASES}
-    head = "| forward | backward | exposed comm. after backward | update | step |"
-    vals = "| " + " | ".join(f"{med[k]:.3f}" for k in PHASES) + " |"
-    return f"Phases of one iteration, median of {len(steps)} steps (ms):\n\n{head}\n|---|---|---|---|---|\n{vals}\n"
+    other = med["step_s"] - sum(med[k] for k in PHASES[:-1])
+    head = "| forward | backward | exposed comm. after backward | update | other | step |"
+    vals = "| " + " | ".join(f"{med[k]:.3f}" for k in PHASES[:-1]) + f" | {other:.3f} | {med['step_s']:.3f} |"
+    legend = ("other: the rest of the step, the host's work between the phases (handing each phase to the "
+              "devices' threads and collecting it, the loss weights, the gradient norm and clipping); each "
+              "phase is the slowest device's")
+    return (f"Phases of one iteration, median of {len(steps)} steps (ms):\n\n{head}\n|---|---|---|---|---|---|\n"
+            f"{vals}\n\n{legend}\n")
 
 
 def chunk_table(profile: dict, layer_names: list[str] | None = None) -> str:

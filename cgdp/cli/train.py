@@ -36,7 +36,7 @@ from cgdp.cli import report
 from cgdp.cli import resume as resuming
 from cgdp.cli import startup
 from cgdp.cli import trace
-from cgdp.cli.output import Metrics, OutputError, disk_error, resume_row, write_text
+from cgdp.cli.output import MODEL_FILE, Metrics, OutputError, disk_error, resume_row, used_out, write_text
 from cgdp.cli.config import Config, ConfigError, help_text, parse_args, presets, resumed_config, to_toml
 from cgdp.data import DataError, Loader, SyntheticDataset, digits, eval_batches, open_shards
 from cgdp.models import MODELS, build_model, count_params, get_spec
@@ -44,10 +44,6 @@ from cgdp.cli.progress import Progress
 
 # settings a resumed run may change; anything else must match the checkpoint's run
 RESUMABLE_CHANGES = {"train.steps", "train.epochs", "train.timeout_s", "data.prefetch"}
-RUN_FILES = ("checkpoint.pt", "metrics.jsonl")
-MODEL_FILE = "model.pt"
-"""The trained model's state_dict, written at the end of a run with --out (``torch.load`` reads it)."""
-"""Files whose presence marks ``out`` as holding a run (refused without --resume or --overwrite)."""
 
 
 # ------------------------------------------------------------------------------- the job
@@ -230,12 +226,8 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
 
     out = pathlib.Path(cfg.run.out) if cfg.run.out else None
     if out is not None:
-        held = [f for f in RUN_FILES if (out / f).exists()]
-        if held and not cfg.run.resume and not cfg.run.overwrite:
-            go_on = (f"continue it with --out {out} --resume, " if "checkpoint.pt" in held else
-                     "it has no checkpoint to continue from (it stopped before saving one); ")
-            raise ConfigError(f"--out {out} already holds a run ({', '.join(held)}); {go_on}"
-                              f"choose a new --out, or pass --overwrite to replace it")
+        if not cfg.run.resume and not cfg.run.overwrite:
+            _raise(used_out(out), ConfigError)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -258,7 +250,7 @@ def prepare(cfg: Config, gpus: int | None = None, flags: dict | None = None) -> 
                               f"{total} steps: nothing to do. Raise --steps to train further")
     return Job(cfg, devices, model, train_set, eval_set, classes, chunks, total, out, resume, rank, ranks,
                saved_step=saved, record=record, notes=[n for n in (memory_note, memory.time_note(
-                   cfg.model.name, count_params(model), devices, global_batch, total)) if n])
+                   cfg.model.name, count_params(model), devices, t.batch, global_batch, total)) if n])
 
 
 def _check_memory(cfg: Config, devices: list[str], global_batch: int, classes: int, train_set: Any,
@@ -511,7 +503,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str], lock: OutLock) -> int:
-    world = startup.early_world(argv)  # several MPI ranks: MPI is up before anything can fail
+    try:
+        world = startup.early_world(argv)  # several MPI ranks: MPI is up before anything can fail
+    except ValueError as e:  # the launcher's environment is wrong (MASTER_PORT out of range...)
+        print(f"cgdp.train: error: {e}", file=sys.stderr)
+        return 2
     job, error = None, None
     try:
         cfg, flags = parse_args(argv)
@@ -588,6 +584,9 @@ def _main(argv: list[str], lock: OutLock) -> int:
         print(final["note"])
     if job.out is not None and (job.out / MODEL_FILE).is_file():
         print(f"trained model: {job.out / MODEL_FILE} (model.load_state_dict(torch.load(path, weights_only=True)))")
+    elif job.out is None and final.get("final"):  # a stopped run's note already says so
+        print("nothing was saved (no --out): pass --out DIR to keep the trained model, a checkpoint to resume "
+              "from, the metrics and the plots")
     return 130 if final.get("interrupted") else 0
 
 

@@ -27,6 +27,7 @@ gloo work thread stuck in a collective never blocks the interpreter's exit.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import pickle
 import re
@@ -68,27 +69,57 @@ def env_world(env: dict[str, str] | None = None) -> dict[str, Any]:
     env = dict(os.environ if env is None else env)
     if "RANK" in env and "WORLD_SIZE" in env:
         source = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "RANK/WORLD_SIZE"
-        rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        rank, size = _env_int(env, "RANK", source), _env_int(env, "WORLD_SIZE", source)
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
         if missing:
             raise ValueError(f"comm='gloo': RANK and WORLD_SIZE are set but {' and '.join(missing)} "
                              f"not; {ENV_HINT}")
-        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        addr, port = env["MASTER_ADDR"], _env_int(env, "MASTER_PORT", source)
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         source = "SLURM"
-        rank, size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        rank, size = _env_int(env, "SLURM_PROCID", source), _env_int(env, "SLURM_NTASKS", source)
         nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
         addr = env.get("MASTER_ADDR") or (first_slurm_host(nodes) if nodes else "")
         if not addr:
             raise ValueError("comm='gloo' under SLURM: neither MASTER_ADDR nor SLURM_JOB_NODELIST "
                              "is set; set MASTER_ADDR to the first node's address")
-        port = int(env.get("MASTER_PORT") or 29500)
+        port = _env_int(env, "MASTER_PORT", source) if env.get("MASTER_PORT") else 29500
     else:
         raise ValueError(f"comm='gloo' but no process group exists and the environment does not say "
                          f"where the other ranks are (no RANK/WORLD_SIZE, no SLURM_PROCID); {ENV_HINT}")
     if not 0 <= rank < size:
         raise ValueError(f"comm='gloo': rank {rank} is not in 0..{size - 1} ({source})")
+    if not 1 <= port <= 65535:
+        raise ValueError(f"comm='gloo': MASTER_PORT={port} ({source}) is not a TCP port, which must be in "
+                         f"1..65535; set MASTER_PORT to a free port on the first node, the same on every "
+                         f"rank (e.g. 29500)")
+    _check_addr(addr, source)
     return {"rank": rank, "size": size, "addr": addr, "port": port, "source": source}
+
+
+def _env_int(env: dict[str, str], key: str, source: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise ValueError(f"comm='gloo': {key}={env[key]!r} ({source}) is not a whole number; "
+                         f"{ENV_HINT}") from None
+
+
+def _check_addr(addr: str, source: str) -> None:
+    """Refuse the MASTER_ADDR mistakes that can be seen without the network (a name that does not
+    resolve is left to the rendezvous)."""
+    why = None
+    if "://" in addr:
+        why = "is a URL; give the host name or IP address alone"
+    elif any(c.isspace() for c in addr):
+        why = "holds a space; give the host name or IP address alone"
+    elif ":" in addr:
+        try:
+            ipaddress.IPv6Address(addr.strip("[]"))
+        except ValueError:
+            why = "looks like HOST:PORT; put the host in MASTER_ADDR and the port in MASTER_PORT"
+    if why:
+        raise ValueError(f"comm='gloo': MASTER_ADDR={addr!r} ({source}) {why}")
 
 
 def _timedelta(seconds: float | None) -> datetime.timedelta:

@@ -38,7 +38,9 @@ class DataError(ValueError):
 
 
 class ArrayDataset:
-    """Samples held in NumPy arrays (or memory maps): ``x`` is (N, ...), ``y`` is (N,) integers."""
+    """Samples held in NumPy arrays (or memory maps): ``x`` is (N, ...), ``y`` is (N,) integers,
+    both as stored (``x`` times ``scale`` is the input); :meth:`batch` and :meth:`tensors` give
+    float32 inputs and int64 labels."""
 
     def __init__(self, x: np.ndarray, y: np.ndarray, scale: float = 1.0, num_classes: int | None = None):
         if len(x) != len(y):
@@ -56,11 +58,22 @@ class ArrayDataset:
             x.mul_(self.scale)
         return x, torch.from_numpy(np.asarray(self.y[indices], dtype=np.int64))
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sample at once: ``(x float32, y int64)``, as :meth:`batch` gives them."""
+        return self.batch(np.arange(len(self)))
+
+    def __iter__(self):
+        # ``x, y = digits("train")`` would otherwise fail with "cannot unpack non-iterable"
+        raise TypeError(f"an {type(self).__name__} is not a pair of tensors: ds.tensors() gives (x, y) "
+                        f"for every sample, ds.batch(indices) for some")
+
 
 def digits(split: str) -> ArrayDataset:
     """The bundled handwritten digits, ``split`` = ``"train"`` (1437) or ``"test"`` (360).
 
-    Images are (1, 8, 8) float32 in [0, 1] (the raw pixel counts 0..16 divided by 16); 10 classes.
+    ``.x`` holds the raw pixel counts (uint8 0..16, shape (N, 1, 8, 8)) and ``.y`` the labels 0..9;
+    ``.tensors()`` (or ``.batch(indices)``) gives the images as float32 in [0, 1] (the counts divided
+    by 16, ``.scale``) and the labels as int64: ``x, y = digits("train").tensors()``.
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")

@@ -12,11 +12,16 @@ every device, equal to Accelerate on one device with the same batches:
   autocasts the wrapper's forward (every replica, through cgdp's caller context), as Accelerate
   autocasts a model's; ``"fp16"`` is refused (its gradient scaler would unscale replica 0 only).
 * ``accumulate()`` runs every micro-batch but the last of a step inside ``model.no_sync()``
-  (plain Accelerate enters ``no_sync`` only with several processes): one transfer per step.
+  (plain Accelerate enters ``no_sync`` only with several processes): one transfer per step;
+  ``GradientAccumulationPlugin(sync_each_batch=True)``: none, every backward sums.
+* ``trigger_sync_in_backward(model)`` is the model's ``sync_in_backward()``: several forwards under
+  ``no_sync``, then the backward inside it sums everything the replicas accumulated (exact).
 * ``prepare`` binds each optimizer to the cgdp model whose parameters it holds
   (``model.bind(optimizer)``): its ``step()`` steps every replica.
-* ``clip_grad_norm_(model.parameters(), ...)`` uses the norm the host summed during backward,
-  every replica clipped alike (other parameter lists: Accelerate's own clipping of replica 0,
+* ``trigger_sync_in_backward(model)`` makes the backward inside sum every replica's gradient
+  (Accelerate's own does nothing without DDP); ``GradientAccumulationPlugin(sync_each_batch=True)``
+  keeps ``accumulate()`` out of ``no_sync``, as Accelerate does with several processes.
+* ``clip_grad_norm_(model.parameters(), ...)`` is the model's, every replica clipped alike (other parameter lists: Accelerate's own clipping of replica 0,
   which cgdp copies to every replica with a warning).
 * ``unwrap_model`` and ``get_state_dict`` give the user's module and its keys.
 * ``save_state`` / ``load_state`` also keep the replicas' random streams (:data:`RNG_FILE`), so that
@@ -37,6 +42,8 @@ try:
 except ImportError as exc:  # pragma: no cover - the accelerate extra is installed where this is tested
     raise ImportError("cgdp.integrations.accelerate needs Accelerate: pip install -e \".[accelerate]\" "
                       "(or pip install accelerate)") from exc
+
+from accelerate.utils import is_bitsandbytes_multi_backend_available, is_xpu_available
 
 from cgdp.engine.backend import default_devices
 from cgdp.engine.dataparallel.dataparallel import DataParallel
@@ -66,6 +73,7 @@ class Accelerator(accelerate.Accelerator):
         self.devices = [str(d) for d in devices]
         """The devices every prepared model trains on; ``accelerator.device`` is ``devices[0]``."""
         self._cgdp_options = dict(cgdp_options or {})
+        self._each_batch = False  # inside accumulate() with sync_each_batch: no no_sync()
         first = self.devices[0]
         self._first_device = torch.device("cpu") if first.startswith("cpu") else torch.device(first)
         super().__init__(**accelerate_kwargs)
@@ -86,11 +94,34 @@ class Accelerator(accelerate.Accelerator):
                       evaluation_mode: bool = False) -> nn.Module:
         if (isinstance(model, nn.Module) and not isinstance(model, DataParallel)
                 and not getattr(model, "_is_accelerate_prepared", False)):
+            self._check_loading(model)
             model = DataParallel(model, self.devices, **self._cgdp_options)
         # the wrapper places every replica; Accelerate's autocast goes on the wrapper's forward
         model = super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
         self._bind()  # an optimizer prepared before its model
         return model
+
+    def _check_loading(self, model: nn.Module) -> None:
+        """Accelerate's ``prepare_model`` guards on how the model was loaded (``hf_device_map``,
+        ``is_loaded_in_8bit`` / ``4bit``), read on the user's module before cgdp wraps it (the wrapper
+        has neither). Accelerate refuses a device map of several entries in a distributed mode only;
+        cgdp copies the model to each device, which counts as one when there are several."""
+        several = len(self.devices) > 1
+        if several and self.verify_device_map(model):
+            raise ValueError(_SPREAD)
+        device_map = getattr(model, "hf_device_map", None)
+        quantized = getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)
+        if not (quantized and device_map):
+            return
+        where = set(device_map.values())
+        bnb_cpu = is_bitsandbytes_multi_backend_available()  # bitsandbytes that trains on CPU
+        if len(where) == 1 and not where & {"cpu", "disk"} and not (self.device.type == "cpu" and bnb_cpu):
+            (at,) = where
+            index = at if isinstance(at, int) else torch.device(at).index
+            if torch.device(self.device.type, index) != self.device and (self.device.index is not None or index != 0):
+                raise ValueError(_QUANTIZED_ELSEWHERE)
+        if "disk" in where or ("cpu" in where and (not bnb_cpu or is_xpu_available())):
+            raise ValueError(_QUANTIZED_OFFLOAD)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
         optimizer = super().prepare_optimizer(optimizer, device_placement=device_placement)
@@ -108,20 +139,42 @@ class Accelerator(accelerate.Accelerator):
                         model.bind(raw)
 
     @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """Accelerate's, which enters ``no_sync`` on every micro-batch but a step's last; with
+        ``GradientAccumulationPlugin(sync_each_batch=True)`` none: every backward sums (Accelerate
+        honours it only with several processes)."""
+        if self.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+            models = ()  # Accelerate's counting of micro-batches, no no_sync
+        with super().accumulate(*models):
+            yield
+
+    @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """For a cgdp model, its ``no_sync()`` (accumulation without communication)."""
-        if isinstance(model, DataParallel):
+        if isinstance(model, DataParallel) and not self._each_batch:
             with model.no_sync():
                 yield
         else:
             with super().no_sync(model):
                 yield
 
+    @staticmethod
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(model: nn.Module) -> Iterator[None]:
+        """For a cgdp model, its ``sync_in_backward()``: the backward run inside sums every replica's gradient,
+        also through forwards run under ``no_sync`` (Accelerate's own does nothing for a model that is not DDP)."""
+        if isinstance(model, DataParallel):
+            with model.sync_in_backward():
+                yield
+        else:
+            with accelerate.Accelerator.trigger_sync_in_backward(model):
+                yield
+
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2):
         parameters = list(parameters)
         for model in self._models:
             if isinstance(model, DataParallel) and parameters == list(model.parameters()):
-                return model.clip_grad_norm_(max_norm, norm_type)  # the host norm, every replica alike
+                return model.clip_grad_norm_(max_norm, norm_type)  # every replica alike
         return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
@@ -136,8 +189,38 @@ class Accelerator(accelerate.Accelerator):
         return super().free_memory(*objects)
 
 
+def _refuse_quantized_offload(model: nn.Module) -> None:
+    """Accelerate's refusal (``prepare_model``, its words) of a model loaded in 8 or 4 bits across devices or with CPU
+    or disk offload, run on the user's model before it is wrapped."""
+    if not ((getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False))
+            and getattr(model, "hf_device_map", False)):
+        return
+    where = set(model.hf_device_map.values())
+    if "cpu" in where or "disk" in where:
+        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk "
+                         "offload.")
+    if len(where) > 1:
+        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision on multiple "
+                         "devices in any distributed mode (cgdp trains replicas on several devices).")
+
+
 _FP16 = ("cgdp.integrations.accelerate.Accelerator trains with mixed_precision='bf16' or in float32; "
          "'fp16' needs a gradient scaler, which would unscale replica 0 only: use 'bf16'")
+
+
+# Accelerate's own sentences (accelerator.py, prepare_model), then cgdp's for a model spread over devices
+_QUANTIZED_OFFLOAD = (
+    "You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk offload. "
+    "If you want train the 8-bit or 4-bit model in CPU, please install bitsandbytes with multi-backend, see "
+    "https://huggingface.co/docs/bitsandbytes/main/en/installation#multi-backend")
+_QUANTIZED_ELSEWHERE = (
+    "You can't train a model that has been loaded in 8-bit or 4-bit precision on a different device than the one "
+    "you're training on. Make sure you loaded the model on the correct device using for example "
+    "`device_map={'':torch.cuda.current_device()}` or `device_map={'':torch.xpu.current_device()}`")
+_SPREAD = ("cgdp.integrations.accelerate.Accelerator trains a copy of the model on each of its devices, and this "
+           "model was dispatched by a device_map of several entries (its hf_device_map: device_map='auto' or a "
+           "dict), whose hooks tie each layer to the device the map names: load it without a device_map or on "
+           "one device (device_map={'': 0}), or train it over its device_map with plain accelerate.Accelerator")
 
 
 def _save_replica_rng(models: list[nn.Module], weights: list, output_dir: str) -> None:

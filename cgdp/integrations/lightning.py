@@ -26,8 +26,8 @@ One process drives every device (no launcher, no ``torch.distributed``); the use
   optimizers, before training starts.
 * **Accumulation.** Lightning enters ``block_backward_sync()`` for every micro-batch but the last
   of a step: that is ``no_sync()``, so one transfer per optimizer step.
-* **Clipping** by norm uses the norm the host summed during backward
-  (``DataParallel.clip_grad_norm_``): every replica clipped alike. Clipping by value changes
+* **Clipping** by norm is ``DataParallel.clip_grad_norm_`` (the norm taken on the first device):
+  every replica clipped alike. Clipping by value changes
   replica 0 and is copied to the others, with cgdp's warning.
 * **Precision.** ``"32-true"`` and ``"bf16-mixed"`` (autocast on every replica). Refused:
   ``"16-mixed"`` (its gradient scaler would unscale replica 0 only) and the ``"*-true"``
@@ -321,7 +321,7 @@ class CGDPStrategy(ParallelStrategy):
 
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
-        if self._route is not None:  # the norm the host summed, every replica clipped alike
+        if self._route is not None:  # the model's clip_grad_norm_: every replica clipped alike
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
 
     # ------------------------------------------------------------------ one process

@@ -29,8 +29,8 @@ the global batch:
   wrapper (``DataParallel.bind``) once both exist: its step steps every replica.
 * **Gradient accumulation** runs every micro-batch but the last of a step inside
   ``model.no_sync()``: only the last backward sends gradients through the host.
-* **Clipping** (``max_grad_norm``) uses ``model.clip_grad_norm_``: the norm the host summed during
-  backward, every replica clipped alike (``torch.nn.utils.clip_grad_norm_`` would change replica 0
+* **Clipping** (``max_grad_norm``) uses ``model.clip_grad_norm_``: the norm taken on the first
+  device, every replica clipped alike (``torch.nn.utils.clip_grad_norm_`` would change replica 0
   alone, which cgdp then copies to every replica with a warning).
 * **Checkpoints, resume, evaluate(), save_model()** work on ``trainer.model``, which is replica 0
   (trained in place); loading into it reaches every replica. A checkpoint also holds the

@@ -18,8 +18,10 @@ Two tuners:
 * :class:`AutoTuner` profiles a few steps under two contrasting plans, fits the simulator to them
   (:mod:`cgdp.planning.calibrate`), plans on it (:mod:`cgdp.planning.planner`: dynamic programming over layer
   boundaries, the best uniform and byte-bucket plans), then measures the few best candidates
-  against the naive plan, interleaved, and keeps the fastest measured. About 15 steps. If profiles
-  are not available or the fit fails, it falls back to measuring uniform plans of sizes 1, 2, 4, ….
+  against the naive plan, interleaved, and keeps the fastest measured. With the default
+  :class:`AutoTunerConfig`, 8 to 17 steps (1 warm-up, 4 profiled, then 3 rounds of its 1 to 4
+  candidates). If profiles are not available or the fit fails, it falls back to measuring uniform
+  plans of sizes 1, 2, 4, ….
 """
 from __future__ import annotations
 
@@ -156,6 +158,9 @@ class PaperTuner:
         s = self.search
         state = f"stopped at iteration {s.stop_iteration}" if s.done else f"searching (chunk {s.chunk})"
         return f"paper tuner (Algorithm 1, step={s.step}, range={s.range}): best chunk {s.best_chunk}, {state}"
+
+    def __repr__(self) -> str:
+        return f"<PaperTuner for {self.num_layers} layers: {self.describe().partition(': ')[2]}>"
 
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "num_layers": self.num_layers, "search": self.search.state_dict(),
@@ -339,6 +344,11 @@ class AutoTuner:
             lines.append(f"  {name:<28} predicted {pred * 1e3:9.3f} ms   measured {m * 1e3:9.3f} ms")
         return "\n".join(lines)
 
+    def __repr__(self) -> str:
+        """One line: layers, devices, and how far it is (:meth:`describe` has the candidates)."""
+        where = self.describe().splitlines()[0].removeprefix("auto tuner ")
+        return f"<AutoTuner for {len(self.layer_bytes)} layers on {self.devices} device(s), {where}>"
+
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "layer_bytes": self.layer_bytes, "devices": self.devices,
                 "config": asdict(self.config), "observations": [list(o) for o in self.observations],
@@ -367,5 +377,5 @@ def make_tuner(spec: object, layer_bytes: Sequence[int], devices: int,
         return PaperTuner(len(layer_bytes))
     if isinstance(spec, Tuner) and not isinstance(spec, (str, type)):
         return spec
-    raise ValueError(f"unknown tuner {spec!r}: use 'auto' (model-based, ~15 steps) or 'paper' "
+    raise ValueError(f"unknown tuner {spec!r}: use 'auto' (model-based, 8 to 17 steps) or 'paper' "
                      f"(the paper's Algorithm 1, ~150 steps)")

@@ -8,7 +8,11 @@ step its overlap: the simulator counts each under the name of the thread that wa
   ``torch.cuda.synchronize``, and a blocking host-to-device copy from page-locked memory.
 * ``"read"``: the host reads device data: ``.item()``, ``float()``/``int()``/``bool()``,
   ``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")`` without ``non_blocking``, ``torch.equal``,
-  a copy into pageable host memory, and ``torch.tensor(..., device=cuda)``.
+  a copy into pageable host memory (``copy_``, and one per tensor of a ``_foreach_copy_``), a
+  blocking copy to the host, ``torch.tensor(..., device=cuda)``, and every operator whose CUDA
+  kernel reads the device (``nonzero``, boolean masks, ``unique``…:
+  :func:`cgdp.testing.sim_kernels.host_waits`). A read counted by name counts once, whatever
+  operators it runs; a dtype cast that names no other device stays on its device and reads nothing.
 * ``"pageable"``: a host-to-device copy from pageable host memory: CUDA stages it through a
   page-locked buffer of its own and returns only when the data has been staged, even with
   ``non_blocking=True``.
@@ -29,11 +33,12 @@ as an allocation (``torch.tensor(0)``, as BatchNorm makes ``num_batches_tracked`
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
 from collections import Counter
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -49,6 +54,20 @@ _READS = {T.item, T.__float__, T.__int__, T.__bool__, T.__index__, T.__complex__
           T.__array__, T.__format__, T.__repr__, T.equal, T.allclose, torch.equal, torch.allclose}
 """Torch calls that hand device data to the host (each waits for it on a GPU)."""
 _UPLOADS = {torch.tensor, torch.as_tensor, T.new_tensor}
+_SEEN: dict[int, torch.device] = {}
+"""Per simulated device, the ``cpu`` device object torch's own code reads from its tensors' ``.device``."""
+_SEEN_INDEX: dict[int, int] = {}
+"""``id`` of each object of :data:`_SEEN` → its simulated device (the objects live as long as the module)."""
+
+
+def _seen_by_torch(index: int) -> torch.device:
+    """``cpu``, as torch's code must see it, but one object per simulated device: a device torch's code read from a
+    tensor and passes on (``norm.to(first_device)``) names that device, as ``cuda:N`` would on a GPU."""
+    view = _SEEN.get(index)
+    if view is None:
+        view = _SEEN[index] = torch.device("cpu")
+        _SEEN_INDEX[id(view)] = index
+    return view
 """Creation from host data with ``device=``: a blocking copy from pageable memory."""
 
 
@@ -79,17 +98,43 @@ class HostSyncs:
         """``synced(device)``: the host waited for the device's current stream (a blocking copy)."""
         """Runs ``backward`` / ``autograd.grad`` (the simulator's autograd device threads)."""
         self._lock = threading.Lock()
+        self._here = threading.local()
+        """Per thread: ``reading`` (inside a read counted here, whose operators count nothing more)
+        and ``to_host`` (inside a move to the host: its ``_to_copy`` leaves the device)."""
         self.mode = SyncMode(self)
 
-    def count(self, kind: str) -> None:
+    def count(self, kind: str, n: int = 1) -> None:
         with self._lock:
-            self.counts[(threading.current_thread().name, kind)] += 1
+            self.counts[(threading.current_thread().name, kind)] += n
+
+    def reading(self) -> bool:
+        """Whether this thread is inside a read already counted (``.item()``, ``repr``, ``.cpu()``):
+        the operators it runs are that read, not waits of their own."""
+        return getattr(self._here, "reading", False)
+
+    def moving_to_host(self) -> bool:
+        """Whether this thread is inside a move of device data to the host (``.cpu()``,
+        ``.to("cpu")``): any other ``_to_copy`` that names no other device stays on its device."""
+        return getattr(self._here, "to_host", False)
+
+    @contextlib.contextmanager
+    def within(self, **flags: bool) -> Iterator[None]:
+        """This thread's calls inside run with ``flags`` (``reading``, ``to_host``) set."""
+        here = self._here
+        before = {k: getattr(here, k, False) for k in flags}
+        for k, v in flags.items():
+            setattr(here, k, v)
+        try:
+            yield
+        finally:
+            for k, v in before.items():
+                setattr(here, k, v)
 
     @staticmethod
     def index(device: Any) -> int | None:
         """The simulated device a ``device=`` argument names (None: the host, or not a device)."""
         if isinstance(device, torch.device) and device.type == "cpu":
-            return device.index
+            return _SEEN_INDEX.get(id(device), device.index)
         return None
 
     def device_of(self, t: Any) -> int | None:
@@ -233,31 +278,57 @@ class SyncMode(TorchFunctionMode):
             # ``model.output_device``); to torch's own Python code, "cpu": its functions compare
             # and make tensors in the host memory the tensor really lives in
             index = s.device_of(args[0])
-            if index is None or _from_torch(sys._getframe(1)):
+            if index is None:
                 return func(*args, **kwargs)
-            return torch.device("cpu", index)
+            return _seen_by_torch(index) if _from_torch(sys._getframe(1)) else torch.device("cpu", index)
         if func in s.backwards and s.run_backward is not None:
             return s.run_backward(func, args, kwargs)
         if func in _READS:
-            if any(s.device_of(a) is not None for a in args[:2]):
+            devices = [d for a in args[:2] if (d := s.device_of(a)) is not None]
+            if devices and not s.reading():
                 s.count("read")
-            return func(*args, **kwargs)
+                for d in dict.fromkeys(devices):
+                    if s.synced is not None:
+                        s.synced(d)  # the host waits for the data (``.tolist()``: a blocking copy on a GPU)
+            with s.within(reading=True):  # (``repr`` indexes with a mask, ``allclose`` reads: one read)
+                return func(*args, **kwargs)
         if func is T.to or func is T.cpu:
             device, non_blocking = (_to_args(args, kwargs) if func is T.to else (torch.device("cpu"), False))
             if device is None:
                 return func(*args, **kwargs)
-            target = s.index(device)
+            named = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, torch.device)]
+            target = s.index(named[0] if named else device)
+            if func is T.to and len(args) > 1 and isinstance(args[1], torch.Tensor):
+                target = s.device_of(args[1])  # ``x.to(other)``: other's device and dtype
+            if (named and target is None and named[0].type == "cpu" and id(named[0]) not in _SEEN_INDEX
+                    and _from_torch(sys._getframe(1))):
+                # torch's code saw this tensor's device as "cpu" (its C++ groups tensors by device, as
+                # clip_grad_norm_ does): a move there keeps it on its device, as .to(cuda:N) would on a GPU;
+                # a move to the host by name ("cpu") or .cpu() stays a read
+                target = s.device_of(args[0])
             if s.device_of(args[0]) == target:  # no move: torch's answer (``x.to(x.device) is x``)
                 host_args, host_kwargs = _on_host(args, kwargs)
                 out = func(*host_args, **host_kwargs)
                 if out is not args[0]:
                     s.place(out, target)
                 return out
-            return self._move(args[0], target, non_blocking, func(*args, **kwargs))
+            if target is None and s.device_of(args[0]) is not None:
+                with s.within(to_host=True):  # (the one ``_to_copy`` that leaves the device)
+                    out = func(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
+            return self._move(args[0], target, non_blocking, out)
         if func is T.copy_:
             dst, src = args[0], args[1]
             non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
             self._copy(s.device_of(src), s.device_of(dst), src, dst, non_blocking)
+            return func(*args, **kwargs)
+        if func is torch._foreach_copy_:
+            # between the host and a device torch runs one ``copy_`` per tensor (the lists share no
+            # device: ForeachBinaryOpList.cu's slow path), each blocking one a memcpy_and_sync
+            non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            for dst, src in zip(args[0], args[1]):
+                self._copy(s.device_of(src), s.device_of(dst), src, dst, non_blocking)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         index = s.index(kwargs.get("device"))

@@ -12,8 +12,10 @@ torch does on a GPU, whichever thread issues the kernel (one that never chose a 
   stream before, and the destination's current stream waits for the copy after;
 * a copy between the host and a device without ``non_blocking`` (or into pageable host memory) is
   followed by a synchronisation of its stream (``memcpy_and_sync``), as is a read of device data
-  by the host (``.item()``, ``torch.equal``); a ``non_blocking`` copy from pageable host memory
-  is staged when issued (the source may be reused at once), its device side still queued;
+  by the host (``.item()``, ``torch.equal``, and every operator whose kernel reads the device:
+  :func:`host_waits`); a ``non_blocking`` copy from pageable host memory is staged when issued (the
+  source may be reused at once), its device side still queued; a ``_to_copy`` that names no other
+  device (a dtype cast) stays on its device, asynchronous;
 * an operator over tensors of several devices is an error on CUDA; the test helpers compare
   replicas so, and it is taken as what a valid comparison does: the host reading each device's
   tensors (each read on its device's current stream, then that stream synchronised);
@@ -37,8 +39,14 @@ __all__ = ["KernelMode"]
 
 aten = torch.ops.aten
 COPIES = {aten.copy_.default, aten._foreach_copy_.default, aten._to_copy.default}
-HOST_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
-"""Operators whose result the host reads: on a GPU each synchronises its stream."""
+HOST_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default,
+              aten._linalg_check_errors.default}
+"""Operators whose result the host reads: on a GPU each synchronises its stream (one wait)."""
+SIZED_BY_DATA = {aten.nonzero, aten.masked_select, aten._unique, aten._unique2, aten.unique_dim,
+                 aten.unique_consecutive, aten.unique_dim_consecutive}
+"""Operators whose output size is read from the device first (one ``memcpy_and_sync``: Nonzero.cu,
+Unique.cu; ``argwhere``, ``where(cond)``, ``nonzero_static`` excepted, go through ``nonzero``)."""
+_BOOL = (torch.bool, torch.uint8)
 _OFF = object()
 
 
@@ -62,7 +70,11 @@ class KernelMode(AccessMode):
         src, dst = self._devices(reads), self._devices(writes)
         if func is aten._to_copy.default:
             d = self.sim.syncs.index(kwargs.get("device"))
-            dst = [d] if d is not None else []
+            # a cast that names no other device stays on its device (asynchronous, no host wait):
+            # ``x.to(torch.float64)``, ``x.type_as(y)``, or ``x.to(x.device, ...)`` (which torch, to
+            # which the tensor is host memory, receives as ``device=cpu``); only a move to the host
+            # (``.cpu()``, ``.to("cpu")``) leaves it
+            dst = [d] if d is not None else [] if self.sim.syncs.moving_to_host() else src
         return src, dst
 
     def stream_for(self, func, args, kwargs, reads, writes):
@@ -137,8 +149,12 @@ class KernelMode(AccessMode):
                 sim.syncs.device_of(t) is None and not sim.syncs.locked(t) for t in writes)
             if (host or to_host) and (src or dst) and (not nb or pageable_out):
                 self.synchronize(s)  # memcpy_and_sync (or a copy into pageable memory)
-        elif func in HOST_READS:
-            self.synchronize(s)
+        else:
+            waits = host_waits(func, args, kwargs, sim.syncs)
+            if waits:
+                if not sim.syncs.reading():  # (inside ``.item()`` or ``repr``: counted as that read)
+                    sim.syncs.count("read", waits)
+                self.synchronize(s)
 
     # ------------------------------------------------------------------ device-side order
     def barrier(self, before: Any, after: Any) -> None:
@@ -188,6 +204,42 @@ class KernelMode(AccessMode):
             s = sim.current_stream(d)
             self.barrier(rs, s)
             self.checker.access(stream_key(s), [], _ranges(ts), what)
+
+
+def host_waits(func: Any, args: tuple, kwargs: dict, syncs: Any) -> int:
+    """How many times a CUDA operator on device data blocks the host (its ``memcpy_and_sync`` and
+    ``.item()`` calls, from torch's CUDA kernels), for an operator that runs on a device's stream."""
+    if func in HOST_READS:
+        return 1
+    packet = func.overloadpacket
+    if packet in SIZED_BY_DATA:
+        return 1
+    if packet is aten.index or packet in (aten.index_put_, aten.index_put, aten._index_put_impl_):
+        # each boolean index becomes ``nonzero()`` (expandTensors); a put of one host scalar
+        # through one mask of the tensor's device is a ``masked_fill_`` instead (canDispatchToMaskedFill)
+        indices = [i for i in (args[1] if len(args) > 1 else kwargs.get("indices", [])) if i is not None]
+        masks = [i for i in indices if i.dtype in _BOOL and syncs.device_of(i) is not None]
+        if packet is not aten.index and masks:
+            value = args[2] if len(args) > 2 else kwargs.get("values")
+            accumulate = bool(args[3] if len(args) > 3 else kwargs.get("accumulate", False))
+            if (not accumulate and len(indices) == 1 and syncs.device_of(value) is None
+                    and value.numel() == 1 and syncs.device_of(masks[0]) == syncs.device_of(args[0])):
+                return 0
+        return len(masks)
+    if packet is aten.repeat_interleave and func is aten.repeat_interleave.Tensor:
+        # without output_size: the total and the check that no repeat is negative (Repeat.h)
+        repeats = args[0]
+        return 2 if kwargs.get("output_size") is None and repeats.numel() > 0 else 0
+    if packet is aten.bincount:
+        # the check that no value is negative (but for uint8), then the largest value (SummaryOps.cu)
+        t = args[0]
+        return 0 if t.numel() == 0 else 1 if t.dtype == torch.uint8 else 2
+    if packet is aten.histc:
+        # min == max (both 0 by default): the range is read from the data, its min and max (SummaryOps.cu)
+        lo = args[2] if len(args) > 2 else kwargs.get("min", 0)
+        hi = args[3] if len(args) > 3 else kwargs.get("max", 0)
+        return 2 if lo == hi and args[0].numel() > 0 else 0
+    return 0
 
 
 def _ranges(ts: list[torch.Tensor]) -> list[tuple[int, int]]:

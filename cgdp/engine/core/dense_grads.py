@@ -7,23 +7,41 @@ its ``.grad`` no longer its view, is a user edit, which :meth:`follow_edits` cop
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from cgdp.comm import Comm
-from cgdp.engine.core.clip import device_norm
+from cgdp.engine.backend import host_threads
+from cgdp.engine.core.drain import quiesce
+from cgdp.engine.core.hooks import StepMarks
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.stream import GradientStream
+from cgdp.engine.sync import Guard
 from cgdp.engine.core.gradients import GradPart, UserFault
 from cgdp.engine.core.user_warning import warn_user
+
+
+def build_dense(devs: list, params: list, layer_pids: list, dtype: torch.dtype, plan: list, *, resources: Any,
+                guard: Guard, comm: Comm | None, param_hooks: ParamHooks, initial: Sequence[torch.Tensor | None],
+                keep_grads: bool, **stream_options: Any) -> DenseGrads:
+    """Either face's streaming path: the marks, the stream (closed by ``resources``, ``keep_grads`` as
+    :meth:`GradientStream.close`) laid out for ``plan``, the dense part over them."""
+    stream = GradientStream(devs, params, layer_pids, dtype, StepMarks(len(devs), len(params[0])), guard=guard,
+                            comm=comm, host_threads=host_threads(devs), **stream_options)
+    resources.drain = functools.partial(quiesce, devs, stream.host, 30.0)  # the host's copies too
+    resources.push(functools.partial(stream.close, keep_grads))
+    stream.set_plan(plan)
+    return DenseGrads(stream, initial, param_hooks, comm, guard.timeout_s)
 
 
 class DenseGrads(GradPart):
     def __init__(self, stream: GradientStream, initial: Sequence[torch.Tensor | None], param_hooks: ParamHooks,
                  comm: Comm | None, timeout_s: float | None):
         self.stream = stream
+        self.marks = stream.marks  # the owner's: the stream's hooks write them, the owner resets them
         self.param_hooks = param_hooks
         self._comm, self._timeout_s = comm, timeout_s
         self.has_grad = np.array([g is not None for g in initial], bool)
@@ -31,7 +49,7 @@ class DenseGrads(GradPart):
         self._aside: dict[int, torch.Tensor] = {}  # gradients set aside while hooks run on a sum
         self._window_bits: torch.Tensor | None = None  # replica 0's bits after a backward inside no_sync()
         self._window_sums: list[tuple[torch.Tensor, torch.Tensor]] = []  # (after it, before the next)
-        views = stream.hooks[0].views
+        views = stream.views[0]
         with torch.no_grad():
             for pid, g in enumerate(initial):
                 if g is not None:
@@ -51,6 +69,7 @@ class DenseGrads(GradPart):
                                "is never formed. Accumulate outside no_sync(), or remove the hook")
         self.prepare(whole)
         self.set_aside(list(hooks.taken))
+        self.marks.reset()  # the early hooks' marks too: their gradients are in ``has_grad``, their hooks ran
         self.stream.arm(sending=sync)
 
     def end(self, sync: bool) -> bool:
@@ -60,7 +79,7 @@ class DenseGrads(GradPart):
             st.flush_all()
             for j in range(len(st.devs)):
                 st.wait_returned(j)  # note: host waits until every summed chunk is back
-        touched = st.touched()
+        touched = self.marks.counts()
         if sync and self._comm is not None:
             self._comm.fence(self._timeout_s)
             # a parameter with a gradient on any rank has one on every rank
@@ -91,10 +110,10 @@ class DenseGrads(GradPart):
 
     def prepare(self, whole: bool) -> None:
         st = self.stream
-        views0 = st.hooks[0].views
+        views0 = st.views[0]
         grads = [p.grad for p in st.params[0]]
         # hooks already ran: parameters reached outside the gathered output (only in the loss), not a user edit
-        early = st.touched() > 0
+        early = self.marks.counts() > 0
         self.has_grad |= early
         edited = st.flats[0]._version != self.versions[0]
         bits, self._window_bits = self._window_bits, None
@@ -110,9 +129,9 @@ class DenseGrads(GradPart):
                 self._window_sums = []
             else:
                 if not whole:  # early gradients that replaced a None .grad: zero_grad
-                    for pid in np.flatnonzero(early & (np.frombuffer(st.hooks[0].replaced, np.uint8) > 0)):
-                        for hooks in st.hooks[1:]:
-                            hooks.views[pid].zero_()
+                    for pid in np.flatnonzero(early & (np.frombuffer(self.marks.replaced[0], np.uint8) > 0)):
+                        for views in st.views[1:]:
+                            views[pid].zero_()
                 if edited and not whole and not early.any():
                     # inside no_sync the others hold their own parts: only zeroing replica 0 has a meaning for them
                     if bool(st.flats[0].any()):  # note: a CPU-GPU sync point, on this rare path only
@@ -122,8 +141,8 @@ class DenseGrads(GradPart):
                         flat.zero_()
                 for pid, g in enumerate(grads):
                     if g is None:
-                        for hooks in st.hooks:
-                            hooks.views[pid].zero_()
+                        for views in st.views:
+                            views[pid].zero_()
                         self.has_grad[pid] = False
                     elif g is not views0[pid]:
                         views0[pid].copy_(g)
@@ -135,7 +154,7 @@ class DenseGrads(GradPart):
 
     def set_aside(self, pids: list[int]) -> None:
         """Set aside replica 0's gradient of hooked parameters, so the host sums this backward's alone."""
-        views0 = self.stream.hooks[0].views
+        views0 = self.stream.views[0]
         with torch.no_grad():
             for pid in pids:
                 if self.has_grad[pid]:
@@ -143,7 +162,7 @@ class DenseGrads(GradPart):
                     views0[pid].zero_()
 
     def restore_aside(self) -> None:
-        views0 = self.stream.hooks[0].views
+        views0 = self.stream.views[0]
         with torch.no_grad():
             for pid, g in self._aside.items():
                 views0[pid].add_(g)
@@ -151,7 +170,7 @@ class DenseGrads(GradPart):
 
     def apply_hooks(self, touched: np.ndarray) -> None:
         """Each hooked gradient becomes the one set aside plus what its hooks make of the sum, everywhere."""
-        self.param_hooks.run(touched, [h.views for h in self.stream.hooks], self._aside)
+        self.param_hooks.run(touched, self.stream.views, self._aside)
         self._aside = {}
 
     def finish(self, touched: np.ndarray) -> None:
@@ -163,7 +182,7 @@ class DenseGrads(GradPart):
         """A backward failed: restore what was set aside and, if no gradient arrived, the buffers; whether it could."""
         self.restore_aside()
         st = self.stream
-        if st.touched().any():
+        if self.marks.counts().any():
             return False
         with torch.no_grad():
             if whole:
@@ -182,14 +201,9 @@ class DenseGrads(GradPart):
         self.set_none()
         self.record()
 
-    def norm(self, norm_type: float, host: bool) -> float:
-        """The total's norm: from the host's sum of squares when ``host`` (from the 2nd clip on), else replica 0's."""
-        st = self.stream
-        if norm_type != 2.0:
-            return float(torch.linalg.vector_norm(st.flats[0], norm_type, dtype=torch.float64))
-        value = st.grad_norm() if host and st.want_norm else device_norm(st.flats[0])
-        st.want_norm = True  # from the next backward on, the host sums the squares
-        return value
+    def norm(self, norm_type: float) -> torch.Tensor:
+        """Replica 0's (every replica holds the total), on its device, as one device computes it."""
+        return torch.linalg.vector_norm(self.stream.flats[0], norm_type, dtype=torch.float64)
 
     def scale(self, coef: torch.Tensor) -> None:
         self.stream.scale_grads(coef)
@@ -200,13 +214,14 @@ class DenseGrads(GradPart):
         self.set_none()
         self.record()
 
-    def follow_edits(self, whole: bool) -> bool:
-        """Copy replica 0's gradients everywhere if changed (``.data`` edits: found against replica 1's bits)."""
+    def follow_edits(self, whole: bool, data: bool = True) -> bool:
+        """Copy replica 0's gradients everywhere if changed (``data``: ``.data`` edits too, found against replica 1's
+        bits)."""
         st = self.stream
-        views0 = st.hooks[0].views
+        views0 = st.views[0]
         grads = [p.grad for p in st.params[0]]
         changed = st.flats[0]._version != self.versions[0] or not self.attached(grads)
-        through_data = (not changed and whole and len(st.flats) > 1
+        through_data = (data and not changed and whole and len(st.flats) > 1
                         and not same_bits(st.flats[0], st.flats[1]))
         if not (changed or through_data):
             return False
@@ -242,7 +257,7 @@ class DenseGrads(GradPart):
         if grads is None:
             grads = [p.grad for p in self.stream.params[0]]
         return all((g is None) != bool(h) and (g is None or g is v)
-                   for g, h, v in zip(grads, self.has_grad, self.stream.hooks[0].views))
+                   for g, h, v in zip(grads, self.has_grad, self.stream.views[0]))
 
     def set_none(self) -> None:
         self.none_pids = np.flatnonzero(~self.has_grad).tolist()
@@ -254,22 +269,22 @@ class DenseGrads(GradPart):
         """A ``Trainer`` step starts from zero (its one reset point): views back, buffers zeroed, stream armed."""
         st = self.stream
         if self.none_pids:
-            for params, hooks in zip(st.params, st.hooks):
-                views = hooks.views
+            for params, views in zip(st.params, st.views):
                 for pid in self.none_pids:
                     params[pid].grad = views[pid]
             self.none_pids = []
         if st.streaming and st.large:
-            for params, hooks, small in zip(st.params, st.hooks, st.small_views):
+            for params, stolen, small in zip(st.params, self.marks.stolen, st.small_views):
                 # large gradients arrive whole (autograd hands them into .grad = None); small ones add into zeros
                 if small:
                     torch._foreach_zero_(small)
                 for pid in st.large:
                     params[pid].grad = None
-                hooks.stolen[:] = st.large_mask
+                stolen[:] = st.large_mask
         else:
             for flat in st.flats:
                 flat.zero_()
+        self.marks.reset()
         st.arm(timing, sink)
 
     def settle(self, touched: np.ndarray) -> None:
@@ -278,18 +293,16 @@ class DenseGrads(GradPart):
             self.set_none()
 
     def views(self) -> list[list[torch.Tensor]]:
-        return [h.views for h in self.stream.hooks]
+        return self.stream.views
 
     def record(self) -> None:
         """The buffers as they are now are cgdp's doing."""
         self.versions = [f._version for f in self.stream.flats]
-        for hooks in self.stream.hooks:  # from here on, a hook that runs is a new backward's
-            hooks.touched[:] = bytes(len(hooks.touched))
-            hooks.replaced[:] = bytes(len(hooks.replaced))
+        self.marks.reset()  # from here on, a hook that runs is a new backward's
 
     def _attach(self) -> None:
-        for params, hooks in zip(self.stream.params, self.stream.hooks):
-            for p, view in zip(params, hooks.views):
+        for params, views in zip(self.stream.params, self.stream.views):
+            for p, view in zip(params, views):
                 if p.grad is not view:
                     p.grad = view
 

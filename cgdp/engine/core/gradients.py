@@ -8,7 +8,7 @@ true gradient is the sum over replicas of what they hold. States (:class:`GradSt
 state              what the replicas hold                                       left by
 =================  ===========================================================  =====================
 ``SUMMED``         every replica the total, the host's sum of the last synced   a backward, a clip, an
-                   backward (its 2-norm is known: the host summed the squares)  edit, a plan switch
+                   backward (``update="host"`` reads the host's row in place)   edit, a plan switch
 ``EDITED``         every replica the same total, changed since the host summed  a backward
                    it (clip, hook, mirrored edit, plan switch, from wrapping)
 ``ACCUMULATING``   each replica its own part (backwards inside ``no_sync()``)   a backward, an edit
@@ -18,7 +18,7 @@ state              what the replicas hold                                       
 =================  ===========================================================  =====================
 
 A backward that fails before any gradient arrived returns to the state before it (``SUMMED`` becomes ``EDITED``:
-arming reset the host's sum of squares). :meth:`Gradients.drop` is the one reset point. The *parts* behind
+arming a backward makes the host's rows another's). :meth:`Gradients.drop` is the one reset point. The *parts* behind
 :class:`GradPart`: dense (:mod:`~.dense_grads`, streamed) and sparse (:mod:`~.sparse_grads`, joined after); no dense
 parameters: an empty plain :class:`GradPart`, not a branch at every call site. :meth:`Gradients.begin` and
 :meth:`Gradients.end` run on autograd's threads, the rest on the caller's; never two at once (the operation lock).
@@ -70,12 +70,13 @@ class GradPart:
     def drop(self) -> None:
         """Every gradient dropped: ``.grad`` None on every replica."""
 
-    def follow_edits(self, whole: bool) -> bool:
-        """Copy the user's edits of replica 0's gradients to every replica."""
+    def follow_edits(self, whole: bool, data: bool = True) -> bool:
+        """Copy the user's edits of replica 0's gradients to every replica (``data``: also those made through
+        ``.data``, found by comparing bits: a host read)."""
         return False
 
-    def norm(self, norm_type: float, host: bool) -> float:
-        """Of the total gradient (``host``: the host's sum of squares is its 2-norm)."""
+    def norm(self, norm_type: float) -> torch.Tensor | float:
+        """Of the total gradient, in float64 (a tensor on replica 0's device where it can)."""
         return 0.0
 
     def scale(self, coef: torch.Tensor) -> None:
@@ -91,7 +92,8 @@ class GradPart:
 
 NOT_SUMMED = ("optimizer.step() after a backward inside model.no_sync() (or a backward through forwards run "
               "inside it): each replica holds only its own part of the gradient, never summed; run the last "
-              "backward of the step outside no_sync() (forward and backward both) before optimizer.step()")
+              "backward of the step outside no_sync() (forward and backward both), or inside "
+              "model.sync_in_backward(), before optimizer.step()")
 
 _SENDING, _SUMMED_STATE = GradState.SENDING, GradState.SUMMED
 
@@ -111,9 +113,23 @@ class Gradients:
     def whole(self) -> bool:
         return self.state in _WHOLE
 
-    def begin_step(self, timing: bool, sink: Any) -> None:
+    def begin_step(self, timing: bool, sink: Any, take_hooks: bool) -> bool:
+        """A ``Trainer`` step from zero; with ``take_hooks`` the user's gradient hooks wait for the sum: whether any."""
         self.dense.fresh(timing, sink)
         self.state = _SENDING
+        return bool(take_hooks and self.dense.param_hooks.take())
+
+    def run_hooks(self, touched: Any, hook_views: Any) -> bool:
+        """The hooks taken by :meth:`begin_step`, on the sum, the result in every view ``hook_views`` picks of
+        :meth:`views` (the first holds the sum): whether any ran. Also after a failure, :meth:`put_back_hooks`."""
+        hooks = self.dense.param_hooks
+        if not hooks.taken:
+            return False
+        hooks.run(touched, hook_views(self.views()))
+        return True
+
+    def put_back_hooks(self) -> None:
+        self.dense.param_hooks.put_back()
 
     def end_step(self, touched: Any) -> None:
         self.dense.settle(touched)
@@ -122,12 +138,13 @@ class Gradients:
     def views(self) -> list[list[torch.Tensor]]:
         return self.parts[0].views()
 
-    def none_pids(self) -> list[int]:
-        return self.parts[0].none_pids
+    def touched(self) -> Any:
+        """Per dense parameter, on how many replicas it got a gradient since the marks were reset."""
+        return self.dense.marks.counts()
 
     def device_norm(self) -> float:
         """The 2-norm of replica 0's gradient, read from its device (not the host's sum)."""
-        return self.parts[0].norm(2.0, False)
+        return float(self.parts[0].norm(2.0))  # note: a CPU-GPU sync point
 
     def begin(self, sync: bool) -> None:
         for part in self.parts:
@@ -154,7 +171,7 @@ class Gradients:
         self.after()
         whole = self._before in _WHOLE
         if all(part.undo(whole) for part in self.parts):
-            # kept; but the host's sum of squares is no longer theirs (arming a backward reset it)
+            # kept; but the host's rows are no longer theirs (arming a backward reset them)
             self.state = GradState.EDITED if self._before is GradState.SUMMED else self._before
             return
         self.drop()
@@ -176,19 +193,20 @@ class Gradients:
             raise RuntimeError(NOT_SUMMED)
         self.follow_edits()
 
-    def follow_edits(self) -> None:
-        """Copy the user's edits of replica 0 to every replica (the host's norm is then stale)."""
+    def follow_edits(self, data: bool = True) -> None:
+        """Copy the user's edits of replica 0 to every replica (``data``: those through ``.data`` too)."""
         dense, *rest = self.parts
-        if dense.follow_edits(self.whole) and self.state is GradState.SUMMED:
+        if dense.follow_edits(self.whole, data) and self.state is GradState.SUMMED:
             self.state = GradState.EDITED
         for part in rest:
-            part.follow_edits(self.whole)
+            part.follow_edits(self.whole, data)
 
     def clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         if not self.whole:
             raise RuntimeError("clip_grad_norm_ needs the summed gradient: call it after the backward "
                                "that runs outside model.no_sync()")
-        self.follow_edits()
+        # no .data check (a read): the norm is replica 0's, edits included, as one device's; the step checks
+        self.follow_edits(data=False)
         total = self.norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
@@ -199,10 +217,14 @@ class Gradients:
         return total
 
     def norm(self, norm_type: float) -> torch.Tensor:
-        """The total's norm; the dense 2-norm from the host's sum of squares when ``SUMMED``."""
-        values = [part.norm(norm_type, self.state is GradState.SUMMED) for part in self.parts]
-        value = values[0] if len(values) == 1 else float(  # the norm of the parts' norms
-            torch.linalg.vector_norm(torch.tensor(values, dtype=torch.float64), norm_type))
+        """The total's norm, as float32 on replica 0's device (no host read for the dense part)."""
+        values = [part.norm(norm_type) for part in self.parts]
+        if len(values) > 1:  # the norm of the parts' norms (the sparse part's, read on the host)
+            values = [torch.linalg.vector_norm(torch.stack([torch.as_tensor(v, dtype=torch.float64).to(
+                self._device) for v in values]), norm_type)]
+        value = values[0]
+        if isinstance(value, torch.Tensor):
+            return value.to(torch.float32)
         # made on the device (torch.tensor(value, device=...) copies from pageable memory: a host wait)
         return torch.full((), value, dtype=torch.float32, device=self._device)
 

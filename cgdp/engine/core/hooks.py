@@ -1,87 +1,86 @@
-"""Per-parameter backward hooks: mark a layer ready, and send its chunk when the chunk is complete.
+"""Per-parameter backward hooks, and the marks they leave: what one backward did, per replica.
 
 One ``register_post_accumulate_grad_hook`` per trainable parameter per replica, run on the thread executing that
-device's backward, so a device's counters have one writer and need no lock. A hook marks its parameter touched, counts
-down its chunk and, at zero, asks the device to send it (which only enqueues). Its per-step state lives in lists and
-bytearrays updated in place, which the closure holds directly: a few list operations per call.
+device's backward, so a device's marks have one writer and need no lock. A hook marks its parameter touched, counts
+down its chunk and, at zero, asks the device to send it (which only enqueues). The hooks hold no state of their own:
+they write into the :class:`StepMarks` of the gradients' owner (:mod:`cgdp.engine.core.gradients`), which clears them
+at one point, :meth:`StepMarks.reset`.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 
-class DeviceHooks:
-    def __init__(self, params: list[torch.nn.Parameter], send: Callable[[int], None],
-                 stamp: Callable[[], Any], sent: bytearray | None = None):
-        """``send(c)``: chunk c is complete (it marks ``sent``, which it may share with the hooks)."""
-        n = len(params)
-        self.params = params
-        self._send = send
-        self._stamp = stamp
-        self.views: list[torch.Tensor | None] = [None] * n
-        """Each parameter's gradient view into the flat buffer (what ``.grad`` must be)."""
-        self.param_chunk: list[int] = [0] * n
-        self._template: list[int] = []
-        self.pending: list[int] = []
-        """Per chunk: parameters still to come this step (updated in place)."""
-        self.sent = bytearray() if sent is None else sent
-        """Per chunk: sent this step (updated in place)."""
-        self.touched = bytearray(n)
-        self.replaced = bytearray(n)
+class StepMarks:
+    """What one backward's hooks recorded, per replica ``j`` (lists and bytearrays updated in place)."""
+
+    def __init__(self, replicas: int, params: int):
+        self._flags = bytearray(2 * replicas * params)  # touched, then replaced: one clear for both
+        rows = [memoryview(self._flags)[k * params:(k + 1) * params] for k in range(2 * replicas)]
+        self.touched = rows[:replicas]
+        """Per parameter: a gradient arrived since the last reset."""
+        self.replaced = rows[replicas:]
         """Per parameter: the hook found ``.grad`` replaced and put the view back, overwriting its old contents."""
-        self.stolen = bytearray(n)
+        self.stolen = [bytearray(params) for _ in range(replicas)]
         """Per parameter: ``.grad`` was set None before backward (a large one); the hook writes ``0.0 + grad`` into the
         view."""
-        self.ready_at: list[Any] = [0.0] * n
+        self.ready_at: list[list[Any]] = [[0.0] * params for _ in range(replicas)]
+        self.pending: list[list[int]] = [[] for _ in range(replicas)]
+        """Per chunk: parameters still to come."""
+        self.sent = [bytearray() for _ in range(replicas)]
+        """Per chunk: sent."""
+        self.ready = [bytearray() for _ in range(replicas)]
+        """Ring (``host_memory``): per chunk, complete or flushed."""
+        self.next = [0] * replicas
+        """Ring: the next segment to send (plan order)."""
+        self._shape, self._size = (replicas, params), replicas * params
+        self._rows = list(zip(self.pending, self.sent, self.ready))
+        self._start: tuple = ([], b"", bytes(len(self._flags)), [0] * replicas)
+
+    def set_layout(self, chunk_params: list[int]) -> None:
+        self._start = (list(chunk_params), bytes(len(chunk_params)), *self._start[2:])
+        self.reset()
+
+    def reset(self) -> None:
+        """The one reset point: before a backward, and once a backward was recorded (a hook after it is the next's)."""
+        chunk_params, no_chunk, no_flag, zeros = self._start
+        for pending, sent, ready in self._rows:
+            pending[:] = chunk_params
+            sent[:] = ready[:] = no_chunk
+        self._flags[:] = no_flag
+        self.next[:] = zeros
+
+    def counts(self) -> np.ndarray:
+        """Per parameter, on how many replicas it got a gradient."""
+        return np.frombuffer(self._flags, np.uint8)[:self._size].reshape(self._shape).sum(0, np.float64)
+
+
+class DeviceHooks:
+    def __init__(self, params: list[torch.nn.Parameter], marks: StepMarks, j: int, send: Callable[[int], None],
+                 stamp: Callable[[], Any]):
+        """Replica ``j``'s hooks; ``send(c)``: chunk c is complete."""
+        self._send = send
+        self._stamp = stamp
+        self.views: list[torch.Tensor | None] = [None] * len(params)
+        """Each parameter's gradient view into the flat buffer (what ``.grad`` must be)."""
+        self.param_chunk: list[int] = [0] * len(params)
         self.mode = HookMode()
         """What every hook of this device does this backward (one record, read by every hook)."""
-        self._handles = [p.register_post_accumulate_grad_hook(self._make(pid))
+        self._handles = [p.register_post_accumulate_grad_hook(self._make(pid, marks, j))
                          for pid, p in enumerate(params)]
 
-    @property
-    def streaming(self) -> bool:
-        """True in mode 'cgdp': hooks send chunks. Otherwise they only mark parameters touched."""
-        return self.mode.streaming
-
-    @streaming.setter
-    def streaming(self, on: bool) -> None:
-        self.mode.streaming = bool(on)
-
-    @property
-    def timing(self) -> bool:
-        return self.mode.timing
-
-    @timing.setter
-    def timing(self, on: bool) -> None:
-        self.mode.timing = bool(on)
-
-    @property
-    def note(self) -> Callable[[int], None] | None:
-        return self.mode.note
-
-    @note.setter
-    def note(self, fn: Callable[[int], None] | None) -> None:
-        self.mode.note = fn
-
-    def set_layout(self, param_chunk: list[int], chunk_params: list[int],
-                   views: list[torch.Tensor]) -> None:
+    def set_layout(self, param_chunk: list[int], views: list[torch.Tensor]) -> None:
         self.views[:] = views
         self.param_chunk[:] = param_chunk
-        self._template = list(chunk_params)
-        self.pending[:] = self._template
-        self.sent[:] = bytes(len(chunk_params))
 
-    def begin_step(self) -> None:
-        self.pending[:] = self._template
-        self.sent[:] = bytes(len(self._template))
-        self.touched[:] = bytes(len(self.touched))
-
-    def _make(self, pid: int):
-        views, touched, replaced, pending, chunk_of, mode = (
-            self.views, self.touched, self.replaced, self.pending, self.param_chunk, self.mode)
-        send, ready_at, stamp, stolen = self._send, self.ready_at, self._stamp, self.stolen
+    def _make(self, pid: int, marks: StepMarks, j: int):
+        views, chunk_of, mode = self.views, self.param_chunk, self.mode
+        touched, replaced, stolen, pending, ready_at = (
+            marks.touched[j], marks.replaced[j], marks.stolen[j], marks.pending[j], marks.ready_at[j])
+        send, stamp = self._send, self._stamp
 
         def hook(p: torch.Tensor) -> None:
             view, grad = views[pid], p.grad  # read once: another thread may zero_grad
@@ -108,12 +107,6 @@ class DeviceHooks:
                 if left == 0:
                     send(c)
         return hook
-
-    def flush(self) -> None:
-        """Send the chunks that backward never completed (layers unused this step), in plan order."""
-        for c, done in enumerate(self.sent):
-            if not done:
-                self._send(c)
 
     def remove(self) -> None:
         for h in self._handles:

@@ -63,7 +63,7 @@ class HostMasters:
         self.masters = [nn.Parameter(self.flat[o:o + n].view(p.shape))
                         for o, n, p in zip(self.offsets, numels, self.params[0])]
         self.pid = {id(p): pid for pid, p in enumerate(self.params[0])}
-        self._grad_buf: torch.Tensor | None = None
+        self._staged: torch.Tensor | None = None  # replica 0's flat gradient, copied to the host
         self._wide: torch.Tensor | None = None
         self._attached: tuple | None = None
         self._selected: tuple = (None,)
@@ -83,7 +83,7 @@ class HostMasters:
     @property
     def grad_bytes(self) -> int:
         """Host bytes held for gradients besides the accumulator's rows."""
-        return sum(b.numel() * 4 for b in (self._grad_buf, self._wide) if b is not None)
+        return sum(b.numel() * b.element_size() for b in (self._staged, self._wide) if b is not None)
 
     def widened(self, rounded: torch.Tensor) -> torch.Tensor:
         """The float32 buffer the bf16 sum row is widened into (allocated once)."""
@@ -118,6 +118,20 @@ class HostMasters:
         self.wire.round_replicas(range(len(self.masters)))
         self._versions = list(map(_VERSION, self.params[0]))
 
+    def take_grads(self, row: torch.Tensor | None, offsets: Sequence[int], flat: torch.Tensor,
+                   pids: Sequence[int] | None = None) -> None:
+        """The masters' gradients (``pids``, or all), for either face: views of the host's sum ``row`` when every
+        replica holds it, else of replica 0's ``flat`` gradient copied to the host whole (one copy, one wait: not one
+        per tensor); None where replica 0's ``.grad`` is."""
+        grads = [grad_of(self.params[0][k]) for k in pids] if pids is not None else list(map(grad_of, self.params[0]))
+        if row is None:
+            if self._staged is None or self._staged.shape != flat.shape:  # pinned on CUDA, as the masters
+                self._staged = self.devs[0].host_empty(flat.shape, flat.dtype)
+            with torch.no_grad():
+                row = self._staged.copy_(flat)  # note: host waits for replica 0's gradient (D2H, one copy)
+        self.grads_from_row(row, offsets, [k for k, g in zip(pids or itertools.count(), grads) if g is None]
+                            if any(map(is_none, grads)) else ())
+
     def grads_from_row(self, row: torch.Tensor, offsets: Sequence[int], none: Sequence[int]) -> None:
         key = (row.data_ptr(), tuple(offsets), tuple(none))
         # views still in place (an optimizer's zero_grad() drops them): no slicing per parameter
@@ -128,27 +142,6 @@ class HostMasters:
             m.grad = None if pid in skip else row[offsets[pid]:offsets[pid] + m.numel()].view(m.shape)
         self._viewed = [m for m in self.masters if m.grad is not None]
         self._attached = key
-
-    def grads_from(self, grads: Sequence[torch.Tensor | None], pids: Sequence[int] | None = None) -> None:
-        if self._grad_buf is None:  # a copy target of the devices' gradients: pinned on CUDA as the masters
-            self._grad_buf = self.devs[0].host_empty(self.flat.shape, torch.float32)
-        self._attached = None
-        dst, src = [], []
-        for pid, g in zip(range(len(self.masters)) if pids is None else pids, grads):
-            m = self.masters[pid]
-            if g is None:
-                m.grad = None
-                continue
-            if g.is_sparse:
-                raise NotImplementedError("update='host' steps dense gradients; this parameter has a sparse "
-                                          "one (nn.Embedding(sparse=True)): use sparse=False, or update='devices'")
-            o = self.offsets[pid]
-            m.grad = self._grad_buf[o:o + m.numel()].view(m.shape)
-            dst.append(m.grad)
-            src.append(g)
-        if dst:
-            with torch.no_grad():
-                torch._foreach_copy_(dst, src)  # note: host waits for the device's gradients (D2H)
 
     def to_devices(self, threads: DeviceThreads, pids: Sequence[int] | None = None) -> list[Stamps]:
         """Every replica's parameters ← the masters (``pids``, or all), on each device's thread."""
@@ -183,7 +176,7 @@ is_none = functools.partial(operator.is_, None)
 def after_forward(replicas_follow: Callable[[int], None], update: Update) -> Callable[[int], None]:
     """After each forward the replicas follow replica 0's writes, then the masters do (the host step must start from
     what a forward wrote in place, not overwrite it)."""
-    masters = getattr(update, "masters", None)
+    masters = update.masters
     if masters is None:
         return replicas_follow
 
@@ -211,6 +204,7 @@ class HostUpdate(Update):
 
     streams = True
     sums = True
+    early = True
 
     def __init__(self, devs: Sequence[Device], optimizers: Sequence[torch.optim.Optimizer],
                  params: Sequence[Sequence[nn.Parameter]], factory: Callable[..., torch.optim.Optimizer]):
@@ -261,6 +255,9 @@ class HostUpdate(Update):
             weakref.finalize(self, self._queue.put, None)
             resources.push(functools.partial(_stop, self._queue, thread))
             host.on_summed = weak_call(self._summed)
+
+    def shown(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]  # the replicas' are never stepped
 
     def begin_step(self, hooked: bool = False) -> None:
         """Before the first forward (caller's thread). With gradient hooks (``hooked``, refused after backward) nothing
@@ -345,7 +342,7 @@ class HostUpdate(Update):
             masters = self.masters.masters
             for pid in self._chunk_pids[c]:
                 k = self._group[pid]
-                if k is not None and any(h.touched[pid] for h in st.hooks):  # untouched: skipped, as on one device
+                if k is not None and any(t[pid] for t in st.marks.touched):  # untouched: skipped, as on one device
                     lent[k].append(masters[pid])
             if self.masters.wire is not None:  # the replicas hold the masters' rounding: keep the masters
                 self.masters.wire.keep(self._chunk_pids[c])
@@ -405,11 +402,9 @@ class HostUpdate(Update):
         if not overlapped:
             t0 = time.perf_counter()
             host = stream.host
-            row = self._sum_row(widen=True) if host is not None and not host.send_back else None
-            if row is not None:
-                m.grads_from_row(row, stream.layout.offsets, self._grads.none_pids())
-            else:  # replica 0 holds the averaged gradient (a bf16 wire, a ring of host slots)
-                m.grads_from([p.grad for p in self.params[0]])
+            # else replica 0 holds the averaged gradient (a bf16 wire, a ring of host slots)
+            m.take_grads(self._sum_row(widen=True) if host is not None and not host.send_back else None,
+                         stream.layout.offsets, stream.flats[0])
             if coef is not None:
                 grads = [g.grad for g in m.masters if g.grad is not None]
                 if grads:

@@ -135,8 +135,8 @@ class Resources:
 
     def __init__(self) -> None:
         self._stack: list[Callable[[], None]] = []
-        self.devs: list[Any] = []  # whose copies must finish before anything is freed
-        self.stream: Any = None  # its host accumulator too
+        self.drain: Callable[[], None] | None = None
+        """Run before anything is freed: let every copy in flight finish (the last one set)."""
 
     def push(self, close: Callable[[], None]) -> None:
         self._stack.append(close)
@@ -144,11 +144,10 @@ class Resources:
     def release(self) -> None:
         """Let copies in flight finish, then stop everything in reverse order, once; the first failure is raised after.
         """
-        from cgdp.engine.core.drain import quiesce
         steps, self._stack = self._stack[::-1], []
-        devs, stream, self.devs, self.stream = self.devs, self.stream, [], None
-        if devs:  # note: host waits on every stream
-            steps.insert(0, lambda: quiesce(devs, getattr(stream, "host", None), 30.0))
+        drain, self.drain = self.drain, None
+        if drain is not None:  # note: host waits on every stream
+            steps.insert(0, drain)
         first: BaseException | None = None
         for close in steps:
             try:
@@ -199,7 +198,9 @@ class Lifetime:
         from cgdp.engine.core.claims import claim
         res, name = self.resources, self.name if self.name.startswith("cgdp.") else f"cgdp.{self.name}"
         res.push(claim(owner, model, name).release)
-        devs = res.devs = make_devices(devices, self._stop, share_devices)
+        from cgdp.engine.core.drain import quiesce
+        devs = make_devices(devices, self._stop, share_devices)
+        res.drain = functools.partial(quiesce, devs, None, 30.0)
         for d in devs:
             res.push(d.close)
         for d in devs:

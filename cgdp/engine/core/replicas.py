@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 from cgdp.comm import Comm
 from cgdp.engine.backend.base import Device
 from cgdp.engine.core.layers import LayerInfo, find_layers
+from cgdp.engine.core.user_warning import warn_user
 
 
 class Replicas:
@@ -46,7 +47,15 @@ def make_replicas(model: nn.Module, devs: Sequence[Device]) -> list[nn.Module]:
     """``model`` moved to ``devs[0]`` in place, and a deep copy on every other device (copies first: none made on
     devs[0])."""
     copies = [copy.deepcopy(model).to(dev.torch_device) for dev in devs[1:]]
-    return [model.to(devs[0].torch_device), *copies]
+    leaves = {n: b for n, b in model.named_buffers() if b.is_leaf and b.requires_grad}
+    model.to(devs[0].torch_device)
+    moved = [n for n, b in model.named_buffers() if n in leaves and b is not leaves[n] and not b.is_leaf]
+    if moved:  # torch's own Module.to does this silently; the user would find .grad None after backward
+        warn_user(f"buffer(s) {', '.join(moved)} require grad and were moved to {devs[0].name} by wrapping, as "
+                  f"model.to() moves them, which makes each a non-leaf tensor: the gradient goes to the tensor it "
+                  f"was moved from, and the buffer's own .grad stays None. Create them on {devs[0].name} before "
+                  f"wrapping, or make them nn.Parameter")
+    return [model, *copies]
 
 
 def split_buffers(modules: Sequence[nn.Module]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
@@ -62,6 +71,11 @@ def signature(face: str, model: nn.Module, layers: Sequence[LayerInfo], devices:
     return {"face": face, "devices_per_rank": str(devices),
             "initial_parameters": state_digest(model) + " (seed every rank the same)",
             "layers": ";".join(f"{i.name}:{i.numels}" for i in layers), "dtype": str(dtype), **more}
+
+
+def settings(**values: Any) -> dict[str, str]:
+    """Constructor settings for :func:`signature`, under their argument names (what a mismatch error names)."""
+    return {f"setting {k}": repr(v) for k, v in values.items()}
 
 
 def state_digest(module: nn.Module) -> str:

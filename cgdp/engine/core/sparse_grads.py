@@ -75,13 +75,13 @@ class SparseGrads(GradPart):
             self._joined = [p.grad for p in self.params[0]]
         return False
 
-    def follow_edits(self, whole: bool) -> bool:
+    def follow_edits(self, whole: bool, data: bool = True) -> bool:
         if all(p.grad is g for p, g in zip(self.params[0], self._joined)):
             return False
         self._copy_from_first()
         return True
 
-    def norm(self, norm_type: float, host: bool) -> float:
+    def norm(self, norm_type: float) -> float:
         """Of the total, in float64; sparse ones coalesced first (duplicate rows summed)."""
         norms = [float(torch.linalg.vector_norm(p.grad.coalesce().values() if p.grad.is_sparse else p.grad,
                                                 norm_type, dtype=torch.float64))

@@ -2,8 +2,8 @@
 
 :class:`GradientStream`, shared by both faces, owns for the whole run: one flat gradient buffer per device in chunk
 order (:mod:`cgdp.engine.core.flatgrad`; every ``param.grad`` is a view into it), one
-:class:`~cgdp.engine.core.hooks.DeviceHooks` per replica, and (streaming only) the
-:class:`~cgdp.engine.core.host.HostAccumulator`.
+:class:`~cgdp.engine.core.hooks.DeviceHooks` per replica (writing the owner's :class:`~cgdp.engine.core.hooks.StepMarks`),
+and (streaming only) the :class:`~cgdp.engine.core.host.HostAccumulator`.
 
 ``transfer=torch.bfloat16``: segments are cast to bf16 on the device and summed by the host's 16-bit path
 (:mod:`cgdp.engine.core.precision`). Each device's bf16 *stage* buffer serves both directions: a segment's copy back is
@@ -12,9 +12,9 @@ issued only after every device's copy out of it has completed.
 ``host_memory``: the host slots are a ring (:mod:`cgdp.engine.core.host`); devices send segments in plan order, and a
 segment whose slot is busy waits, without blocking the hook, for a later hook or the flush; only the flush waits.
 
-The stream is transport: the gradients' state belongs to :mod:`cgdp.engine.core.gradients`. Per backward: :meth:`arm` →
-backward (hooks send) → per device :meth:`flush`, :meth:`wait_returned` → :meth:`touched`, :meth:`bad_count` →
-:meth:`disarm`. :meth:`set_plan` and :attr:`want_norm` only between steps.
+The stream is transport: the gradients' state belongs to :mod:`cgdp.engine.core.gradients`. Per backward (the owner
+reset the marks): :meth:`arm` → backward (hooks send) → per device :meth:`flush`, :meth:`wait_returned` →
+:meth:`bad_count` → :meth:`disarm`. :meth:`set_plan` and :attr:`want_norm` only between steps.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -30,7 +29,7 @@ from cgdp.comm import Comm
 from cgdp.engine.backend.base import Device, TraceSink
 from cgdp.engine.core.clip import device_norm, scale_gradients
 from cgdp.engine.core.flatgrad import ALIGN, Layout, attach_grads, make_layout
-from cgdp.engine.core.hooks import DeviceHooks
+from cgdp.engine.core.hooks import DeviceHooks, StepMarks
 from cgdp.engine.core.host import HostAccumulator
 from cgdp.engine.core.layers import nonfinite_layers
 from cgdp.engine.core.lifetime import weak_call
@@ -41,7 +40,7 @@ from cgdp.planning.chunks import Plan
 
 class GradientStream:
     def __init__(self, devs: Sequence[Device], params: Sequence[Sequence[nn.Parameter]],
-                 layer_pids: Sequence[Sequence[int]], dtype: torch.dtype, *, segment_bytes: int,
+                 layer_pids: Sequence[Sequence[int]], dtype: torch.dtype, marks: StepMarks, *, segment_bytes: int,
                  streaming: bool, guard: Guard, comm: Comm | None, host_threads: int,
                  transfer: torch.dtype | None = None, host_memory: int | None = None):
         """``params[j]``: replica j's trainable parameters; ``layer_pids[l]``: layer l's parameter ids; ``host_memory``:
@@ -61,21 +60,19 @@ class GradientStream:
         self.stages: list[torch.Tensor] | None = None
         self.layout: Layout | None = None
         self.hooks: list[DeviceHooks] = []
+        self.marks = marks
         self.host: HostAccumulator | None = None
         self.ring = 0 if host_memory is None or not streaming else ring_slots(
             host_memory, len(self.devs), segment_bytes, self.wire_itemsize,
             widened=(transfer or dtype) in LOW_PRECISION and comm is not None)
         """Host slots in the ring (0: full-size rows)."""
-        self._pending: list[bytearray] = [bytearray() for _ in self.devs]
-        """Ring: per device, the chunks complete (or flushed) this step."""
-        self._next = [0] * len(self.devs)
-        """Ring: per device, the next segment to send (plan order)."""
+        self._sends = [self._chunk_done(j, dev) for j, dev in enumerate(self.devs)]
         for j, dev in enumerate(self.devs):
-            sent = bytearray()
-            hooks = DeviceHooks(self.params[j], self._chunk_done(j, dev, sent), dev.stamp, sent)
-            hooks.streaming = streaming
-            hooks.note = dev.note_stream
+            hooks = DeviceHooks(self.params[j], marks, j, self._sends[j], dev.stamp)  # disarmed
+            hooks.mode.note = dev.note_stream
             self.hooks.append(hooks)
+        self.views = [h.views for h in self.hooks]
+        """Per replica, each parameter's gradient view into its flat buffer (what ``.grad`` must be)."""
         if streaming:
             from cgdp.engine.core.accumulate import warm_up
             warm_up(kernel_dtype(transfer or dtype), len(self.devs))
@@ -99,7 +96,8 @@ class GradientStream:
                 relay(flat, self.layout, layout)
         for j, params in enumerate(self.params):
             views = attach_grads(self.flats[j], params, layout)  # the owner sets .grad None where it has none
-            self.hooks[j].set_layout(layout.param_chunk, layout.chunk_params, views)
+            self.hooks[j].set_layout(layout.param_chunk, views)
+        self.marks.set_layout(layout.chunk_params)
         self.layout = layout
         self._split_large()
         if self.host is not None:
@@ -113,31 +111,27 @@ class GradientStream:
         for pid in self.large:
             mask[pid] = 1
         self.large_mask = bytes(mask)
-        self.small_views = [[v for pid, v in enumerate(h.views) if not mask[pid]] for h in self.hooks]
+        self.small_views = [[v for pid, v in enumerate(views) if not mask[pid]] for views in self.views]
 
     def arm(self, timing: bool = False, sink: TraceSink | None = None, sending: bool = True) -> None:
         """Ready hooks and host for one backward, keeping the flat buffers' contents; ``sending=False``: only mark
         touched."""
         for h in self.hooks:
-            h.begin_step()
-            h.timing = timing
-            h.streaming = self.streaming and sending
+            h.mode.timing = timing
+            h.mode.streaming = self.streaming and sending
         if self.host is not None and sending:
             self.host.trace = sink
             self.host.begin_step()
-            if self.ring:
-                n = len(self.layout.plan)
-                self._pending = [bytearray(n) for _ in self.devs]
-                self._next = [0] * len(self.devs)
 
     def disarm(self) -> None:
         """Between backwards: hooks only mark parameters touched, never send."""
         for h in self.hooks:
-            h.streaming = False
+            h.mode.streaming = False
 
-    def _chunk_done(self, j: int, dev: Device, sent: bytearray) -> Callable[[int], None]:
+    def _chunk_done(self, j: int, dev: Device) -> Callable[[int], None]:
         """What device j's hooks call on a complete chunk. It holds the stream only weakly: no stream <-> hooks cycle.
         """
+        sent = self.marks.sent[j]
         if self.ring:
             ring = weak_call(self._ring_chunk, j)
 
@@ -152,16 +146,16 @@ class GradientStream:
 
     def send(self, j: int, c: int) -> None:
         """Chunk ``c`` of device ``j`` is complete: copy it to the host (what a hook calls)."""
-        self.hooks[j]._send(c)
+        self._sends[j](c)
 
     def _ring_chunk(self, j: int, c: int) -> None:
-        self._pending[j][c] = 1
+        self.marks.ready[j][c] = 1
         self._send_ring(j, block=False)  # never waits in a hook: a busy slot is sent later
 
     def _send_ring(self, j: int, block: bool) -> bool:
         """Ring: send device j's complete segments in plan order while slots are free (``block``: wait). All sent?"""
         lay, ring, host, dev = self.layout, self.ring, self.host, self.devs[j]
-        pending, s, n = self._pending[j], self._next[j], len(lay.segments)
+        pending, s, n = self.marks.ready[j], self.marks.next[j], len(lay.segments)
         while s < n and pending[lay.segment_chunk[s]]:
             if s >= ring and host.summed.done < s - ring + 1:  # its slot still holds segment s - ring
                 if not block:
@@ -170,36 +164,38 @@ class GradientStream:
                 host.summed.wait(s - ring + 1, self._guard, "a free host slot (host_memory)")
             dev.send(s)
             s += 1
-        self._next[j] = s
+        self.marks.next[j] = s
         return s == n
 
     @contextmanager
     def holding(self, j: int) -> Iterator[None]:
         """Device j's backward inside keeps its gradients on the device (micro-batches before the last); on its thread.
         """
-        hooks = self.hooks[j]
-        hooks.streaming = False
+        mode = self.hooks[j].mode
+        mode.streaming = False
         try:
             yield
         finally:
-            hooks.streaming = self.streaming
+            mode.streaming = self.streaming
 
     def flush(self, j: int) -> None:
         """After device j's backward, on its thread: send chunks never completed, and with a ring all that waits for a
         slot."""
         if not self.streaming:
             return
-        hooks = self.hooks[j]
+        m, views = self.marks, self.views[j]
         for pid in self.large:
-            if hooks.stolen[pid] and not hooks.touched[pid]:
+            if m.stolen[j][pid] and not m.touched[j][pid]:
                 # unused here this step: its view still holds last step's average, and it is sent
-                hooks.views[pid].zero_()
-                self.params[j][pid].grad = hooks.views[pid]
+                views[pid].zero_()
+                self.params[j][pid].grad = views[pid]
         if self.ring:
-            self._pending[j][:] = b"\x01" * len(self._pending[j])
+            m.ready[j][:] = b"\x01" * len(m.ready[j])
             self._send_ring(j, block=True)
-        else:
-            self.hooks[j].flush()
+        else:  # the chunks backward never completed (layers unused this step), in plan order
+            for c, done in enumerate(m.sent[j]):
+                if not done:
+                    self._sends[j](c)
 
     def flush_all(self) -> None:
         """:meth:`flush` for every device from one thread; with a ring, waiting only when no device can send."""
@@ -207,7 +203,7 @@ class GradientStream:
             for j in range(len(self.devs)):
                 self.flush(j)
             return
-        for p in self._pending:
+        for p in self.marks.ready:
             p[:] = b"\x01" * len(p)
         while True:
             seen = self.host.summed.done  # before the round: a slot freed during it is not missed
@@ -227,15 +223,8 @@ class GradientStream:
         self._guard.wait(self.host.returned, f"the averaged gradients for {dev.name}")
         marker = dev.h2d_marker()
         dev.compute_wait(marker, self._guard)
-        if self.hooks[j].timing:  # so that the phase times are true; untimed steps do not wait
+        if self.hooks[j].mode.timing:  # so that the phase times are true; untimed steps do not wait
             dev.wait_marker(marker, self._guard)
-
-    def touched(self) -> np.ndarray:
-        """Per parameter, on how many devices it got a gradient this step."""
-        touched = np.zeros(len(self.numels), np.float64)
-        for h in self.hooks:
-            touched += np.frombuffer(h.touched, np.uint8)
-        return touched
 
     def bad_count(self) -> float:
         """NaN/Inf values in the averaged gradient (counted during accumulation)."""
@@ -271,14 +260,15 @@ class GradientStream:
         for flat in (self.flats if j is None else [self.flats[j]]):
             scale_gradients(flat, coef)
 
-    def close(self) -> None:
+    def close(self, keep_grads: bool = False) -> None:
+        """Every ``.grad`` None, or (``keep_grads``) replica 0's a copy of its own."""
         for h in self.hooks:
             h.remove()
         if self.host is not None:
             self.host.close()
-        for params in self.params:
+        for j, params in enumerate(self.params):
             for p in params:
-                p.grad = None
+                p.grad = p.grad.clone() if keep_grads and j == 0 and p.grad is not None else None
         self.flats = []
         self.stages = None
 
@@ -289,7 +279,7 @@ class GradientStream:
 
     def profile_inputs(self) -> dict[str, Any]:
         """What :func:`cgdp.engine.trainer.timing.build_profile` needs of the stream."""
-        return {"hooks": self.hooks, "layer_pids": self.layer_pids, "layout": self.layout,
+        return {"marks": self.marks, "layer_pids": self.layer_pids, "layout": self.layout,
                 "itemsize": self.wire_itemsize, "host": self.host_figures()}
 
     def host_figures(self) -> dict[str, int]:

@@ -11,7 +11,8 @@ first), then raises ``TimeoutError``; Ctrl-C surfaces within :data:`~cgdp.engine
 :meth:`close` never joins a stuck one.
 
 Intra-op threads: on CPU-emulated devices each device thread gets one share of the cores (:func:`intra_op_threads`); the
-caller's count is unchanged once the engine is built.
+caller's count is unchanged once the engine is built (Numba's threading layer starts on a thread of its own:
+:func:`start_numba_threads`).
 
 Turns (:meth:`DeviceThreads.computing`): with more devices than cores, threads dispatching operators hand the GIL over
 at every operator, which costs more than it carries, so at most ``cores - 1`` compute at once. A turn is held only
@@ -116,6 +117,20 @@ def _on_new_thread(fn: Callable[[], Any]) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
+def start_numba_threads() -> None:
+    """Start Numba's threading layer (once per process) on a thread of its own.
+
+    Its ``omp`` layer shares torch's GNU OpenMP runtime, and starting it sets the OpenMP count of the thread that starts
+    it to every core (``omp_set_num_threads``): that thread's torch intra-op count. Left to the host kernels' warm-up,
+    that was the caller: a caller at ``torch.set_num_threads(1)`` computed on 2 threads after the engine was built, and
+    the pool thread OpenMP started for its per-step work spun on a core the device threads needed (a 48 x Linear(32)
+    step 3x slower on 2 cores). A throwaway thread takes the change instead.
+    """
+    import numba  # the host kernels' dependency (cgdp.engine.core.accumulate), imported where it is started
+    _on_new_thread(numba.get_num_threads)  # Numba starts its layer at its first thread query
+
+
+@functools.lru_cache(maxsize=None)
 def _counts_per_thread() -> bool:
     """Whether torch keeps the intra-op count per thread (its OpenMP backend; the native one has one pool per process).
     """
@@ -139,6 +154,7 @@ class DeviceThreads:
     def __init__(self, devs: Sequence[Device], guard: Guard, at_once: int | None = None):
         """``at_once``: how many device threads may compute at once (default: :func:`default_at_once`)."""
         fork.engine_started()  # children forked from now on compute on one thread
+        start_numba_threads()  # before anything of cgdp's runs a host kernel on this thread
         self._guard = guard
         self.intra_op = intra_op_threads(devs)
         """torch's intra-op threads of each device thread (None: torch's own count)."""

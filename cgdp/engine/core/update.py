@@ -21,7 +21,7 @@ GPU's kernels are issued by the thread owning its streams). Buffers and schedule
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -48,6 +48,17 @@ class Update(ABC):
         self.params = [list(p) for p in params]
 
     figures: dict[str, float] = {}  # the last step's, for Trainer.stats
+    masters: Any = None  # the float32 masters it steps (HostMasters), if any
+    undone = False  # the last step raised and was undone: nothing changed, the face stays usable
+    early = False  # it steps during backward: (loss_sum, count) counts are read before backward
+
+    def shown(self) -> list[torch.optim.Optimizer]:
+        """The optimizers the face shows (``Trainer.optimizers``)."""
+        return self.optimizers
+
+    def attach(self, stream: GradientStream, grads: Any, clipping: bool, guard: Any, resources: Any,
+               module: nn.Module | None = None) -> None:
+        """Once the gradient path exists."""
 
     def begin_step(self, hooked: bool = False) -> None:
         """Before the first forward (caller's thread); ``hooked``: user gradient hooks will run."""
@@ -80,6 +91,22 @@ class PerReplica(Update):
     def step(self, coef: torch.Tensor | None, stream: GradientStream,
              threads: DeviceThreads) -> list[Stamps | None]:
         return threads.run_all(lambda j: self._step_on(j, coef, stream), computing=True)
+
+    def step_bound(self, first: Callable[[], Any], threads: DeviceThreads) -> tuple[Any, list[tuple[int, Any]]]:
+        """``DataParallel``'s bound step: replica 0's is ``first()`` (the user's call, on the caller's thread; its
+        optimizer is not held here) while every other replica steps on its own; ``first``'s result and the replicas
+        whose step raised (``first``'s own error is raised once every replica finished)."""
+        futures = [threads.submit(j, opt.step) for j, opt in enumerate(self.optimizers[1:], start=1)]
+        try:
+            out = first()
+        finally:
+            errors = []
+            for j, f in enumerate(futures, start=1):
+                try:
+                    f.result()  # note: host waits for the other replicas' updates
+                except BaseException as exc:
+                    errors.append((j, exc))
+        return out, errors
 
     def _step_on(self, j: int, coef: torch.Tensor | None, stream: GradientStream) -> Stamps:
         dev = self.devs[j]

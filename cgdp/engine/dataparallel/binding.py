@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from cgdp.engine.core.host_state import prefer_fused
-from cgdp.engine.core.host_update import grad_of, is_none
+from cgdp.engine.core.update import PerReplica
 
 _ATTR = "_cgdp_binding"
 _AMP_ATTRS = ("grad_scale", "found_inf")  # what GradScaler.step sets on an optimizer during its step
@@ -73,7 +73,6 @@ class Binding:
         self.opt = weakref.ref(opt)
         self.stepping: threading.Thread | None = None  # the guard lets the optimizer's own step run there
         self.closed = False
-        self.inflight: list = []
         self.mirrors: list[torch.optim.Optimizer] = []
         self.targets: list[tuple[torch.optim.Optimizer, dict, torch.device]] = []
         self._lens: list[int] = []
@@ -90,6 +89,8 @@ class Binding:
     def _build(self, opt: torch.optim.Optimizer, steps: Any) -> None:
         self.maps = steps.parameter_maps()
         self.mirrors = [_construct(opt, self._groups(opt.param_groups, m)) for m in self.maps]
+        # the Trainer's strategy; replica 0's optimizer is the user's, held weakly here (the optimizer holds us)
+        self.update = PerReplica(steps.devs, [None, *self.mirrors], [])
         self.targets = [(m, mp, next(iter(mp.values())).device) for m, mp in zip(self.mirrors, self.maps)]
         self._lens = [len(g["params"]) for g in opt.param_groups]
         if opt.state:
@@ -124,14 +125,11 @@ class Binding:
         return fn(opt, *args, **kwargs) if method else fn(*args, **kwargs)
 
     def _step(self, opt: torch.optim.Optimizer, steps: Any, args: tuple, kwargs: dict) -> Any:
-        self.inflight = [steps.submit(j, m.step) for j, m in enumerate(self.mirrors, start=1)]
         try:
-            out = self._call(opt, args, kwargs)
+            out, errors = self.update.step_bound(lambda: self._call(opt, args, kwargs), steps.threads)
         except BaseException:
-            self._wait()
             self.resync(opt)  # what one device holds after its step raised
             raise
-        errors = self._wait()
         if errors or not steps.kept():
             self.resync(opt)  # a mirror raised, or replica 0 stepped on other gradients than its mirrors
         if errors:
@@ -167,16 +165,6 @@ class Binding:
         for m in self.mirrors:
             m.load_state_dict(copy.deepcopy(state))
 
-    def _wait(self) -> list[tuple[int, BaseException]]:
-        inflight, self.inflight = self.inflight, []
-        errors = []
-        for j, f in enumerate(inflight, start=1):
-            try:
-                f.result()  # note: host waits for the other replicas' updates
-            except BaseException as exc:
-                errors.append((j, exc))
-        return errors
-
     def resync(self, opt: torch.optim.Optimizer) -> None:
         with torch.no_grad():
             for mapping in self.maps:
@@ -189,7 +177,7 @@ class Binding:
         self.closed = True
         for h in self._handles:
             h.remove()
-        self.mirrors, self.maps, self.targets = [], [], []
+        self.mirrors, self.maps, self.targets, self.update = [], [], [], None
         opt = self.opt()
         if opt is None:
             return
@@ -258,13 +246,7 @@ class HostBinding(Binding):
                     "update='devices'")
         m, pids = self.masters, self._pids
         m.follow()
-        grads = [grad_of(m.params[0][k]) for k in pids]
-        summed = steps.host_sum()
-        if summed is not None:  # the host's sum as is: read in place, no copy from the device
-            m.grads_from_row(summed[0], summed[1], [k for k, g in zip(pids, grads) if g is None]
-                             if any(map(is_none, grads)) else [])
-        else:
-            m.grads_from(grads, pids)
+        m.take_grads(*steps.host_sum(), pids)  # the host's sum in place where every replica holds it
         prefer_fused(self.host)
         opt._opt_called = True  # what an LR scheduler built before bind looks for (its counter is not run)
         n = len(self.host.state)

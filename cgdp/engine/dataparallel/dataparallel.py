@@ -35,7 +35,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from cgdp.comm import Comm
-from cgdp.engine.backend import default_devices, host_threads, make_rng, parse_devices
+from cgdp.engine.backend import default_devices, make_rng, parse_devices
 from cgdp.engine.core.host_update import HostMasters, check_host_update
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.memory_report import memory_report
@@ -43,16 +43,16 @@ from cgdp.engine.core.layers import find_layers, number_params, trainable_dtype
 from cgdp.engine.core.padding import OwnLossCheck, labels_of
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan
-from cgdp.engine.core.replicas import make_replicas, signature
+from cgdp.engine.core.replicas import make_replicas, settings, signature
 from cgdp.engine.core.stream import GradientStream, check_sizes
 from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.dataparallel.binding import bind
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
-from cgdp.engine.core.dense_grads import DenseGrads
+from cgdp.engine.core.dense_grads import DenseGrads, build_dense
 from cgdp.engine.core.gradients import GradPart, Gradients, UserFault
 from cgdp.engine.dataparallel.steps import ReplicaSteps
 from cgdp.engine.dataparallel.replica_state import ReplicaState
-from cgdp.engine.dataparallel.scatter import gather, scatter, watch_counts
+from cgdp.engine.dataparallel.scatter import gather, scatter, unbatched_note, watch_counts
 from cgdp.engine.core.sparse_grads import SparseGrads, sparse_parameters
 from cgdp.engine.dataparallel.user_module import GradBuffers
 from cgdp.engine.core.user_warning import warn_user
@@ -61,6 +61,9 @@ from cgdp.planning.chunks import Plan
 
 
 NAME = "cgdp.DataParallel"
+
+# a forward's backward sums (the default); accumulates locally (no_sync()); every backward sums (sync_in_backward())
+_SYNCED, _NO_SYNC, _SYNC_IN_BACKWARD = "synced", "no_sync", "sync_in_backward"
 
 
 _SAID_EMULATED = [False]
@@ -126,7 +129,7 @@ class DataParallel(nn.Module):
         self._own_loss = OwnLossCheck(NAME, "pass num_items_in_batch (the token count of the whole batch, "
                                       "(labels != -100).sum()) to a model that divides by it, as Hugging Face "
                                       "models do, or compute the loss from the gathered logits", warn_user)
-        self._no_sync = False
+        self._sync = _SYNCED  # what a forward's backward does: no_sync() and sync_in_backward() set it
         self._guard = Guard(timeout_s)
         # one operation at a time, and what close() releases (also when dropped without close())
         self._life = Lifetime(self, NAME, "wrap model.module again", _refusal, _stopped, self._guard.fail)
@@ -138,7 +141,10 @@ class DataParallel(nn.Module):
             self.output_device = self._devs[0].torch_device
             """Where the gathered outputs are (``devices[0]``): put the targets there."""
             self._comm = self._life.open_comm(comm, timeout_s,
-                                              lambda: signature("DataParallel", module, infos, len(devices), dtype))
+                                              lambda: signature("DataParallel", module, infos, len(devices), dtype,
+                                                                **settings(update=update, segment_bytes=segment_bytes,
+                                                                           host_memory=host_memory,
+                                                                           scalar_outputs=scalar_outputs)))
             self._build(module, infos, layer_params, dtype, chunks, segment_bytes, host_memory)
         except BaseException:
             self.close()
@@ -182,13 +188,11 @@ class DataParallel(nn.Module):
         itemsize = torch.tensor([], dtype=dtype).element_size()
         # no step profiles here (the loop is the user's): the tuner measures uniform plans
         plan, tuner = first_plan(chunks, [i.numel * itemsize for i in infos], len(devs), self._comm)
-        self._stream = st = self._life.resources.stream = GradientStream(
-            devs, params, layer_pids, dtype, segment_bytes=segment_bytes, streaming=True, guard=self._guard,
-            comm=self._comm, host_threads=host_threads(devs), host_memory=host_memory)
-        self._life.resources.push(lambda: _close_keeping_grads(st))
-        self._stream.set_plan(plan)
-        self._stream.disarm()
-        return DenseGrads(self._stream, before, self._param_hooks, self._comm, self._guard.timeout_s), tuner
+        dense = build_dense(devs, params, layer_pids, dtype, plan, resources=self._life.resources, guard=self._guard,
+                            comm=self._comm, param_hooks=self._param_hooks, initial=before, keep_grads=True,
+                            segment_bytes=segment_bytes, streaming=True, host_memory=host_memory)
+        self._stream = dense.stream
+        return dense, tuner
 
     @property
     def replicas(self) -> list[nn.Module]:
@@ -228,6 +232,7 @@ class DataParallel(nn.Module):
         g = len(parts)
         counts = watch_counts(parts, [d.torch_device for d in devs]) if self._scalar_outputs == "auto" else []
         self._backward_check.disarm()  # guard hooks left by an autograd.grad that failed
+        self._guard.reset()  # a forward that raised before left its error: this one reports its own
         if self._grad_buffers:
             self._grad_buffers.refresh([d.torch_device for d in devs], g)
         in_caller = caller_context()
@@ -240,6 +245,9 @@ class DataParallel(nn.Module):
                     return self._rng.on_device(j, lambda: self._replicas[j](*parts[j][0], **parts[j][1]))
             except Exception as exc:  # the user's own error, said where it happened (Python >= 3.11)
                 getattr(exc, "add_note", lambda _: None)(f"(raised in replica {j} of cgdp.DataParallel, on {self.devices[j]})")
+                hint = unbatched_note(args, kwargs, sizes)
+                if hint:
+                    getattr(exc, "add_note", lambda _: None)(hint)
                 raise
 
         try:
@@ -251,9 +259,11 @@ class DataParallel(nn.Module):
         self._state.follow.after_forward(g)  # parameters the forward changed in place
         if self.module.training:  # the buffers the forward wrote (BatchNorm's statistics): the same everywhere
             self._state.after_forward(sizes, self._comm)
-        sync = not self._no_sync
+        sync = self._sync != _NO_SYNC
         scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
-        on_backward = ((lambda me=threading.current_thread(): self._begin_backward(sync, me))
+        # read again when the backward starts (autograd's thread): sync_in_backward() around it sums it
+        on_backward = ((lambda me=threading.current_thread():
+                        self._begin_backward(sync or self._sync == _SYNC_IN_BACKWARD, me))
                        if self._grads.trains else None)
         summed = self._scalar_outputs == "sum" or any(c.used for c in counts)  # shares of a global sum
         out = gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
@@ -264,15 +274,26 @@ class DataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backwards of forwards run inside accumulate locally; the next synced one sends it all (as DDP's)."""
-        old, self._no_sync = self._no_sync, True
+        old, self._sync = self._sync, _NO_SYNC
         try:
             yield
         finally:
-            self._no_sync = old
+            self._sync = old
+
+    @contextlib.contextmanager
+    def sync_in_backward(self) -> Iterator[None]:
+        """Every backward run inside sums, also through forwards run inside :meth:`no_sync` (which then send what
+        they accumulated); forwards inside count as synced. DDP's ``require_backward_grad_sync``, as Accelerate's
+        ``trigger_sync_in_backward`` sets it: several forwards under ``no_sync()``, their last backward in here."""
+        old, self._sync = self._sync, _SYNC_IN_BACKWARD
+        try:
+            yield
+        finally:
+            self._sync = old
 
     @operation("clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip every replica by the summed gradient's norm (the host's from the 2nd call on); returns it, as FSDP."""
+        """Clip every replica by the summed gradient's norm (taken on replica 0's device); returns it, as FSDP."""
         return self._grads.clip(max_norm, float(norm_type))
 
     def train(self, mode: bool = True) -> "DataParallel":
@@ -388,8 +409,3 @@ def _stopped(running: str) -> str:
             f"applied unless it was past its last wait) and the {NAME} is closed")
 
 
-def _close_keeping_grads(stream: GradientStream) -> None:
-    kept = [None if p.grad is None else p.grad.clone() for p in stream.params[0]]
-    stream.close()
-    for p, g in zip(stream.params[0], kept):
-        p.grad = g

@@ -1,7 +1,8 @@
 """``DataParallel``'s step 1 and its mirror image: scatter the arguments, gather the outputs.
 
 **Scatter.** Every tensor argument with a batch dimension (nested ones too) is split along dim 0 in device order, as
-``torch.tensor_split``; all must share that dimension. A batch of n < G runs on the first n devices (the others send
+``torch.tensor_split``; all must share that dimension (a 1-D tensor is a batch of scalars; if the forward then fails,
+:func:`unbatched_note` says it may be one sample). A batch of n < G runs on the first n devices (the others send
 zeros and step, as in ``Trainer``). Other arguments go to every replica; a call with nothing to split runs on replica 0.
 
 **Gather.** Every replica returns the same structure (dataclasses such as ``ModelOutput`` too). Per tensor in it:
@@ -100,6 +101,21 @@ def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
         parts.append(_unflatten(spec, iter(mine)))
     sizes = [int(s.shape[0]) for s in torch.tensor_split(torch.empty(n, 0), g)]
     return parts, sizes
+
+
+def unbatched_note(args: tuple, kwargs: dict, sizes: Sequence[int]) -> str | None:
+    """For a forward that raised: when every tensor split was 1-D, perhaps one sample without a batch dimension
+    (a 1-D tensor is also a batch of scalars or labels, so this is said on an error only, never refused)."""
+    leaves: list[Any] = []
+    _flatten((tuple(args), dict(kwargs)), leaves)
+    split = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if len(sizes) < 2 or any(x.dim() != 1 for x in split):
+        return None
+    shapes = ", ".join(str(tuple(x.shape)) for x in split)
+    return (f"cgdp.DataParallel split the 1-D tensor input{'s' if len(split) > 1 else ''} of shape {shapes} along "
+            f"its only dimension, as a batch of {sum(sizes)} samples ({' + '.join(map(str, sizes))} over the "
+            f"devices): if it is one sample without a batch dimension, give it one, model(x.unsqueeze(0)) (the "
+            f"output then has one too)")
 
 
 COUNT = "num_items_in_batch"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from concurrent.futures import Future
 from typing import Any, Callable
 
 from torch import nn
@@ -28,7 +27,7 @@ class ReplicaSteps:
                  timeout_s: float | None, host_masters: HostMasters | None = None):
         """``maps()``: per replica j > 0, id(replica 0's parameter) -> replica j's; ``tuner``: None once fixed."""
         self.host_masters = host_masters
-        self._life, self._devs, self._threads = life, devs, threads
+        self._life, self.devs, self.threads = life, devs, threads
         self._grads, self._state, self._maps = grads, state, maps
         self._stream, self._comm, self._timeout_s = stream, comm, timeout_s
         self.tuner = tuner
@@ -38,15 +37,12 @@ class ReplicaSteps:
     def parameter_maps(self) -> list[dict[int, nn.Parameter]]:
         return self._maps()
 
-    def submit(self, j: int, fn: Callable[[], Any]) -> Future:
-        return self._threads.submit(j, fn)
-
     def begin(self) -> None:
         ops = self._life.ops
         ops.take("optimizer.step()")
         try:
             self._life.check_usable()
-            for d in self._devs:  # the copies back are ordered before the default streams only
+            for d in self.devs:  # the copies back are ordered before the default streams only
                 d.check_caller("optimizer.step()")
             self._grads.check_step()
         except BaseException:
@@ -57,19 +53,18 @@ class ReplicaSteps:
         bound = [b for b in self.bindings if b.opt() is not None]
         on_devices = [b for b in bound if not hasattr(b, "host")]
         return ([[b.opt() for b in on_devices]] + [[b.mirrors[j - 1] for b in on_devices if b.mirrors]
-                                                   for j in range(1, len(self._devs))],
+                                                   for j in range(1, len(self.devs))],
                 [b.opt() for b in bound if hasattr(b, "host")])
 
-    def host_sum(self) -> tuple[Any, list[int]] | None:
-        """The host's sum row and offsets when every replica holds it (``SUMMED``, one machine): read in place."""
+    def host_sum(self) -> tuple[Any, list[int], Any]:
+        """The host's sum row when every replica holds it (``SUMMED``, one machine; else None), the offsets and replica
+        0's flat gradient (:meth:`~cgdp.engine.core.host_update.HostMasters.take_grads`)."""
         st = self._stream
-        if self._grads.state is not GradState.SUMMED or self._comm is not None or st is None or st.host is None:
-            return None
-        row = st.host.sum_row()
-        return None if row is None else (row, st.layout.offsets)
+        whole = self._grads.state is GradState.SUMMED and self._comm is None and st.host is not None
+        return st.host.sum_row() if whole else None, st.layout.offsets, st.flats[0]
 
     def host_copy_back(self, pids: list[int]) -> None:
-        self.host_masters.to_devices(self._threads, pids)
+        self.host_masters.to_devices(self.threads, pids)
 
     def kept(self) -> bool:
         return self._grads.kept()
@@ -90,7 +85,7 @@ class ReplicaSteps:
             st = self._stream
             plan, done = tuned_plan(self.tuner, self._comm, len(st.layer_pids))
             if plan != st.plan:  # the flat buffers relaid (contents kept), with nothing in flight
-                quiesce(self._devs, st.host, self._timeout_s)
+                quiesce(self.devs, st.host, self._timeout_s)
                 st.set_plan(plan)
                 self._grads.relaid()
             if done:

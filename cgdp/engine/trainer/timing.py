@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 from cgdp.engine.backend.base import Device
 from cgdp.engine.core.flatgrad import Layout
-from cgdp.engine.core.hooks import DeviceHooks
+from cgdp.engine.core.hooks import StepMarks
 from cgdp.planning.profile import ChunkTiming, StepProfile
 
 Event = tuple[str, str, str, float, float]
@@ -74,7 +74,7 @@ def build_trace(events: Sequence[Event], t_start: float) -> list[dict[str, Any]]
             for dev, stream, name, a, b in events]
 
 
-def build_profile(*, devs: Sequence[Device], hooks: Sequence[DeviceHooks], bw_start: Sequence[float],
+def build_profile(*, devs: Sequence[Device], marks: StepMarks, bw_start: Sequence[float],
                   layer_pids: Sequence[Sequence[int]], layout: Layout, events: Sequence[Event],
                   itemsize: int, stats: dict[str, float], layer_bytes: Sequence[int], mode: str,
                   ranks: int, host: dict[str, int] | None = None) -> StepProfile:
@@ -82,10 +82,10 @@ def build_profile(*, devs: Sequence[Device], hooks: Sequence[DeviceHooks], bw_st
     ready = [math.nan] * len(layer_pids)
     for li, pids in enumerate(layer_pids):
         best = -1.0
-        for j, h in enumerate(hooks):
+        for j, (touched, ready_at) in enumerate(zip(marks.touched, marks.ready_at)):
             for pid in pids:
-                if h.touched[pid]:
-                    best = max(best, devs[j].resolve(h.ready_at[pid]) - bw_start[j])
+                if touched[pid]:
+                    best = max(best, devs[j].resolve(ready_at[pid]) - bw_start[j])
         if best >= 0:
             ready[li] = best
     t0 = min(bw_start)

@@ -1,36 +1,14 @@
 """``cgdp.Trainer``: one process, several devices, gradients averaged on the host during backward.
 
-One iteration (``step``), for G devices (and R ranks when a comm is attached):
+One ``step``: split the batch in device order (:mod:`~cgdp.engine.trainer.batch`); forward and loss on each device's
+thread, every loss checked before any backward; each device's weight (:mod:`~cgdp.engine.trainer.losses`) so that the
+weighted gradients sum to the global mean loss's; backward, its hooks sending chunks that the host sums (and allreduces
+across ranks) and copies back while backward goes on (:mod:`~cgdp.engine.core.stream`); then the update strategy
+(:mod:`~cgdp.engine.core.update`), buffers, schedulers. docs/design.md has the data path step by step.
 
-1. The global batch is split in device order (``torch.tensor_split``; a nested batch where its
-   tensors have the batch dimension, :mod:`cgdp.engine.trainer.batch`).
-2. Forward and loss on every device, each on its own host thread (one thread per device for the
-   whole run), inside the caller's ``torch.autocast`` if there is one. Every loss is checked
-   before any backward starts, so a bad loss rejects the step cleanly. Then each device's weight
-   (:mod:`cgdp.engine.trainer.losses`): w_j = n_j / N for a mean over samples (N the global batch over
-   all ranks), 1 / Σ count for ``(loss_sum, count)`` losses, so that the sum of the devices'
-   weighted gradients is the gradient of the global mean loss, also for uneven splits.
-3. Backward with ``grad_tensors=w_j``. Gradient hooks (:mod:`cgdp.engine.core.hooks`) count down each chunk
-   and send it to the host when complete (:mod:`cgdp.engine.backend`); chunks are contiguous slices of the
-   flat gradient buffer (:mod:`cgdp.engine.core.flatgrad`).
-4.-6. The host accumulator (:mod:`cgdp.engine.core.host`) sums each chunk in device order, allreduces it
-   across ranks if a comm is attached, and copies it back on every device's H2D stream.
-7. After backward each device flushes the chunks it never completed (unused layers), its compute
-   stream waits for the last H2D copy, and the mode's update strategy
-   (:mod:`cgdp.engine.core.update`) applies the update: each device steps its own optimizer
-   (``"cgdp"``, ``"single"``), or device 0 gathers, steps and broadcasts (``"typical"``).
-   Parameters that got no gradient anywhere get ``.grad = None`` first, as on one device; buffers
-   the step wrote (BatchNorm statistics) take their batch-weighted mean. Around the update
-   (:mod:`cgdp.engine.trainer.hyperparameters`): hyperparameter check, clipping, schedulers.
-With ``micro_batches=k``, steps 2-3 run k-1 times first with the hooks holding (nothing is sent);
-``(loss_sum, count)`` losses are rescaled on the device once the last forward has given the
-total count (:class:`cgdp.engine.trainer.losses.HeldMicroBatches`).
-
-Ownership: the step's gradients belong to their one owner (:mod:`cgdp.engine.core.gradients`,
-new every step); the stream moves them. The user's ``model`` is replica 0 (moved to
-``devices[0]`` and trained in place); the other replicas are deep copies. A step returns after
-device-side waits only: whatever frees or relays buffers synchronises first (``close()``,
-``set_plan``, ``load_state_dict``, a rejected step).
+The step's gradients belong to their one owner (:mod:`cgdp.engine.core.gradients`, new every step). The user's
+``model`` is replica 0 (trained in place); the others are deep copies. A step returns after device-side waits only:
+whatever frees or relays buffers synchronises first (``close()``, ``set_plan``, ``load_state_dict``, a rejected step).
 """
 from __future__ import annotations
 
@@ -43,20 +21,20 @@ import torch
 from torch import nn
 
 from cgdp.comm import Comm
-from cgdp.engine.backend import host_threads, make_rng
+from cgdp.engine.backend import make_rng
 from cgdp.engine.core.buffers import BufferWatch, copy_from_first, sync_buffers
 from cgdp.engine.core.clip import clip_coefficient
 from cgdp.engine.core.drain import quiesce
 from cgdp.engine.core.layers import LayerInfo, number_params
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.follow import Follow
-from cgdp.engine.core.dense_grads import DenseGrads
+from cgdp.engine.core.dense_grads import build_dense
 from cgdp.engine.core.gradients import Gradients
 from cgdp.engine.core.host_update import after_forward
 from cgdp.engine.core.memory_report import memory_report
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan, tuned_plan
-from cgdp.engine.core.replicas import Replicas, batch_weights, signature, split_buffers
+from cgdp.engine.core.replicas import Replicas, batch_weights, settings, signature, split_buffers
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.sync import Guard
@@ -90,7 +68,7 @@ class Trainer:
             averages, updates and broadcasts the parameters) or ``"single"`` (one device).
         chunks: chunk size k (the paper's uniform plan), an explicit plan (list of lists of layer
             indices, in send order), or ``"auto"`` (the default, as for ``DataParallel``: tuned
-            over the first ~15 steps, then fixed; ``"paper"`` runs the paper's Algorithm 1). The
+            over the first 8 to 17 steps, then fixed; ``"paper"`` runs the paper's Algorithm 1). The
             plan never changes results, only speed. Modes ``"typical"`` and ``"single"`` send no
             chunks: ``"auto"`` is then one layer per chunk, untuned.
         comm: ``None`` for one machine, ``"mpi"``, ``"gloo"`` (docs/multinode.md; or a process group, or a :class:`cgdp.comm.Comm`) for several.
@@ -175,15 +153,16 @@ class Trainer:
         self._follow = Follow(reps.modules, [d.torch_device for d in self._devs], "cgdp.Trainer",
                               "close() it and create a new Trainer", after_load=weak_call(self._loaded))
         self._life.resources.push(self._follow.close)
-        self._param_hooks = ParamHooks(reps.params)
         self._update = make_update(self.mode, self._host_update, self._devs, reps.optimizers, reps.params, optimizer)
-        if self._host_update:  # the one optimizer, on the host; the replicas' are never stepped
-            self.optimizers = [self._update.optimizer]
+        self.optimizers = self._update.shown()
 
         opt = reps.optimizers[0]
         self._comm = self._life.open_comm(comm, self._timeout_s, lambda: signature(
             "Trainer", model, self.layers, len(self._devs), self._dtype, mode=self.mode, optimizer=type(opt).__name__,
-            optimizer_defaults=repr(sorted(opt.defaults.items(), key=str))))
+            optimizer_defaults=repr(sorted(opt.defaults.items(), key=str)), **settings(
+                grad_transfer=None if self._transfer is None else "bf16", update="host" if self._host_update else
+                "devices", segment_bytes=self._segment, host_memory=self._host_memory, clip_grad_norm=self._max_norm,
+                micro_batches=self._micro)))
 
         plan, self.tuner = first_plan(chunks, self._layer_bytes, len(self._devs), self._comm,
                                       tuned=self._update.streams, paper=True)
@@ -194,16 +173,13 @@ class Trainer:
         res = self._life.resources
         self._threads = self._life.threads = DeviceThreads(self._devs, self._guard)
         res.push(self._threads.close)
-        self._stream = res.stream = GradientStream(
-            self._devs, self._params, self._layer_pids, self._dtype, segment_bytes=self._segment,
-            streaming=self._update.streams, guard=self._guard, comm=self._comm,
-            host_threads=host_threads(self._devs), transfer=self._transfer, host_memory=self._host_memory)
-        res.push(self._stream.close)
-        self._stream.set_plan(plan)
-        self._grads = Gradients(DenseGrads(self._stream, [None] * len(self._params[0]), self._param_hooks,
-                                           self._comm, self._timeout_s), None, [d.torch_device for d in self._devs])
-        if self._host_update:
-            self._update.attach(self._stream, self._grads, self._max_norm is not None, self._guard, res, self.replicas[0])
+        dense = build_dense(self._devs, self._params, self._layer_pids, self._dtype, plan, resources=res,
+                            guard=self._guard, comm=self._comm, param_hooks=ParamHooks(reps.params),
+                            initial=[None] * len(self._params[0]), keep_grads=False, segment_bytes=self._segment,
+                            streaming=self._update.streams, transfer=self._transfer, host_memory=self._host_memory)
+        self._stream = dense.stream
+        self._grads = Gradients(dense, None, [d.torch_device for d in self._devs])
+        self._update.attach(self._stream, self._grads, self._max_norm is not None, self._guard, res, self.replicas[0])
         self._stream.want_norm = self._max_norm is not None
         self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._guard,
                                     self._timing, after_forward(self._follow.after_forward, self._update))
@@ -272,7 +248,7 @@ class Trainer:
             fw = self._passes.forward_all(parts, call.compute, amp, restore)                 # 2. forward
             losses = [f[0].loss for f in fw]
             phase = "backward"  # with MPI the weights are a collective: ranks agree from here on
-            weights = loss_weights([f[0] for f in fw], weights, self._comm, call.nested, held, self._host_update)
+            weights = loss_weights([f[0] for f in fw], weights, self._comm, call.nested, held, self._update.early)
             if call.nested and fw[0][0].count is None:  # a mean per sample: under uneven padding, said once
                 self._own_loss.check([labels_of(p) for p in call.parts])
             # (loss_sum, count) micro-batches: the held gradients were summed with weight
@@ -343,7 +319,7 @@ class Trainer:
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes of parameters, gradients, optimizer state and transfer buffers per device and on
         the host (:mod:`cgdp.engine.core.memory_report`)."""
-        host = self._update.masters if self._host_update else None
+        host = self._update.masters
         return memory_report(self.devices, self._params, [[o] for o in self._update.optimizers], self._stream,
                              None if host is None else (host, self.optimizers))
 
@@ -384,14 +360,12 @@ class Trainer:
             self._buffers, others = split_buffers(self.replicas)
             self._buffer_watch = BufferWatch(self._buffers, others)
         self._guard.reset()
-        self._grads.begin_step(*self._timing.start(self._devs))  # the step's gradient, from zero
-        if self._update.sums:  # the user's gradient hooks wait for the sum (_finish_backward)
-            self._param_hooks.take()
-        self._update.begin_step(bool(self._param_hooks.taken))
+        # the step's gradient, from zero; the user's gradient hooks wait for the sum (_finish_backward)
+        self._update.begin_step(self._grads.begin_step(*self._timing.start(self._devs), self._update.sums))
 
     def _finish_backward(self, losses: list[Any], weights: list[Any]) -> float:
         """Global loss, the non-finite check and the parameters nobody touched."""
-        touched = self._stream.touched()
+        touched = self._grads.touched()
         flags = [self._update.reduce(self._stream), self._differ]  # the gradient the update reads; its NaN/Inf
         flags.append(self._stream.grad_norm(read=False) if self._max_norm is not None else 0.0)  # of that gradient
         loss, (bad, differ, self._grad_norm) = loss_values(losses, weights, flags, self._devs[0].torch_device)
@@ -405,8 +379,8 @@ class Trainer:
                 f"the averaged gradient has {int(bad)} NaN/Inf value(s) (layers: "
                 f"{self._stream.bad_layers(self.layer_names)}); the update was not applied. Lower the learning rate, "
                 f"check the inputs, or clip gradients")
-        if self._param_hooks.taken:  # the user's gradient hooks, on the average (core/param_hooks.py)
-            self._param_hooks.run(touched, self._update.hook_views(self._grads.views()))
+        # the user's gradient hooks, on the average (core/param_hooks.py)
+        if self._grads.run_hooks(touched, self._update.hook_views):
             if self._max_norm is not None:  # the norm of their result (rank 0's, as the host's)
                 norm = self._grads.device_norm()
                 self._grad_norm = norm if self._comm is None else float(
@@ -462,7 +436,7 @@ class Trainer:
     def _recover(self, exc: BaseException, phase: str) -> None:
         """After a failed step: the user's gradient hooks back on their parameters; then, unless the
         step was cleanly rejected, let every thread stop, drain the streams, stay usable if safe."""
-        self._param_hooks.put_back()
+        self._grads.put_back_hooks()
         if isinstance(exc, (NonFiniteGradientError, HyperparameterMismatchError)):
             # a clean rejection: every rank saw the same flag and every collective has completed,
             # so training can go on; after backward the buffers are kept as an applied step keeps
@@ -473,7 +447,7 @@ class Trainer:
             self._quiesce()
             return
         self._life.fail(exc, self._devs, self._stream.host)
-        if phase == "update" and not getattr(self._update, "undone", False):  # update="host" undoes its own
+        if phase == "update" and not self._update.undone:  # update="host" undoes its own
             self._life.broken = f"a failure during the update may have left replicas different ({exc!r})"
         if self._comm is not None and phase != "forward":
             self._life.broken = f"a failure in a step with MPI peers leaves them out of step ({exc!r})"
