@@ -27,6 +27,7 @@ ratio here says what moving G optimizer steps to one host step costs in CPU, not
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -129,12 +130,17 @@ def step_times(rounds: int, gs: list[int]) -> list[dict]:
 
 
 def wire_times(rounds: int) -> list[dict]:
-    """``--wire``: update='host' with float32 and bf16 on the wire, update='devices' with bf16."""
-    cases = {"host, float32 wire": dict(update="host"), "host, bf16 wire": dict(update="host", grad_transfer="bf16"),
-             "devices, bf16 wire": dict(update="devices", grad_transfer="bf16")}
+    """``--wire``: update='host' with float32 and bf16 on the wire against update='devices' like for like (the same
+    wire, the fused AdamW kernel that update='host' picks), and update='devices' with torch's default kernel."""
+    fused = functools.partial(OPTS["adamw"], fused=True)
+    cases = {"host, float32 wire": (OPTS["adamw"], dict(update="host")),
+             "devices, float32 wire, fused": (fused, dict(update="devices")),
+             "host, bf16 wire": (OPTS["adamw"], dict(update="host", grad_transfer="bf16")),
+             "devices, bf16 wire, fused": (fused, dict(update="devices", grad_transfer="bf16")),
+             "devices, bf16 wire, default kernel": (OPTS["adamw"], dict(update="devices", grad_transfer="bf16"))}
     x, y = mlp_batch(32)
-    trainers = {k: cgdp.Trainer(mlp4x2048(), OPTS["adamw"], ["cpu:0", "cpu:1"], chunks=2, **kw)
-                for k, kw in cases.items()}
+    trainers = {k: cgdp.Trainer(mlp4x2048(), opt, ["cpu:0", "cpu:1"], chunks=2, **kw)
+                for k, (opt, kw) in cases.items()}
     try:
         times = interleaved({k: (lambda tr=tr: tr.step(x, y, F.cross_entropy)) for k, tr in trainers.items()},
                             rounds, warmup=2)
@@ -142,10 +148,11 @@ def wire_times(rounds: int) -> list[dict]:
         rows = []
         for k, tr in trainers.items():
             st = tr.stats
-            back = int(st.get("host_update_bytes_back", 2 * n))  # devices, bf16 wire: the averaged gradient
+            wire = 2 if "bf16" in k else 4  # update='devices': the averaged gradient, in the wire's bytes
+            back = int(st.get("host_update_bytes_back", wire * n))
             rows.append({"case": k, "params": n, "step_s": median(times[k]), "exposed_update_s": st["update_s"],
                          "overlapped": bool(st.get("host_update_overlapped", 0.0)), "bytes_back": back,
-                         "gradient_bytes_back": 0 if "host" in k else 2 * n})
+                         "gradient_bytes_back": 0 if "host" in k else wire * n})
         return rows
     finally:
         for tr in trainers.values():
