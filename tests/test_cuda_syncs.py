@@ -308,6 +308,16 @@ def test_torch_code_moving_a_tensor_to_the_device_it_read_stays_on_that_device()
         float(norm)
         grads[0].to("cpu")
         assert sim.host_syncs() == Counter({("MainThread", "read"): 2})
+        # torch's other moves to a cpu device object are reads, as on a GPU: Module.to("cpu"), an average kept on
+        # the host (AveragedModel(device=cpu), an EMA)
+        from torch.optim.swa_utils import AveragedModel
+        net = torch.nn.Linear(4, 4).to(d0)
+        ema = AveragedModel(net, device=torch.device("cpu"))
+        sim.reset_host_syncs()
+        ema.update_parameters(net)
+        assert sim.host_syncs() == Counter({("MainThread", "read"): 2})
+        net.to("cpu")
+        assert sim.host_syncs() == Counter({("MainThread", "read"): 4}) and sim.syncs.device_of(net.weight) is None
 
 
 def test_tensor_hyperparameters_that_differ_reject_the_step_after_backward():

@@ -311,3 +311,29 @@ def test_a_step_raising_once_leaves_what_one_device_holds(how, first):
         assert {int(s["step"]) for s in opt.state.values()} == {int(s["step"]) for s in ref_opt.state.values()}
         assert_params_close(dp.module, ref)
         assert_identical(dp)
+
+
+def test_one_device_host_update_takes_a_gradient_edited_through_data():
+    """One device, update='host': a clamp through ``.data`` (PyTorch's DQN tutorial) is in the step, as on one device.
+    With one replica there is no other to compare bits with, so the host's own sum row is not taken as replica 0's
+    gradient (it stepped the unclamped sum)."""
+    base = torch.nn.Linear(4, 2)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+
+    def run(model, inner):
+        opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+        if model is not inner:
+            model.bind(opt)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        for p in inner.parameters():
+            p.grad.data.clamp_(-1e-3, 1e-3)
+        opt.step()
+        return [p.detach().clone() for p in inner.parameters()]
+    ref_net = copy.deepcopy(base)
+    ref = run(ref_net, ref_net)
+    with cgdp.DataParallel(copy.deepcopy(base), ["cpu:0"], update="host") as dp:
+        got = run(dp, dp.module)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b)

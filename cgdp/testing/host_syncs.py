@@ -54,6 +54,8 @@ _READS = {T.item, T.__float__, T.__int__, T.__bool__, T.__index__, T.__complex__
           T.__array__, T.__format__, T.__repr__, T.equal, T.allclose, torch.equal, torch.allclose}
 """Torch calls that hand device data to the host (each waits for it on a GPU)."""
 _UPLOADS = {torch.tensor, torch.as_tensor, T.new_tensor}
+_GROUPED_BY_DEVICE = {"torch.nn.utils.clip_grad"}
+"""torch modules whose moves go to devices from ``_group_tensors_by_device_and_dtype`` (C++, so ``cpu`` here)."""
 _SEEN: dict[int, torch.device] = {}
 """Per simulated device, the ``cpu`` device object torch's own code reads from its tensors' ``.device``."""
 _SEEN_INDEX: dict[int, int] = {}
@@ -301,10 +303,10 @@ class SyncMode(TorchFunctionMode):
             if func is T.to and len(args) > 1 and isinstance(args[1], torch.Tensor):
                 target = s.device_of(args[1])  # ``x.to(other)``: other's device and dtype
             if (named and target is None and named[0].type == "cpu" and id(named[0]) not in _SEEN_INDEX
-                    and _from_torch(sys._getframe(1))):
-                # torch's code saw this tensor's device as "cpu" (its C++ groups tensors by device, as
-                # clip_grad_norm_ does): a move there keeps it on its device, as .to(cuda:N) would on a GPU;
-                # a move to the host by name ("cpu") or .cpu() stays a read
+                    and sys._getframe(1).f_globals.get("__name__") in _GROUPED_BY_DEVICE):
+                # torch's clipping moves each norm and the coefficient to the devices its C++ grouped the
+                # gradients by, which it sees as "cpu": a move there keeps a tensor on its device, as
+                # .to(cuda:N) does on a GPU. Anywhere else (Module.to, AveragedModel, a name) it reads
                 target = s.device_of(args[0])
             if s.device_of(args[0]) == target:  # no move: torch's answer (``x.to(x.device) is x``)
                 host_args, host_kwargs = _on_host(args, kwargs)
