@@ -38,31 +38,31 @@ def furthest(model, ref):
     return max((a.detach() - b.detach()).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
 
 
+def one_device_loop(model, opt, data):
+    """The plain loop (one device, or a DataParallel with its bound optimizer): the losses."""
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def run(n, steps, lr):
     torch.manual_seed(0)
     model = LM()
     g = torch.Generator().manual_seed(1)
     data = [(torch.randint(0, V, (n, T), generator=g), torch.randint(0, V, (n, T), generator=g)) for _ in range(steps)]
-    ref, losses = copy.deepcopy(model), []
-    opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    for x, y in data:
-        opt.zero_grad()
-        loss = loss_fn(ref(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    ref = copy.deepcopy(model)
+    losses = one_device_loop(ref, torch.optim.SGD(ref.parameters(), lr=lr), data)
     out = {}
     with cgdp.Trainer(copy.deepcopy(model), lambda p: torch.optim.SGD(p, lr=lr), ["cpu:0", "cpu:1"]) as tr:
         first = [tr.step(x, y, loss_fn) for x, y in data][0]
         out["Trainer"] = furthest(tr.replicas[0], ref), abs(first - losses[0])
     with cgdp.DataParallel(copy.deepcopy(model), ["cpu:0", "cpu:1"]) as dp:
-        opt, got = dp.bind(torch.optim.SGD(dp.parameters(), lr=lr)), []
-        for x, y in data:
-            opt.zero_grad()
-            loss = loss_fn(dp(x), y)
-            loss.backward()
-            opt.step()
-            got.append(loss.item())
+        got = one_device_loop(dp, dp.bind(torch.optim.SGD(dp.parameters(), lr=lr)), data)
         out["DataParallel"] = furthest(dp.module, ref), abs(got[0] - losses[0])
     return out
 
