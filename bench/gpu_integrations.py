@@ -8,7 +8,6 @@ is skipped (said), a difference over 1e-4 or an error fails (exit 1).
 """
 import argparse
 import contextlib
-import copy
 import sys
 
 import torch
