@@ -242,3 +242,61 @@ def test_non_finite_gradient_on_one_rank_is_rejected_on_every_rank_and_training_
     a, b = on_ranks(2, rank, timeout_s=30)
     assert a != "no error" and b != "no error"
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Tempered(torch.nn.Module):
+    """A model with a parameter the loss reads directly (not through the gathered output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+        self.temp = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _dp_loss(model, module, x, y):
+    penalty = 1e-2 * sum((p * p).sum() for p in module.body.parameters())
+    return F.cross_entropy(model(x) * module.temp, y) + penalty
+
+
+def test_dataparallel_ranks_average_gradient_reaching_replica_0_outside_the_output():
+    """Every rank's gradient is averaged over ranks (as DDP), also a weight penalty's and a parameter's that only the
+    loss reads, whose gradient hook then runs once per backward, in autograd (on the rank's part, as DDP's); input
+    gradients stay the rank's own. Equal to one device on the global batch; ranks bitwise identical."""
+    torch.manual_seed(0)
+    model = _Tempered()
+    x, y = torch.randn(16, 12), torch.randint(0, 5, (16,))
+    ref = copy.deepcopy(model)
+    ref.temp.register_hook(lambda g: g * 2)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        _dp_loss(ref, ref, x, y).backward()
+        opt.step()
+    xr = x[8:].clone().requires_grad_()
+    F.cross_entropy(ref(xr) * ref.temp, y[8:]).backward()  # rank 1's local input gradient, after the steps
+
+    def rank(comm):
+        calls = []
+        m = cgdp.DataParallel(copy.deepcopy(model), ["cpu:0", "cpu:1"], comm=comm, timeout_s=30)
+        m.module.temp.register_hook(lambda g: calls.append(1) or g * 2)
+        dp_opt = m.bind(torch.optim.SGD(m.parameters(), lr=0.1))
+        part = slice(8 * comm.rank, 8 * comm.rank + 8)
+        for _ in range(3):
+            dp_opt.zero_grad()
+            _dp_loss(m, m.module, x[part], y[part]).backward()
+            dp_opt.step()
+        xi = x[part].clone().requires_grad_()
+        F.cross_entropy(m(xi) * m.module.temp, y[part]).backward()
+        out = copy.deepcopy(m.module)
+        m.close()
+        return out, len(calls), xi.grad
+
+    (m0, calls0, _), (m1, calls1, grad1) = on_ranks(2, rank, timeout_s=60)
+    assert calls0 == calls1 == 4
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(a, b)
+    assert_params_close(m0, ref, rtol=1e-5)
+    torch.testing.assert_close(grad1, xr.grad, rtol=1e-5, atol=1e-7)

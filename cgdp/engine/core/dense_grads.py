@@ -67,8 +67,9 @@ class DenseGrads(GradPart):
             raise RuntimeError("a parameter of the model has a gradient hook (register_hook), which cgdp "
                                "runs on each backward's summed gradient; inside model.no_sync() that sum "
                                "is never formed. Accumulate outside no_sync(), or remove the hook")
-        self.prepare(whole)
-        self.set_aside(list(hooks.taken))
+        early = self.prepare(whole)
+        # an early gradient's hooks ran in autograd, on this rank's part (as DDP's): it is summed as it is
+        self.set_aside([pid for pid in hooks.taken if not early[pid]])
         self.marks.reset()  # the early hooks' marks too: their gradients are in ``has_grad``, their hooks ran
         self.stream.arm(sending=sync)
 
@@ -79,11 +80,12 @@ class DenseGrads(GradPart):
             st.flush_all()
             for j in range(len(st.devs)):
                 st.wait_returned(j)  # note: host waits until every summed chunk is back
-        touched = self.marks.counts()
+        touched = self.marks.counts()  # since armed: early gradients' hooks already ran
         if sync and self._comm is not None:
             self._comm.fence(self._timeout_s)
             # a parameter with a gradient on any rank has one on every rank
-            touched = self._comm.allreduce_small(touched + self.has_grad)
+            touched, ever = np.split(self._comm.allreduce_small(np.concatenate([touched, self.has_grad])), 2)
+            self.has_grad |= ever > 0
         self._check_window(sync)
         hooked = bool(self.param_hooks.taken)
         if hooked:  # the user's gradient hooks, on the sum (the host's norm is of the sum before them)
@@ -108,7 +110,8 @@ class DenseGrads(GradPart):
         self.stream.disarm()
         self.param_hooks.put_back()
 
-    def prepare(self, whole: bool) -> None:
+    def prepare(self, whole: bool) -> np.ndarray:
+        """Replica 0's ``.grad`` taken into the flat buffers; per parameter, whether its gradient came early."""
         st = self.stream
         views0 = st.views[0]
         grads = [p.grad for p in st.params[0]]
@@ -151,6 +154,7 @@ class DenseGrads(GradPart):
                     for flat in st.flats[1:]:
                         flat.zero_()
         self._attach()
+        return early
 
     def set_aside(self, pids: list[int]) -> None:
         """Set aside replica 0's gradient of hooked parameters, so the host sums this backward's alone."""

@@ -90,6 +90,8 @@ class HostAccumulator:
         self._given = Progress()
         """Segments whose copies back were issued this step."""
         self.bad: list[int] = []
+        self.scale = 1.0
+        """Every sum's factor, before any allreduce (DataParallel's 1/R: the mean over ranks)."""
         self.want_sumsq = False
         """Whether this step's segments' sums of squares are computed (``sumsq``)."""
         self.sumsq: list[float] = []
@@ -236,7 +238,7 @@ class HostAccumulator:
                 dev.wait_given_back(s - self.ring, guard)
         t0 = time.perf_counter() if self.trace is not None else 0.0
         self.bad[s], self.sumsq[s] = accumulate_unchecked(
-            self._out[s], self._parts[s], 1.0, self.want_sumsq and self.comm is None, self._back[s])
+            self._out[s], self._parts[s], self.scale, self.want_sumsq and self.comm is None, self._back[s])
         self.summed.advance()
         if self.comm is None:
             self._give_back(s)

@@ -15,7 +15,8 @@ operation lock (:mod:`cgdp.engine.core.lifetime`); ``docs/design.md`` draws them
   DDP), run on the thread that finished the backward before ``backward()`` returns: it flushes incomplete chunks and
   waits for every host SUM (unweighted: the loss on the gathered output already weights each sample). On emulated
   devices every backward runs on one thread; each replica's hooks are still touched by one thread only.
-* **Several machines** (``comm``): host sums allreduced per chunk and scaled by 1/R (the mean, as DDP). Every rank must
+* **Several machines** (``comm``): host sums scaled by 1/R and allreduced per chunk (the mean, as DDP: all of a
+  replica's gradient, also what reached replica 0 other than through the gathered output, such as a weight penalty). Every rank must
   do the same synced backwards and training forwards (the buffers' mean is a collective).
 
 Input gradients: :mod:`~.input_grads`; sparse gradients: :mod:`cgdp.engine.core.sparse_grads`; buffers that require
@@ -192,6 +193,8 @@ class DataParallel(nn.Module):
                             comm=self._comm, param_hooks=self._param_hooks, initial=before, keep_grads=True,
                             segment_bytes=segment_bytes, streaming=True, host_memory=host_memory)
         self._stream = dense.stream
+        if self._comm is not None:  # the mean over ranks, as DDP's: of all the gradient, whatever path it took
+            self._stream.host.scale = 1.0 / self._comm.size
         return dense, tuner
 
     @property
@@ -260,13 +263,12 @@ class DataParallel(nn.Module):
         if self.module.training:  # the buffers the forward wrote (BatchNorm's statistics): the same everywhere
             self._state.after_forward(sizes, self._comm)
         sync = self._sync != _NO_SYNC
-        scale = 1.0 if self._comm is None else 1.0 / self._comm.size  # ranks average, as in DDP
         # read again when the backward starts (autograd's thread): sync_in_backward() around it sums it
         on_backward = ((lambda me=threading.current_thread():
                         self._begin_backward(sync or self._sync == _SYNC_IN_BACKWARD, me))
                        if self._grads.trains else None)
         summed = self._scalar_outputs == "sum" or any(c.used for c in counts)  # shares of a global sum
-        out = gather(outs[:g], sizes, devs[0].torch_device, on_backward, scale, sum_scalars=summed)
+        out = gather(outs[:g], sizes, devs[0].torch_device, on_backward, sum_scalars=summed)
         if not summed:  # a model's own loss under uneven padding, trained on: said once
             self._own_loss.when_trained(out, [labels_of(kw) for _, kw in parts])
         return out

@@ -15,7 +15,7 @@ zeros and step, as in ``Trainer``). Other arguments go to every replica; a call 
   every replica, else None with a warning.
 
 One autograd function (:class:`_Gather`) makes every gathered tensor, so a backward visits it once: it calls
-``on_backward`` (the engine readied), then hands each replica its share of the gradient times ``scale`` (1/R ranks).
+``on_backward`` (the engine readied), then hands each replica its share of the gradient.
 """
 from __future__ import annotations
 
@@ -162,7 +162,6 @@ class _Plan:
     weights: list[float]  # w_j of each replica's scalars
     dst: torch.device
     on_backward: Callable[[], None] | None
-    scale: float = 1.0
 
 
 class _Gather(torch.autograd.Function):
@@ -186,8 +185,6 @@ class _Gather(torch.autograd.Function):
         out: list[torch.Tensor | None] = [None]
         for i, (kind, grad) in enumerate(zip(plan.kinds, grads)):
             devs = plan.devices[i]
-            if grad is not None and plan.scale != 1.0:
-                grad = grad * plan.scale
             if grad is None or kind == "stack":
                 out += [None] * len(devs)
             elif kind == "cat":
@@ -213,7 +210,7 @@ _warned: set[str] = set()
 
 
 def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
-           on_backward: Callable[[], None] | None, scale: float = 1.0, sum_scalars: bool = False) -> Any:
+           on_backward: Callable[[], None] | None, sum_scalars: bool = False) -> Any:
     flat, specs = [], []
     for o in outputs:
         leaves: list[Any] = []
@@ -241,7 +238,7 @@ def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
         else:
             result.append(_same_or_none(vals, name))
     if kinds:
-        plan = _Plan(kinds, devs, lengths, weights, dst, on_backward, scale)
+        plan = _Plan(kinds, devs, lengths, weights, dst, on_backward)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             combined = iter(_Gather.apply(plan, *tensors))
         else:
