@@ -9,8 +9,10 @@ would; docs/multinode.md.) Cut links are in tests/test_gloo_multihost.py.
 """
 from __future__ import annotations
 
+import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +74,23 @@ def test_a_rank_that_never_comes_fails_the_rendezvous_in_time(rank, monkeypatch)
         init_from_env(2.0)
     assert time.monotonic() - t0 <= 2.0 + MARGIN_S
     assert not dist.is_initialized()
+
+
+def test_the_cli_rendezvous_takes_timeout_s_and_says_so_in_a_sentence(tmp_path):
+    """``python -m cgdp.train --comm gloo --timeout_s 2`` whose other rank never comes: a sentence and exit code 2
+    within the given timeout, not a traceback after the default 300 s."""
+    import subprocess
+    import sys
+
+    from test_gloo import free_port
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "cgdp.train", "--comm", "gloo", "--timeout_s", "2", "--steps", "1"],
+                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith(f"cgdp.train: error: rank 0 of 2: the gloo rendezvous at 127.0.0.1:{port}"), p.stderr
+    assert "within 2.0 s" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert took < 2.0 + MARGIN_S + 20, took  # the interpreter's start and torch's import besides

@@ -53,14 +53,14 @@ def early_world(argv: list[str]) -> Any:
     """The ranks' world if a launcher started several and a comm is wanted, else None:
     ``MPI.COMM_WORLD``, or for gloo :class:`cgdp.comm.gloo.ObjectWorld` (the process group made
     from torchrun's environment)."""
-    spec = "auto"
-    for i, tok in enumerate(argv):
-        if tok.split("=")[0] in ("--comm", "--train.comm"):
-            spec = tok.split("=", 1)[1] if "=" in tok else (argv[i + 1] if i + 1 < len(argv) else "auto")
-    spec = resolve_comm(spec)
+    spec = resolve_comm(_flag(argv, "comm", "auto"))
     if spec == "gloo":
         from cgdp.comm.gloo import ObjectWorld
-        return ObjectWorld()
+        timeout = _flag(argv, "timeout_s", "300")  # the rendezvous waits no longer than a step may
+        try:
+            return ObjectWorld(None if timeout.lower() == "none" else float(timeout))
+        except ValueError:
+            return ObjectWorld()  # the parser says what is wrong with it
     if spec != "mpi" or launched_ranks() <= 1:
         return None
     try:
@@ -167,3 +167,12 @@ def intra_op_threads(devices: list[str]) -> Iterator[int]:
         yield torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def _flag(argv: list[str], name: str, default: str) -> str:
+    """``--name`` (or ``--train.name``) as given on the command line, before it is parsed; the last one counts."""
+    value = default
+    for i, tok in enumerate(argv):
+        if tok.split("=")[0] in (f"--{name}", f"--train.{name}"):
+            value = tok.split("=", 1)[1] if "=" in tok else (argv[i + 1] if i + 1 < len(argv) else default)
+    return value

@@ -505,8 +505,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str], lock: OutLock) -> int:
     try:
         world = startup.early_world(argv)  # several MPI ranks: MPI is up before anything can fail
-    except ValueError as e:  # the launcher's environment is wrong (MASTER_PORT out of range...)
-        print(f"cgdp.train: error: {e}", file=sys.stderr)
+    except (ValueError, TimeoutError) as e:  # the launcher's environment is wrong (MASTER_PORT out of range...),
+        print(f"cgdp.train: error: {e}", file=sys.stderr)  # or the other ranks never came
         return 2
     job, error = None, None
     try:
