@@ -755,3 +755,43 @@ def test_a_closed_models_optimizer_is_freed_by_reference_counting():
         assert ref() is None
     finally:
         gc.enable()
+
+
+class _StallsOnReplica1(torch.optim.SGD):
+    """An SGD whose step holds replica 1's thread while ``HOLD`` is set (a step that never returns)."""
+    HOLD = {"release": threading.Event(), "entered": threading.Event(), "on": False}
+
+    def step(self, closure=None):
+        if self.HOLD["on"] and threading.current_thread().name == "cgdp-cpu:1":
+            self.HOLD["entered"].set()
+            self.HOLD["release"].wait(60)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("how", ["timeout", "ctrl-c"])
+def test_a_replica_step_that_never_returns_stops_the_step_and_the_model_refuses_to_go_on(how):
+    """The wait for the other replicas' steps is bounded (timeout_s) and Ctrl-C surfaces at once; the replica still
+    stepping is never resynced under it, and the model then refuses every operation with a sentence."""
+    import _thread
+    hold = _StallsOnReplica1.HOLD
+    hold["release"].clear(), hold["entered"].clear()
+    model = cgdp.DataParallel(mlp(), DEVS, timeout_s=1.0 if how == "timeout" else None)
+    opt = model.bind(_StallsOnReplica1(model.parameters(), lr=0.1))
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    hold["on"] = True
+    try:
+        if how == "ctrl-c":
+            threading.Thread(target=lambda: hold["entered"].wait(30) and _thread.interrupt_main(), daemon=True).start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt if how == "ctrl-c" else TimeoutError):
+            opt.step()
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(RuntimeError, match=r"cannot continue: the device thread\(s\) of cpu:1 never returned"):
+            model(x)
+        with pytest.raises(RuntimeError, match="cannot continue"):
+            opt.step()
+    finally:
+        hold["on"] = False
+        hold["release"].set()
+        model.close()

@@ -183,6 +183,10 @@ class Lifetime:
             raise RuntimeError(f"this {self.name} is closed; {self._reopen}")
         if self.broken:
             raise RuntimeError(f"this {self.name} cannot continue: {self.broken}")
+        if self.threads is not None and self.threads.stuck:  # the same rule on both faces
+            raise RuntimeError(f"this {self.name} cannot continue: the device thread(s) of "
+                               f"{', '.join(self.threads.stuck)} never returned from a step that failed; "
+                               f"{self._reopen} (load a checkpoint into it)")
 
     def close(self) -> None:
         if self.closed:

@@ -201,11 +201,7 @@ class DeviceThreads:
                     self._start_next()
         else:
             futs = [t.submit_to(_Slot(cond, left), self._guarded, fn, j) for j, t in enumerate(self._threads)]
-        try:
-            self._wait(futs)
-        except BaseException as exc:  # a timeout here, or KeyboardInterrupt
-            self._abandon(futs, exc)
-            raise
+        self._wait_or_abandon(futs)
         results, first = [], None
         for f in futs:
             exc = f.exception()
@@ -221,9 +217,32 @@ class DeviceThreads:
             raise first
         return results
 
-    def submit(self, j: int, fn: Callable[[], Any]) -> Future:
-        """``fn()`` on device j's thread, without waiting (the caller waits on the future)."""
-        return self._threads[j].submit(self._guarded, lambda _: fn(), j)
+    def run_beside(self, first: Callable[[], Any], fns: Sequence[Callable[[], Any]]) -> tuple[Any, list]:
+        """``first()`` on the caller's thread while ``fns[j - 1]()`` runs on device j's thread, j >= 1; ``first``'s
+        result and ``(j, error)`` of each that raised (``first``'s own error is raised once all are done). The wait is
+        :meth:`run_all`'s: bounded, Ctrl-C surfaces, a thread still busy after it is :attr:`stuck`."""
+        cond, left = threading.Condition(threading.Lock()), _Countdown(len(self._threads))
+        futs = [_Slot(cond, left)]
+        futs[0].set_result(None)  # device 0's part is ``first``, here
+        futs += [t.submit_to(_Slot(cond, left), self._guarded, lambda _, fn=fn: fn(), j)
+                 for j, (t, fn) in enumerate(zip(self._threads[1:], fns), start=1)]
+        try:
+            out = first()
+        except Exception:
+            self._wait_or_abandon(futs)
+            raise
+        except BaseException as exc:  # Ctrl-C in ``first``: the others get STOP_WAIT_S to stop
+            self._abandon(futs, exc)
+            raise
+        self._wait_or_abandon(futs)
+        return out, [(j, f.exception()) for j, f in enumerate(futs) if f.exception() is not None]
+
+    def _wait_or_abandon(self, futs: list) -> None:
+        try:
+            self._wait(futs)  # note: host waits for the device threads
+        except BaseException as exc:  # a timeout here, or KeyboardInterrupt
+            self._abandon(futs, exc)
+            raise
 
     def _wait(self, futs: list[Future]) -> None:
         """Wait for every thread, waking every POLL_S (so Ctrl-C surfaces); bounded by timeout_s."""
@@ -236,7 +255,7 @@ class DeviceThreads:
         for f in futs:
             while True:
                 try:
-                    f.exception(timeout=POLL_S)  # note: host waits for the device threads
+                    f.exception(timeout=POLL_S)
                     break
                 except TimeoutError:
                     if deadline is not None and time.monotonic() > deadline:

@@ -96,17 +96,7 @@ class PerReplica(Update):
         """``DataParallel``'s bound step: replica 0's is ``first()`` (the user's call, on the caller's thread; its
         optimizer is not held here) while every other replica steps on its own; ``first``'s result and the replicas
         whose step raised (``first``'s own error is raised once every replica finished)."""
-        futures = [threads.submit(j, opt.step) for j, opt in enumerate(self.optimizers[1:], start=1)]
-        try:
-            out = first()
-        finally:
-            errors = []
-            for j, f in enumerate(futures, start=1):
-                try:
-                    f.result()  # note: host waits for the other replicas' updates
-                except BaseException as exc:
-                    errors.append((j, exc))
-        return out, errors
+        return threads.run_beside(first, [opt.step for opt in self.optimizers[1:]])
 
     def _step_on(self, j: int, coef: torch.Tensor | None, stream: GradientStream) -> Stamps:
         dev = self.devs[j]

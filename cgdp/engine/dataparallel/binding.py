@@ -128,7 +128,8 @@ class Binding:
         try:
             out, errors = self.update.step_bound(lambda: self._call(opt, args, kwargs), steps.threads)
         except BaseException:
-            self.resync(opt)  # what one device holds after its step raised
+            if not steps.threads.stuck:  # (else a mirror may still step: the model refuses to go on)
+                self.resync(opt)  # what one device holds after its step raised
             raise
         if errors or not steps.kept():
             self.resync(opt)  # a mirror raised, or replica 0 stepped on other gradients than its mirrors

@@ -451,10 +451,7 @@ class Trainer:
             self._life.broken = f"a failure during the update may have left replicas different ({exc!r})"
         if self._comm is not None and phase != "forward":
             self._life.broken = f"a failure in a step with MPI peers leaves them out of step ({exc!r})"
-        if self._threads.stuck:
-            self._life.broken = (f"the device thread(s) of {', '.join(self._threads.stuck)} never returned from "
-                            f"a step that failed ({exc!r}); create a new Trainer (load a checkpoint into it)")
-        if not self._life.broken:  # the replicas' buffers agree again (a forward may have failed on one)
+        if not self._life.broken and not self._threads.stuck:  # the replicas' buffers agree again (a forward may have failed on one)
             copy_from_first(self._buffers)
             copy_from_first(self._buffer_watch.others)
             self._buffer_watch.synced()
