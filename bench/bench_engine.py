@@ -42,6 +42,8 @@ from torch import nn  # noqa: E402
 from common import command_line, fmt, machine, machine_md, median, table, write_results  # noqa: E402
 
 LR = 0.01
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
+"""``--optimizer``: each at its defaults but the learning rate, on every contender alike."""
 
 
 # ---------------------------------------------------------------------------------- the models
@@ -103,7 +105,8 @@ def rel_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 # ---------------------------------------------------------------------------------- DDP over gloo
-def ddp_worker(rank: int, world: int, init: str, case: Case, per_replica: int, cmds, results) -> None:
+def ddp_worker(rank: int, world: int, init: str, case: Case, per_replica: int, cmds, results,
+               optimizer: str = "sgd") -> None:
     """One DDP process: builds the replica, then runs what the parent asks, one command at a time."""
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -111,7 +114,7 @@ def ddp_worker(rank: int, world: int, init: str, case: Case, per_replica: int, c
     try:
         model = case.build()
         ddp = nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        opt = OPTIMIZERS[optimizer](ddp.parameters(), lr=LR)
         x, y = case.batch(per_replica * world)
         xs, ys = x[rank * per_replica:(rank + 1) * per_replica], y[rank * per_replica:(rank + 1) * per_replica]
         loss_fn = case.loss()
@@ -135,7 +138,7 @@ def ddp_worker(rank: int, world: int, init: str, case: Case, per_replica: int, c
 
 
 class DDPPool:
-    def __init__(self, case: Case, per_replica: int, world: int = 2):
+    def __init__(self, case: Case, per_replica: int, world: int = 2, optimizer: str = "sgd"):
         import torch.multiprocessing as mp
         ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="cgdp-bench-ddp-")
@@ -143,7 +146,7 @@ class DDPPool:
         self.results = ctx.Queue()
         self.cmds = [ctx.Queue() for _ in range(world)]
         self.procs = [ctx.Process(target=ddp_worker, daemon=True,
-                                  args=(r, world, init, case, per_replica, self.cmds[r], self.results))
+                                  args=(r, world, init, case, per_replica, self.cmds[r], self.results, optimizer))
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -208,13 +211,13 @@ def copies_s(nbytes: int, world: int, rounds: int = 5) -> float:
 
 # ---------------------------------------------------------------------------------- one case
 def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps: int,
-             acc_threads: int, segment_bytes: int | None = None) -> dict:
+             acc_threads: int, segment_bytes: int | None = None, optimizer: str = "sgd") -> dict:
 
     import cgdp
     world = 2
     x, y = case.batch(per_replica * world)
     loss_fn = case.loss()
-    opt = lambda p: torch.optim.SGD(p, lr=LR)  # noqa: E731
+    opt = lambda p: OPTIMIZERS[optimizer](p, lr=LR)  # noqa: E731
     devices = [f"cpu:{j}" for j in range(world)]
 
     # reference: single-device training on the global batch
@@ -226,7 +229,7 @@ def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps:
         ref_opt.step()
     ref_p = params_of(ref)
 
-    pool = DDPPool(case, per_replica, world)
+    pool = DDPPool(case, per_replica, world, optimizer)
     trainers = {}
     try:
         seg = {} if segment_bytes is None else {"segment_bytes": segment_bytes}
@@ -236,11 +239,19 @@ def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps:
         xs, ys = x[:per_replica], y[:per_replica]
         # 1. the answer
         errs = {}
+        ddp_p = pool.run("check", check_steps)
+        # AdamW's first steps divide by |g|: a gradient's last-bit difference (two halves summed, as every
+        # data-parallel trainer sums, against one device's whole-batch sum) moves a near-zero one by up to lr. So
+        # with AdamW the answer checked is DDP's (the same sum of halves), and one device's error is reported
+        check_p = ref_p if optimizer == "sgd" else ddp_p
         for name in ("cgdp", "typical"):
             for _ in range(check_steps):
                 trainers[name].step(x, y, loss_fn)
-            errs[name] = rel_err(params_of(trainers[name].replicas[-1]), ref_p)
-        errs["DDP"] = rel_err(pool.run("check", check_steps), ref_p)
+            errs[name] = rel_err(params_of(trainers[name].replicas[-1]), check_p)
+        errs["DDP"] = rel_err(ddp_p, ref_p)
+        if optimizer != "sgd":
+            print(f"{case.name}: DDP and one device differ by {errs.pop('DDP'):.2e} (relative) after "
+                  f"{check_steps} {OPTIMIZERS[optimizer].__name__} steps; cgdp and typical are checked against DDP")
         for name, e in errs.items():
             if not e <= 1e-5:
                 raise AssertionError(f"{case.name}: {name}'s parameters after {check_steps} steps differ "
@@ -295,7 +306,7 @@ def run_case(case: Case, per_replica: int, rounds: int, steps: int, check_steps:
     cg = stats["cgdp"]
     exposed = median([s["exposed_comm_s"] for s in cg])
     return {
-        "case": case.name, "per_replica": per_replica, "devices": world,
+        "case": case.name, "per_replica": per_replica, "devices": world, "optimizer": OPTIMIZERS[optimizer].__name__,
         "params": sum(p.numel() for p in ref_p),
         "grad_mib": sum(p.numel() for p in ref_p) * 4 / 2**20,
         "rounds": rounds, "steps": steps, "check_steps": check_steps, "rel_err": errs,
@@ -342,10 +353,11 @@ def report(results: list[dict], info: dict[str, str], cmd: str) -> str:
         cpu_rows.append([r["case"], fmt(c["single"] * 1e3), fmt(c["cgdp"] * 1e3), fmt(c["typical"] * 1e3),
                          fmt(c["DDP"] * 1e3), fmt(c["cgdp"] / c["DDP"], 2), fmt(c["cgdp"] / (2 * c["single"]), 2),
                          fmt(c["DDP"] / (2 * c["single"]), 2)])
+    against = "single-device" if results[0].get("optimizer", "SGD") == "SGD" else "DDP"
     head = ["model", "params", "batch / replica", "single ms", "cgdp ms", "typical ms", "DDP gloo ms",
             "cgdp / DDP", "cgdp / typical", "cgdp / single", "DDP / single", "exposed comm / step",
             "tail after last backward / step",
-            "check (rel. err. vs single-device)", "two-core floor ms", "cgdp / floor"]
+            f"check (rel. err. vs {against})", "two-core floor ms", "cgdp / floor"]
     verdicts = []
     for r in results:
         if r["case"].startswith("mlp 4x2048"):
@@ -362,8 +374,9 @@ def report(results: list[dict], info: dict[str, str], cmd: str) -> str:
         f"Setup: {r0['devices']} replicas; cgdp and typical in one process on CPU-emulated devices "
         f"{['cpu:0', 'cpu:1']}, DDP as {r0['devices']} processes over gloo (file rendezvous); "
         f"single = one replica, one thread (the compute floor). Threads: {r0['threads']}. Host kernel: {r0['kernel']}. cgdp at default settings ("
-        + ", ".join(f"{r['case'].split(' (')[0]}: {r['cgdp_plan']}" for r in results) + f", tuned during warm-up). SGD "
-        f"lr {LR}. Parameters checked against single-device training on the global batch after "
+        + ", ".join(f"{r['case'].split(' (')[0]}: {r['cgdp_plan']}" for r in results) + f", tuned during warm-up). "
+        f"{r0.get('optimizer', 'SGD')} at its defaults, lr {LR}. Parameters checked against "
+        f"{'single-device training on the global batch' if r0.get('optimizer', 'SGD') == 'SGD' else 'DDP (AdamW divides by |g|: the same sum of two halves is compared)'} after "
         f"{r0['check_steps']} steps before timing. Step times: median over {r0['rounds']} "
         f"interleaved rounds x {r0['steps']} steps, wall time of the whole step as the user sees "
         f"it; exposed comm = trainer.stats['exposed_comm_s'] / trainer.stats['step_s'] (median; from "
@@ -395,6 +408,8 @@ def add_case_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8, help="steps per contender per round")
     ap.add_argument("--check-steps", type=int, default=3)
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
+                    help="every contender's optimizer, at torch's defaults but lr (the same kernel everywhere)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -422,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for case in cases:
         r = run_case(case, args.per_replica, args.rounds, args.steps, args.check_steps, acc_threads,
-                     None if args.segment_kib is None else args.segment_kib * 1024)
+                     None if args.segment_kib is None else args.segment_kib * 1024, args.optimizer)
         s = r["step_s"]
         print(f"{case.name}: single {s['single'] * 1e3:.1f} ms | cgdp {s['cgdp'] * 1e3:.1f} | typical "
               f"{s['typical'] * 1e3:.1f} | DDP {s['DDP'] * 1e3:.1f} | cgdp/DDP {s['cgdp'] / s['DDP']:.2f} "
