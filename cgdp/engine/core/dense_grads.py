@@ -8,6 +8,7 @@ its ``.grad`` no longer its view, is a user edit, which :meth:`follow_edits` cop
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Sequence
 
 import numpy as np
@@ -260,12 +261,14 @@ class DenseGrads(GradPart):
         """Whether replica 0's ``.grad`` are still what the record left: views with a gradient, None elsewhere."""
         if grads is None:
             grads = [p.grad for p in self.stream.params[0]]
-        return all((g is None) != bool(h) and (g is None or g is v)
-                   for g, h, v in zip(grads, self.has_grad, self.stream.views[0]))
+        return all(map(operator.is_, grads, self._left))  # in C: no bytecode per parameter
 
     def set_none(self) -> None:
         self.none_pids = np.flatnonzero(~self.has_grad).tolist()
+        self._left = list(self.stream.views[0])
+        """Replica 0's ``.grad`` as cgdp leaves them: its view where it has a gradient, else None."""
         for pid in self.none_pids:
+            self._left[pid] = None
             for params in self.stream.params:
                 params[pid].grad = None
 
@@ -295,6 +298,8 @@ class DenseGrads(GradPart):
         self.has_grad = touched > 0
         if not self.has_grad.all():
             self.set_none()
+        else:
+            self._left = self.stream.views[0]
 
     def views(self) -> list[list[torch.Tensor]]:
         return self.stream.views

@@ -158,6 +158,17 @@ class Resources:
             raise first
 
 
+class _NoThreads:
+    stuck: list[str] = []
+
+    @staticmethod
+    def on_device_thread() -> bool:
+        return False
+
+
+_NO_THREADS = _NoThreads()
+
+
 class Lifetime:
     """An engine's lifetime: its operation lock, its resources, whether it is closed or broken."""
 
@@ -166,7 +177,7 @@ class Lifetime:
         """``name``, ``reopen``: how errors name the engine and what to do once closed; ``refusal``, ``stopped``: see
         :class:`Operations`; ``stop``: fails every wait of the engine."""
         self.name, self._reopen, self._stop = name, reopen, stop
-        self.threads: Any = None  # the engine's DeviceThreads, once built
+        self.threads: Any = _NO_THREADS  # the engine's DeviceThreads, once built
         self.ops = Operations(refusal, stopped, self._on_device_thread)
         self.resources = Resources()
         self.release = weakref.finalize(owner, self.resources.release)
@@ -176,17 +187,19 @@ class Lifetime:
         """Why the engine cannot continue (a failure that may have left the replicas different)."""
 
     def _on_device_thread(self) -> bool:
-        return self.threads is not None and self.threads.on_device_thread()
+        return self.threads.on_device_thread()
 
     def check_usable(self) -> None:
+        if self.closed or self.broken or self.threads.stuck:
+            raise RuntimeError(self._unusable())
+
+    def _unusable(self) -> str:
         if self.closed:
-            raise RuntimeError(f"this {self.name} is closed; {self._reopen}")
+            return f"this {self.name} is closed; {self._reopen}"
         if self.broken:
-            raise RuntimeError(f"this {self.name} cannot continue: {self.broken}")
-        if self.threads is not None and self.threads.stuck:  # the same rule on both faces
-            raise RuntimeError(f"this {self.name} cannot continue: the device thread(s) of "
-                               f"{', '.join(self.threads.stuck)} never returned from a step that failed; "
-                               f"{self._reopen} (load a checkpoint into it)")
+            return f"this {self.name} cannot continue: {self.broken}"
+        return (f"this {self.name} cannot continue: the device thread(s) of {', '.join(self.threads.stuck)} never "
+                f"returned from a step that failed; {self._reopen} (load a checkpoint into it)")  # both faces
 
     def close(self) -> None:
         if self.closed:

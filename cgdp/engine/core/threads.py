@@ -201,7 +201,11 @@ class DeviceThreads:
                     self._start_next()
         else:
             futs = [t.submit_to(_Slot(cond, left), self._guarded, fn, j) for j, t in enumerate(self._threads)]
-        self._wait_or_abandon(futs)
+        try:
+            self._wait(futs)  # note: host waits for the device threads
+        except BaseException as exc:  # a timeout here, or KeyboardInterrupt
+            self._abandon(futs, exc)
+            raise
         results, first = [], None
         for f in futs:
             exc = f.exception()
@@ -221,11 +225,9 @@ class DeviceThreads:
         """``first()`` on the caller's thread while ``fns[j - 1]()`` runs on device j's thread, j >= 1; ``first``'s
         result and ``(j, error)`` of each that raised (``first``'s own error is raised once all are done). The wait is
         :meth:`run_all`'s: bounded, Ctrl-C surfaces, a thread still busy after it is :attr:`stuck`."""
-        cond, left = threading.Condition(threading.Lock()), _Countdown(len(self._threads))
-        futs = [_Slot(cond, left)]
-        futs[0].set_result(None)  # device 0's part is ``first``, here
-        futs += [t.submit_to(_Slot(cond, left), self._guarded, lambda _, fn=fn: fn(), j)
-                 for j, (t, fn) in enumerate(zip(self._threads[1:], fns), start=1)]
+        cond, left = threading.Condition(threading.Lock()), _Countdown(len(fns))
+        futs = [_DONE] + [t.submit_to(_Slot(cond, left), self._guarded, lambda _, fn=fn: fn(), j)
+                          for j, (t, fn) in enumerate(zip(self._threads[1:], fns), start=1)]  # device 0's: ``first``
         try:
             out = first()
         except Exception:
@@ -234,8 +236,9 @@ class DeviceThreads:
         except BaseException as exc:  # Ctrl-C in ``first``: the others get STOP_WAIT_S to stop
             self._abandon(futs, exc)
             raise
-        self._wait_or_abandon(futs)
-        return out, [(j, f.exception()) for j, f in enumerate(futs) if f.exception() is not None]
+        if left.left:  # (the others mostly finished while ``first`` ran)
+            self._wait_or_abandon(futs)
+        return out, [(j, e) for j, f in enumerate(futs) if (e := f.exception()) is not None]
 
     def _wait_or_abandon(self, futs: list) -> None:
         try:
@@ -270,8 +273,8 @@ class DeviceThreads:
 
     def _abandon(self, futs: list[Future], exc: BaseException) -> None:
         self._guard.fail(exc)  # every waiting thread stops at its next wake-up
-        if futs and isinstance(futs[0], _Slot):
-            futs[0].wake_every_time()  # so that _let_stop sees each thread stop as it stops
+        if isinstance(futs[-1], _Slot):
+            futs[-1].wake_every_time()  # so that _let_stop sees each thread stop as it stops
         with self._later_lock:  # work not started yet never starts
             later, self._later = self._later, deque()
         for t, f, _, _ in later:
@@ -416,6 +419,21 @@ class _Slot:
         if self.exception() is not None:
             raise self._error
         return self._result
+
+
+class _Done:
+    """A part already done (:meth:`DeviceThreads.run_beside`'s own, on the caller's thread)."""
+
+    @staticmethod
+    def done() -> bool:
+        return True
+
+    @staticmethod
+    def exception(timeout: float | None = None) -> None:
+        return None
+
+
+_DONE = _Done()
 
 
 def _let_stop(futs: list[Future]) -> None:

@@ -123,7 +123,7 @@ class Trainer:
         self.stats: dict[str, float] = {}
         self._timing = Timing(bool(profile))
         self._guard = Guard(timeout_s)
-        self._life = Lifetime(self, "Trainer", "create a new one", refusal, stopped, self._guard.fail)
+        self._life = Lifetime(self, "Trainer", "create a new Trainer", refusal, stopped, self._guard.fail)
         self._timeout_s = timeout_s
 
         self._layer_pids = number_params(checked.layer_params)
