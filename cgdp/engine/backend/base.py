@@ -125,9 +125,9 @@ class Device(ABC):
         """A timestamp of 'now' on the compute stream (called from hooks and the device thread)."""
         return time.perf_counter()
 
-    def resolve(self, stamp: Any) -> float:
-        """A stamp as ``time.perf_counter`` seconds (after the step's work has completed)."""
-        return float(stamp)
+    resolve: Callable[[Any], float] = staticmethod(float)
+    """A stamp as ``time.perf_counter`` seconds (after the step's work has completed); host stamps are those seconds
+    (float itself: no Python frame per stamp)."""
 
     def backward_issued(self) -> Any:
         """Device thread, right after backward was issued: a stamp of that point (timed steps)."""
