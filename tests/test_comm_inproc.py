@@ -300,3 +300,49 @@ def test_dataparallel_ranks_average_gradient_reaching_replica_0_outside_the_outp
         assert torch.equal(a, b)
     assert_params_close(m0, ref, rtol=1e-5)
     torch.testing.assert_close(grad1, xr.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_hooked_parameters_gradient_from_an_earlier_backward_is_not_hooked_again():
+    """``penalty.backward()`` on replica 0's parameter, then a backward through the model: the hook ran on the
+    penalty's part in autograd and runs on the model's sum alone, as on one device; with ranks the penalty's parts are
+    averaged over them (and the ranks stay identical)."""
+    torch.manual_seed(0)
+    base = mlp()
+    x, y = torch.randn(16, 12), torch.randint(0, 5, (16,))
+    first = lambda m: next(m.parameters())  # noqa: E731
+    penalty = lambda m: 0.1 * (first(m) ** 2).sum()  # noqa: E731
+    ref = copy.deepcopy(base)
+    first(ref).register_hook(lambda g: g * 2)
+    penalty(ref).backward()
+    F.cross_entropy(ref(x), y).backward()
+
+    def run(comm, part):
+        m = cgdp.DataParallel(copy.deepcopy(base), ["cpu:0", "cpu:1"], comm=comm, timeout_s=30)
+        first(m.module).register_hook(lambda g: g * 2)
+        penalty(m.module).backward()  # reaches replica 0's parameter only, outside the engine's backward
+        F.cross_entropy(m(x[part]), y[part]).backward()
+        grad = first(m.module).grad.clone()
+        m.close()
+        return grad
+
+    one = run(None, slice(None))
+    g0, g1 = on_ranks(2, lambda comm: run(comm, slice(8 * comm.rank, 8 * comm.rank + 8)), timeout_s=60)
+    assert torch.equal(g0, g1)
+    for g in (one, g0):
+        torch.testing.assert_close(g, first(ref).grad, rtol=1e-5, atol=1e-6)
+
+
+def test_dataparallel_with_ranks_refuses_buffers_that_require_grad():
+    """Their gradients would stay each rank's own (only parameters' are averaged over ranks): refused, with what to do."""
+    net = mlp()
+    net.register_buffer("shift", torch.zeros(12, requires_grad=True))
+
+    def rank(comm):
+        try:
+            cgdp.DataParallel(net, ["cpu:0"], comm=comm, timeout_s=10).close()
+        except NotImplementedError as exc:
+            return str(exc)
+        return "no error"
+
+    for msg in on_ranks(2, rank):
+        assert "buffers that require grad" in msg and "nn.Parameter" in msg, msg

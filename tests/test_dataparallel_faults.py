@@ -795,3 +795,61 @@ def test_a_replica_step_that_never_returns_stops_the_step_and_the_model_refuses_
         hold["on"] = False
         hold["release"].set()
         model.close()
+
+
+class _InterruptedTwice(_StallsOnReplica1):
+    """Replica 0's step raises KeyboardInterrupt (a first Ctrl-C) while replica 1's is held; a second Ctrl-C comes
+    while the engine gives replica 1 its time to stop."""
+
+    def step(self, closure=None):
+        if self.HOLD["on"] and threading.current_thread() is threading.main_thread():
+            import _thread
+            threading.Thread(target=lambda: self.HOLD["entered"].wait(30) and (time.sleep(0.1), _thread.interrupt_main()),
+                             daemon=True).start()
+            raise KeyboardInterrupt
+        return super().step(closure)
+
+
+def test_a_second_ctrl_c_while_the_other_replicas_are_given_time_leaves_them_stuck_never_resynced():
+    hold = _InterruptedTwice.HOLD
+    hold["release"].clear(), hold["entered"].clear()
+    model = cgdp.DataParallel(mlp(), DEVS, timeout_s=None)
+    opt = model.bind(_InterruptedTwice(model.parameters(), lr=0.1))
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    hold["on"] = True
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        time.sleep(0.6)  # the second Ctrl-C has landed, wherever it did
+        with pytest.raises(RuntimeError, match=r"cannot continue: the device thread\(s\) of cpu:1 never returned"):
+            model(x)
+    except KeyboardInterrupt:  # the second one, if it landed after pytest.raises
+        pass
+    finally:
+        hold["on"] = False
+        hold["release"].set()
+        model.close()
+
+
+def test_a_step_that_raised_on_ranks_leaves_the_model_unusable():
+    """With ranks, each may have stopped its step at another point: the model refuses to go on, with a sentence."""
+    from test_comm_inproc import on_ranks
+
+    class Raises(torch.optim.SGD):
+        def step(self, closure=None):
+            super().step(closure)
+            raise RuntimeError("stopped partway")
+
+    def rank(comm):
+        with cgdp.DataParallel(mlp(), ["cpu:0", "cpu:1"], comm=comm, timeout_s=30) as model:
+            opt = model.bind(Raises(model.parameters(), lr=0.1))
+            x, y = batches(1)[0]
+            F.cross_entropy(model(x), y).backward()
+            with pytest.raises(RuntimeError, match="stopped partway"):
+                opt.step()
+            with pytest.raises(RuntimeError, match="the ranks' parameters may differ; load a checkpoint"):
+                model(x)
+        return True
+
+    assert on_ranks(2, rank, timeout_s=60) == [True, True]

@@ -56,11 +56,12 @@ def early_world(argv: list[str]) -> Any:
     spec = resolve_comm(_flag(argv, "comm", "auto"))
     if spec == "gloo":
         from cgdp.comm.gloo import ObjectWorld
-        timeout = _flag(argv, "timeout_s", "300")  # the rendezvous waits no longer than a step may
-        try:
-            return ObjectWorld(None if timeout.lower() == "none" else float(timeout))
-        except ValueError:
-            return ObjectWorld()  # the parser says what is wrong with it
+        from cgdp.cli.config import ConfigError, parse_args
+        try:  # the rendezvous waits no longer than a step may (flags, --config file or preset)
+            timeout = parse_args(argv)[0].train.timeout_s
+        except ConfigError as e:  # the same on every rank (the same command): said before any wait
+            raise ValueError(str(e)) from None
+        return ObjectWorld(timeout)
     if spec != "mpi" or launched_ranks() <= 1:
         return None
     try:

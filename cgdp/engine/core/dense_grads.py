@@ -68,9 +68,10 @@ class DenseGrads(GradPart):
             raise RuntimeError("a parameter of the model has a gradient hook (register_hook), which cgdp "
                                "runs on each backward's summed gradient; inside model.no_sync() that sum "
                                "is never formed. Accumulate outside no_sync(), or remove the hook")
-        early = self.prepare(whole)
-        # an early gradient's hooks ran in autograd, on this rank's part (as DDP's): it is summed as it is
-        self.set_aside([pid for pid in hooks.taken if not early[pid]])
+        self.prepare(whole)
+        # the host sums this backward's alone; a gradient that came early (its hooks ran in autograd, on this rank's
+        # part, as DDP's) is set aside too, and with ranks averaged over them (:meth:`_average_aside`)
+        self.set_aside(list(hooks.taken))
         self.marks.reset()  # the early hooks' marks too: their gradients are in ``has_grad``, their hooks ran
         self.stream.arm(sending=sync)
 
@@ -90,6 +91,8 @@ class DenseGrads(GradPart):
         self._check_window(sync)
         hooked = bool(self.param_hooks.taken)
         if hooked:  # the user's gradient hooks, on the sum (the host's norm is of the sum before them)
+            if sync and self._comm is not None:
+                self._average_aside()
             try:
                 self.apply_hooks(touched)
             except Exception as exc:  # the user's error, after every copy is back: nothing in flight
@@ -111,8 +114,8 @@ class DenseGrads(GradPart):
         self.stream.disarm()
         self.param_hooks.put_back()
 
-    def prepare(self, whole: bool) -> np.ndarray:
-        """Replica 0's ``.grad`` taken into the flat buffers; per parameter, whether its gradient came early."""
+    def prepare(self, whole: bool) -> None:
+        """Replica 0's ``.grad`` taken into the flat buffers."""
         st = self.stream
         views0 = st.views[0]
         grads = [p.grad for p in st.params[0]]
@@ -155,7 +158,6 @@ class DenseGrads(GradPart):
                     for flat in st.flats[1:]:
                         flat.zero_()
         self._attach()
-        return early
 
     def set_aside(self, pids: list[int]) -> None:
         """Set aside replica 0's gradient of hooked parameters, so the host sums this backward's alone."""
@@ -165,6 +167,25 @@ class DenseGrads(GradPart):
                 if self.has_grad[pid]:
                     self._aside[pid] = views0[pid].clone()
                     views0[pid].zero_()
+
+    def _average_aside(self) -> None:
+        """With ranks: what was set aside, averaged over them (an early part is the rank's own; an earlier backward's
+        sum is the same on every rank, and its float64 mean is itself). Sent: the rank count, a flag per hooked
+        parameter and its values (zeros where none), the same length on every rank."""
+        views0, pids = self.stream.views[0], sorted(self.param_hooks.taken)
+        ends = np.cumsum([1 + len(pids)] + [views0[pid].numel() for pid in pids])
+        vec = np.zeros(ends[-1])
+        vec[0] = 1.0
+        for k, pid in enumerate(pids):
+            if pid in self._aside:
+                vec[1 + k] = 1.0
+                vec[ends[k]:ends[k + 1]] = self._aside[pid].detach().double().cpu().numpy().ravel()
+        out = self._comm.allreduce_small(vec)
+        for k, pid in enumerate(pids):
+            if out[1 + k] > 0:  # some rank set one aside
+                view = views0[pid]
+                mean = torch.from_numpy(out[ends[k]:ends[k + 1]] / out[0])
+                self._aside[pid] = mean.view(view.shape).to(view.device, view.dtype)
 
     def restore_aside(self) -> None:
         views0 = self.stream.views[0]

@@ -242,12 +242,12 @@ class DeviceThreads:
 
     def _wait_or_abandon(self, futs: list) -> None:
         try:
-            self._wait(futs)  # note: host waits for the device threads
+            self._wait(futs, "an optimizer.step()")  # note: host waits for the device threads
         except BaseException as exc:  # a timeout here, or KeyboardInterrupt
             self._abandon(futs, exc)
             raise
 
-    def _wait(self, futs: list[Future]) -> None:
+    def _wait(self, futs: list[Future], what: str = "a forward or loss_fn") -> None:
         """Wait for every thread, waking every POLL_S (so Ctrl-C surfaces); bounded by timeout_s."""
         timeout = self._guard.timeout_s
         # the device threads' own waits time out after timeout_s with a message naming what they waited for; this outer
@@ -268,7 +268,7 @@ class DeviceThreads:
                         # a thread waiting for a turn is not stuck: name the ones in their turn
                         busy = [t.name for t in left if t.thread.name not in self._queued] or [t.name for t in left]
                         raise TimeoutError(f"the device thread(s) of {', '.join(busy)} did not finish within "
-                                           f"timeout_s = {timeout:g} s (a forward or loss_fn that never "
+                                           f"timeout_s = {timeout:g} s ({what} that never "
                                            f"returns?); raise timeout_s if a step can really take that long")
 
     def _abandon(self, futs: list[Future], exc: BaseException) -> None:
@@ -280,6 +280,8 @@ class DeviceThreads:
         for t, f, _, _ in later:
             self._queued.discard(t.thread.name)
             f.set_exception(StepAborted("another thread of this step failed"))
+        # stuck until they stop: a second Ctrl-C while they are given time leaves them so
+        self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done()]
         _let_stop(futs)
         self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done()]
 

@@ -127,9 +127,8 @@ class Binding:
     def _step(self, opt: torch.optim.Optimizer, steps: Any, args: tuple, kwargs: dict) -> Any:
         try:
             out, errors = self.update.step_bound(lambda: self._call(opt, args, kwargs), steps.threads)
-        except BaseException:
-            if not steps.threads.stuck:  # (else a mirror may still step: the model refuses to go on)
-                self.resync(opt)  # what one device holds after its step raised
+        except BaseException as exc:
+            self._after_raise(opt, steps, exc)
             raise
         if errors or not steps.kept():
             self.resync(opt)  # a mirror raised, or replica 0 stepped on other gradients than its mirrors
@@ -139,6 +138,20 @@ class Binding:
                                f"completed; every replica now holds replica 0's parameters and optimizer "
                                f"state, so the step took effect and the replicas are identical") from exc
         return out
+
+    def _after_raise(self, opt: torch.optim.Optimizer, steps: Any, exc: BaseException) -> None:
+        """A step that raised: every replica takes replica 0's parameters and state, as one device holds them after
+        its step raised. Not while a replica may still step (the model then refuses to go on), and with ranks the
+        model is unusable anyway: each rank's step may have stopped at another point."""
+        if steps.threads.stuck:
+            return
+        try:
+            self.resync(opt)
+        except BaseException:
+            steps.unusable(f"the replicas may differ: a step raised ({exc!r}) and so did making them equal again")
+            raise
+        if steps.ranks > 1:
+            steps.unusable(f"a step raised on this rank ({exc!r}), so the ranks' parameters may differ")
 
     def _guard(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self.stepping is not threading.current_thread():

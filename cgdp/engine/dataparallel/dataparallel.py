@@ -122,6 +122,11 @@ class DataParallel(nn.Module):
         if sparse and comm is not None:
             raise NotImplementedError("cgdp.DataParallel with comm (several machines) does not support "
                                       "sparse gradients (nn.Embedding(sparse=True)): use sparse=False")
+        if comm is not None and any(b.requires_grad for b in module.buffers()):
+            raise NotImplementedError("cgdp.DataParallel with comm (several machines) averages the gradients of "
+                                      "parameters over the ranks, and this model has buffers that require grad, "
+                                      "whose gradients would stay each rank's own: make them nn.Parameter, or "
+                                      "train on one machine")
         infos, layer_params = find_layers(module, skip={id(p) for p in sparse})
         dtype = trainable_dtype(layer_params) if any(layer_params) else None
         self._host_update = check_host_update(update, dtype)

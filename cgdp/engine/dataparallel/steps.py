@@ -34,6 +34,13 @@ class ReplicaSteps:
         self._t_step: float | None = None
         self.bindings: weakref.WeakSet = weakref.WeakSet()
 
+    @property
+    def ranks(self) -> int:
+        return 1 if self._comm is None else self._comm.size
+
+    def unusable(self, why: str) -> None:
+        self._life.broken = f"{why}; load a checkpoint into model.module and wrap it again"
+
     def parameter_maps(self) -> list[dict[int, nn.Parameter]]:
         return self._maps()
 
