@@ -61,23 +61,36 @@ def outcomes(xml: Path) -> dict[str, str]:
     return found
 
 
-def report(suite: str, base: dict[str, str], ours: dict[str, str]) -> None:
-    per = collections.defaultdict(lambda: [0, 0])
+def substituted(path: Path) -> set[str]:
+    """The JUnit names of the tests (pytest node ids in ``path``) that built a substituted Trainer or Accelerator."""
+    names = set()
+    for node in path.read_text().split() if path.is_file() else []:
+        file, _, rest = node.partition("::")
+        module = ("tools.peer_tests.sync_script" if file in ("", "sync_script.py")  # outside the rootdir
+                  else file.removesuffix(".py").replace("/", "."))
+        *classes, test = rest.split("::")
+        names.add(f"{'.'.join([module, *classes])}::{test}")
+    return names
+
+
+def report(suite: str, base: dict[str, str], ours: dict[str, str], used: set[str]) -> None:
+    per = collections.defaultdict(lambda: [0, 0, 0])
     lost = []
     for name, outcome in base.items():
         if outcome != "passed":
             continue
         module = name.split("::")[0]
         per[module][1] += 1
+        per[module][2] += name in used
         if ours.get(name) == "passed":
             per[module][0] += 1
         else:
             lost.append((name, ours.get(name, "missing")))
-    print(f"\n{suite}: passed through cgdp / passed on the baseline")
+    print(f"\n{suite}: passed through cgdp / passed on the baseline (of which ran through cgdp)")
     for module in sorted(per):
-        print(f"  {per[module][0]:4d} / {per[module][1]:4d}  {module}")
-    total = [sum(v[i] for v in per.values()) for i in (0, 1)]
-    print(f"  {total[0]:4d} / {total[1]:4d}  total")
+        print(f"  {per[module][0]:4d} / {per[module][1]:4d} ({per[module][2]:4d})  {module}")
+    total = [sum(v[i] for v in per.values()) for i in (0, 1, 2)]
+    print(f"  {total[0]:4d} / {total[1]:4d} ({total[2]:4d})  total")
     for name, outcome in lost:
         print(f"  {outcome:8s} {name}")
     gained = [n for n, o in ours.items() if o == "passed" and base.get(n) != "passed"]
@@ -102,7 +115,7 @@ def main() -> None:
         files = files + (["-k", args.select] if args.select else [])
         xmls = {mode: (run(suite, root.resolve(), files, mode, args.out) if args.only in (None, mode)
                        else args.out / f"{suite}_{mode}.xml") for mode in ("baseline", "cgdp")}
-        report(suite, outcomes(xmls["baseline"]), outcomes(xmls["cgdp"]))
+        report(suite, outcomes(xmls["baseline"]), outcomes(xmls["cgdp"]), substituted(args.out / f"{suite}_cgdp.used"))
 
 
 if __name__ == "__main__":
