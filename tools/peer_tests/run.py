@@ -32,6 +32,8 @@ LIGHTNING = [
     "tests_pytorch/trainer/connectors/test_checkpoint_connector.py",
     "tests_pytorch/trainer/connectors/test_callback_connector.py",
     "tests_pytorch/trainer/connectors/test_data_connector.py",
+    "tests_pytorch/trainer/connectors/test_logger_connector.py",
+    "tests_pytorch/trainer/connectors/test_accelerator_connector.py",
 ]
 # tests/... of the accelerate repository, and the one-process functions of its test_sync.py script (sync_script.py)
 ACCELERATE = [
