@@ -206,21 +206,6 @@ class _Prepared(DataParallel):
             return getattr(self.module, name)
 
 
-def _refuse_quantized_offload(model: nn.Module) -> None:
-    """Accelerate's refusal (``prepare_model``, its words) of a model loaded in 8 or 4 bits across devices or with CPU
-    or disk offload, run on the user's model before it is wrapped."""
-    if not ((getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False))
-            and getattr(model, "hf_device_map", False)):
-        return
-    where = set(model.hf_device_map.values())
-    if "cpu" in where or "disk" in where:
-        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk "
-                         "offload.")
-    if len(where) > 1:
-        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision on multiple "
-                         "devices in any distributed mode (cgdp trains replicas on several devices).")
-
-
 _FP16 = ("cgdp.integrations.accelerate.Accelerator trains with mixed_precision='bf16' or in float32; "
          "'fp16' needs a gradient scaler, which would unscale replica 0 only: use 'bf16'")
 
