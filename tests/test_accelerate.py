@@ -317,3 +317,20 @@ def test_one_sample_without_batch_dimension_is_said():
     assert "16 + 16" in notes and "model(x.unsqueeze(0))" in notes
     torch.testing.assert_close(model(x.unsqueeze(0)).squeeze(0), expected)
     acc.free_memory()
+
+
+def test_prepared_model_reads_the_modules_attributes():
+    """accelerate/tests/test_state_checkpointing.py reads ``model.a`` on the prepared model, which on one
+    device is the user's module: through cgdp an attribute the wrapper lacks is read on the module (replica 0),
+    trained values included; the wrapper's own names and those with an underscore stay its."""
+    acc = Accelerator(cpu=True)
+    net, model, opt, dl = regression_setup(acc)
+    net.config = {"vocab": 7}
+    assert model is not net and model.config is net.config and model.a is net.a
+    batch = next(iter(dl))
+    acc.backward(nn.functional.mse_loss(model(batch["x"]), batch["y"]))
+    opt.step()
+    assert model.a.item() == net.a.item() != 1.0 and model.module is net and model.devices == acc.devices
+    with pytest.raises(AttributeError):
+        model._no_such_name
+    acc.free_memory()

@@ -216,6 +216,28 @@ def test_refused_with_a_sentence(kw, model, match):
         fit(model(), devices=2, strategy=CGDPStrategy(), **kw)
 
 
+class FrozenSibling(Model):
+    """tests_pytorch/models/test_hooks.py's ``test_train_eval_mode_restored``: a frozen child beside the trained one,
+    and an optimizer over ``self.parameters()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(3, 3).requires_grad_(False)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_optimizer_over_a_frozen_sibling_refused_with_a_sentence():
+    """Refused in Lightning's terms (which parameters, which child, what to write), before training; the module is
+    put back as it was."""
+    model = FrozenSibling()
+    with pytest.raises(ValueError, match=r"a SGD over the parameters of self.net, .* also over \['frozen.weight', "
+                                         r"'frozen.bias'\], outside it: .* self.net.parameters\(\)"):
+        fit(model, devices=2, strategy=CGDPStrategy())
+    assert "forward" not in model.net.__dict__
+
+
 def test_several_machines_refused_with_a_sentence():
     with pytest.raises(NotImplementedError, match="comm='mpi'"):
         CGDPStrategy(comm="mpi")

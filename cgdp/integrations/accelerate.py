@@ -23,7 +23,8 @@ every device, equal to Accelerate on one device with the same batches:
   keeps ``accumulate()`` out of ``no_sync``, as Accelerate does with several processes.
 * ``clip_grad_norm_(model.parameters(), ...)`` is the model's, every replica clipped alike (other parameter lists: Accelerate's own clipping of replica 0,
   which cgdp copies to every replica with a warning).
-* ``unwrap_model`` and ``get_state_dict`` give the user's module and its keys.
+* ``unwrap_model`` and ``get_state_dict`` give the user's module and its keys; an attribute the prepared model
+  lacks is read on the user's module (``model.config``), as on the module plain Accelerate returns.
 * ``save_state`` / ``load_state`` also keep the replicas' random streams (:data:`RNG_FILE`), so that
   a resumed run with dropout is bitwise the uninterrupted one (on as many devices). The model file
   ``save_state`` writes has the wrapper's ``module.`` keys, as with DDP in Accelerate.
@@ -95,9 +96,11 @@ class Accelerator(accelerate.Accelerator):
         if (isinstance(model, nn.Module) and not isinstance(model, DataParallel)
                 and not getattr(model, "_is_accelerate_prepared", False)):
             self._check_loading(model)
-            model = DataParallel(model, self.devices, **self._cgdp_options)
+            model = _Prepared(model, self.devices, **self._cgdp_options)
         # the wrapper places every replica; Accelerate's autocast goes on the wrapper's forward
         model = super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
+        if isinstance(model, _Prepared):
+            model.__dict__["_cgdp_reads_module"] = True  # Accelerate's own checks above read the wrapper
         self._bind()  # an optimizer prepared before its model
         return model
 
@@ -189,19 +192,18 @@ class Accelerator(accelerate.Accelerator):
         return super().free_memory(*objects)
 
 
-def _refuse_quantized_offload(model: nn.Module) -> None:
-    """Accelerate's refusal (``prepare_model``, its words) of a model loaded in 8 or 4 bits across devices or with CPU
-    or disk offload, run on the user's model before it is wrapped."""
-    if not ((getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False))
-            and getattr(model, "hf_device_map", False)):
-        return
-    where = set(model.hf_device_map.values())
-    if "cpu" in where or "disk" in where:
-        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk "
-                         "offload.")
-    if len(where) > 1:
-        raise ValueError("You can't train a model that has been loaded in 8-bit or 4-bit precision on multiple "
-                         "devices in any distributed mode (cgdp trains replicas on several devices).")
+class _Prepared(DataParallel):
+    """What ``prepare`` returns for a model: a :class:`cgdp.DataParallel` on which an attribute it does not have is
+    read on the user's module (``model.config``, ``model.a``), as on the very module plain Accelerate returns on one
+    device. Names with a leading underscore stay the wrapper's; attributes set go on the wrapper, as with DDP."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or not self.__dict__.get("_cgdp_reads_module"):
+                raise
+            return getattr(self.module, name)
 
 
 _FP16 = ("cgdp.integrations.accelerate.Accelerator trains with mixed_precision='bf16' or in float32; "

@@ -16,7 +16,8 @@ One process drives every device (no launcher, no ``torch.distributed``); the use
   one device (replica 0 is the user's module, and after a synced backward its ``.grad`` holds the
   whole batch's gradient). ``configure_optimizers`` runs on that tree; the strategy binds each of
   its optimizers over the child's parameters to the DataParallel (``DataParallel.bind``), so its
-  step steps every replica, schedulers included.
+  step steps every replica, schedulers included. An optimizer over the child's parameters and others
+  (``SGD(self.parameters())`` beside a frozen sibling) is refused with a sentence.
 * **Optimizer step.** Lightning's precision plugins call ``optimizer.step(closure=...)``; cgdp
   refuses a closure (every replica must step after one backward), so the strategy hands the
   plugin an optimizer whose ``step`` runs the closure once (forward, backward, Lightning's
@@ -258,8 +259,24 @@ class CGDPStrategy(ParallelStrategy):
         if dp is not None:
             ours = {id(p) for p in dp.parameters()}
             for opt in self.optimizers:
-                if any(id(p) in ours for g in opt.param_groups for p in g["params"]):
+                held = [p for g in opt.param_groups for p in g["params"]]
+                if any(id(p) in ours for p in held):
+                    self._refuse_outside(opt, [p for p in held if id(p) not in ours])
                     dp.bind(opt)
+
+    def _refuse_outside(self, opt: torch.optim.Optimizer, outside: list[torch.Tensor]) -> None:
+        """An optimizer over the wrapped child's parameters and others (``SGD(self.parameters())`` with a frozen
+        sibling): refused in Lightning's words, before cgdp's bind refuses it in its own."""
+        if not outside:
+            return
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        found = [names.get(id(p), f"a {tuple(p.shape)} tensor") for p in outside]
+        child = next(n for n, c in self.lightning_module.named_children() if c is self._route.child)
+        raise ValueError(f"CGDPStrategy: configure_optimizers returned a {type(opt).__name__} over the parameters of "
+                         f"self.{child}, which cgdp trains on every device, and also over {found}, outside it: "
+                         f"cgdp cannot step those with it yet. Give that optimizer self.{child}.parameters() (or "
+                         f"[p for p in self.parameters() if p.requires_grad] when the others are frozen), and the "
+                         f"others an optimizer of their own")
 
     def _child_to_wrap(self, model: nn.Module) -> str | None:
         own = [n for n, p in model.named_parameters(recurse=False) if p.requires_grad]
