@@ -16,6 +16,7 @@ amsgrad, capturable, differentiable, tensor lr or betas, nor a grad scaler; the 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -110,13 +111,37 @@ def usable(opt: torch.optim.Optimizer) -> bool:
     """Whether :class:`FlatAdam` steps ``opt`` as ``opt.step()`` would, bit for bit (torch's own step: not a
     user's, nor one with post-hooks)."""
     if (type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or may_write_then_raise(opt)
-            or torch.backends.cpu.get_cpu_capability() not in _WIDTHS):
+            or torch.backends.cpu.get_cpu_capability() not in _WIDTHS or not agrees_with_torch()):
         return False
     if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
         return False
     return all(g.get("fused") and not g.get("amsgrad") and not g.get("capturable") and not g.get("differentiable")
                and not any(isinstance(x, torch.Tensor) for x in (g["lr"], *g["betas"], g["eps"], g["weight_decay"]))
                for g in opt.param_groups)
+
+
+@functools.cache
+def agrees_with_torch() -> bool:
+    """Once per process: two steps of tensors with vector runs and tails, Adam with L2 and AdamW, against torch's own
+    (a build of torch compiled otherwise may round otherwise; then torch's step is kept)."""
+    gen = torch.Generator().manual_seed(0)
+    sizes, same = [37, 5, 48], True
+    for cls in (torch.optim.Adam, torch.optim.AdamW):
+        flat = torch.randn(sum(sizes), generator=gen)
+        ref = [torch.nn.Parameter(t.clone()) for t in flat.split(sizes)]
+        ps = [torch.nn.Parameter(t) for t in flat.split(sizes)]
+        opts = [cls(q, lr=0.1, weight_decay=0.1, fused=True) for q in (ref, ps)]
+        mine = FlatAdam(opts[1], ps, [0, 37, 42], flat)
+        for _ in range(2):
+            row = torch.randn(sum(sizes), generator=gen)
+            for p, g in zip(ref, row.split(sizes)):
+                p.grad = g.clone()
+            opts[0].step()
+            mine.sync(), mine.step([0, 1, 2], [0, 0, 0], row, [0, 37, 42]), mine.commit()
+            same = same and all(torch.equal(a, b) and torch.equal(opts[0].state[a]["exp_avg_sq"],
+                                                                  opts[1].state[b]["exp_avg_sq"])
+                                for a, b in zip(ref, ps))
+    return same
 
 
 class FlatAdam:
