@@ -63,36 +63,86 @@ def _grad(g, p, sign, wd, l2, mode):
     return gw if l2 else gi
 
 
+@intrinsic
+def _store_nt(typingctx, arr, i, val):
+    """``arr[i] = val``, non-temporal (``vmovntps`` once vectorised: no read of the line before it is written). The
+    64-byte alignment it states holds for the vector stores :func:`_run` lets it make (aligned runs of NT_RUN)."""
+    sig = types.void(arr, i, val)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        store = builder.store(args[2], builder.gep(data, [args[1]], inbounds=True), align=64)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def _fence(typingctx):
+    """Orders the non-temporal stores before what follows (the step's completion, seen by another thread)."""
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+NT_RUN = 256
+"""Elements per non-temporal run: a multiple of any vector width times unroll, so no scalar store of it runs."""
+
+
+@njit(nogil=True, inline="always", cache=True)
+def _adam(pi, gi, m0i, v0i, c):
+    """One element: (exp_avg, exp_avg_sq, parameter) after the step, rounded as torch's kernel in ``mode``."""
+    sign, wd, l2, coeff, small, c2, b2, decay, ss, bc, eps, mode = c
+    gi = _grad(gi, pi, sign, wd, l2, mode)
+    d = gi - m0i
+    base = m0i if small else gi
+    mi = coeff * d + base if mode == 2 else _fma(coeff, d, base)
+    cg = c2 * gi
+    vb = v0i * b2
+    vi = _fma(cg, gi, vb) if mode == 0 else (_fma(v0i, b2, cg * gi) if mode == 1 else vb + cg * gi)
+    return mi, vi, pi * decay - (ss * mi) / (_sqrt(vi) / bc + eps)
+
+
 @njit(nogil=True, inline="never", cache=True, error_model="numpy")  # x / 0 is inf, unchecked: the loop vectorises
-def _span(p, g, m0, v0, m1, v1, k, mode, flags):
+def _span(p, g, m0, v0, m1, v1, k, mode, flags, nt):
     """One run of one tensor: ``k`` = (step size, sqrt of bias correction 2, decay, weight decay, 1 - beta1, beta2,
     1 - beta2, eps); ``mode`` 0: torch's vector loop, 1: its scalar remainder, 2: no fused multiply-add (DEFAULT);
-    ``flags`` = (maximize, AdamW, weight decay). Every choice a select, no branch."""
-    ss, bc, wd, w, b2, c2, eps = k[0], k[1], k[3], k[4], k[5], k[6], k[7]
+    ``flags`` = (maximize, AdamW, weight decay); ``nt``: the moments stored non-temporally. Every choice a select."""
     one = np.float32(1.0)
     sign = -one if flags[0] else one  # g * -1, as torch's vector loop: -g exactly
     decay = k[2] if flags[1] and flags[2] else one  # AdamW: p * (1 - lr * wd); by 1: p exactly
     l2 = flags[2] and not flags[1]  # Adam: g + p * wd
-    small = abs(w) < np.float32(0.5)
-    coeff = w if small else w - one  # exp_avg.lerp_(grad, 1 - beta1), from exp_avg's side or grad's
-    for i in range(p.shape[0]):
-        gi = _grad(g[i], p[i], sign, wd, l2, mode)
-        mi = m0[i]
-        d = gi - mi
-        base = mi if small else gi
-        mi = coeff * d + base if mode == 2 else _fma(coeff, d, base)
-        cg = c2 * gi
-        vb = v0[i] * b2
-        vi = _fma(cg, gi, vb) if mode == 0 else (_fma(v0[i], b2, cg * gi) if mode == 1 else vb + cg * gi)
-        m1[i] = mi
-        v1[i] = vi
-        p[i] = p[i] * decay - (ss * mi) / (_sqrt(vi) / bc + eps)
+    small = abs(k[4]) < np.float32(0.5)
+    coeff = k[4] if small else k[4] - one  # exp_avg.lerp_(grad, 1 - beta1), from exp_avg's side or grad's
+    c = (sign, k[3], l2, coeff, small, k[6], k[5], decay, k[0], k[1], k[7], mode)
+    if nt:
+        for i in range(p.shape[0]):
+            mi, vi, p[i] = _adam(p[i], g[i], m0[i], v0[i], c)
+            _store_nt(m1, i, mi)
+            _store_nt(v1, i, vi)
+    else:
+        for i in range(p.shape[0]):
+            m1[i], v1[i], p[i] = _adam(p[i], g[i], m0[i], v0[i], c)
+
+
+@njit(nogil=True, inline="always", cache=True)
+def _run(p, g, m0, v0, m1, v1, a, b, lo, hi, k, mode, flags, nt):
+    """Elements ``lo:hi`` of the tensor at ``a`` (gradient at ``b``); with ``nt``, its 64-byte aligned runs of
+    :data:`NT_RUN` elements stored non-temporally, the edges as usual."""
+    s = min(hi, lo + (-(a + lo)) % 16) if nt else hi  # the moments' buffers are 64-byte aligned
+    e = s + (hi - s) // NT_RUN * NT_RUN
+    for x, y, n in ((lo, s, False), (s, e, True), (e, hi, False)):
+        if y > x:
+            _span(p[a + x:a + y], g[b + x:b + y], m0[a + x:a + y], v0[a + x:a + y], m1[a + x:a + y],
+                  v1[a + x:a + y], k, mode, flags, n)
 
 
 @njit(nogil=True, cache=True)
-def _chunk(p, g, ma, mb, va, vb, plo, glo, sizes, side, ks, flags, vw, ew, fused):
+def _chunk(p, g, ma, mb, va, vb, plo, glo, sizes, side, ks, flags, vw, ew, fused, nt):
     """Every tensor ``j`` of a chunk: masters ``p[plo[j]:]``, gradient ``g[glo[j]:]``, moments read from side
-    ``side[j]`` (0: ``ma``, ``va``; 1: ``mb``, ``vb``) and written to the other; ``ks[j]`` its constants (:func:`_span`)."""
+    ``side[j]`` (0: ``ma``, ``va``; 1: ``mb``, ``vb``) and written to the other; ``ks[j]`` its constants (:func:`_span`);
+    ``nt``: long runs stored non-temporally (the step's moments are read again only by the next step)."""
     for j in range(plo.shape[0]):
         n, a, b = sizes[j], plo[j], glo[j]
         m0, v0, m1, v1 = (ma, va, mb, vb) if side[j] == 0 else (mb, vb, ma, va)
@@ -100,11 +150,10 @@ def _chunk(p, g, ma, mb, va, vb, plo, glo, sizes, side, ks, flags, vw, ew, fused
         ep = vec + ((n - vec) // ew) * ew if ew else vec
         cuts = (0, vec, ep, n)
         for r in range(3):
-            lo, hi = cuts[r], cuts[r + 1]
-            if hi > lo:
+            if cuts[r + 1] > cuts[r]:
                 mode = 2 if not fused else (1 if r == 2 else 0)
-                _span(p[a + lo:a + hi], g[b + lo:b + hi], m0[a + lo:a + hi], v0[a + lo:a + hi],
-                      m1[a + lo:a + hi], v1[a + lo:a + hi], ks[j], mode, flags)
+                _run(p, g, m0, v0, m1, v1, a, b, cuts[r], cuts[r + 1], ks[j], mode, flags, nt and r == 0)
+    _fence()
 
 
 def usable(opt: torch.optim.Optimizer) -> bool:
@@ -162,6 +211,7 @@ class FlatAdam:
                         in zip(self.offsets, self.sizes, self.masters)] for m, v in zip(self._m, self._v)]
         self._pending: list[int] = []
         self.vw, self.ew, self.fused = _WIDTHS[torch.backends.cpu.get_cpu_capability()]
+        self.nt = all(a.ctypes.data % 64 == 0 for a in self._np[1:])  # non-temporal stores need 64-byte alignment
 
     def sync(self) -> None:
         """Before a step (caller's thread): state entries that are not this side's views (a load, a step of torch's
@@ -191,7 +241,7 @@ class FlatAdam:
             sel = pids[groups == k]
             ks, flags = self._constants(self.opt.param_groups[k], self.steps[sel] + 1)
             _chunk(self._np[0], row.numpy(), *self._np[1:], self.offsets[sel], glo[groups == k],
-                   self.sizes[sel], self.side[sel], ks, flags, self.vw, self.ew, self.fused)
+                   self.sizes[sel], self.side[sel], ks, flags, self.vw, self.ew, self.fused, self.nt)
         self._pending.extend(pids.tolist())
 
     @staticmethod

@@ -200,8 +200,9 @@ class HostUpdate(Update):
     its sum is final, on the host update thread, while devices compute the layers below (``overlap == "with backward"``;
     the optimizer is lent the chunk's masters for one ``step()``); otherwise after backward. A NaN/Inf chunk stops the
     step's overlapped updates; the step is rejected, the masters retake the (unchanged) replicas' parameters, and the
-    chunks stepped get their optimizer state back (:class:`~cgdp.engine.core.host_state.StateSnapshot`; every chunk but
-    the last is saved), as after any failure."""
+    chunks stepped get their optimizer state back, as after any failure: Adam/AdamW's flat moments forget the side the
+    step wrote (:class:`~cgdp.engine.core.host_adam.FlatAdam`, every chunk), other optimizers' state is restored from
+    a copy (:class:`~cgdp.engine.core.host_state.StateSnapshot`; every chunk but the last is saved)."""
 
     streams = True
     sums = True
