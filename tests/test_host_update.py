@@ -553,7 +553,7 @@ def _flat_adam_bitwise():
     shapes = [(3,), (16,), (17,), (5, 7), (31,), (8,), (12,), (300, 3), (4,), (23,), (64, 65)]
     n = [math.prod(s) for s in shapes]
     offs = [0, *itertools.accumulate(n)][:-1]
-    for cls, kw in itertools.product((torch.optim.AdamW, torch.optim.Adam), (
+    for nt, cls, kw in itertools.product((False, True), (torch.optim.AdamW, torch.optim.Adam), (
             dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2), dict(lr=3e-3, weight_decay=0.05, maximize=True),
             dict(lr=0.1, betas=(0.3, 0.99), eps=1e-3, weight_decay=0.2))):
         torch.manual_seed(0)
@@ -564,6 +564,7 @@ def _flat_adam_bitwise():
                 for ps in (ref, mine)]
         assert usable(opts[1])
         fa = FlatAdam(opts[1], mine, offs, flat)
+        fa.nt = nt  # non-temporal stores for runs of 256 aligned elements (the largest tensor has them)
         for s in range(4):
             row = torch.randn(sum(n)) * 2
             live = [k for k in range(len(shapes)) if s != 1 or k % 3]
