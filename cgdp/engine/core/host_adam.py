@@ -253,7 +253,7 @@ class FlatAdam:
         lr, (b1, b2), wd, eps = group["lr"], group["betas"], group["weight_decay"], group["eps"]
         adamw = group.get("decoupled_weight_decay", False)
         ks = np.empty((len(steps), 8), dtype=np.float32)
-        for j, st in enumerate(steps):  # in double, as torch; cast to float32 where its kernel does
+        for j, st in enumerate(map(float, steps)):  # in double with libm's pow, as torch; cast to float32 as it does
             ks[j] = (lr / (1 - b1 ** st), math.sqrt(1 - b2 ** st), 1 - lr * wd, wd, 1 - b1, b2, 1 - b2, eps)
         return ks, np.asarray([group["maximize"], adamw, wd != 0], dtype=np.bool_)
 
