@@ -639,3 +639,31 @@ def test_flat_moments_step_as_torch_and_a_rejected_step_leaves_them_bitwise():
     finally:
         for tr in trainers:
             tr.close()
+
+
+def test_the_flat_moments_only_where_they_match_torch_and_add_param_group_keeps_working():
+    """amsgrad, foreach, another optimizer, a step of the user's keep torch's step (with the state copied aside); a
+    group added later (fused unset) sends the next steps there too, and training goes on."""
+    from cgdp.engine.core.host_adam import usable
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    assert usable(torch.optim.AdamW(p, fused=True)) and usable(torch.optim.Adam(p, fused=True, weight_decay=0.1))
+    assert not usable(torch.optim.AdamW(p, fused=True, amsgrad=True))
+    assert not usable(torch.optim.AdamW(p, foreach=True)) and not usable(torch.optim.SGD(p, lr=0.1, fused=True))
+    own = torch.optim.AdamW(p, fused=True)
+    own.step = lambda: None
+    assert not usable(own)
+    model, data = mlp(), batches(4)
+    with cgdp.Trainer(copy.deepcopy(model), partial(torch.optim.AdamW, lr=1e-2, amsgrad=True), ["cpu:0", "cpu:1"],
+                      chunks=2, update="host") as tr:
+        tr.step(*data[0], F.cross_entropy)
+        assert tr._update._flat is None and "max_exp_avg_sq" in next(iter(tr.optimizers[0].state.values()))
+    with cgdp.Trainer(copy.deepcopy(model), OPTIMIZERS["adamw"], ["cpu:0", "cpu:1"], chunks=2, update="host") as tr:
+        tr.step(*data[0], F.cross_entropy)
+        assert tr._update._fast
+        extra = torch.nn.Parameter(torch.zeros(2))
+        tr.optimizers[0].add_param_group({"params": [extra]})
+        for x, y in data[1:]:
+            tr.step(x, y, F.cross_entropy)
+            assert not tr._update._fast and tr.stats["host_update_overlapped"] == 1.0
+        assert {int(s["step"]) for s in tr.optimizers[0].state.values()} == {4}
+        assert_replicas_identical(tr)
