@@ -16,6 +16,13 @@ Three measurements, each checked before it is timed:
    Checked: after two steps, both updates hold the same parameters (rtol 1e-5).
 3. The cost model's rate, learned from measurement 1 (:class:`HostUpdateCost.observe`).
 
+``--flat`` measures instead the overlapped host AdamW before and after its moments went flat in two sides
+(:mod:`cgdp.engine.core.host_adam`): one thread, ``--elements`` float32 parameters in tensors of the 4x2048 MLP's
+shapes; torch's fused step alone, cgdp's path before (the state copied aside, then torch's step) and after (one
+out-of-place call), against the memory limit (28 B/elem over the streaming bandwidth measured in the same run, the
+fastest of copy, add and an in-place add); then ``update="host"`` before and after against ``update="devices"``, all fused AdamW, G = 2
+(``bench/results/host_update_flat.md``). Checked first: the flat step bitwise equal to torch's.
+
 ``--wire`` measures instead ``grad_transfer="bf16"`` with ``update="host"`` (the parameters go
 back in bf16, the host reads its own bf16 sum) against float32 on the wire and against
 ``update="devices"`` with the bf16 wire: the 4x2048 MLP, G = 2, AdamW; step time, what is left
@@ -159,6 +166,129 @@ def wire_times(rounds: int) -> list[dict]:
             tr.close()
 
 
+def flat_isolated(n: int, rounds: int) -> list[dict]:
+    """One thread: torch's fused AdamW, cgdp's copy-then-step (before), the flat out-of-place step (after)."""
+    import itertools
+    from cgdp.engine.core.host_adam import FlatAdam
+    from cgdp.engine.core.host_state import StateSnapshot
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        shapes = [p.shape for p in mlp4x2048().parameters()]
+        reps = max(1, n // sum(s.numel() for s in shapes))
+        sizes = [s.numel() for s in shapes] * reps
+        offs = [0, *itertools.accumulate(sizes)][:-1]
+        total = sum(sizes)
+        g = torch.Generator().manual_seed(0)
+        row, start = torch.randn(total, generator=g), torch.randn(total, generator=g)
+        made = []
+        for _ in range(2):  # [0] torch's step on views of one flat (before: a snapshot first), [1] the flat moments
+            flat = start.clone()
+            ps = [nn.Parameter(flat[o:o + k]) for o, k in zip(offs, sizes)]
+            for p, o, k in zip(ps, offs, sizes):
+                p.grad = row[o:o + k]
+            made.append((flat, ps, torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True)))
+        (f0, ps0, opt0), (f1, ps1, opt1) = made
+        fa = FlatAdam(opt1, ps1, offs, f1)
+        pids = list(range(len(ps1)))
+        snap = StateSnapshot()
+
+        def before():
+            snap.clear()
+            snap.save(opt0.state, ps0)
+            opt0.step()
+
+        def after():
+            fa.sync()
+            fa.step(pids, [0] * len(pids), row, offs)
+            fa.commit()
+        for _ in range(3):  # check: the same bits, parameters and moments
+            before()
+            after()
+        assert torch.equal(f0, f1) and all(torch.equal(opt0.state[a]["exp_avg_sq"], opt1.state[b]["exp_avg_sq"])
+                                           for a, b in zip(ps0, ps1)), "flat AdamW differs from torch's"
+        src, dst, other = torch.randn(total), torch.empty(total), torch.randn(total)
+        fns = {"copy": lambda: dst.copy_(src), "add": lambda: torch.add(src, other, out=dst),
+               "add_": lambda: dst.add_(other),
+               "torch fused AdamW": opt0.step, "cgdp before (copy aside + torch step)": before,
+               "cgdp after (flat, out of place)": after}
+        fns.update(_deepspeed_adam(start, row))
+        t = {k: median(v) for k, v in interleaved(fns, rounds).items()}
+        # elements per second at 28 B/elem; copy and add also read the lines they write (counted 8 and 12 B), add_ not
+        limit = max(8 / t["copy"], 12 / t["add"], 12 / t["add_"]) * total / 28
+        rows = [{"what": "memory limit (28 B/elem)", "melem_s": limit / 1e6, "of_limit": 1.0, "elements": total,
+                 "tensors": len(sizes)}]
+        for k in [k for k in fns if k not in ("copy", "add", "add_")]:
+            rows.append({"what": k, "melem_s": total / t[k] / 1e6, "of_limit": total / t[k] / limit})
+        return rows
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _deepspeed_adam(start: torch.Tensor, row: torch.Tensor) -> dict:
+    """DeepSpeed's CPU Adam (AdamW mode, one OpenMP thread) over one tensor of the same size, if it builds here.
+    Checked: close to torch's fused AdamW after one step (its arithmetic differs)."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # its own OpenMP runtime, read when its extension loads
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        ps = [nn.Parameter(start.clone()) for _ in range(2)]
+        for p in ps:
+            p.grad = row.clone()
+        ds = DeepSpeedCPUAdam([ps[0]], lr=1e-3, weight_decay=0.01, adamw_mode=True)
+        ds.step()
+    except Exception as exc:  # not installed, or its op does not build
+        print(f"DeepSpeedCPUAdam skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return {}
+    torch.optim.AdamW([ps[1]], lr=1e-3, weight_decay=0.01, fused=True).step()
+    torch.testing.assert_close(ps[0], ps[1], rtol=1e-5, atol=1e-6)
+    return {"DeepSpeedCPUAdam (adamw_mode, 1 thread)": ds.step}
+
+
+def flat_trainer(rounds: int) -> list[dict]:
+    """update='host' before (torch's step per chunk, the state copied aside) and after (flat), update='devices'."""
+    fused = functools.partial(OPTS["adamw"], fused=True)
+    x, y = mlp_batch(32)
+    trainers = {k: cgdp.Trainer(mlp4x2048(), fused, ["cpu:0", "cpu:1"], chunks=2, update=u)
+                for k, u in (("host, after (flat)", "host"), ("host, before", "host"), ("devices", "devices"))}
+    trainers["host, before"]._update._flat = None
+    try:
+        for _ in range(2):  # check: before and after hold the same bits
+            for tr in trainers.values():
+                tr.step(x, y, F.cross_entropy)
+        a, b = (trainers[k].replicas[0].state_dict() for k in ("host, after (flat)", "host, before"))
+        assert all(torch.equal(v, b[k]) for k, v in a.items()), "flat update='host' differs from torch's step"
+        times = interleaved({k: (lambda tr=tr: tr.step(x, y, F.cross_entropy)) for k, tr in trainers.items()},
+                            rounds, warmup=2)
+        dev = median(times["devices"])
+        return [{"case": k, "step_s": median(v), "of_devices": median(v) / dev,
+                 "host_update_s": trainers[k].stats.get("host_update_s", float("nan"))} for k, v in times.items()]
+    finally:
+        for tr in trainers.values():
+            tr.close()
+
+
+def main_flat(args: argparse.Namespace) -> None:
+    info = machine()
+    iso = flat_isolated(args.elements, 5 if args.quick else 9)
+    steps = flat_trainer(3 if args.quick else 9)
+    md = [f"# update='host': AdamW's moments flat, stepped out of place\n\n{machine_md(info)}\n\n"
+          f"Command: `{command_line()}`\n",
+          f"## 1. One step, one thread, {iso[0]['elements']} float32 elements in {iso[0]['tensors']} tensors (the "
+          f"4x2048 MLP's, repeated)\n",
+          table(["step", "M elem/s", "of the memory limit", "of torch's fused"],
+                [[r["what"], fmt(r["melem_s"], 0), fmt(r["of_limit"], 2), fmt(r["melem_s"] / iso[1]["melem_s"], 2)]
+                 for r in iso]),
+          "\nThe memory limit: 28 B/elem over the fastest of copy, add and in-place add on one thread in the same "
+          "rounds; copy and add also read the lines they write, so it is low, and the in-place kernels pass it.\n",
+          "\n## 2. Trainer step, G = 2 emulated devices, 4x2048 MLP, fused AdamW\n",
+          table(["case", "step ms", "÷ devices", "host optimizer ms"],
+                [[r["case"], fmt(r["step_s"] * 1e3, 1), fmt(r["of_devices"], 2), fmt(r["host_update_s"] * 1e3, 1)]
+                 for r in steps]),
+          "\nBoth checked before timing: the flat step's parameters and moments bitwise equal to torch's fused "
+          "AdamW (1), update='host' before and after bitwise equal after two steps (2).\n"]
+    write_results("\n".join(md), {"isolated": iso, "trainer": steps}, info, command_line(), args.md, args.json)
+
+
 def main_wire(args: argparse.Namespace) -> None:
     info = machine()
     rows = wire_times(3 if args.quick else 7)
@@ -181,9 +311,12 @@ def main() -> None:
     ap.add_argument("--md")
     ap.add_argument("--json")
     ap.add_argument("--wire", action="store_true", help="only: the bf16 wire with update='host'")
+    ap.add_argument("--flat", action="store_true", help="only: the host AdamW before and after its flat moments")
     args = ap.parse_args()
     if args.wire:
         return main_wire(args)
+    if args.flat:
+        return main_flat(args)
     rounds = 3 if args.quick else 5
     info = machine()
     bw = optimizer_bandwidth(args.elements if not args.quick else 1 << 20, rounds)

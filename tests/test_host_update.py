@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import copy
+import math
+import os
+import subprocess
+import sys
 import threading
 import warnings
 from functools import partial
@@ -539,3 +543,127 @@ def test_the_state_is_copied_aside_only_where_a_step_may_raise_after_writing():
     assert may_write_then_raise(_WritesThenRaises([torch.nn.Parameter(torch.zeros(2))]))
     opt.step = lambda: None
     assert may_write_then_raise(opt)
+
+
+def _flat_adam_bitwise():
+    """FlatAdam against torch's fused Adam/AdamW over several steps, bit for bit: tensors of odd sizes (torch's scalar
+    tails), two groups, weight decay, maximize, 1 - beta1 above 0.5, a parameter skipped in a step, a discarded step."""
+    import itertools
+    from cgdp.engine.core.host_adam import FlatAdam, usable
+    shapes = [(3,), (16,), (17,), (5, 7), (31,), (8,), (12,), (300, 3), (4,), (23,), (64, 65)]
+    n = [math.prod(s) for s in shapes]
+    offs = [0, *itertools.accumulate(n)][:-1]
+    for nt, cls, kw in itertools.product((False, True), (torch.optim.AdamW, torch.optim.Adam), (
+            dict(lr=1e-2, weight_decay=0.1), dict(lr=1e-2), dict(lr=3e-3, weight_decay=0.05, maximize=True),
+            dict(lr=0.1, betas=(0.3, 0.99), eps=1e-3, weight_decay=0.2))):
+        torch.manual_seed(0)
+        ref = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        flat = torch.cat([p.detach().flatten() for p in ref])
+        mine = [torch.nn.Parameter(flat[o:o + k].view(s)) for o, k, s in zip(offs, n, shapes)]
+        opts = [cls([{"params": ps[:5]}, {"params": ps[5:], "lr": kw["lr"] * 3}], fused=True, **kw)
+                for ps in (ref, mine)]
+        assert usable(opts[1])
+        fa = FlatAdam(opts[1], mine, offs, flat)
+        fa.nt = nt  # non-temporal stores for runs of 256 aligned elements (the largest tensor has them)
+        for s in range(4):
+            row = torch.randn(sum(n)) * 2
+            live = [k for k in range(len(shapes)) if s != 1 or k % 3]
+            for k, p in enumerate(ref):
+                p.grad = row[offs[k]:offs[k] + n[k]].view(shapes[k]).clone() if k in live else None
+            opts[0].step()
+            before = flat.clone()
+            fa.sync()
+            if s == 2:  # stepped, then discarded: the next try starts from the same state
+                fa.step(live, [int(k >= 5) for k in live], row, offs)
+                fa.discard()
+                flat.copy_(before)
+            fa.step(live, [int(k >= 5) for k in live], row, offs)
+            fa.commit()
+            assert all(torch.equal(a, b) for a, b in zip(mine, ref)), (cls, kw, s)
+            assert _states_equal(opts[1].state_dict(), opts[0].state_dict()), (cls, kw, s)
+
+
+def test_flat_adam_steps_bitwise_as_torch_fused():
+    _flat_adam_bitwise()
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_flat_adam_steps_bitwise_as_torch_fused_on_other_cpu_capabilities(capability):
+    """Each capability's build rounds differently (fused multiply-adds, vector width): the kernel follows it."""
+    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("the CPU has no AVX2")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = "import test_host_update as t, torch; print(torch.backends.cpu.get_cpu_capability()); t._flat_adam_bitwise()"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability,
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[0] == capability.upper()
+
+
+def test_flat_moments_step_as_torch_and_a_rejected_step_leaves_them_bitwise():
+    """update='host' with the flat moments against the same trainer stepping with torch's fused step (a chunk per
+    optimizer call, the state copied aside): the same bits, through a NaN-rejected step, an lr change and a
+    state_dict round trip; the rejected step leaves masters and state exactly as before, no warning."""
+    torch.manual_seed(0)
+    model, data = _FirstLayerPoisoned(), batches(6)
+    make = partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    trainers = [cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=2, update="host")
+                for _ in range(2)]
+    try:
+        trainers[1]._update._flat = None  # torch's own step, chunk by chunk
+        assert trainers[0]._update._flat is not None
+        for i, (x, y) in enumerate(data):
+            for tr in trainers:
+                for r in tr.replicas:
+                    r.poison = i == 2
+                if i == 3:
+                    tr.optimizers[0].param_groups[0]["lr"] = 3e-3
+                if i == 4:
+                    tr.load_state_dict(copy.deepcopy(tr.state_dict()))
+                state = copy.deepcopy(tr.optimizers[0].state_dict())
+                params = copy.deepcopy(tr.replicas[0].state_dict())
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    if i == 2:
+                        with pytest.raises(cgdp.NonFiniteGradientError):
+                            tr.step(x, y, F.cross_entropy)
+                        assert _states_equal(tr.optimizers[0].state_dict(), state)
+                        assert all(torch.equal(v, params[k]) for k, v in tr.replicas[0].state_dict().items())
+                    else:
+                        tr.step(x, y, F.cross_entropy)
+                assert tr.stats["host_update_overlapped"] == 1.0
+            a, b = (tr.replicas[0].state_dict() for tr in trainers)
+            assert all(torch.equal(v, b[k]) for k, v in a.items()), i
+            assert _states_equal(*(tr.optimizers[0].state_dict() for tr in trainers)), i
+    finally:
+        for tr in trainers:
+            tr.close()
+
+
+def test_the_flat_moments_only_where_they_match_torch_and_add_param_group_keeps_working():
+    """amsgrad, foreach, another optimizer, a step of the user's keep torch's step (with the state copied aside); a
+    group added later (fused unset) sends the next steps there too, and training goes on."""
+    from cgdp.engine.core.host_adam import usable
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    assert usable(torch.optim.AdamW(p, fused=True)) and usable(torch.optim.Adam(p, fused=True, weight_decay=0.1))
+    assert not usable(torch.optim.AdamW(p, fused=True, amsgrad=True))
+    assert not usable(torch.optim.AdamW(p, foreach=True)) and not usable(torch.optim.SGD(p, lr=0.1, fused=True))
+    own = torch.optim.AdamW(p, fused=True)
+    own.step = lambda: None
+    assert not usable(own)
+    model, data = mlp(), batches(4)
+    with cgdp.Trainer(copy.deepcopy(model), partial(torch.optim.AdamW, lr=1e-2, amsgrad=True), ["cpu:0", "cpu:1"],
+                      chunks=2, update="host") as tr:
+        tr.step(*data[0], F.cross_entropy)
+        assert tr._update._flat is None and "max_exp_avg_sq" in next(iter(tr.optimizers[0].state.values()))
+    with cgdp.Trainer(copy.deepcopy(model), OPTIMIZERS["adamw"], ["cpu:0", "cpu:1"], chunks=2, update="host") as tr:
+        tr.step(*data[0], F.cross_entropy)
+        assert tr._update._fast
+        extra = torch.nn.Parameter(torch.zeros(2))
+        tr.optimizers[0].add_param_group({"params": [extra]})
+        for x, y in data[1:]:
+            tr.step(x, y, F.cross_entropy)
+            assert not tr._update._fast and tr.stats["host_update_overlapped"] == 1.0
+        assert {int(s["step"]) for s in tr.optimizers[0].state.values()} == {4}
+        assert_replicas_identical(tr)

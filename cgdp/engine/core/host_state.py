@@ -1,8 +1,10 @@
 """The host optimizer's state kept restorable, its step hooks, its fused CPU kernel (``update="host"``).
 
 An overlapped chunk is stepped before the step is known to succeed; a later failure must leave the optimizer untouched,
-as one device's failed step does. :class:`StateSnapshot` copies a chunk's state aside before its step (into buffers
-kept across steps) on the host update thread and restores it on the caller's thread, nothing in flight.
+as one device's failed step does. Adam/AdamW on torch's fused kernel step out of place and need no copy
+(:mod:`cgdp.engine.core.host_adam`); for any other optimizer :class:`StateSnapshot` copies a chunk's state aside before
+its step (into buffers kept across steps) on the host update thread and restores it on the caller's thread, nothing in
+flight.
 :func:`step_or_undo` undoes a raising step after backward the same way: the failed step changes nothing.
 """
 from __future__ import annotations

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from cgdp.engine.backend.base import Device
+from cgdp.engine.core import host_adam
 from cgdp.engine.core.host_state import StateSnapshot, has_step_hooks, prefer_fused, step_or_undo
 from cgdp.engine.core.host_wire import Bf16Wire, masters_in_state_dict
 from cgdp.engine.core.lifetime import Resources, weak_call
@@ -199,8 +200,9 @@ class HostUpdate(Update):
     its sum is final, on the host update thread, while devices compute the layers below (``overlap == "with backward"``;
     the optimizer is lent the chunk's masters for one ``step()``); otherwise after backward. A NaN/Inf chunk stops the
     step's overlapped updates; the step is rejected, the masters retake the (unchanged) replicas' parameters, and the
-    chunks stepped get their optimizer state back (:class:`~cgdp.engine.core.host_state.StateSnapshot`; every chunk but
-    the last is saved), as after any failure."""
+    chunks stepped get their optimizer state back, as after any failure: Adam/AdamW's flat moments forget the side the
+    step wrote (:class:`~cgdp.engine.core.host_adam.FlatAdam`, every chunk), other optimizers' state is restored from
+    a copy (:class:`~cgdp.engine.core.host_state.StateSnapshot`; every chunk but the last is saved)."""
 
     streams = True
     sums = True
@@ -222,6 +224,8 @@ class HostUpdate(Update):
         self._open = False  # an overlapped step began and was not finished (masters maybe ahead)
         self._with_backward = self._hooked = False  # this step's
         self._states = StateSnapshot()  # of the chunks stepped with backward, for a failure
+        self._flat: host_adam.FlatAdam | None = None  # Adam/AdamW's moments in two sides: no copy to undo
+        self._fast = False  # this step's chunks go to ``_flat``
         self._seconds = 0.0
         self._rounded: torch.Tensor | None = None
         self.undone = False  # the step raised after backward and was undone: nothing changed
@@ -255,6 +259,9 @@ class HostUpdate(Update):
             weakref.finalize(self, self._queue.put, None)
             resources.push(functools.partial(_stop, self._queue, thread))
             host.on_summed = weak_call(self._summed)
+            if host_adam.usable(self.optimizer):
+                m = self.masters
+                self._flat = host_adam.FlatAdam(self.optimizer, m.masters, m.offsets, m.flat)
 
     def shown(self) -> list[torch.optim.Optimizer]:
         return [self.optimizer]  # the replicas' are never stepped
@@ -295,6 +302,10 @@ class HostUpdate(Update):
         self._chunks = sum(1 for n in self._left if n)  # a layer without parameters of its own has no update
         self._stepped: list[int] = []
         self._states.clear()
+        self._fast = self._flat is not None and host_adam.usable(self.optimizer)
+        if self._fast:
+            self._flat.discard()
+            self._flat.sync()
         if m.wire is not None:
             m.wire.forget()
         self._unsaved: int | None = None
@@ -338,36 +349,48 @@ class HostUpdate(Update):
                 self.masters.widen(self._rounded, *lay.chunk_bounds[c])
             t0 = time.perf_counter()
             groups = self.optimizer.param_groups
-            lent = [[] for _ in groups]
+            lent, pids = [[] for _ in groups], []
             masters = self.masters.masters
             for pid in self._chunk_pids[c]:
                 k = self._group[pid]
                 if k is not None and any(t[pid] for t in st.marks.touched):  # untouched: skipped, as on one device
                     lent[k].append(masters[pid])
+                    pids.append(pid)
             if self.masters.wire is not None:  # the replicas hold the masters' rounding: keep the masters
                 self.masters.wire.keep(self._chunk_pids[c])
-            if len(self._stepped) < self._chunks - 1:  # a later failure may undo this step: keep its state
-                self._states.save(self.optimizer.state, [p for ps in lent for p in ps])
-            else:  # the last chunk: every gradient is summed, nothing of this step is left to fail
-                self._unsaved = c
-            own = [g["params"] for g in groups]
-            try:
-                for g, ps in zip(groups, lent):
-                    g["params"] = ps
-                self.optimizer.step()
-            finally:
-                for g, ps in zip(groups, own):
-                    g["params"] = ps
+            self._step_lent(c, lent, pids)
             self._stepped.append(c)
             self._seconds += time.perf_counter() - t0
         finally:
             self._updated.advance()
+
+    def _step_lent(self, c: int, lent: list[list[nn.Parameter]], pids: list[int]) -> None:
+        """Chunk ``c``'s masters ``lent`` (per group) stepped: out of place into the other side of the flat moments, or
+        by the optimizer itself, lent only them, its state saved first unless the chunk is the step's last."""
+        if self._fast:
+            self._flat.step(pids, [self._group[k] for k in pids], self._sum_row(), self._layout.offsets)
+            return
+        groups = self.optimizer.param_groups
+        if len(self._stepped) < self._chunks - 1:  # a later failure may undo this step: keep its state
+            self._states.save(self.optimizer.state, [p for ps in lent for p in ps])
+        else:  # the last chunk: every gradient is summed, nothing of this step is left to fail
+            self._unsaved = c
+        own = [g["params"] for g in groups]
+        try:
+            for g, ps in zip(groups, lent):
+                g["params"] = ps
+            self.optimizer.step()
+        finally:
+            for g, ps in zip(groups, own):
+                g["params"] = ps
 
     def _undo(self) -> None:
         """A failed or rejected overlapped step: masters and stepped chunks' optimizer state as before."""
         m = self.masters  # with a bf16 wire from the masters' own copy (the replicas' are rounded)
         m.wire.put_back() if m.wire is not None else m.refresh()
         self._states.restore(self.optimizer.state)
+        if self._flat is not None:
+            self._flat.discard()
         if self._unsaved is not None:
             warnings.warn(f"the step failed after the host optimizer stepped its last chunk ({self._unsaved}) "
                           f"while backward ran: that chunk's optimizer state advanced by one step",
@@ -413,6 +436,8 @@ class HostUpdate(Update):
             step_or_undo(self.optimizer, self._states, m)
             self.undone = False
             self._seconds = time.perf_counter() - t0
+        elif self._fast:
+            self._flat.commit()
         self._open = False
         self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped),
                         "host_update_step_hooks": float(self._hooked)}
