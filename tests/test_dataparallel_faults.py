@@ -841,8 +841,10 @@ def test_a_step_that_raised_on_ranks_leaves_the_model_unusable():
             super().step(closure)
             raise RuntimeError("stopped partway")
 
+    net = mlp()  # every rank starts from the same parameters
+
     def rank(comm):
-        with cgdp.DataParallel(mlp(), ["cpu:0", "cpu:1"], comm=comm, timeout_s=30) as model:
+        with cgdp.DataParallel(copy.deepcopy(net), ["cpu:0", "cpu:1"], comm=comm, timeout_s=30) as model:
             opt = model.bind(Raises(model.parameters(), lr=0.1))
             x, y = batches(1)[0]
             F.cross_entropy(model(x), y).backward()
