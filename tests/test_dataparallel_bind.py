@@ -13,7 +13,7 @@ from torch import nn
 
 import cgdp
 from cgdp.testing import inside
-from helpers import assert_params_close, assert_replicas_identical, mlp
+from helpers import assert_params_close, assert_replicas_identical, bound, mlp
 
 DEVS = ["cpu:0", "cpu:1"]
 
@@ -44,10 +44,11 @@ def test_bind_returns_the_optimizer_and_binding_again_changes_nothing(update):
 
 def test_an_optimizer_of_other_parameters_is_refused_at_bind():
     with cgdp.DataParallel(mlp(), DEVS) as a, cgdp.DataParallel(mlp(), DEVS) as b:
-        for params in ([*a.parameters(), nn.Parameter(torch.zeros(2))], list(b.parameters()),
-                       [nn.Parameter(torch.zeros(2))]):
+        for params in (list(b.parameters()), [*a.parameters(), *b.parameters()], list(a.replicas[1].parameters())):
             with pytest.raises(ValueError, match="an optimizer may hold the parameters of one DataParallel only"):
                 a.bind(torch.optim.SGD(params, lr=0.1))
+        with pytest.raises(ValueError, match="holds none of this cgdp.DataParallel's parameters"):
+            a.bind(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1))
         bound_to_b = b.bind(torch.optim.SGD(b.parameters(), lr=0.1))
         with pytest.raises(ValueError, match="build a separate optimizer"):
             a.bind(bound_to_b)
@@ -145,3 +146,39 @@ def test_host_update_refuses_an_optimizer_that_overrides_step():
             model.bind(Mine(model.parameters(), lr=0.1))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         assert "step" not in vars(opt)
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_an_optimizer_over_the_model_and_parameters_outside_it_trains_as_one_device(opt_cls):
+    """A head applied to the gathered output and a frozen layer beside the model, in the model's optimizer (as with
+    nn.DataParallel): the model's parameters step on every replica, the others where they are; one device's result;
+    state_dict and load_state_dict keep working."""
+    torch.manual_seed(0)
+    net, head, frozen = mlp(), nn.Linear(5, 3), nn.Linear(3, 3)
+    frozen.requires_grad_(False)
+    data = [(torch.randn(8, 12), torch.randint(0, 3, (8,))) for _ in range(3)]
+
+    def train(model, head, frozen):
+        opt = bound(model, opt_cls([{"params": model.parameters()}, {"params": head.parameters(), "lr": 0.05},
+                                    {"params": frozen.parameters()}], lr=0.1))
+        for x, y in data:
+            opt.zero_grad()
+            F.cross_entropy(frozen(head(model(x))), y).backward()
+            opt.step()
+        return opt
+
+    ref = [copy.deepcopy(m) for m in (net, head, frozen)]
+    ref_opt = train(*ref)
+    with cgdp.DataParallel(copy.deepcopy(net), DEVS) as model:
+        ours = [copy.deepcopy(m) for m in (head, frozen)]
+        opt = train(model, *ours)
+        assert_replicas_identical(model)
+        for a, b in zip([*model.module.parameters(), *ours[0].parameters(), *ours[1].parameters()],
+                        [p for m in ref for p in m.parameters()]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        opt.load_state_dict(ref_opt.state_dict())  # the mirrors take the model's part of it
+        x, y = data[0]
+        opt.zero_grad()
+        F.cross_entropy(ours[1](ours[0](model(x))), y).backward()
+        opt.step()
+        assert_replicas_identical(model)

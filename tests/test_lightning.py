@@ -228,14 +228,15 @@ class FrozenSibling(Model):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_optimizer_over_a_frozen_sibling_refused_with_a_sentence():
-    """Refused in Lightning's terms (which parameters, which child, what to write), before training; the module is
-    put back as it was."""
-    model = FrozenSibling()
-    with pytest.raises(ValueError, match=r"a SGD over the parameters of self.net, .* also over \['frozen.weight', "
-                                         r"'frozen.bias'\], outside it: .* self.net.parameters\(\)"):
-        fit(model, devices=2, strategy=CGDPStrategy())
-    assert "forward" not in model.net.__dict__
+def test_optimizer_over_a_frozen_sibling_trains_as_one_device():
+    """``SGD(self.parameters())`` with a frozen child beside the trained one: bound to the DataParallel, the sibling's
+    parameters are the optimizer's alone (frozen here), and training is one device's."""
+    torch.manual_seed(0)
+    one = FrozenSibling()
+    two = copy.deepcopy(one)
+    fit(one, devices=1)
+    fit(two, devices=2, strategy=CGDPStrategy())
+    assert_params(two, one)
 
 
 def test_several_machines_refused_with_a_sentence():

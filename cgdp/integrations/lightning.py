@@ -260,23 +260,8 @@ class CGDPStrategy(ParallelStrategy):
             ours = {id(p) for p in dp.parameters()}
             for opt in self.optimizers:
                 held = [p for g in opt.param_groups for p in g["params"]]
-                if any(id(p) in ours for p in held):
-                    self._refuse_outside(opt, [p for p in held if id(p) not in ours])
+                if any(id(p) in ours for p in held):  # and others (a frozen sibling): stepped where they are
                     dp.bind(opt)
-
-    def _refuse_outside(self, opt: torch.optim.Optimizer, outside: list[torch.Tensor]) -> None:
-        """An optimizer over the wrapped child's parameters and others (``SGD(self.parameters())`` with a frozen
-        sibling): refused in Lightning's words, before cgdp's bind refuses it in its own."""
-        if not outside:
-            return
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        found = [names.get(id(p), f"a {tuple(p.shape)} tensor") for p in outside]
-        child = next(n for n, c in self.lightning_module.named_children() if c is self._route.child)
-        raise ValueError(f"CGDPStrategy: configure_optimizers returned a {type(opt).__name__} over the parameters of "
-                         f"self.{child}, which cgdp trains on every device, and also over {found}, outside it: "
-                         f"cgdp cannot step those with it yet. Give that optimizer self.{child}.parameters() (or "
-                         f"[p for p in self.parameters() if p.requires_grad] when the others are frozen), and the "
-                         f"others an optimizer of their own")
 
     def _child_to_wrap(self, model: nn.Module) -> str | None:
         own = [n for n, p in model.named_parameters(recurse=False) if p.requires_grad]

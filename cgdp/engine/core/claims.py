@@ -32,6 +32,14 @@ class Claim:
         self._ids = []
 
 
+def claimed(param: nn.Parameter) -> bool:
+    """Whether an open engine holds ``param``."""
+    with _lock:
+        ref = _CLAIMS.get(id(param))
+    engine = ref() if ref is not None else None
+    return engine is not None and not engine.closed
+
+
 def holder(module: nn.Module) -> Any:
     """The open engine that holds some parameter of ``module``, or None."""
     with _lock:

@@ -30,16 +30,23 @@ from typing import Any, Callable
 
 import torch
 
+from cgdp.engine.core.claims import claimed
 from cgdp.engine.core.host_state import prefer_fused
 from cgdp.engine.core.update import PerReplica
 
 _ATTR = "_cgdp_binding"
 _AMP_ATTRS = ("grad_scale", "found_inf")  # what GradScaler.step sets on an optimizer during its step
 
-FOREIGN = ("this optimizer holds parameters of a cgdp.DataParallel together with other parameters (or those of "
-           "another DataParallel); an optimizer may hold the parameters of one DataParallel only "
-           "(model.parameters() or a subset): build a separate optimizer for the others. A layer replaced after "
-           "wrapping has parameters the DataParallel does not train: replace layers before wrapping")
+FOREIGN = ("this optimizer holds parameters of another cgdp engine (another DataParallel or Trainer), or of another "
+           "replica than replica 0 (model.replicas[j], j > 0); an optimizer may hold the parameters of one "
+           "DataParallel only (model.parameters() or a subset) besides parameters outside every engine: build a "
+           "separate optimizer for the others. A layer replaced after wrapping has parameters the DataParallel does "
+           "not train: replace layers before wrapping")
+NONE_OF_OURS = ("this optimizer holds none of this cgdp.DataParallel's parameters: bind an optimizer over "
+                "model.parameters() (or a subset), and step the others as you would without cgdp")
+OUTSIDE_WITH_RANKS = ("this optimizer also holds parameters outside the cgdp.DataParallel ({names}) that have a "
+                      "gradient, which stays this rank's own with comm= (only the model's gradients are averaged "
+                      "over ranks): put them inside the wrapped model, or freeze them")
 NEW_PARAMETER = ("this optimizer holds a parameter that the cgdp.DataParallel did not have when it was built (a layer "
                  "replaced after wrapping?): it cannot step it on every replica. Replace layers before wrapping, or "
                  "close() and wrap model.module again")
@@ -53,22 +60,31 @@ OWN_STEP = ("update='host' steps a copy of your optimizer's class over float32 m
             "(with step hooks for extra work), or update='devices'")
 
 
-def bind(opt: torch.optim.Optimizer, steps: Any, owned: set[int]) -> None:
-    """Bind ``opt`` to ``steps``'s model (``owned``: ids of replica 0's parameters); nothing if already bound."""
+def bind(opt: torch.optim.Optimizer, steps: Any, owned: set[int], inside: set[int]) -> None:
+    """Bind ``opt`` to ``steps``'s model (``owned``: ids of replica 0's parameters; ``inside``: of every parameter of
+    every replica, now); nothing if already bound. Parameters outside every replica and every other engine (a head
+    applied to the gathered output, a frozen backbone beside the model) are the user's optimizer's alone, as with
+    ``nn.DataParallel``: stepped where they are, never on the other replicas."""
     b = opt.__dict__.get(_ATTR)
     if b is not None and b.steps() is steps:
         return
-    if b is not None or any(id(p) not in owned for g in opt.param_groups for p in g["params"]):
+    held = [p for g in opt.param_groups for p in g["params"]]
+    others = [p for p in held if id(p) not in owned]
+    if b is not None or any(id(p) in inside or claimed(p) for p in others):
         raise ValueError(FOREIGN)
+    if len(others) == len(held):
+        raise ValueError(NONE_OF_OURS)
     pid = steps.host_masters.pid if steps.host_masters is not None else ()
-    host = any(id(p) in pid for g in opt.param_groups for p in g["params"])
-    (HostBinding if host else Binding)(opt, steps)
+    host = any(id(p) in pid for p in held)
+    (HostBinding if host else Binding)(opt, steps, others)
 
 
 class Binding:
     """``update="devices"``: ``mirrors[j - 1]`` steps replica j."""
 
-    def __init__(self, opt: torch.optim.Optimizer, steps: Any):
+    def __init__(self, opt: torch.optim.Optimizer, steps: Any, outside: list[torch.Tensor] = ()):
+        self.outside = {id(p): p for p in outside}
+        """Parameters outside the model: the user's optimizer's alone (no mirror holds them)."""
         self.steps = weakref.ref(steps)
         self.opt = weakref.ref(opt)
         self.stepping: threading.Thread | None = None  # the guard lets the optimizer's own step run there
@@ -97,9 +113,10 @@ class Binding:
             self._reload(opt)
 
     def _groups(self, groups: list[dict], mapping: dict[int, Any]) -> list[dict]:
-        if any(id(p) not in mapping for g in groups for p in g["params"]):
+        out = self.outside
+        if any(id(p) not in mapping and id(p) not in out for g in groups for p in g["params"]):
             raise ValueError(NEW_PARAMETER)
-        return [{**g, "params": [mapping[id(p)] for p in g["params"]]} for g in groups]
+        return [{**g, "params": [mapping[id(p)] for p in g["params"] if id(p) not in out]} for g in groups]
 
     def step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
         if self.closed:  # a scheduler's counter built over this step outlived close(): replica 0 alone
@@ -107,6 +124,10 @@ class Binding:
         if (args and args[0] is not None) or kwargs.get("closure") is not None:
             raise NotImplementedError(CLOSURE)
         steps = self.steps()
+        if self.outside and steps.ranks > 1:
+            names = [tuple(p.shape) for p in self.outside.values() if p.grad is not None]
+            if names:
+                raise RuntimeError(OUTSIDE_WITH_RANKS.format(names=", ".join(map(str, names[:5]))))
         steps.begin()  # the model's operation lock, the gradients checked
         self.stepping = threading.current_thread()
         try:
@@ -175,7 +196,7 @@ class Binding:
 
     def _reload(self, opt: torch.optim.Optimizer) -> None:
         self._sync_groups(opt)
-        state = opt.state_dict()
+        state = _without(opt.state_dict(), [id(p) in self.outside for g in opt.param_groups for p in g["params"]])
         for m in self.mirrors:
             m.load_state_dict(copy.deepcopy(state))
 
@@ -184,7 +205,8 @@ class Binding:
             for mapping in self.maps:
                 for group in opt.param_groups:
                     for p in group["params"]:
-                        mapping[id(p)].copy_(p)
+                        if id(p) not in self.outside:
+                            mapping[id(p)].copy_(p)
         self._reload(opt)
 
     def close(self) -> None:
@@ -255,9 +277,9 @@ class HostBinding(Binding):
                 raise NotImplementedError(
                     "update='host' steps the parameters that were dense and trainable when the model was wrapped; "
                     "this optimizer also holds one with a gradient that is not among them (a sparse embedding's, "
-                    "or one unfrozen after wrapping): give the sparse parameters an optimizer of their own (e.g. "
-                    "torch.optim.SparseAdam: it steps on the devices), unfreeze before wrapping, or use "
-                    "update='devices'")
+                    "one unfrozen after wrapping, or one outside the model): give the sparse parameters an optimizer "
+                    "of their own (e.g. torch.optim.SparseAdam: it steps on the devices), unfreeze before wrapping, "
+                    "give parameters outside the model an optimizer of their own, or use update='devices'")
         m, pids = self.masters, self._pids
         m.follow()
         m.take_grads(*steps.host_sum(), pids)  # the host's sum in place where every replica holds it
@@ -278,6 +300,17 @@ class HostBinding(Binding):
         opt = self.opt()
         if opt is not None and opt.state:
             opt.load_state_dict(opt.state_dict())
+
+
+def _without(state: dict, drop: list[bool]) -> dict:
+    """An optimizer ``state_dict`` without the parameters whose position (in group order) ``drop`` marks: the
+    mirrors' (they hold no parameter outside the model)."""
+    if not any(drop):
+        return state
+    index = {old: new for new, old in enumerate(i for i, d in enumerate(drop) if not d)}
+    return {"state": {index[k]: v for k, v in state["state"].items() if k in index},
+            "param_groups": [{**g, "params": [index[i] for i in g["params"] if i in index]}
+                             for g in state["param_groups"]]}
 
 
 def _outermost(b: Binding, inner: Callable[..., Any]) -> Callable[..., Any]:

@@ -222,7 +222,8 @@ class DataParallel(nn.Module):
     @operation("bind()")
     def bind(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Bind ``optimizer`` once: its ``step()`` steps every replica until :meth:`close`. Returns it; idempotent."""
-        bind(optimizer, self._steps, {id(p) for p in self._state.params[0]} | set(self._grad_buffers.ids()))
+        inside = {id(p) for r in self._replicas for p in r.parameters()} | {id(p) for p in self.module.parameters()}
+        bind(optimizer, self._steps, {id(p) for p in self._state.params[0]} | set(self._grad_buffers.ids()), inside)
         return optimizer
 
     @property
