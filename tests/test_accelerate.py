@@ -325,8 +325,13 @@ def test_prepared_model_reads_the_modules_attributes():
     trained values included; the wrapper's own names and those with an underscore stay its."""
     acc = Accelerator(cpu=True)
     net, model, opt, dl = regression_setup(acc)
-    net.config = {"vocab": 7}
-    assert model is not net and model.config is net.config and model.a is net.a
+    net.config, net.labels, net.enable_feature = {"vocab": 7}, 7, lambda: None
+    assert model is not net and model.labels == 7 and model.a is net.a
+    with pytest.raises(AttributeError, match=r"'config' of your module is a dict, .* accelerator.unwrap_model\(model\)"
+                                             r".config, and make changes .* before accelerator.prepare"):
+        model.config  # a change through it would reach replica 0 alone
+    with pytest.raises(AttributeError, match="is a function"):
+        model.enable_feature
     batch = next(iter(dl))
     acc.backward(nn.functional.mse_loss(model(batch["x"]), batch["y"]))
     opt.step()

@@ -667,3 +667,50 @@ def test_the_flat_moments_only_where_they_match_torch_and_add_param_group_keeps_
             assert not tr._update._fast and tr.stats["host_update_overlapped"] == 1.0
         assert {int(s["step"]) for s in tr.optimizers[0].state.values()} == {4}
         assert_replicas_identical(tr)
+
+
+@pytest.mark.parametrize("wire", [None, "bf16"])
+def test_a_checkpoint_saved_right_after_a_failed_overlapped_step_holds_the_step_before(wire):
+    """The failed step's chunk updates are finished and undone before its error reaches the caller: state_dict() in
+    the except handler is the last applied step's, parameters and optimizer state alike."""
+    torch.manual_seed(0)
+    model, data = _FailsPartway(), batches(2)
+    with cgdp.Trainer(model, partial(torch.optim.AdamW, lr=1e-2), ["cpu:0", "cpu:1"], chunks=1, update="host",
+                      grad_transfer=wire) as tr:
+        _Boom.fail = False
+        tr.step(*data[0], F.cross_entropy)
+        before = copy.deepcopy(tr.state_dict())
+        _Boom.fail = True
+        try:
+            with pytest.raises(RuntimeError):
+                tr.step(*data[1], F.cross_entropy)
+            after = tr.state_dict()
+        finally:
+            _Boom.fail = False
+        for k, v in after["model"].items():
+            assert torch.equal(v, before["model"][k]), k
+        for k, s in after["optimizer"]["state"].items():
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(s[name], before["optimizer"]["state"][k][name]), (k, name)
+
+
+def test_a_scheduler_sees_the_host_optimizer_stepped():
+    """The overlapped step may not call optimizer.step() (the flat moments): an LR scheduler still sees it stepped
+    and says nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with cgdp.Trainer(mlp(), partial(torch.optim.AdamW, lr=1e-2), ["cpu:0", "cpu:1"], update="host",
+                          scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1)) as tr:
+            for x, y in batches(2):
+                tr.step(x, y, F.cross_entropy)
+
+
+@pytest.mark.parametrize("face", ["Trainer", "DataParallel"])
+def test_parameters_that_are_not_contiguous_are_refused(face):
+    """The masters are row-major: a channels_last convolution's weight would take its gradient in the wrong order."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten()).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="not contiguous|is not \\(strides"):
+        if face == "Trainer":
+            cgdp.Trainer(net, partial(torch.optim.SGD, lr=0.1), ["cpu:0", "cpu:1"], update="host")
+        else:
+            cgdp.DataParallel(net, ["cpu:0", "cpu:1"], update="host")

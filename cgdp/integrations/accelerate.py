@@ -192,10 +192,21 @@ class Accelerator(accelerate.Accelerator):
         return super().free_memory(*objects)
 
 
+_PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Tensor)
+
+
+def _plain(value: Any) -> bool:
+    """A value reading cannot change: a number, a string, a tensor (an edit in place is followed to every replica), a
+    tuple of such."""
+    return isinstance(value, _PLAIN) or (type(value) is tuple and all(map(_plain, value)))
+
+
 class _Prepared(DataParallel):
     """What ``prepare`` returns for a model: a :class:`cgdp.DataParallel` on which an attribute it does not have is
-    read on the user's module (``model.config``, ``model.a``), as on the very module plain Accelerate returns on one
-    device. Names with a leading underscore stay the wrapper's; attributes set go on the wrapper, as with DDP."""
+    read on the user's module (``model.a``, a parameter; ``model.num_labels``) when it is a plain value, as on the very
+    module plain Accelerate returns on one device. Anything else (``model.config``, a method, a submodule) would be
+    replica 0's alone, and a change to it would not reach the others: refused with a sentence. Names with a leading
+    underscore stay the wrapper's; attributes set go on the wrapper, as with DDP."""
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -203,7 +214,15 @@ class _Prepared(DataParallel):
         except AttributeError:
             if name.startswith("_") or not self.__dict__.get("_cgdp_reads_module"):
                 raise
-            return getattr(self.module, name)
+            value = getattr(self.module, name)
+            if _plain(value):
+                return value
+            raise AttributeError(
+                f"the model prepared by cgdp.integrations.accelerate.Accelerator is a cgdp.DataParallel; {name!r} of "
+                f"your module is a {type(value).__name__}, which it reads for you only when it is a plain value "
+                f"(a number, a string, a tensor): a change made through it would reach replica 0 alone. Read it as "
+                f"accelerator.unwrap_model(model).{name}, and make changes (config, gradient checkpointing, "
+                f"resizing) before accelerator.prepare(model)") from None
 
 
 _FP16 = ("cgdp.integrations.accelerate.Accelerator trains with mixed_precision='bf16' or in float32; "

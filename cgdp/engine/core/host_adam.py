@@ -17,6 +17,7 @@ amsgrad, capturable, differentiable, tensor lr or betas, nor a grad scaler; the 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Sequence
 
@@ -177,21 +178,24 @@ def agrees_with_torch() -> bool:
     """Once per process: two steps of tensors with vector runs and tails, Adam with L2 and AdamW, against torch's own
     (a build of torch compiled otherwise may round otherwise; then torch's step is kept)."""
     gen = torch.Generator().manual_seed(0)
-    sizes, same = [37, 5, 48], True
-    for cls in (torch.optim.Adam, torch.optim.AdamW):
+    # vector runs and every kind of tail (n % 16 below and from 8: AVX-512's vectorised epilogue), both lerp branches
+    sizes, same = [37, 5, 48, 25, 9, 15], True
+    offsets = [0, *itertools.accumulate(sizes)][:-1]
+    for cls, kw in ((torch.optim.Adam, {"weight_decay": 0.1}), (torch.optim.AdamW, {"weight_decay": 0.1}),
+                    (torch.optim.AdamW, {"maximize": True, "betas": (0.3, 0.95)})):
         flat = torch.randn(sum(sizes), generator=gen)
         ref = [torch.nn.Parameter(t.clone()) for t in flat.split(sizes)]
         ps = [torch.nn.Parameter(t) for t in flat.split(sizes)]
-        opts = [cls(q, lr=0.1, weight_decay=0.1, fused=True) for q in (ref, ps)]
-        mine = FlatAdam(opts[1], ps, [0, 37, 42], flat)
+        opts = [cls(q, lr=0.1, fused=True, **kw) for q in (ref, ps)]
+        mine = FlatAdam(opts[1], ps, offsets, flat)
         for _ in range(2):
             row = torch.randn(sum(sizes), generator=gen)
             for p, g in zip(ref, row.split(sizes)):
                 p.grad = g.clone()
             opts[0].step()
-            mine.sync(), mine.step([0, 1, 2], [0, 0, 0], row, [0, 37, 42]), mine.commit()
-            same = same and all(torch.equal(a, b) and torch.equal(opts[0].state[a]["exp_avg_sq"],
-                                                                  opts[1].state[b]["exp_avg_sq"])
+            mine.sync(), mine.step(list(range(len(sizes))), [0] * len(sizes), row, offsets), mine.commit()
+            same = same and all(torch.equal(a, b) and all(torch.equal(opts[0].state[a][k], opts[1].state[b][k])
+                                                          for k in ("exp_avg", "exp_avg_sq"))
                                 for a, b in zip(ref, ps))
     return same
 
@@ -205,6 +209,7 @@ class FlatAdam:
         total = flat.numel()
         self._m = [torch.zeros(total), torch.zeros(total)]  # separate storages: a saved state holds one side
         self._v = [torch.zeros(total), torch.zeros(total)]
+        self._storages = {t.untyped_storage().data_ptr() for t in self._m + self._v}
         self._np = (flat.numpy(), *(t.numpy() for t in self._m), *(t.numpy() for t in self._v))
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.sizes = np.asarray([t.numel() for t in self.masters], dtype=np.int64)
@@ -250,12 +255,20 @@ class FlatAdam:
 
     @staticmethod
     def _constants(group: dict, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        lr, (b1, b2), wd, eps = group["lr"], group["betas"], group["weight_decay"], group["eps"]
+        # Python floats (double), as torch takes them: a numpy float32 lr would otherwise compute in float32
+        lr, b1, b2, wd, eps = map(float, (group["lr"], *group["betas"], group["weight_decay"], group["eps"]))
         adamw = group.get("decoupled_weight_decay", False)
         ks = np.empty((len(steps), 8), dtype=np.float32)
         for j, st in enumerate(map(float, steps)):  # in double with libm's pow, as torch; cast to float32 as it does
             ks[j] = (lr / (1 - b1 ** st), math.sqrt(1 - b2 ** st), 1 - lr * wd, wd, 1 - b1, b2, 1 - b2, eps)
         return ks, np.asarray([group["maximize"], adamw, wd != 0], dtype=np.bool_)
+
+    def unshown_bytes(self) -> int:
+        """Bytes of the flat sides that ``optimizer.state`` does not show (the other side; both before a first step),
+        for ``memory_report()``."""
+        shown = sum(v.numel() * 4 for t in self.masters for k, v in self.opt.state.get(t, {}).items()
+                    if k in ("exp_avg", "exp_avg_sq") and v.untyped_storage().data_ptr() in self._storages)
+        return 4 * sum(t.numel() for t in self._m + self._v) - shown
 
     def commit(self) -> None:
         """The step succeeded: the written sides become current, state entries their views, steps counted."""

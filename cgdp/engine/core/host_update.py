@@ -57,6 +57,12 @@ class HostMasters:
     def __init__(self, devs: Sequence[Device], params: Sequence[Sequence[torch.Tensor]]):
         self.devs = list(devs)
         self.params = [list(p) for p in params]
+        odd = next((p for p in self.params[0] if not p.is_contiguous()), None)
+        if odd is not None:
+            raise ValueError(f"update='host' keeps float32 masters laid out row-major on the host, and a parameter "
+                             f"of shape {tuple(odd.shape)} is not (strides {odd.stride()}: a channels_last "
+                             f"convolution's weight, a transposed tensor): make the parameters contiguous before "
+                             f"wrapping (model.to(memory_format=torch.contiguous_format)), or use update='devices'")
         numels = [p.numel() for p in self.params[0]]
         self.offsets = [0, *itertools.accumulate(numels)][:len(numels)]
         total = max(sum(numels), 1)
@@ -69,6 +75,8 @@ class HostMasters:
         self._attached: tuple | None = None
         self._selected: tuple = (None,)
         self.wire: Any = None  # Bf16Wire with grad_transfer="bf16"
+        self.unshown_bytes: Callable[[], int] = lambda: 0
+        """Host memory the optimizer holds besides its state (the flat moments' other side)."""
         self._viewed: list[nn.Parameter] = []
         self.refresh()
 
@@ -262,6 +270,7 @@ class HostUpdate(Update):
             if host_adam.usable(self.optimizer):
                 m = self.masters
                 self._flat = host_adam.FlatAdam(self.optimizer, m.masters, m.offsets, m.flat)
+                m.unshown_bytes = self._flat.unshown_bytes  # the moments' other side (the state shows one)
 
     def shown(self) -> list[torch.optim.Optimizer]:
         return [self.optimizer]  # the replicas' are never stepped
@@ -270,18 +279,7 @@ class HostUpdate(Update):
         """Before the first forward (caller's thread). With gradient hooks (``hooked``, refused after backward) nothing
         is stepped with backward, so the refusal leaves the optimizer untouched."""
         m = self.masters
-        if self._open:  # the last overlapped step failed: let its updates finish, undo them
-            if self.overlap == "with backward":
-                done = threading.Event()
-                self._queue.put(done.set)
-                try:
-                    self._guard.wait(done, "the host update thread to finish a failed step's updates")
-                except StepAborted:  # the failed step's own error, already raised to the caller
-                    done.wait()
-                self._undo()
-            else:
-                m.refresh()
-            self._open = False
+        self.settle()
         m.follow(round_replicas=True)
         self._seconds, self.undone = 0.0, False
         # step hooks would run per chunk on part of the parameters: with any, update once after backward
@@ -312,6 +310,23 @@ class HostUpdate(Update):
         self._poisoned: int | None = None
         self._updated.reset()
         self._open = True
+
+    def settle(self) -> None:
+        """A failed overlapped step: its updates finished and undone (masters and optimizer state as before it), so
+        that a checkpoint saved right after the error holds the step before."""
+        if not self._open:
+            return
+        if self.overlap == "with backward":
+            done = threading.Event()
+            self._queue.put(done.set)
+            try:
+                self._guard.wait(done, "the host update thread to finish a failed step's updates")
+            except StepAborted:  # the failed step's own error, already raised to the caller
+                done.wait()
+            self._undo()
+        else:
+            self.masters.refresh()
+        self._open = False
 
     def _sum_row(self, widen: bool = False) -> torch.Tensor:
         """The float32 row the masters' gradients view (with ``widen``, a bf16 row widened whole now)."""
@@ -438,6 +453,7 @@ class HostUpdate(Update):
             self._seconds = time.perf_counter() - t0
         elif self._fast:
             self._flat.commit()
+            self.optimizer._opt_called = True  # what an LR scheduler looks for (torch's step, not run, sets it)
         self._open = False
         self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped),
                         "host_update_step_hooks": float(self._hooked)}

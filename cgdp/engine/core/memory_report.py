@@ -3,7 +3,8 @@
 
 * ``"parameters"``: the replica's trainable parameters (host: ``update="host"``'s float32 masters);
 * ``"gradients"``: the flat buffer and gradients outside it (sparse); on the host, buffers besides the rows;
-* ``"optimizer_state"``: the state of the optimizers stepping this replica (host: the host optimizer's);
+* ``"optimizer_state"``: the state of the optimizers stepping this replica (host: the host optimizer's, with both
+  sides of its flat moments);
 * ``"transfer"``: the bf16 stage on a device; the registered slots, sum row and bf16 masters' copy on the host.
 
 A GPU also reports ``"allocated"`` (``torch.cuda.memory_allocated``: everything the process holds there; so far run only
@@ -85,6 +86,6 @@ def memory_report(devices: Sequence[str], params: Sequence[Sequence[torch.Tensor
         host["gradients"] = masters.grad_bytes
         if masters.wire is not None:  # the masters' bf16 rounding, sent to the devices
             host["transfer"] += _nbytes([masters.wire.flat16])
-        host["optimizer_state"] = sum(optimizer_state_bytes(o) for o in opts)
+        host["optimizer_state"] = sum(optimizer_state_bytes(o) for o in opts) + masters.unshown_bytes()
     out["host"] = host
     return out

@@ -447,6 +447,7 @@ class Trainer:
             self._quiesce()
             return
         self._life.fail(exc, self._devs, self._stream.host)
+        self._update.settle()  # update="host": a checkpoint saved after this error holds the step before
         if phase == "update" and not self._update.undone:  # update="host" undoes its own
             self._life.broken = f"a failure during the update may have left replicas different ({exc!r})"
         if self._comm is not None and phase != "forward":
