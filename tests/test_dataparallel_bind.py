@@ -182,3 +182,28 @@ def test_an_optimizer_over_the_model_and_parameters_outside_it_trains_as_one_dev
         F.cross_entropy(ours[1](ours[0](model(x))), y).backward()
         opt.step()
         assert_replicas_identical(model)
+
+
+def test_outside_parameters_added_later_another_engines_replicas_and_trainable_ones_where_only_the_model_steps():
+    """A frozen head added with add_param_group after bind trains on; another engine's replica 1 is refused (it would
+    step that replica alone); with update='host' a trainable outside parameter is refused at bind (only the model's
+    masters are stepped there), a frozen one is fine."""
+    torch.manual_seed(0)
+    with cgdp.DataParallel(mlp(), DEVS) as a, cgdp.DataParallel(mlp(), DEVS) as b:
+        head = nn.Linear(5, 3)
+        opt = a.bind(torch.optim.SGD(a.parameters(), lr=0.1))
+        opt.add_param_group({"params": head.parameters(), "lr": 0.05})
+        x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
+        for _ in range(2):
+            opt.zero_grad()
+            F.cross_entropy(head(a(x)), y).backward()
+            opt.step()
+        assert_replicas_identical(a)
+        with pytest.raises(ValueError, match="another replica than replica 0"):
+            a.bind(torch.optim.SGD([*a.parameters(), *b.replicas[1].parameters()], lr=0.1))
+    with cgdp.DataParallel(mlp(), DEVS, update="host") as model:
+        head = nn.Linear(5, 3)
+        with pytest.raises(ValueError, match="update='host' steps the model's parameters on the host"):
+            model.bind(torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1))
+        head.requires_grad_(False)
+        model.bind(torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1))

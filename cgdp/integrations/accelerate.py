@@ -192,12 +192,11 @@ class Accelerator(accelerate.Accelerator):
         return super().free_memory(*objects)
 
 
-_PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Tensor)
+_PLAIN = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
 def _plain(value: Any) -> bool:
-    """A value reading cannot change: a number, a string, a tensor (an edit in place is followed to every replica), a
-    tuple of such."""
+    """A value reading cannot change: a number, a string, a tuple of such."""
     return isinstance(value, _PLAIN) or (type(value) is tuple and all(map(_plain, value)))
 
 
@@ -215,12 +214,14 @@ class _Prepared(DataParallel):
             if name.startswith("_") or not self.__dict__.get("_cgdp_reads_module"):
                 raise
             value = getattr(self.module, name)
-            if _plain(value):
+            # a parameter or buffer: an edit in place is followed to every replica (a plain tensor attribute is not)
+            if _plain(value) or (isinstance(value, torch.Tensor) and any(
+                    value is t for t in (*self.module.parameters(), *self.module.buffers()))):
                 return value
             raise AttributeError(
                 f"the model prepared by cgdp.integrations.accelerate.Accelerator is a cgdp.DataParallel; {name!r} of "
                 f"your module is a {type(value).__name__}, which it reads for you only when it is a plain value "
-                f"(a number, a string, a tensor): a change made through it would reach replica 0 alone. Read it as "
+                f"(a number, a string, a parameter or buffer): a change made through it would reach replica 0 alone. Read it as "
                 f"accelerator.unwrap_model(model).{name}, and make changes (config, gradient checkpointing, "
                 f"resizing) before accelerator.prepare(model)") from None
 

@@ -23,6 +23,14 @@ class Claim:
     def __init__(self, ref: weakref.ref, ids: list[int]):
         self._ref, self._ids = ref, ids
 
+    def add(self, params: Any) -> None:
+        """The engine's other replicas' parameters too: no optimizer of another engine may hold them."""
+        ids = [id(p) for p in params]
+        with _lock:
+            for i in ids:
+                _CLAIMS.setdefault(i, self._ref)
+        self._ids += ids
+
     def release(self) -> None:
         """Give back this engine's parameters (once; entries another engine holds stay)."""
         with _lock:

@@ -279,7 +279,8 @@ class HostUpdate(Update):
         """Before the first forward (caller's thread). With gradient hooks (``hooked``, refused after backward) nothing
         is stepped with backward, so the refusal leaves the optimizer untouched."""
         m = self.masters
-        self.settle()
+        if not self.settle():
+            raise RuntimeError(_UNSETTLED)
         m.follow(round_replicas=True)
         self._seconds, self.undone = 0.0, False
         # step hooks would run per chunk on part of the parameters: with any, update once after backward
@@ -311,22 +312,25 @@ class HostUpdate(Update):
         self._updated.reset()
         self._open = True
 
-    def settle(self) -> None:
+    def settle(self) -> bool:
         """A failed overlapped step: its updates finished and undone (masters and optimizer state as before it), so
-        that a checkpoint saved right after the error holds the step before."""
+        that a checkpoint saved right after the error holds the step before. False: the host update thread did not
+        finish them within ``timeout_s`` (the step is left open)."""
         if not self._open:
-            return
+            return True
         if self.overlap == "with backward":
             done = threading.Event()
             self._queue.put(done.set)
             try:
                 self._guard.wait(done, "the host update thread to finish a failed step's updates")
             except StepAborted:  # the failed step's own error, already raised to the caller
-                done.wait()
+                if not done.wait(self._guard.timeout_s):  # note: host waits for the host update thread
+                    return False
             self._undo()
         else:
             self.masters.refresh()
         self._open = False
+        return True
 
     def _sum_row(self, widen: bool = False) -> torch.Tensor:
         """The float32 row the masters' gradients view (with ``widen``, a bf16 row widened whole now)."""
@@ -460,6 +464,10 @@ class HostUpdate(Update):
         stamps = m.to_devices(threads)
         self.figures["host_update_bytes_back"] = float(m.wire.sent_bytes if m.wire is not None else m.nbytes)
         return stamps
+
+
+_UNSETTLED = ("the host update thread did not finish a failed step's chunk updates within timeout_s (a step hook "
+              "that never returns?), so the host optimizer's state may be ahead of the parameters")
 
 
 def _stop(q: queue.SimpleQueue, thread: threading.Thread) -> None:

@@ -214,7 +214,8 @@ class Lifetime:
         from cgdp.engine.backend import make_devices
         from cgdp.engine.core.claims import claim
         res, name = self.resources, self.name if self.name.startswith("cgdp.") else f"cgdp.{self.name}"
-        res.push(claim(owner, model, name).release)
+        self.claim = claim(owner, model, name)
+        res.push(self.claim.release)
         from cgdp.engine.core.drain import quiesce
         devs = make_devices(devices, self._stop, share_devices)
         res.drain = functools.partial(quiesce, devs, None, 30.0)

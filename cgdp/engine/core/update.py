@@ -60,8 +60,10 @@ class Update(ABC):
                module: nn.Module | None = None) -> None:
         """Once the gradient path exists."""
 
-    def settle(self) -> None:
-        """After a failed step (caller's thread, nothing else running): whatever it began is finished or undone."""
+    def settle(self) -> bool:
+        """After a failed step (caller's thread, nothing else running): whatever it began is finished or undone;
+        False if that did not end within ``timeout_s``."""
+        return True
 
     def begin_step(self, hooked: bool = False) -> None:
         """Before the first forward (caller's thread); ``hooked``: user gradient hooks will run."""

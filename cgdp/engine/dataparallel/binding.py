@@ -44,8 +44,8 @@ FOREIGN = ("this optimizer holds parameters of another cgdp engine (another Data
            "not train: replace layers before wrapping")
 NONE_OF_OURS = ("this optimizer holds none of this cgdp.DataParallel's parameters: bind an optimizer over "
                 "model.parameters() (or a subset), and step the others as you would without cgdp")
-OUTSIDE_WITH_RANKS = ("this optimizer also holds parameters outside the cgdp.DataParallel ({names}) that have a "
-                      "gradient, which stays this rank's own with comm= (only the model's gradients are averaged "
+OUTSIDE_WITH_RANKS = ("this optimizer also holds trainable parameters outside the cgdp.DataParallel ({names}), "
+                      "whose gradient would stay this rank's own with comm= (only the model's gradients are averaged "
                       "over ranks): put them inside the wrapped model, or freeze them")
 NEW_PARAMETER = ("this optimizer holds a parameter that the cgdp.DataParallel did not have when it was built (a layer "
                  "replaced after wrapping?): it cannot step it on every replica. Replace layers before wrapping, or "
@@ -60,30 +60,49 @@ OWN_STEP = ("update='host' steps a copy of your optimizer's class over float32 m
             "(with step hooks for extra work), or update='devices'")
 
 
-def bind(opt: torch.optim.Optimizer, steps: Any, owned: set[int], inside: set[int]) -> None:
-    """Bind ``opt`` to ``steps``'s model (``owned``: ids of replica 0's parameters; ``inside``: of every parameter of
+def bind(opt: torch.optim.Optimizer, steps: Any, owned: set[int], inside: Callable[[], set[int]]) -> None:
+    """Bind ``opt`` to ``steps``'s model (``owned``: ids of replica 0's parameters; ``inside()``: of every parameter of
     every replica, now); nothing if already bound. Parameters outside every replica and every other engine (a head
     applied to the gathered output, a frozen backbone beside the model) are the user's optimizer's alone, as with
     ``nn.DataParallel``: stepped where they are, never on the other replicas."""
     b = opt.__dict__.get(_ATTR)
     if b is not None and b.steps() is steps:
         return
+    if b is not None:
+        raise ValueError(FOREIGN)
     held = [p for g in opt.param_groups for p in g["params"]]
     others = [p for p in held if id(p) not in owned]
-    if b is not None or any(id(p) in inside or claimed(p) for p in others):
-        raise ValueError(FOREIGN)
-    if len(others) == len(held):
+    if others and len(others) == len(held):
+        outside_only(others, inside(), False, 1)  # another engine's: said as such
         raise ValueError(NONE_OF_OURS)
     pid = steps.host_masters.pid if steps.host_masters is not None else ()
     host = any(id(p) in pid for p in held)
-    (HostBinding if host else Binding)(opt, steps, others)
+    (HostBinding if host else Binding)(opt, steps, owned, others, inside)
+
+
+def outside_only(params: list[torch.Tensor], inside: set[int], host: bool, ranks: int) -> dict[int, torch.Tensor]:
+    """``params`` (none of the model's) as parameters outside every engine, or a refusal: another engine's or
+    replica's, a layer replaced after wrapping; a trainable one where only the model's are stepped (``update="host"``)
+    or averaged (ranks)."""
+    if any(id(p) in inside or claimed(p) for p in params):
+        raise ValueError(FOREIGN)
+    trainable = [tuple(p.shape) for p in params if p.requires_grad]
+    if trainable and host:
+        raise ValueError(f"update='host' steps the model's parameters on the host, and this optimizer also holds "
+                         f"trainable parameters outside the model ({', '.join(map(str, trainable[:5]))}): give them "
+                         f"an optimizer of their own, or use update='devices'")
+    if trainable and ranks > 1:
+        raise ValueError(OUTSIDE_WITH_RANKS.format(names=", ".join(map(str, trainable[:5]))))
+    return {id(p): p for p in params}
 
 
 class Binding:
     """``update="devices"``: ``mirrors[j - 1]`` steps replica j."""
 
-    def __init__(self, opt: torch.optim.Optimizer, steps: Any, outside: list[torch.Tensor] = ()):
-        self.outside = {id(p): p for p in outside}
+    def __init__(self, opt: torch.optim.Optimizer, steps: Any, owned: set[int], outside: list[torch.Tensor],
+                 inside: Callable[[], set[int]]):
+        self._owned, self._inside = owned, inside
+        self.outside = outside_only(outside, inside(), isinstance(self, HostBinding), steps.ranks)
         """Parameters outside the model: the user's optimizer's alone (no mirror holds them)."""
         self.steps = weakref.ref(steps)
         self.opt = weakref.ref(opt)
@@ -124,7 +143,7 @@ class Binding:
         if (args and args[0] is not None) or kwargs.get("closure") is not None:
             raise NotImplementedError(CLOSURE)
         steps = self.steps()
-        if self.outside and steps.ranks > 1:
+        if self.outside and steps.ranks > 1:  # unfrozen since bind (every rank runs the same code)
             names = [tuple(p.shape) for p in self.outside.values() if p.grad is not None]
             if names:
                 raise RuntimeError(OUTSIDE_WITH_RANKS.format(names=", ".join(map(str, names[:5]))))
@@ -181,6 +200,11 @@ class Binding:
     def _sync_groups(self, opt: torch.optim.Optimizer) -> None:
         groups = opt.param_groups
         if len(groups) > len(self._lens):
+            new = [p for g in groups[len(self._lens):] for p in g["params"]
+                   if id(p) not in self._owned and id(p) not in self.outside]
+            if new:  # outside ones (a frozen head added later); a layer replaced after wrapping is refused
+                self.outside.update(outside_only(new, self._inside(), isinstance(self, HostBinding),
+                                                 self.steps().ranks))
             for m, mp, _ in self.targets:
                 for g in self._groups(groups[len(self._lens):], mp):
                     m.add_param_group(g)

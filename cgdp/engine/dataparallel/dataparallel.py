@@ -160,6 +160,7 @@ class DataParallel(nn.Module):
         devs = self._devs
         before = [p.grad for p in (q for layer in layer_params for q in layer)]
         reps = make_replicas(module, devs)
+        self._life.claim.add(p for r in reps[1:] for p in r.parameters())
         self.module = module
         object.__setattr__(self, "_replicas", reps)  # not submodules: parameters() is replica 0's
         sparse = [sparse_parameters(r) for r in reps]
@@ -222,9 +223,13 @@ class DataParallel(nn.Module):
     @operation("bind()")
     def bind(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Bind ``optimizer`` once: its ``step()`` steps every replica until :meth:`close`. Returns it; idempotent."""
-        inside = {id(p) for r in self._replicas for p in r.parameters()} | {id(p) for p in self.module.parameters()}
-        bind(optimizer, self._steps, {id(p) for p in self._state.params[0]} | set(self._grad_buffers.ids()), inside)
+        bind(optimizer, self._steps, {id(p) for p in self._state.params[0]} | set(self._grad_buffers.ids()),
+             weak_call(self._inside))
         return optimizer
+
+    def _inside(self) -> set[int]:
+        """Every parameter of every replica now (one not among the engine's: a layer replaced after wrapping)."""
+        return {id(p) for r in [self.module, *self._replicas[1:]] for p in r.parameters()}
 
     @property
     def plan(self) -> Plan:

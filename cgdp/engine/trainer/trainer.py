@@ -145,6 +145,7 @@ class Trainer:
     # ------------------------------------------------------------------ construction
     def _build(self, model, optimizer, chunks, comm) -> None:
         reps = Replicas(model, self._devs, optimizer)
+        self._life.claim.add(p for r in reps.modules[1:] for p in r.parameters())
         self.replicas, self.optimizers = reps.modules, reps.optimizers
         self._params, self._buffers = reps.params, reps.buffers
         self._buffer_watch = BufferWatch(reps.buffers, reps.other_buffers)
@@ -447,7 +448,8 @@ class Trainer:
             self._quiesce()
             return
         self._life.fail(exc, self._devs, self._stream.host)
-        self._update.settle()  # update="host": a checkpoint saved after this error holds the step before
+        if not self._update.settle():  # update="host": a checkpoint saved after this error holds the step before
+            self._life.broken = "the host update thread did not finish a failed step's updates within timeout_s"
         if phase == "update" and not self._update.undone:  # update="host" undoes its own
             self._life.broken = f"a failure during the update may have left replicas different ({exc!r})"
         if self._comm is not None and phase != "forward":
