@@ -455,3 +455,69 @@ def test_the_hooks_that_follow_a_model_never_travel_with_it():
         for twin in (torch.load(io.BytesIO(buf.getvalue()), weights_only=False), copy.deepcopy(model)):
             assert not any(m._forward_pre_hooks or m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks
                            for m in twin.modules())
+
+
+@pytest.mark.parametrize("face", ["Trainer", "DataParallel"])
+def test_a_buffer_changed_in_place_between_steps_reaches_every_replica(face):
+    """A scheduled buffer edited on replica 0 between steps: every replica runs the next forward with it, as one device
+    does (not each its own, then averaged)."""
+    import torch.nn.functional as F
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+            self.register_buffer("scale", torch.ones(3))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    net = Scaled()
+    data = [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(3)]
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def edit(m):
+        with torch.no_grad():
+            m.scale.mul_(0.5)
+
+    for i, (x, y) in enumerate(data):
+        if i == 1:
+            edit(ref)
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    if face == "Trainer":
+        with cgdp.Trainer(copy.deepcopy(net), lambda p: torch.optim.SGD(p, lr=0.1), ["cpu:0", "cpu:1"]) as tr:
+            for i, (x, y) in enumerate(data):
+                if i == 1:
+                    edit(tr.replicas[0])
+                tr.step(x, y, F.cross_entropy)
+            ours = tr.replicas
+    else:
+        with cgdp.DataParallel(copy.deepcopy(net), ["cpu:0", "cpu:1"]) as model:
+            dp_opt = model.bind(torch.optim.SGD(model.parameters(), lr=0.1))
+            for i, (x, y) in enumerate(data):
+                if i == 1:
+                    edit(model.module)
+                dp_opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                dp_opt.step()
+            ours = model.replicas
+    for r in ours:
+        for (name, a), b in zip(ref.state_dict().items(), r.state_dict().values()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_reset_running_stats_on_the_model_reaches_every_replica():
+    """``model.module.bn.reset_running_stats()``: an eval forward on every replica uses the reset statistics."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    with cgdp.DataParallel(net, ["cpu:0", "cpu:1"]) as model:
+        model(torch.randn(8, 4) * 3 + 1)  # training forward: running statistics move
+        model.module[1].reset_running_stats()
+        model.eval()
+        x = torch.randn(8, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), net(x))

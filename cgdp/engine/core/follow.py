@@ -3,7 +3,8 @@
 The user changes the model between steps (``eval()``, ``p.clamp_`` under ``no_grad``, ``load_state_dict``, a layer
 replaced) and a forward may write parameters (``nn.Embedding(max_norm=...)``); the other replicas take such changes
 before they run again. :class:`Follow` holds replica 0 *as every replica has it* (:meth:`Follow._look`), compared as one
-value before every step or forward (:meth:`Follow.before_step`): modes are copied; a parameter frozen after wrapping is
+value before every step or forward (:meth:`Follow.before_step`): modes are copied; buffers changed in place are copied
+(the face records its own writes, :meth:`Follow.buffers_synced`); a parameter frozen after wrapping is
 frozen everywhere, unfreezing one frozen when wrapped is refused (no place in the flat buffers); parameters changed in
 place (version counters, which ``p.data`` does not share) are copied, with a warning; hook registrations are followed by
 :class:`~cgdp.engine.core.module_hooks.ModuleHooks`; new submodules or parameter objects are refused (buffers, hooks and
@@ -53,6 +54,7 @@ class Follow:
         self.after_load = after_load or (lambda: None)
         self.modules = [list(r.modules()) for r in replicas]  # same order on every replica
         self.params = [list(r.parameters()) for r in replicas]  # trainable or not
+        self.buffers = [list(r.buffers()) for r in replicas]
         self.hooks = ModuleHooks(replicas, self.params, devices)
         self.wrapped_trainable = list(map(_GRAD, self.params[0]))
         self.trainable = list(self.wrapped_trainable)
@@ -80,7 +82,7 @@ class Follow:
         """Replica 0 now, as one value, built in C (cheap enough for every step)."""
         m0, p0 = self.modules[0], self.params[0]
         return (list(map(_TRAINING, m0)), list(map(_GRAD, p0)), list(map(_VERSION, p0)), _registrations,
-                hook_count())
+                hook_count(), list(map(_VERSION, self.buffers[0])))
 
     def _structure(self) -> tuple:
         """Replica 0's module tree; read only when a registration or hook counter moved."""
@@ -95,6 +97,10 @@ class Follow:
         """Every replica was stepped alike: the new versions are not a change to follow."""
         s = self._seen
         self._seen = (s[0], s[1], list(map(_VERSION, self.params[0])), *s[3:])
+
+    def buffers_synced(self) -> None:
+        """The face made every replica's buffers the same (after a forward): their new versions are not a change."""
+        self._seen = (*self._seen[:5], list(map(_VERSION, self.buffers[0])))
 
     def before_step(self) -> bool:
         """Caller's thread, no replica running: every replica takes what changed on replica 0, or a refusal is raised
@@ -111,6 +117,12 @@ class Follow:
                 self._refuse_new_children()
             relisted = self.hooks.follow(moved=struct[1] != self._struct[1])
             self._struct = struct
+        if now[3] != seen[3]:  # a buffer assigned or registered: listed again, every one copied
+            self.buffers = [list(r.buffers()) for r in self.replicas]
+            now = (*now[:5], list(map(_VERSION, self.buffers[0])))
+            self._copy_buffers(range(len(self.buffers[0])))
+        elif now[5] != seen[5]:  # changed in place (reset_running_stats(), a schedule): replica 0's everywhere
+            self._copy_buffers([i for i, (a, b) in enumerate(zip(now[5], seen[5])) if a != b])
         if now[0] != seen[0]:
             self._copy_modes(now[0])
         if now[1] != seen[1]:
@@ -156,6 +168,14 @@ class Follow:
                     q.requires_grad_(r)
         self.trainable = now
 
+    def _copy_buffers(self, which: Any) -> None:
+        with torch.no_grad():
+            for bufs in self.buffers[1:]:
+                for i in which:
+                    if bufs[i].shape == self.buffers[0][i].shape:
+                        bufs[i].copy_(self.buffers[0][i])
+        self.after_load()  # every replica's buffers are the same: the face's baseline
+
     def _copy_parameters(self, which: Any) -> None:
         with torch.no_grad():
             for params in self.params[1:]:
@@ -170,7 +190,7 @@ class Follow:
             for mods in self.modules[1:]:
                 mods[at].load_state_dict(state)
         now, seen = self._look(), self._seen
-        self._seen = (*now[:3], *seen[3:])  # a load that assigned buffers anew is followed by before_step
+        self._seen = (*now[:3], *seen[3:5], now[5])  # a load that assigned buffers anew is followed by before_step
         self.after_load()
 
     def _refuse_new_parameters(self) -> None:

@@ -58,10 +58,12 @@ class ReplicaState:
                 for b, b0 in zip(r.buffers(), first.buffers()):
                     b.data.copy_(b0)
         self.buffer_watch.synced()
+        self.follow.buffers_synced()
 
     def after_forward(self, sizes: list[int], comm: Any) -> None:
         """Buffers a training forward wrote take their batch-weighted mean (only those: constants stay bitwise)."""
         bufs_f, g, n = self.buffers_f, len(sizes), len(self.replicas)
+        self.follow.buffers_synced()  # what the forward wrote is not the user's change (made equal below)
         if not bufs_f[0] or (n == 1 and comm is None):
             return
         weights, _ = batch_weights(sizes, comm)

@@ -404,6 +404,7 @@ class Trainer:
         sync_buffers(self._buffers, self._weights, self._comm, changed)
         # a forward is done again (buffers restored) only on emulated devices without random turns
         self._buffer_watch.synced(changed, others=not (self._devs[0].is_cuda or self._rng.turns))
+        self._follow.buffers_synced()  # what the forwards wrote is not the user's change
 
     def _account(self, fw: list, bw: list, up: list, times: tuple[float, float, float, float], samples: int,
                  held_s: float, coef: torch.Tensor | None, tuning: bool) -> None:
@@ -458,5 +459,6 @@ class Trainer:
             copy_from_first(self._buffers)
             copy_from_first(self._buffer_watch.others)
             self._buffer_watch.synced()
+            self._follow.buffers_synced()
         self._guard.reset()
 
