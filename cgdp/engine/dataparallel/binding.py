@@ -71,13 +71,13 @@ def bind(opt: torch.optim.Optimizer, steps: Any, owned: set[int], inside: Callab
     if b is not None:
         raise ValueError(FOREIGN)
     held = [p for g in opt.param_groups for p in g["params"]]
-    others = [p for p in held if id(p) not in owned]
-    if others and len(others) == len(held):
-        outside_only(others, inside(), False, 1)  # another engine's: said as such
-        raise ValueError(NONE_OF_OURS)
     pid = steps.host_masters.pid if steps.host_masters is not None else ()
     host = any(id(p) in pid for p in held)
-    (HostBinding if host else Binding)(opt, steps, owned, others, inside)
+    others = [p for p in held if id(p) not in owned]
+    outside = outside_only(others, inside(), host, steps.ranks)
+    if others and len(others) == len(held):
+        raise ValueError(NONE_OF_OURS)
+    (HostBinding if host else Binding)(opt, steps, owned, outside, inside)
 
 
 def outside_only(params: list[torch.Tensor], inside: set[int], host: bool, ranks: int) -> dict[int, torch.Tensor]:
@@ -99,11 +99,11 @@ def outside_only(params: list[torch.Tensor], inside: set[int], host: bool, ranks
 class Binding:
     """``update="devices"``: ``mirrors[j - 1]`` steps replica j."""
 
-    def __init__(self, opt: torch.optim.Optimizer, steps: Any, owned: set[int], outside: list[torch.Tensor],
+    def __init__(self, opt: torch.optim.Optimizer, steps: Any, owned: set[int], outside: dict[int, torch.Tensor],
                  inside: Callable[[], set[int]]):
         self._owned, self._inside = owned, inside
-        self.outside = outside_only(outside, inside(), isinstance(self, HostBinding), steps.ranks)
-        """Parameters outside the model: the user's optimizer's alone (no mirror holds them)."""
+        self.outside = outside
+        """Parameters outside the model (:func:`outside_only`): the user's optimizer's alone (no mirror holds them)."""
         self.steps = weakref.ref(steps)
         self.opt = weakref.ref(opt)
         self.stepping: threading.Thread | None = None  # the guard lets the optimizer's own step run there
