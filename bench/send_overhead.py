@@ -1,6 +1,6 @@
 """The cost of sending a chunk from a gradient hook, at G = 4 and 8 devices.
 
-For every chunk of every device: the time the hook spends in ``GradientStream.send`` (Python under
+For every chunk of every device: the time the hook spends sending it (the stream's per-device ``done``: Python under
 the GIL, on the thread that runs backward: on a GPU this is autograd's device thread, where it
 delays the next kernels' issue) and the delay from the hook to the start of the chunk's first
 copy. Measured on CPU-emulated devices (the Python part of the path; the copy itself is a host
@@ -37,13 +37,17 @@ def model(layers: int = 16, width: int = 256) -> nn.Module:
 
 def measure(g: int, simulated: bool, steps: int, segment_bytes: int, cuda: bool = False) -> dict:
     calls: list[tuple[int, int, float, float]] = []
-    real = stream_mod.GradientStream.send
+    real = stream_mod.GradientStream._chunk_done
 
-    def timed_send(self, j, c):
-        t0 = time.perf_counter()
-        real(self, j, c)
-        calls.append((j, c, t0, time.perf_counter()))
-    stream_mod.GradientStream.send = timed_send
+    def timed_chunk_done(self, j, dev):  # what device j's hooks call on a complete chunk, timed
+        done = real(self, j, dev)
+
+        def timed(c):
+            t0 = time.perf_counter()
+            done(c)
+            calls.append((j, c, t0, time.perf_counter()))
+        return timed
+    stream_mod.GradientStream._chunk_done = timed_chunk_done
     sim = None
     try:
         ctx = contextlib.nullcontext()
@@ -81,7 +85,7 @@ def measure(g: int, simulated: bool, steps: int, segment_bytes: int, cuda: bool 
                         "hook_to_copy_us": 1e6 * statistics.median(delay) if delay else None,
                         "per_step_runtime_calls": counts}
     finally:
-        stream_mod.GradientStream.send = real
+        stream_mod.GradientStream._chunk_done = real
 
 
 def main() -> None:
