@@ -77,8 +77,7 @@ class OwnLossCheck:
             self.warn_once(message)
 
     def when_trained(self, output: Any, labels: Sequence[torch.Tensor | None]) -> None:
-        """Warn once when a backward runs through one of ``output``'s losses with uneven labels (a logged-only loss is
-        fine)."""
+        """Warn once when a backward runs through a loss of ``output``'s with uneven labels (not a logged-only one)."""
         losses = [t for t in scalar_losses(output) if t.requires_grad]
         message = self.uneven(labels) if losses else None
         if message is not None:

@@ -23,9 +23,9 @@ from cgdp.engine.core.gradients import GradPart
 def sparse_parameters(module: nn.Module) -> list[nn.Parameter]:
     out: list[nn.Parameter] = []
     for m in module.modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
-            if all(m.weight is not p for p in out):
-                out.append(m.weight)
+        sparse = isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
+        if sparse and all(m.weight is not p for p in out):
+            out.append(m.weight)
     return out
 
 
@@ -34,11 +34,7 @@ class SparseGrads(GradPart):
         self.params = [list(p) for p in params]
         self.devices = list(devices)
         self._prepared: list[tuple[int, int]] = []
-        self._joined: list[torch.Tensor | None] = [p.grad for p in self.params[0]]
-        """What the last join (or mirror) put in replica 0's ``.grad``: another object there is a user change."""
-        for j in range(1, len(self.params)):  # the gradients replica 0 held before wrapping
-            for p, q in zip(self.params[0], self.params[j]):
-                q.grad = None if p.grad is None else _to(p.grad, self.devices[j])
+        self._copy_from_first()  # the gradients replica 0 held before wrapping
 
     def begin(self, sync: bool, whole: bool) -> None:
         for k, p in enumerate(self.params[0]):
@@ -98,7 +94,8 @@ class SparseGrads(GradPart):
         for k, p in enumerate(self.params[0]):
             for j in range(1, len(self.params)):
                 self.params[j][k].grad = None if p.grad is None else _to(p.grad, self.devices[j])
-        self._joined = [p.grad for p in self.params[0]]
+        self._joined: list[torch.Tensor | None] = [p.grad for p in self.params[0]]
+        """What the last join (or mirror) put in replica 0's ``.grad``: another object there is a user change."""
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
