@@ -96,12 +96,9 @@ def sync_buffers(buffers: list[list[torch.Tensor]], weights: list[float], comm: 
                 torch._foreach_copy_(bufs, [torch.where(k, a.to(b.device), b) for k, a, b in zip(m, acc, bufs)])
             return
         if comm is not None:
-            flat = torch.cat([a.reshape(-1).double().cpu() for a in acc]).numpy()
-            flat = comm.allreduce_small(flat)
-            pos = 0
-            for a in acc:
-                a.copy_(torch.from_numpy(flat[pos:pos + a.numel()]).view_as(a))
-                pos += a.numel()
+            flat = comm.allreduce_small(torch.cat([a.reshape(-1).double().cpu() for a in acc]).numpy())
+            for a, mean in zip(acc, torch.from_numpy(flat).split([a.numel() for a in acc])):
+                a.copy_(mean.view_as(a))
         for bufs in buffers:
             torch._foreach_copy_(bufs, [a.to(bufs[0].device) for a in acc])
 

@@ -300,9 +300,6 @@ class DenseGrads(GradPart):
         else:
             self._left = self.stream.views[0]
 
-    def views(self) -> list[list[torch.Tensor]]:
-        return self.stream.views
-
     def record(self) -> None:
         """The buffers as they are now are cgdp's doing."""
         self.versions = [f._version for f in self.stream.flats]

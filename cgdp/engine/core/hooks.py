@@ -29,8 +29,7 @@ class StepMarks:
         self.ready_at: list[list[Any]] = [[0.0] * params for _ in range(replicas)]
         self.pending: list[list[int]] = [[] for _ in range(replicas)]
         """Per chunk: parameters still to come."""
-        self.sent = [bytearray() for _ in range(replicas)]
-        """Per chunk: sent."""
+        self.sent = [bytearray() for _ in range(replicas)]  # per chunk
         self.ready = [bytearray() for _ in range(replicas)]
         """Ring (``host_memory``): per chunk, complete or flushed."""
         self.next = [0] * replicas

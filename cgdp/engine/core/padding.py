@@ -32,7 +32,7 @@ def scalar_losses(output: Any) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output] if output.dim() == 0 and output.is_floating_point() else []
     if isinstance(output, dict):
-        return [t for v in output.values() for t in scalar_losses(v)]
+        output = list(output.values())
     if isinstance(output, (tuple, list)):
         return [t for v in output for t in scalar_losses(v)]
     return []

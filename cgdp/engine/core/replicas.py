@@ -27,12 +27,9 @@ class Replicas:
 
     def __init__(self, model: nn.Module, devs: Sequence[Device],
                  optimizer: Callable[..., torch.optim.Optimizer]):
-        self.modules: list[nn.Module] = []
-        self.params: list[list[nn.Parameter]] = []
-        for replica in make_replicas(model, devs):
-            _, lp = find_layers(replica)
-            self.modules.append(replica)
-            self.params.append([p for layer in lp for p in layer])
+        self.modules: list[nn.Module] = make_replicas(model, devs)
+        self.params: list[list[nn.Parameter]] = [[p for layer in find_layers(r)[1] for p in layer]
+                                                 for r in self.modules]
         self.optimizers: list[torch.optim.Optimizer] = []
         for r in self.modules:
             opt = optimizer(r.parameters())

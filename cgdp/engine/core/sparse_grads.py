@@ -1,6 +1,5 @@
-"""The sparse part of a ``DataParallel``'s gradients: they travel beside the flat buffer.
-
-Sparse embeddings' COO gradients have no fixed size, so no place in the flat buffer:
+"""The sparse part of a ``DataParallel``'s gradients: sparse embeddings' COO gradients have no fixed size, so no place
+in the flat buffer; they travel beside it:
 
 * They are left out of the layers, plan and hooks; autograd accumulates each replica's part into its own ``.grad``.
 * After a synced backward (dense chunks back) they are **joined** on ``devices[0]`` in device order: indices and
