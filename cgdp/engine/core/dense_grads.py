@@ -220,7 +220,6 @@ class DenseGrads(GradPart):
         self.record()
 
     def follow_edits(self, whole: bool, data: bool = True) -> bool:
-        """Copy replica 0's gradients everywhere if changed (``data``: ``.data`` edits too, by replica 1's bits)."""
         st = self.stream
         views0 = st.views[0]
         grads = [p.grad for p in st.params[0]]

@@ -71,8 +71,7 @@ class GradPart:
         """Every gradient dropped: ``.grad`` None on every replica."""
 
     def follow_edits(self, whole: bool, data: bool = True) -> bool:
-        """Copy the user's edits of replica 0's gradients to every replica (``data``: also those made through
-        ``.data``, found by comparing bits: a host read)."""
+        """Copy the user's edits of replica 0's gradients everywhere (``data``: ``.data`` ones, by bits: host read)."""
         return False
 
     def norm(self, norm_type: float) -> torch.Tensor | float:
@@ -191,7 +190,6 @@ class Gradients:
         self.follow_edits()
 
     def follow_edits(self, data: bool = True) -> None:
-        """Copy the user's edits of replica 0 to every replica (``data``: those through ``.data`` too)."""
         dense, *rest = self.parts
         if dense.follow_edits(self.whole, data) and self.state is GradState.SUMMED:
             self.state = GradState.EDITED

@@ -47,7 +47,6 @@ class SparseGrads(GradPart):
                 for params in self.params for p in params]
 
     def undo(self, whole: bool) -> bool:
-        """A backward failed: put back what :meth:`begin` cleared if nothing arrived since; whether it could."""
         if self._state() != self._prepared:
             return False
         if whole:
@@ -55,19 +54,16 @@ class SparseGrads(GradPart):
         return True
 
     def drop(self) -> None:
-        for params in self.params:
-            for p in params:
-                p.grad = None
-        self._joined = [None] * len(self.params[0])
+        for p in self.params[0]:
+            p.grad = None
+        self._copy_from_first()
 
     def end(self, sync: bool) -> bool:
         """``sync``: join the parts and give every replica the total. No gradient hooks here (refused)."""
         if sync:
-            for k in range(len(self.params[0])):
-                total = _join([params[k].grad for params in self.params], self.devices[0])
-                for j, params in enumerate(self.params):
-                    params[k].grad = total if j == 0 or total is None else _to(total, self.devices[j])
-            self._joined = [p.grad for p in self.params[0]]
+            for k, p in enumerate(self.params[0]):
+                p.grad = _join([params[k].grad for params in self.params], self.devices[0])
+            self._copy_from_first()
         return False
 
     def follow_edits(self, whole: bool, data: bool = True) -> bool:

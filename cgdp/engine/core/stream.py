@@ -1,9 +1,8 @@
 """Steps 3 to 6 of the data path for G replicas: hooks, flat buffers, the host, the copy back.
 
 :class:`GradientStream`, shared by both faces, owns for the whole run: one flat gradient buffer per device in chunk
-order (:mod:`cgdp.engine.core.flatgrad`; every ``param.grad`` is a view into it), one
-:class:`~cgdp.engine.core.hooks.DeviceHooks` per replica (writing the owner's :class:`~cgdp.engine.core.hooks.StepMarks`),
-and (streaming only) the :class:`~cgdp.engine.core.host.HostAccumulator`.
+order (:mod:`~.flatgrad`; every ``param.grad`` is a view into it), one :class:`~.hooks.DeviceHooks` per replica
+(writing the owner's :class:`~.hooks.StepMarks`), and (streaming only) the :class:`~.host.HostAccumulator`.
 
 ``transfer=torch.bfloat16``: segments are cast to bf16 on the device and summed by the host's 16-bit path
 (:mod:`cgdp.engine.core.precision`). Each device's bf16 *stage* buffer serves both directions: a segment's copy back is
