@@ -177,9 +177,8 @@ class DenseGrads(GradPart):
         out = self._comm.allreduce_small(vec)
         for k, pid in enumerate(pids):
             if out[1 + k] > 0:  # some rank set one aside
-                view = views0[pid]
                 mean = torch.from_numpy(out[ends[k]:ends[k + 1]] / out[0])
-                self._aside[pid] = mean.view(view.shape).to(view.device, view.dtype)
+                self._aside[pid] = mean.view_as(views0[pid]).to(views0[pid])
 
     def undo(self, whole: bool) -> bool:
         """A backward failed: restore what was set aside and, if no gradient arrived, the buffers; whether it could."""

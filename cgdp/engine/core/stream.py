@@ -330,7 +330,6 @@ def relay(flat: torch.Tensor, old: Layout, new: Layout) -> None:
     """Move each parameter's gradient from its ``old`` place to its ``new`` one, via host memory; padding becomes 0."""
     staged = flat.to("cpu")  # note: host sync (between steps, nothing in flight)
     out = torch.zeros_like(staged)
-    for pid, n in enumerate(new.numels):
-        a, b = old.offsets[pid], new.offsets[pid]
+    for a, b, n in zip(old.offsets, new.offsets, new.numels):
         out[b:b + n] = staged[a:a + n]
     flat.copy_(out)
