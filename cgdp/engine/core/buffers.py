@@ -46,13 +46,11 @@ class BufferWatch:
                 return mask
             for f in flags:  # with a comm every rank must agree: the host reads the flags
                 written += f.cpu().numpy()  # note: host waits for this device's comparison
-        if comm is not None:  # every rank must average the same buffers
-            written = comm.allreduce_small(written)
-        return (written > 0).tolist()
+        # every rank must average the same buffers
+        return (comm.allreduce_small(written) > 0).tolist()
 
     def synced(self, changed: Sequence[bool] | None = None, others: bool = True) -> None:
-        """The buffers now are the new baseline; ``changed``: only those moved; ``others=False``: drop the others'
-        baseline."""
+        """The buffers now are the baseline (``changed``: only those moved; ``others=False``: drop the others')."""
         if changed is None or isinstance(changed, torch.Tensor):  # (a device mask: copy them all)
             self._copy(self.buffers, self._seen)
         elif any(changed):
@@ -87,35 +85,26 @@ def sync_buffers(buffers: list[list[torch.Tensor]], weights: list[float], comm: 
         buffers = [[b for b, keep in zip(bufs, only) if keep] for bufs in buffers]
     if not buffers[0] or (len(buffers) == 1 and comm is None):
         return
-    if mask is not None:  # (no comm) every buffer averaged, and kept only where the mask is set
-        with torch.no_grad():
-            acc = torch._foreach_mul(buffers[0], weights[0])
-            for j in range(1, len(buffers)):
-                torch._foreach_add_(acc, [b.to(acc[0].device) for b in buffers[j]], alpha=weights[j])
-            for bufs in buffers:
-                m = mask.to(bufs[0].device, non_blocking=True)
-                torch._foreach_copy_(bufs, [torch.where(m[i], a.to(b.device), b)
-                                            for i, (a, b) in enumerate(zip(acc, bufs))])
-        return
     with torch.no_grad():
         first = buffers[0]
         acc = torch._foreach_mul(first, weights[0])
         for j in range(1, len(buffers)):
             torch._foreach_add_(acc, [b.to(first[0].device) for b in buffers[j]], alpha=weights[j])
+        if mask is not None:  # (no comm) every buffer averaged, and kept only where the mask is set
+            for bufs in buffers:
+                m = mask.to(bufs[0].device, non_blocking=True)
+                torch._foreach_copy_(bufs, [torch.where(k, a.to(b.device), b) for k, a, b in zip(m, acc, bufs)])
+            return
         if comm is not None:
-            flat = torch.cat([a.reshape(-1).double().cpu() for a in acc]).numpy()
-            flat = comm.allreduce_small(flat)
-            pos = 0
-            for a in acc:
-                a.copy_(torch.from_numpy(flat[pos:pos + a.numel()]).view_as(a))
-                pos += a.numel()
+            flat = comm.allreduce_small(torch.cat([a.reshape(-1).double().cpu() for a in acc]).numpy())
+            for a, mean in zip(acc, torch.from_numpy(flat).split([a.numel() for a in acc])):
+                a.copy_(mean.view_as(a))
         for bufs in buffers:
             torch._foreach_copy_(bufs, [a.to(bufs[0].device) for a in acc])
 
 
 def copy_from_first(buffers: list[list[torch.Tensor]]) -> None:
-    """Every replica's buffers take replica 0's: after a forward that failed on some devices, counters would differ for
-    good."""
+    """Every replica's buffers take replica 0's (after a forward failed on some devices, counters would differ)."""
     with torch.no_grad():
         for bufs in buffers[1:]:
             if bufs:

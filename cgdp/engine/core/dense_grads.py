@@ -71,7 +71,12 @@ class DenseGrads(GradPart):
         self.prepare(whole)
         # the host sums this backward's alone; a gradient that came early (its hooks ran in autograd, on this rank's
         # part, as DDP's) is set aside too, and with ranks averaged over them (:meth:`_average_aside`)
-        self.set_aside(list(hooks.taken))
+        views0 = self.stream.views[0]
+        with torch.no_grad():
+            for pid in hooks.taken:
+                if self.has_grad[pid]:
+                    self._aside[pid] = views0[pid].clone()
+                    views0[pid].zero_()
         self.marks.reset()  # the early hooks' marks too: their gradients are in ``has_grad``, their hooks ran
         self.stream.arm(sending=sync)
 
@@ -88,27 +93,25 @@ class DenseGrads(GradPart):
             # a parameter with a gradient on any rank has one on every rank
             touched, ever = np.split(self._comm.allreduce_small(np.concatenate([touched, self.has_grad])), 2)
             self.has_grad |= ever > 0
-        self._check_window(sync)
+        if sync and self._window_sums:  # replica 0 must not change inside no_sync(): a part's edit is not the sum's
+            pairs, self._window_sums = self._window_sums, []
+            if bool(torch.stack([a != b for a, b in pairs]).any()):
+                raise UserFault(RuntimeError(_EDITED_IN_NO_SYNC))
         hooked = bool(self.param_hooks.taken)
         if hooked:  # the user's gradient hooks, on the sum (the host's norm is of the sum before them)
             if sync and self._comm is not None:
                 self._average_aside()
-            try:
-                self.apply_hooks(touched)
+            try:  # each hooked gradient: the one set aside plus what its hooks make of the sum, everywhere
+                self.param_hooks.run(touched, st.views, self._aside)
             except Exception as exc:  # the user's error, after every copy is back: nothing in flight
                 self._aside = {}
                 raise UserFault(exc) from exc
-        self.finish(touched)
+            self._aside = {}
+        self.has_grad |= touched > 0
+        self.set_none()
+        self.record()
         self._window_bits = None if sync else _bit_sum(st.flats[0])  # on the device, not waited for
         return hooked
-
-    def _check_window(self, sync: bool) -> None:
-        """Replica 0 must not change inside ``no_sync()`` (a part's edit is not the sum's): bit sums compared."""
-        if not sync or not self._window_sums:
-            return
-        pairs, self._window_sums = self._window_sums, []
-        if bool(torch.stack([a != b for a, b in pairs]).any()):
-            raise UserFault(RuntimeError(_EDITED_IN_NO_SYNC))
 
     def after(self) -> None:
         self.stream.disarm()
@@ -159,15 +162,6 @@ class DenseGrads(GradPart):
                         flat.zero_()
         self._attach()
 
-    def set_aside(self, pids: list[int]) -> None:
-        """Set aside replica 0's gradient of hooked parameters, so the host sums this backward's alone."""
-        views0 = self.stream.views[0]
-        with torch.no_grad():
-            for pid in pids:
-                if self.has_grad[pid]:
-                    self._aside[pid] = views0[pid].clone()
-                    views0[pid].zero_()
-
     def _average_aside(self) -> None:
         """With ranks: what was set aside, averaged over them (an early part is the rank's own; an earlier backward's
         sum is the same on every rank, and its float64 mean is itself). Sent: the rank count, a flag per hooked
@@ -183,34 +177,18 @@ class DenseGrads(GradPart):
         out = self._comm.allreduce_small(vec)
         for k, pid in enumerate(pids):
             if out[1 + k] > 0:  # some rank set one aside
-                view = views0[pid]
                 mean = torch.from_numpy(out[ends[k]:ends[k + 1]] / out[0])
-                self._aside[pid] = mean.view(view.shape).to(view.device, view.dtype)
-
-    def restore_aside(self) -> None:
-        views0 = self.stream.views[0]
-        with torch.no_grad():
-            for pid, g in self._aside.items():
-                views0[pid].add_(g)
-        self._aside = {}
-
-    def apply_hooks(self, touched: np.ndarray) -> None:
-        """Each hooked gradient becomes the one set aside plus what its hooks make of the sum, everywhere."""
-        self.param_hooks.run(touched, self.stream.views, self._aside)
-        self._aside = {}
-
-    def finish(self, touched: np.ndarray) -> None:
-        self.has_grad |= touched > 0
-        self.set_none()
-        self.record()
+                self._aside[pid] = mean.view_as(views0[pid]).to(views0[pid])
 
     def undo(self, whole: bool) -> bool:
         """A backward failed: restore what was set aside and, if no gradient arrived, the buffers; whether it could."""
-        self.restore_aside()
         st = self.stream
-        if self.marks.counts().any():
-            return False
         with torch.no_grad():
+            for pid, g in self._aside.items():
+                st.views[0][pid].add_(g)
+            self._aside = {}
+            if self.marks.counts().any():
+                return False
             if whole:
                 for flat in st.flats[1:]:
                     flat.copy_(st.flats[0])
@@ -241,8 +219,6 @@ class DenseGrads(GradPart):
         self.record()
 
     def follow_edits(self, whole: bool, data: bool = True) -> bool:
-        """Copy replica 0's gradients everywhere if changed (``data``: ``.data`` edits too, found against replica 1's
-        bits)."""
         st = self.stream
         views0 = st.views[0]
         grads = [p.grad for p in st.params[0]]
@@ -285,9 +261,9 @@ class DenseGrads(GradPart):
         return all(map(operator.is_, grads, self._left))  # in C: no bytecode per parameter
 
     def set_none(self) -> None:
+        """Replica 0's ``.grad`` as cgdp leaves them (``_left``): its view where it has a gradient, else None."""
         self.none_pids = np.flatnonzero(~self.has_grad).tolist()
         self._left = list(self.stream.views[0])
-        """Replica 0's ``.grad`` as cgdp leaves them: its view where it has a gradient, else None."""
         for pid in self.none_pids:
             self._left[pid] = None
             for params in self.stream.params:
@@ -322,9 +298,6 @@ class DenseGrads(GradPart):
         else:
             self._left = self.stream.views[0]
 
-    def views(self) -> list[list[torch.Tensor]]:
-        return self.stream.views
-
     def record(self) -> None:
         """The buffers as they are now are cgdp's doing."""
         self.versions = [f._version for f in self.stream.flats]
@@ -344,17 +317,18 @@ _EDITED_IN_NO_SYNC = (
     "backward outside no_sync() (they then hold the sum); inside the window only zero_grad() is supported")
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bits, not values: NaN equals NaN
+
+
 def _bit_sum(flat: torch.Tensor) -> torch.Tensor:
     """The integer sum of a flat buffer's bits, on its device (an edit changes it but for chance collisions)."""
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-    return flat.view(bits).sum(dtype=torch.int64)
+    return flat.view(_BITS[flat.element_size()]).sum(dtype=torch.int64)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two flat buffers hold the same bits: directly on one device, else by integer sums of the bits."""
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    a, b = a.view(bits), b.view(bits)  # bits, not values: NaN equals NaN, -0.0 is not 0.0
     if a.device == b.device:
-        return torch.equal(a, b)
-    sums = [t.sum(dtype=torch.int64) for t in (a, b)]  # compared on a's device: one host read
-    return bool(sums[0] == sums[1].to(sums[0].device, non_blocking=True))  # note: a CPU-GPU sync point
+        bits = _BITS[a.element_size()]
+        return torch.equal(a.view(bits), b.view(bits))
+    # compared on a's device: one host read
+    return bool(_bit_sum(a) == _bit_sum(b).to(a.device, non_blocking=True))  # note: a CPU-GPU sync point

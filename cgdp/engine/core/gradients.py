@@ -71,8 +71,7 @@ class GradPart:
         """Every gradient dropped: ``.grad`` None on every replica."""
 
     def follow_edits(self, whole: bool, data: bool = True) -> bool:
-        """Copy the user's edits of replica 0's gradients to every replica (``data``: also those made through
-        ``.data``, found by comparing bits: a host read)."""
+        """Copy the user's edits of replica 0's gradients everywhere (``data``: ``.data`` ones, by bits: host read)."""
         return False
 
     def norm(self, norm_type: float) -> torch.Tensor | float:
@@ -120,12 +119,12 @@ class Gradients:
         return bool(take_hooks and self.dense.param_hooks.take())
 
     def run_hooks(self, touched: Any, hook_views: Any) -> bool:
-        """The hooks taken by :meth:`begin_step`, on the sum, the result in every view ``hook_views`` picks of
-        :meth:`views` (the first holds the sum): whether any ran. Also after a failure, :meth:`put_back_hooks`."""
+        """The hooks taken by :meth:`begin_step`, on the sum, the result in every view ``hook_views`` picks of the
+        stream's (the first holds the sum): whether any ran. Also after a failure, :meth:`put_back_hooks`."""
         hooks = self.dense.param_hooks
         if not hooks.taken:
             return False
-        hooks.run(touched, hook_views(self.views()))
+        hooks.run(touched, hook_views(self.dense.stream.views))
         return True
 
     def put_back_hooks(self) -> None:
@@ -134,9 +133,6 @@ class Gradients:
     def end_step(self, touched: Any) -> None:
         self.dense.settle(touched)
         self.state = _SUMMED_STATE
-
-    def views(self) -> list[list[torch.Tensor]]:
-        return self.parts[0].views()
 
     def touched(self) -> Any:
         """Per dense parameter, on how many replicas it got a gradient since the marks were reset."""
@@ -194,7 +190,6 @@ class Gradients:
         self.follow_edits()
 
     def follow_edits(self, data: bool = True) -> None:
-        """Copy the user's edits of replica 0 to every replica (``data``: those through ``.data`` too)."""
         dense, *rest = self.parts
         if dense.follow_edits(self.whole, data) and self.state is GradState.SUMMED:
             self.state = GradState.EDITED
@@ -218,11 +213,10 @@ class Gradients:
 
     def norm(self, norm_type: float) -> torch.Tensor:
         """The total's norm, as float32 on replica 0's device (no host read for the dense part)."""
-        values = [part.norm(norm_type) for part in self.parts]
-        if len(values) > 1:  # the norm of the parts' norms (the sparse part's, read on the host)
-            values = [torch.linalg.vector_norm(torch.stack([torch.as_tensor(v, dtype=torch.float64).to(
-                self._device) for v in values]), norm_type)]
-        value = values[0]
+        value, *rest = [part.norm(norm_type) for part in self.parts]
+        if rest:  # the norm of the parts' norms (the sparse part's, read on the host)
+            value = torch.linalg.vector_norm(torch.stack([torch.as_tensor(v, dtype=torch.float64).to(self._device)
+                                                          for v in (value, *rest)]), norm_type)
         if isinstance(value, torch.Tensor):
             return value.to(torch.float32)
         # made on the device (torch.tensor(value, device=...) copies from pageable memory: a host wait)

@@ -25,13 +25,11 @@ class StepMarks:
         self.replaced = rows[replicas:]
         """Per parameter: the hook found ``.grad`` replaced and put the view back, overwriting its old contents."""
         self.stolen = [bytearray(params) for _ in range(replicas)]
-        """Per parameter: ``.grad`` was set None before backward (a large one); the hook writes ``0.0 + grad`` into the
-        view."""
+        """Per parameter: ``.grad`` set None before backward (large); the hook writes ``0.0 + grad`` in its view."""
         self.ready_at: list[list[Any]] = [[0.0] * params for _ in range(replicas)]
         self.pending: list[list[int]] = [[] for _ in range(replicas)]
         """Per chunk: parameters still to come."""
-        self.sent = [bytearray() for _ in range(replicas)]
-        """Per chunk: sent."""
+        self.sent = [bytearray() for _ in range(replicas)]  # per chunk
         self.ready = [bytearray() for _ in range(replicas)]
         """Ring (``host_memory``): per chunk, complete or flushed."""
         self.next = [0] * replicas
@@ -125,5 +123,4 @@ class HookMode:
         self.timing = False
         """Stamp when each parameter was ready (timed steps)."""
         self.note: Callable[[int], None] | None = None
-        """Called with the chunk of each gradient arriving while streaming (CUDA: notes the stream its send must wait
-        for)."""
+        """Called with each arriving gradient's chunk while streaming (CUDA: notes the stream its send waits for)."""

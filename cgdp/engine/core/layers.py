@@ -3,6 +3,7 @@ parameter belongs to the first of them: its gradient is complete only after that
 parameters all belong to an earlier one keeps its number but owns nothing."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Collection
 
@@ -69,8 +70,5 @@ def nonfinite_layers(params: list[nn.Parameter], layer_pids: list[list[int]], na
 
 def number_params(layer_params: list[list[nn.Parameter]]) -> list[list[int]]:
     """Per layer, its parameters' engine numbers (pids), in flat-buffer order."""
-    out, n = [], 0
-    for layer in layer_params:
-        out.append(list(range(n, n + len(layer))))
-        n += len(layer)
-    return out
+    pids = itertools.count()
+    return [[next(pids) for _ in layer] for layer in layer_params]

@@ -32,7 +32,7 @@ def scalar_losses(output: Any) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output] if output.dim() == 0 and output.is_floating_point() else []
     if isinstance(output, dict):
-        return [t for v in output.values() for t in scalar_losses(v)]
+        output = list(output.values())
     if isinstance(output, (tuple, list)):
         return [t for v in output for t in scalar_losses(v)]
     return []
@@ -77,8 +77,7 @@ class OwnLossCheck:
             self.warn_once(message)
 
     def when_trained(self, output: Any, labels: Sequence[torch.Tensor | None]) -> None:
-        """Warn once when a backward runs through one of ``output``'s losses with uneven labels (a logged-only loss is
-        fine)."""
+        """Warn once when a backward runs through a loss of ``output``'s with uneven labels (not a logged-only one)."""
         losses = [t for t in scalar_losses(output) if t.requires_grad]
         message = self.uneven(labels) if losses else None
         if message is not None:

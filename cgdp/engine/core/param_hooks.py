@@ -24,8 +24,7 @@ _POST = operator.attrgetter("_post_accumulate_grad_hooks")
 
 class ParamHooks:
     def __init__(self, params: Sequence[Sequence[nn.Parameter]], unsupported: Sequence[nn.Parameter] = ()):
-        """``params[j]``: replica j's parameters in engine order; ``unsupported``: replica 0's whose hooks cannot run
-        (sparse)."""
+        """``params[j]``: replica j's parameters (engine order); ``unsupported``: replica 0's sparse ones (no hooks)."""
         self.params = [list(p) for p in params]
         self._others = [p for ps in self.params[1:] for p in ps] + list(unsupported)
         self._seen = -1

@@ -27,12 +27,9 @@ class Replicas:
 
     def __init__(self, model: nn.Module, devs: Sequence[Device],
                  optimizer: Callable[..., torch.optim.Optimizer]):
-        self.modules: list[nn.Module] = []
-        self.params: list[list[nn.Parameter]] = []
-        for replica in make_replicas(model, devs):
-            _, lp = find_layers(replica)
-            self.modules.append(replica)
-            self.params.append([p for layer in lp for p in layer])
+        self.modules: list[nn.Module] = make_replicas(model, devs)
+        self.params: list[list[nn.Parameter]] = [[p for layer in find_layers(r)[1] for p in layer]
+                                                 for r in self.modules]
         self.optimizers: list[torch.optim.Optimizer] = []
         for r in self.modules:
             opt = optimizer(r.parameters())
@@ -44,8 +41,7 @@ class Replicas:
 
 
 def make_replicas(model: nn.Module, devs: Sequence[Device]) -> list[nn.Module]:
-    """``model`` moved to ``devs[0]`` in place, and a deep copy on every other device (copies first: none made on
-    devs[0])."""
+    """``model`` moved to ``devs[0]`` in place, and a deep copy on every other device (made first: none on devs[0])."""
     copies = [copy.deepcopy(model).to(dev.torch_device) for dev in devs[1:]]
     leaves = {n: b for n, b in model.named_buffers() if b.is_leaf and b.requires_grad}
     model.to(devs[0].torch_device)
@@ -66,8 +62,7 @@ def split_buffers(modules: Sequence[nn.Module]) -> tuple[list[list[torch.Tensor]
 
 def signature(face: str, model: nn.Module, layers: Sequence[LayerInfo], devices: int, dtype: torch.dtype | None,
               **more: str) -> dict[str, str]:
-    """What every MPI rank must share (``Comm.check_same``): face, devices per rank, initial parameters, layers, dtype,
-    more."""
+    """What every MPI rank must share (``Comm.check_same``): face, devices per rank, parameters, layers, dtype, more."""
     return {"face": face, "devices_per_rank": str(devices),
             "initial_parameters": state_digest(model) + " (seed every rank the same)",
             "layers": ";".join(f"{i.name}:{i.numels}" for i in layers), "dtype": str(dtype), **more}

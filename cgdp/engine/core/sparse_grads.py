@@ -1,6 +1,5 @@
-"""The sparse part of a ``DataParallel``'s gradients: they travel beside the flat buffer.
-
-Sparse embeddings' COO gradients have no fixed size, so no place in the flat buffer:
+"""The sparse part of a ``DataParallel``'s gradients: sparse embeddings' COO gradients have no fixed size, so no place
+in the flat buffer; they travel beside it:
 
 * They are left out of the layers, plan and hooks; autograd accumulates each replica's part into its own ``.grad``.
 * After a synced backward (dense chunks back) they are **joined** on ``devices[0]`` in device order: indices and
@@ -23,9 +22,9 @@ from cgdp.engine.core.gradients import GradPart
 def sparse_parameters(module: nn.Module) -> list[nn.Parameter]:
     out: list[nn.Parameter] = []
     for m in module.modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
-            if all(m.weight is not p for p in out):
-                out.append(m.weight)
+        sparse = isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
+        if sparse and all(m.weight is not p for p in out):
+            out.append(m.weight)
     return out
 
 
@@ -34,11 +33,7 @@ class SparseGrads(GradPart):
         self.params = [list(p) for p in params]
         self.devices = list(devices)
         self._prepared: list[tuple[int, int]] = []
-        self._joined: list[torch.Tensor | None] = [p.grad for p in self.params[0]]
-        """What the last join (or mirror) put in replica 0's ``.grad``: another object there is a user change."""
-        for j in range(1, len(self.params)):  # the gradients replica 0 held before wrapping
-            for p, q in zip(self.params[0], self.params[j]):
-                q.grad = None if p.grad is None else _to(p.grad, self.devices[j])
+        self._copy_from_first()  # the gradients replica 0 held before wrapping
 
     def begin(self, sync: bool, whole: bool) -> None:
         for k, p in enumerate(self.params[0]):
@@ -52,7 +47,6 @@ class SparseGrads(GradPart):
                 for params in self.params for p in params]
 
     def undo(self, whole: bool) -> bool:
-        """A backward failed: put back what :meth:`begin` cleared if nothing arrived since; whether it could."""
         if self._state() != self._prepared:
             return False
         if whole:
@@ -60,19 +54,16 @@ class SparseGrads(GradPart):
         return True
 
     def drop(self) -> None:
-        for params in self.params:
-            for p in params:
-                p.grad = None
-        self._joined = [None] * len(self.params[0])
+        for p in self.params[0]:
+            p.grad = None
+        self._copy_from_first()
 
     def end(self, sync: bool) -> bool:
         """``sync``: join the parts and give every replica the total. No gradient hooks here (refused)."""
         if sync:
-            for k in range(len(self.params[0])):
-                total = _join([params[k].grad for params in self.params], self.devices[0])
-                for j, params in enumerate(self.params):
-                    params[k].grad = total if j == 0 or total is None else _to(total, self.devices[j])
-            self._joined = [p.grad for p in self.params[0]]
+            for k, p in enumerate(self.params[0]):
+                p.grad = _join([params[k].grad for params in self.params], self.devices[0])
+            self._copy_from_first()
         return False
 
     def follow_edits(self, whole: bool, data: bool = True) -> bool:
@@ -98,7 +89,8 @@ class SparseGrads(GradPart):
         for k, p in enumerate(self.params[0]):
             for j in range(1, len(self.params)):
                 self.params[j][k].grad = None if p.grad is None else _to(p.grad, self.devices[j])
-        self._joined = [p.grad for p in self.params[0]]
+        self._joined: list[torch.Tensor | None] = [p.grad for p in self.params[0]]
+        """What the last join (or mirror) put in replica 0's ``.grad``: another object there is a user change."""
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

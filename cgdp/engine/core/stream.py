@@ -1,9 +1,8 @@
 """Steps 3 to 6 of the data path for G replicas: hooks, flat buffers, the host, the copy back.
 
 :class:`GradientStream`, shared by both faces, owns for the whole run: one flat gradient buffer per device in chunk
-order (:mod:`cgdp.engine.core.flatgrad`; every ``param.grad`` is a view into it), one
-:class:`~cgdp.engine.core.hooks.DeviceHooks` per replica (writing the owner's :class:`~cgdp.engine.core.hooks.StepMarks`),
-and (streaming only) the :class:`~cgdp.engine.core.host.HostAccumulator`.
+order (:mod:`~.flatgrad`; every ``param.grad`` is a view into it), one :class:`~.hooks.DeviceHooks` per replica
+(writing the owner's :class:`~.hooks.StepMarks`), and (streaming only) the :class:`~.host.HostAccumulator`.
 
 ``transfer=torch.bfloat16``: segments are cast to bf16 on the device and summed by the host's 16-bit path
 (:mod:`cgdp.engine.core.precision`). Each device's bf16 *stage* buffer serves both directions: a segment's copy back is
@@ -50,7 +49,6 @@ class GradientStream:
         self.layer_pids = [list(p) for p in layer_pids]
         self.numels = [p.numel() for p in self.params[0]]
         self.dtype = dtype
-        self.itemsize = torch.tensor([], dtype=dtype).element_size()
         self._segment = segment_bytes
         self._guard = guard
         self.streaming = streaming
@@ -59,7 +57,6 @@ class GradientStream:
         self.flats: list[torch.Tensor] = []
         self.stages: list[torch.Tensor] | None = None
         self.layout: Layout | None = None
-        self.hooks: list[DeviceHooks] = []
         self.marks = marks
         self.host: HostAccumulator | None = None
         self.ring = 0 if host_memory is None or not streaming else ring_slots(
@@ -67,10 +64,10 @@ class GradientStream:
             widened=(transfer or dtype) in LOW_PRECISION and comm is not None)
         """Host slots in the ring (0: full-size rows)."""
         self._sends = [self._chunk_done(j, dev) for j, dev in enumerate(self.devs)]
-        for j, dev in enumerate(self.devs):
-            hooks = DeviceHooks(self.params[j], marks, j, self._sends[j], dev.stamp)  # disarmed
+        self.hooks = [DeviceHooks(self.params[j], marks, j, self._sends[j], dev.stamp)  # disarmed
+                      for j, dev in enumerate(self.devs)]
+        for hooks, dev in zip(self.hooks, self.devs):
             hooks.mode.note = dev.note_stream
-            self.hooks.append(hooks)
         self.views = [h.views for h in self.hooks]
         """Per replica, each parameter's gradient view into its flat buffer (what ``.grad`` must be)."""
         if streaming:
@@ -107,15 +104,11 @@ class GradientStream:
     def _split_large(self) -> None:
         """Which parameters arrive whole in a Trainer's step (see :data:`LARGE_ELEMS`)."""
         self.large = [pid for pid, n in enumerate(self.numels) if n >= LARGE_ELEMS]
-        mask = bytearray(len(self.numels))
-        for pid in self.large:
-            mask[pid] = 1
-        self.large_mask = bytes(mask)
-        self.small_views = [[v for pid, v in enumerate(views) if not mask[pid]] for views in self.views]
+        self.large_mask = bytes(n >= LARGE_ELEMS for n in self.numels)
+        self.small_views = [[v for v, large in zip(views, self.large_mask) if not large] for views in self.views]
 
     def arm(self, timing: bool = False, sink: TraceSink | None = None, sending: bool = True) -> None:
-        """Ready hooks and host for one backward, keeping the flat buffers' contents; ``sending=False``: only mark
-        touched."""
+        """Ready hooks and host for one backward, flat buffers kept; ``sending=False``: hooks only mark touched."""
         for h in self.hooks:
             h.mode.timing = timing
             h.mode.streaming = self.streaming and sending
@@ -129,8 +122,7 @@ class GradientStream:
             h.mode.streaming = False
 
     def _chunk_done(self, j: int, dev: Device) -> Callable[[int], None]:
-        """What device j's hooks call on a complete chunk. It holds the stream only weakly: no stream <-> hooks cycle.
-        """
+        """What device j's hooks call on a complete chunk; it holds the stream weakly (no stream <-> hooks cycle)."""
         sent = self.marks.sent[j]
         if self.ring:
             ring = weak_call(self._ring_chunk, j)
@@ -169,8 +161,7 @@ class GradientStream:
 
     @contextmanager
     def holding(self, j: int) -> Iterator[None]:
-        """Device j's backward inside keeps its gradients on the device (micro-batches before the last); on its thread.
-        """
+        """Device j's backward inside keeps its gradients on the device (micro-batches but the last); its thread."""
         mode = self.hooks[j].mode
         mode.streaming = False
         try:
@@ -179,8 +170,7 @@ class GradientStream:
             mode.streaming = self.streaming
 
     def flush(self, j: int) -> None:
-        """After device j's backward, on its thread: send chunks never completed, and with a ring all that waits for a
-        slot."""
+        """After device j's backward, on its thread: send the chunks never completed (ring: all waiting for a slot)."""
         if not self.streaming:
             return
         m, views = self.marks, self.views[j]
@@ -275,18 +265,15 @@ class GradientStream:
     @property
     def wire_itemsize(self) -> int:
         """Bytes per element over the bus."""
-        return torch.tensor([], dtype=self.transfer or self.dtype).element_size()
+        return (self.transfer or self.dtype).itemsize
 
     def profile_inputs(self) -> dict[str, Any]:
         """What :func:`cgdp.engine.trainer.timing.build_profile` needs of the stream."""
+        host = self.host  # registered host bytes, and the host bytes moved per step (0 without a host)
+        figures = ({"registered_bytes": 0, "bytes_moved": 0} if host is None
+                   else {"registered_bytes": host.registered_bytes, "bytes_moved": host.traffic()["total"]})
         return {"marks": self.marks, "layer_pids": self.layer_pids, "layout": self.layout,
-                "itemsize": self.wire_itemsize, "host": self.host_figures()}
-
-    def host_figures(self) -> dict[str, int]:
-        """Registered host bytes, and the host bytes moved per step (0 without a host)."""
-        if self.host is None:
-            return {"registered_bytes": 0, "bytes_moved": 0}
-        return {"registered_bytes": self.host.registered_bytes, "bytes_moved": self.host.traffic()["total"]}
+                "itemsize": self.wire_itemsize, "host": figures}
 
 
 LARGE_ELEMS = 1 << 14
@@ -295,7 +282,6 @@ flat buffer in one pass instead of zero-then-add (for smaller ones the extra cal
 
 MIN_SLOTS = 2
 """The fewest ring slots ``host_memory`` may buy: one being summed while the next arrives."""
-
 
 MIN_SEGMENT = 1024
 """The smallest ``segment_bytes``: every segment is a copy and a task of its own."""
@@ -341,11 +327,9 @@ def wire_dtype(grad_transfer: str | None, dtype: torch.dtype, mode: str) -> torc
 
 
 def relay(flat: torch.Tensor, old: Layout, new: Layout) -> None:
-    """Move each parameter's gradient from its ``old`` place to its ``new`` one, staged in host memory; padding becomes
-    0."""
+    """Move each parameter's gradient from its ``old`` place to its ``new`` one, via host memory; padding becomes 0."""
     staged = flat.to("cpu")  # note: host sync (between steps, nothing in flight)
     out = torch.zeros_like(staged)
-    for pid, n in enumerate(new.numels):
-        a, b = old.offsets[pid], new.offsets[pid]
+    for a, b, n in zip(old.offsets, new.offsets, new.numels):
         out[b:b + n] = staged[a:a + n]
     flat.copy_(out)
