@@ -136,10 +136,6 @@ class GradientStream:
             dev.send(c)  # one call per chunk: one event wait, one context
         return done
 
-    def send(self, j: int, c: int) -> None:
-        """Chunk ``c`` of device ``j`` is complete: copy it to the host (what a hook calls)."""
-        self._sends[j](c)
-
     def _ring_chunk(self, j: int, c: int) -> None:
         self.marks.ready[j][c] = 1
         self._send_ring(j, block=False)  # never waits in a hook: a busy slot is sent later
