@@ -246,86 +246,13 @@ def _ordered_sum(sq):
     return t
 
 
-# One kernel per part count up to four, each calling its fused loop with the parts as plain arguments: indexing the
-# tuple of parts with a run-time index costs half the bandwidth. With ``want_sq``, each block's sum of squares is taken
-# right after the block is written, while it is still in L1 (no second pass over memory), into its own slot of ``sq``;
-# the slots are then added in block order, so the total is the same whatever the thread count.
-def _k1(out, a, s, want_sq):
-    n = out.shape[0]
-    nblocks = (n + BLOCK - 1) // BLOCK
-    sq = np.zeros(nblocks if want_sq else 0)
-    bad = 0
-    for blk in prange(nblocks):
-        lo = blk * BLOCK
-        hi = min(lo + BLOCK, n)
-        bad += _set1s(out[lo:hi], a[lo:hi], s)
-        if want_sq:
-            sq[blk] = _sumsq(out[lo:hi])
-    return bad, _ordered_sum(sq)
-
-
-def _k2(out, a, b, s, want_sq):
-    n = out.shape[0]
-    nblocks = (n + BLOCK - 1) // BLOCK
-    sq = np.zeros(nblocks if want_sq else 0)
-    bad = 0
-    for blk in prange(nblocks):
-        lo = blk * BLOCK
-        hi = min(lo + BLOCK, n)
-        bad += _set2s(out[lo:hi], a[lo:hi], b[lo:hi], s)
-        if want_sq:
-            sq[blk] = _sumsq(out[lo:hi])
-    return bad, _ordered_sum(sq)
-
-
-def _k3(out, a, b, c, s, want_sq):
-    n = out.shape[0]
-    nblocks = (n + BLOCK - 1) // BLOCK
-    sq = np.zeros(nblocks if want_sq else 0)
-    bad = 0
-    for blk in prange(nblocks):
-        lo = blk * BLOCK
-        hi = min(lo + BLOCK, n)
-        bad += _set3s(out[lo:hi], a[lo:hi], b[lo:hi], c[lo:hi], s)
-        if want_sq:
-            sq[blk] = _sumsq(out[lo:hi])
-    return bad, _ordered_sum(sq)
-
-
-def _k4(out, a, b, c, d, s, want_sq):
-    n = out.shape[0]
-    nblocks = (n + BLOCK - 1) // BLOCK
-    sq = np.zeros(nblocks if want_sq else 0)
-    bad = 0
-    for blk in prange(nblocks):
-        lo = blk * BLOCK
-        hi = min(lo + BLOCK, n)
-        bad += _set4s(out[lo:hi], a[lo:hi], b[lo:hi], c[lo:hi], d[lo:hi], s)
-        if want_sq:
-            sq[blk] = _sumsq(out[lo:hi])
-    return bad, _ordered_sum(sq)
-
-
-def _wk2(out, a, b, s, want_sq, half, back):
-    n = a.shape[0]
-    nblocks = (n + BLOCK - 1) // BLOCK
-    sq = np.zeros(nblocks if want_sq else 0)
-    bad = 0
-    for blk in prange(nblocks):
-        lo = blk * BLOCK
-        hi = min(lo + BLOCK, n)
-        # an empty out: the float32 block lives in a scratch that stays in cache (only back is written)
-        o = out[lo:hi] if out.shape[0] else np.empty(hi - lo, np.float32)
-        bad += _wset2s(o, a[lo:hi], b[lo:hi], s, half)
-        if want_sq:
-            sq[blk] = _sumsq(o)
-        if back.shape[0]:
-            _narrow(o, back[lo:hi], half)
-    return bad, _ordered_sum(sq)
-
-
-def _body(out, parts, scale, want_sq):
-    """More than four parts: the first four in one pass, then up to four more per pass."""
+# The drivers take the parts as ``*parts``: their count is a compile-time constant, so only its branch is compiled, and
+# up to four parts reach their fused loop as plain arguments (static indices: indexing the tuple of parts with a
+# run-time index costs half the bandwidth). With ``want_sq``, each block's sum of squares is taken right after the block
+# is written, while it is still in L1 (no second pass over memory), into its own slot of ``sq``; the slots are then
+# added in block order, so the total is the same whatever the thread count.
+def _sum(out, scale, want_sq, *parts):
+    """Up to four parts in one fused pass; more: the first four in one pass, then up to four more per pass."""
     n = out.shape[0]
     nparts = len(parts)
     nblocks = (n + BLOCK - 1) // BLOCK
@@ -335,69 +262,72 @@ def _body(out, parts, scale, want_sq):
         lo = blk * BLOCK
         hi = min(lo + BLOCK, n)
         o = out[lo:hi]
-        _set4(o, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], parts[3][lo:hi])
-        j = 4
-        while nparts - j > 4:  # middle groups of four; the last group is fused with the scale
-            _add4(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], parts[j + 3][lo:hi])
-            j += 4
-        k = nparts - j
-        if k == 1:
-            bad += _add1s(o, parts[j][lo:hi], scale)
-        elif k == 2:
-            bad += _add2s(o, parts[j][lo:hi], parts[j + 1][lo:hi], scale)
-        elif k == 3:
-            bad += _add3s(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], scale)
+        if nparts == 1:
+            bad += _set1s(o, parts[0][lo:hi], scale)
+        elif nparts == 2:
+            bad += _set2s(o, parts[0][lo:hi], parts[1][lo:hi], scale)
+        elif nparts == 3:
+            bad += _set3s(o, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], scale)
+        elif nparts == 4:
+            bad += _set4s(o, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], parts[3][lo:hi], scale)
         else:
-            bad += _add4s(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi],
-                          parts[j + 3][lo:hi], scale)
+            _set4(o, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], parts[3][lo:hi])
+            j = 4
+            while nparts - j > 4:  # middle groups of four; the last group is fused with the scale
+                _add4(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], parts[j + 3][lo:hi])
+                j += 4
+            k = nparts - j
+            if k == 1:
+                bad += _add1s(o, parts[j][lo:hi], scale)
+            elif k == 2:
+                bad += _add2s(o, parts[j][lo:hi], parts[j + 1][lo:hi], scale)
+            elif k == 3:
+                bad += _add3s(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], scale)
+            else:
+                bad += _add4s(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi],
+                              parts[j + 3][lo:hi], scale)
         if want_sq:
             sq[blk] = _sumsq(o)
     return bad, _ordered_sum(sq)
 
 
-def _body_wide(out, parts, scale, want_sq, half, back):
-    """16-bit parts widened to float32 on the fly; a non-empty ``back`` also gets each block rounded; an empty ``out``
-    keeps each block in a scratch."""
+def _sum_wide(out, scale, want_sq, half, back, *parts):
+    """16-bit parts widened to float32 on the fly (two: in the summing pass); a non-empty ``back`` also gets each block
+    rounded; an empty ``out`` keeps each block in a scratch that stays in cache (only ``back`` is written)."""
     n = parts[0].shape[0]
     nparts = len(parts)
     nblocks = (n + BLOCK - 1) // BLOCK
     sq = np.zeros(nblocks if want_sq else 0)
     bad = 0
-    for b in prange(nblocks):
-        lo = b * BLOCK
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
         hi = min(lo + BLOCK, n)
         o = out[lo:hi] if out.shape[0] else np.empty(hi - lo, np.float32)
-        z = nparts - nparts
-        if nparts == 1:
-            _wset1(o, parts[z][lo:hi], half)
-            j = 1
+        if nparts == 2:
+            bad += _wset2s(o, parts[0][lo:hi], parts[1][lo:hi], scale, half)
         else:
-            _wset2(o, parts[z][lo:hi], parts[z + 1][lo:hi], half)
-            j = 2
-        while j < nparts:
-            if nparts - j >= 2:
-                _wadd2(o, parts[j][lo:hi], parts[j + 1][lo:hi], half)
-                j += 2
+            if nparts == 1:
+                _wset1(o, parts[0][lo:hi], half)
+                j = 1
             else:
-                _wadd1(o, parts[j][lo:hi], half)
-                j += 1
-        bad += _scale_count(o, scale)
+                _wset2(o, parts[0][lo:hi], parts[1][lo:hi], half)
+                j = 2
+            while j < nparts:
+                if nparts - j >= 2:
+                    _wadd2(o, parts[j][lo:hi], parts[j + 1][lo:hi], half)
+                    j += 2
+                else:
+                    _wadd1(o, parts[j][lo:hi], half)
+                    j += 1
+            bad += _scale_count(o, scale)
         if want_sq:
-            sq[b] = _sumsq(o)
+            sq[blk] = _sumsq(o)
         if back.shape[0]:
             _narrow(o, back[lo:hi], half)
     return bad, _ordered_sum(sq)
 
 
-# Compiled twice each, parallel and serial (below accumulate.SERIAL_BELOW elements, or in a forked child). Index 0 takes
-# any number of parts, index k exactly k (16-bit: index 1 exactly two).
-PARALLEL = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body, _k1, _k2, _k3, _k4)]
-SERIAL = [njit(nogil=True, cache=True)(k) for k in (_body, _k1, _k2, _k3, _k4)]
-PARALLEL_WIDE = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body_wide, _wk2)]
-SERIAL_WIDE = [njit(nogil=True, cache=True)(k) for k in (_body_wide, _wk2)]
-
-
-def _round_blocks_py(src, dst, half):
+def _round_blocks(src, dst, half):
     n = src.shape[0]
     for blk in prange((n + BLOCK - 1) // BLOCK):
         lo = blk * BLOCK
@@ -405,11 +335,7 @@ def _round_blocks_py(src, dst, half):
         _narrow(src[lo:hi], dst[lo:hi], half)
 
 
-round_blocks = njit(parallel=True, nogil=True, cache=True)(_round_blocks_py)
-round_blocks_serial = njit(nogil=True, cache=True)(_round_blocks_py)
-
-
-def _sumsq_blocks_py(x):
+def _sumsq_blocks(x):
     n = x.shape[0]
     nblocks = (n + BLOCK - 1) // BLOCK
     sq = np.zeros(nblocks)
@@ -419,5 +345,13 @@ def _sumsq_blocks_py(x):
     return _ordered_sum(sq)
 
 
-sumsq_blocks = njit(parallel=True, nogil=True, cache=True)(_sumsq_blocks_py)
-sumsq_blocks_serial = njit(nogil=True, cache=True)(_sumsq_blocks_py)
+def _compiled(kernel):
+    """``{parallel: compiled}``: ``prange`` over blocks, or serial (below accumulate.SERIAL_BELOW elements, or in a
+    forked child)."""
+    return {True: njit(parallel=True, nogil=True, cache=True)(kernel), False: njit(nogil=True, cache=True)(kernel)}
+
+
+SUM = _compiled(_sum)
+SUM_WIDE = _compiled(_sum_wide)
+ROUND = _compiled(_round_blocks)
+SUMSQ = _compiled(_sumsq_blocks)
