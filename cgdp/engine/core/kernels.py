@@ -34,95 +34,43 @@ def _bits_to_f32(typingctx, u):
     return sig, codegen
 
 
+@njit(nogil=True, cache=True)
+def _rest(v, parts, i):
+    """``v`` plus element ``i`` of ``parts[1:]`` (up to three), left to right; ``len(parts)`` is a compile-time
+    constant, so only its additions are compiled."""
+    n = len(parts)
+    if n > 1:
+        v = v + parts[1][i]
+    if n > 2:
+        v = v + parts[2][i]
+    if n > 3:
+        v = v + parts[3][i]
+    return v
+
+
 @_loop
-def _set1s(o, a, s):
+def _set(o, s, *parts):
+    """``o = (parts[0] + parts[1] + ...) * s`` for one to four parts; the non-finite count (``s`` None: unscaled, 0)."""
     nb = 0
     for i in range(o.shape[0]):
-        v = a[i] * s
+        v = _rest(parts[0][i], parts, i)
+        if s is not None:
+            v = v * s
+            nb += (v - v) != 0  # v - v is 0 for finite v, NaN for NaN/Inf: counted in the same pass
         o[i] = v
-        nb += (v - v) != 0  # v - v is 0 for finite v, NaN for NaN/Inf: counted in the same pass
     return nb
 
 
 @_loop
-def _set2s(o, a, b, s):
+def _add(o, s, *parts):
+    """:func:`_set` onto ``o``: ``o = (o + parts[0] + ...) * s``."""
     nb = 0
     for i in range(o.shape[0]):
-        v = (a[i] + b[i]) * s
+        v = _rest(o[i] + parts[0][i], parts, i)
+        if s is not None:
+            v = v * s
+            nb += (v - v) != 0
         o[i] = v
-        nb += (v - v) != 0
-    return nb
-
-
-@_loop
-def _set3s(o, a, b, c, s):
-    nb = 0
-    for i in range(o.shape[0]):
-        v = ((a[i] + b[i]) + c[i]) * s
-        o[i] = v
-        nb += (v - v) != 0
-    return nb
-
-
-@_loop
-def _set4s(o, a, b, c, d, s):
-    nb = 0
-    for i in range(o.shape[0]):
-        v = (((a[i] + b[i]) + c[i]) + d[i]) * s
-        o[i] = v
-        nb += (v - v) != 0
-    return nb
-
-
-@_loop
-def _set4(o, a, b, c, d):
-    for i in range(o.shape[0]):
-        o[i] = ((a[i] + b[i]) + c[i]) + d[i]
-
-
-@_loop
-def _add4(o, a, b, c, d):
-    for i in range(o.shape[0]):
-        o[i] = (((o[i] + a[i]) + b[i]) + c[i]) + d[i]
-
-
-@_loop
-def _add1s(o, a, s):
-    nb = 0
-    for i in range(o.shape[0]):
-        v = (o[i] + a[i]) * s
-        o[i] = v
-        nb += (v - v) != 0
-    return nb
-
-
-@_loop
-def _add2s(o, a, b, s):
-    nb = 0
-    for i in range(o.shape[0]):
-        v = ((o[i] + a[i]) + b[i]) * s
-        o[i] = v
-        nb += (v - v) != 0
-    return nb
-
-
-@_loop
-def _add3s(o, a, b, c, s):
-    nb = 0
-    for i in range(o.shape[0]):
-        v = (((o[i] + a[i]) + b[i]) + c[i]) * s
-        o[i] = v
-        nb += (v - v) != 0
-    return nb
-
-
-@_loop
-def _add4s(o, a, b, c, d, s):
-    nb = 0
-    for i in range(o.shape[0]):
-        v = ((((o[i] + a[i]) + b[i]) + c[i]) + d[i]) * s
-        o[i] = v
-        nb += (v - v) != 0
     return nb
 
 
@@ -263,29 +211,28 @@ def _sum(out, scale, want_sq, *parts):
         hi = min(lo + BLOCK, n)
         o = out[lo:hi]
         if nparts == 1:
-            bad += _set1s(o, parts[0][lo:hi], scale)
+            bad += _set(o, scale, parts[0][lo:hi])
         elif nparts == 2:
-            bad += _set2s(o, parts[0][lo:hi], parts[1][lo:hi], scale)
+            bad += _set(o, scale, parts[0][lo:hi], parts[1][lo:hi])
         elif nparts == 3:
-            bad += _set3s(o, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], scale)
+            bad += _set(o, scale, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi])
         elif nparts == 4:
-            bad += _set4s(o, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], parts[3][lo:hi], scale)
+            bad += _set(o, scale, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], parts[3][lo:hi])
         else:
-            _set4(o, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], parts[3][lo:hi])
+            _set(o, None, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], parts[3][lo:hi])
             j = 4
             while nparts - j > 4:  # middle groups of four; the last group is fused with the scale
-                _add4(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], parts[j + 3][lo:hi])
+                _add(o, None, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], parts[j + 3][lo:hi])
                 j += 4
             k = nparts - j
             if k == 1:
-                bad += _add1s(o, parts[j][lo:hi], scale)
+                bad += _add(o, scale, parts[j][lo:hi])
             elif k == 2:
-                bad += _add2s(o, parts[j][lo:hi], parts[j + 1][lo:hi], scale)
+                bad += _add(o, scale, parts[j][lo:hi], parts[j + 1][lo:hi])
             elif k == 3:
-                bad += _add3s(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], scale)
+                bad += _add(o, scale, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi])
             else:
-                bad += _add4s(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi],
-                              parts[j + 3][lo:hi], scale)
+                bad += _add(o, scale, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], parts[j + 3][lo:hi])
         if want_sq:
             sq[blk] = _sumsq(o)
     return bad, _ordered_sum(sq)
