@@ -185,12 +185,9 @@ class HostAccumulator:
         g = len(self.devices)
         n = self._elems
         wire = n * self._host.element_size()
-        out = {"d2h_write": g * wire, "sum_read": g * wire, "h2d_read": g * wire}
-        if len(self._rows) == 2:  # float32 written, allreduced, read again and rounded
-            four = n * 4
-            out["sum_write"] = four + four + wire
-        else:
-            out["sum_write"] = wire
+        # with a float32 row: float32 written, allreduced, read again and rounded
+        out = {"d2h_write": g * wire, "sum_read": g * wire, "h2d_read": g * wire,
+               "sum_write": n * 4 + n * 4 + wire if len(self._rows) == 2 else wire}
         out["total"] = sum(out.values())
         return out
 
