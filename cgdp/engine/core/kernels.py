@@ -24,14 +24,22 @@ BLOCK = 4096
 _loop = njit(nogil=True, inline="never", cache=True)
 
 
-@intrinsic
-def _bits_to_f32(typingctx, u):
-    """Reinterpret a uint32 as float32 (a register bit cast; vectorises, unlike an array view)."""
-    sig = types.float32(types.uint32)
+def _cast(result, arg, convert):
+    """An intrinsic from ``arg`` to ``result``: ``convert(builder, value)``, register casts that vectorise (unlike an
+    array view)."""
+    def cast(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return convert(builder, args[0])
+        return result(arg), codegen
+    return intrinsic(cast)
 
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return sig, codegen
+
+_bits_to_f32 = _cast(types.float32, types.uint32, lambda b, u: b.bitcast(u, ir.FloatType()))
+_f32_bits = _cast(types.uint32, types.float32, lambda b, x: b.bitcast(x, ir.IntType(32)))
+# IEEE half: ``fpext`` widens (one instruction with F16C), ``fptrunc`` rounds to nearest even, as torch
+_half_to_f32 = _cast(types.float32, types.uint16, lambda b, u: b.fpext(b.bitcast(u, ir.HalfType()), ir.FloatType()))
+_f32_to_half_bits = _cast(types.uint16, types.float32,
+                          lambda b, x: b.bitcast(b.fptrunc(x, ir.HalfType()), ir.IntType(16)))
 
 
 @njit(nogil=True, cache=True)
@@ -74,16 +82,6 @@ def _add(o, s, *parts):
     return nb
 
 
-@intrinsic
-def _half_to_f32(typingctx, u):
-    """Widen fp16 bits (uint16) to float32 (``fpext half``: one instruction with F16C)."""
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return sig, codegen
-
-
 @njit(nogil=True, inline="always", cache=True)
 def widen(u, half):
     """16-bit bits to float32: IEEE half if ``half``, else bfloat16. ``half`` is the same for a whole loop: LLVM
@@ -91,26 +89,6 @@ def widen(u, half):
     if half:
         return _half_to_f32(u)
     return _bits_to_f32(np.uint32(u) << np.uint32(16))
-
-
-@intrinsic
-def _f32_bits(typingctx, x):
-    """Reinterpret a float32 as uint32."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return sig, codegen
-
-
-@intrinsic
-def _f32_to_half_bits(typingctx, x):
-    """Round a float32 to IEEE half (``fptrunc``: to nearest even, as torch) and return its bits."""
-    sig = types.uint16(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-    return sig, codegen
 
 
 @njit(nogil=True, inline="always", cache=True)
