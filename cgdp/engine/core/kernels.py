@@ -110,13 +110,29 @@ def _narrow(o, d, half):
 
 
 @_loop
-def _wset2s(o, a, b, s, half):
+def _wset(o, s, half, *parts):
+    """``o = (parts[0] + parts[1]) * s`` for one or two 16-bit parts widened; the non-finite count (``s`` None:
+    unscaled, 0)."""
     nb = 0
     for i in range(o.shape[0]):
-        v = (widen(a[i], half) + widen(b[i], half)) * s
+        v = widen(parts[0][i], half)
+        if len(parts) > 1:
+            v = v + widen(parts[1][i], half)
+        if s is not None:
+            v = v * s
+            nb += (v - v) != 0
         o[i] = v
-        nb += (v - v) != 0
     return nb
+
+
+@_loop
+def _wadd(o, half, *parts):
+    """``o += parts[0] (+ parts[1])``, one or two 16-bit parts widened, left to right."""
+    for i in range(o.shape[0]):
+        v = o[i] + widen(parts[0][i], half)
+        if len(parts) > 1:
+            v = v + widen(parts[1][i], half)
+        o[i] = v
 
 
 @_loop
@@ -127,30 +143,6 @@ def _scale_count(o, s):
         o[i] = v
         nb += (v - v) != 0
     return nb
-
-
-@_loop
-def _wset1(o, a, half):
-    for i in range(o.shape[0]):
-        o[i] = widen(a[i], half)
-
-
-@_loop
-def _wset2(o, a, b, half):
-    for i in range(o.shape[0]):
-        o[i] = widen(a[i], half) + widen(b[i], half)
-
-
-@_loop
-def _wadd1(o, a, half):
-    for i in range(o.shape[0]):
-        o[i] = o[i] + widen(a[i], half)
-
-
-@_loop
-def _wadd2(o, a, b, half):
-    for i in range(o.shape[0]):
-        o[i] = (o[i] + widen(a[i], half)) + widen(b[i], half)
 
 
 @njit(nogil=True, inline="never", cache=True, fastmath={"reassoc", "nsz"})
@@ -229,20 +221,20 @@ def _sum_wide(out, scale, want_sq, half, back, *parts):
         hi = min(lo + BLOCK, n)
         o = out[lo:hi] if out.shape[0] else np.empty(hi - lo, np.float32)
         if nparts == 2:
-            bad += _wset2s(o, parts[0][lo:hi], parts[1][lo:hi], scale, half)
+            bad += _wset(o, scale, half, parts[0][lo:hi], parts[1][lo:hi])
         else:
             if nparts == 1:
-                _wset1(o, parts[0][lo:hi], half)
+                _wset(o, None, half, parts[0][lo:hi])
                 j = 1
             else:
-                _wset2(o, parts[0][lo:hi], parts[1][lo:hi], half)
+                _wset(o, None, half, parts[0][lo:hi], parts[1][lo:hi])
                 j = 2
             while j < nparts:
                 if nparts - j >= 2:
-                    _wadd2(o, parts[j][lo:hi], parts[j + 1][lo:hi], half)
+                    _wadd(o, half, parts[j][lo:hi], parts[j + 1][lo:hi])
                     j += 2
                 else:
-                    _wadd1(o, parts[j][lo:hi], half)
+                    _wadd(o, half, parts[j][lo:hi])
                     j += 1
             bad += _scale_count(o, scale)
         if want_sq:
