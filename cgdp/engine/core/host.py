@@ -148,17 +148,14 @@ class HostAccumulator:
         for a, b in places:
             self._parts.append(tuple(rows[j, a:b] for j in range(g)))
             if wide == self.dtype:  # summed in place in the row that goes back
-                self._out.append(rows[g, a:b])
-                self._back.append(None)
-                self._post.append(rows[g, a:b])
+                out, back, post = rows[g, a:b], None, rows[g, a:b]
             elif keep_wide:  # float32 sum, allreduced, then rounded into the row that goes back
-                self._out.append(wide_row[a:b])
-                self._back.append(rows[g, a:b])
-                self._post.append(wide_row[a:b])
+                out, back, post = wide_row[a:b], rows[g, a:b], wide_row[a:b]
             else:  # rounded in the summing pass: the float32 sum never reaches memory
-                self._out.append(None)
-                self._back.append(rows[g, a:b])
-                self._post.append(None)
+                out, back, post = None, rows[g, a:b], None
+            self._out.append(out)
+            self._back.append(back)
+            self._post.append(post)
 
     def _routes(self, segs: list[tuple[int, int]], places: list[tuple[int, int]],
                 flats: list[torch.Tensor], stages: list[torch.Tensor] | None) -> list[Routes]:

@@ -273,7 +273,9 @@ class HostUpdate(Update):
         is stepped with backward, so the refusal leaves the optimizer untouched."""
         m = self.masters
         if not self.settle():
-            raise RuntimeError(_UNSETTLED)
+            raise RuntimeError("the host update thread did not finish a failed step's chunk updates within timeout_s "
+                               "(a step hook that never returns?), so the host optimizer's state may be ahead of the "
+                               "parameters")
         m.follow(round_replicas=True)
         self._seconds, self.undone = 0.0, False
         # step hooks would run per chunk on part of the parameters: with any, update once after backward
@@ -457,10 +459,6 @@ class HostUpdate(Update):
         stamps = m.to_devices(threads)
         self.figures["host_update_bytes_back"] = float(m.wire.sent_bytes if m.wire is not None else m.nbytes)
         return stamps
-
-
-_UNSETTLED = ("the host update thread did not finish a failed step's chunk updates within timeout_s (a step hook "
-              "that never returns?), so the host optimizer's state may be ahead of the parameters")
 
 
 def _stop(q: queue.SimpleQueue, thread: threading.Thread) -> None:
