@@ -148,24 +148,23 @@ class HostMasters:
         """Every replica's parameters ← the masters (``pids``, or all), on each device's thread."""
         if self.wire is not None and pids is None:  # bf16 over the bus
             stamps = self.wire.to_devices(threads)
-        else:
-            if pids is None:
-                masters, params = self.masters, self.params
-            else:  # cached for the same ``pids`` object
-                if self._selected[0] is not pids:
-                    self._selected = (pids, [self.masters[k] for k in pids],
-                                      [[ps[k] for k in pids] for ps in self.params])
-                _, masters, params = self._selected
+            self.versions = list(map(_VERSION, self.params[0]))
+            return stamps
+        if pids is None:
+            masters, params = self.masters, self.params
+        else:  # cached for the same ``pids`` object
+            if self._selected[0] is not pids:
+                self._selected = (pids, [self.masters[k] for k in pids], [[ps[k] for k in pids] for ps in self.params])
+            _, masters, params = self._selected
 
-            def copy(j: int) -> Stamps:
-                dev = self.devs[j]
-                t0 = dev.stamp()
-                with torch.no_grad():
-                    # asynchronous on a GPU: the host writes the masters again only after the next backward (same
-                    # stream)
-                    torch._foreach_copy_(params[j], masters, non_blocking=dev.is_cuda)
-                return t0, dev.stamp()
-            stamps = threads.run_all(copy, computing=True)
+        def copy(j: int) -> Stamps:
+            dev = self.devs[j]
+            t0 = dev.stamp()
+            with torch.no_grad():
+                # asynchronous on a GPU: the host writes the masters again only after the next backward (same stream)
+                torch._foreach_copy_(params[j], masters, non_blocking=dev.is_cuda)
+            return t0, dev.stamp()
+        stamps = threads.run_all(copy, computing=True)
         self.versions = list(map(_VERSION, self.params[0]))
         return stamps
 
