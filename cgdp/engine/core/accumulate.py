@@ -16,8 +16,7 @@ import numba
 import numpy as np
 
 from cgdp.engine.core import fork
-from cgdp.engine.core.kernels import (PARALLEL, PARALLEL_WIDE, SERIAL, SERIAL_WIDE, round_blocks,
-                                      round_blocks_serial, sumsq_blocks, sumsq_blocks_serial)
+from cgdp.engine.core.kernels import ROUND, SUM, SUM_WIDE, SUMSQ
 
 SERIAL_BELOW = 1 << 16
 """Below this many elements a parallel launch costs more than it saves."""
@@ -71,22 +70,12 @@ def accumulate_unchecked(out: np.ndarray | None, parts: tuple[np.ndarray, ...], 
     s = np.float32(scale) if out is None else out.dtype.type(scale)
     parallel = _parallel(parts[0].shape[0])
     half = _WIDEN.get(parts[0].dtype)
-    if half is not None:
-        bits = tuple(p.view(np.uint16) for p in parts)
-        back = _NO_BACK if rounded is None else rounded.view(np.uint16)
-        if out is None:
-            out = _NO_OUT
-        kernels = PARALLEL_WIDE if parallel else SERIAL_WIDE
-        if len(parts) == 2:
-            bad, sq = kernels[1](out, *bits, s, sumsq, half, back)
-        else:
-            bad, sq = kernels[0](out, bits, s, sumsq, half, back)
+    if half is None:
+        bad, sq = SUM[parallel](out, s, sumsq, *parts)
     else:
-        kernels = PARALLEL if parallel else SERIAL
-        if len(parts) <= 4:
-            bad, sq = kernels[len(parts)](out, *parts, s, sumsq)
-        else:
-            bad, sq = kernels[0](out, parts, s, sumsq)
+        bad, sq = SUM_WIDE[parallel](_NO_OUT if out is None else out, s, sumsq, half,
+                                     _NO_BACK if rounded is None else rounded.view(np.uint16),
+                                     *(p.view(np.uint16) for p in parts))
     return int(bad), float(sq)
 
 
@@ -104,14 +93,12 @@ def _parallel(n: int) -> bool:
 
 def round_into(src: np.ndarray, dst: np.ndarray) -> None:
     """``dst[:] = src`` rounded to ``dst``'s 16-bit dtype (a chunk summed across ranks, after its allreduce)."""
-    kernel = round_blocks if _parallel(src.shape[0]) else round_blocks_serial
-    kernel(src, dst.view(np.uint16), dst.dtype == np.float16)
+    ROUND[_parallel(src.shape[0])](src, dst.view(np.uint16), dst.dtype == np.float16)
 
 
 def sum_of_squares(x: np.ndarray) -> float:
     """Sum of squares with the kernels' blocks and order (a chunk summed across ranks)."""
-    kernel = sumsq_blocks if _parallel(x.shape[0]) else sumsq_blocks_serial
-    return float(kernel(x))
+    return float(SUMSQ[_parallel(x.shape[0])](x))
 
 
 def warm_up(dtype: np.dtype = np.float32, nparts: int = 2) -> None:

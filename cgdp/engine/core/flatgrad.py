@@ -64,9 +64,8 @@ def make_layout(plan: Plan, layer_pids: list[list[int]], numels: list[int],
     for c, (lo, hi) in enumerate(bounds):
         first = len(segments)
         cuts = list(range(lo, hi, step)) if step else [lo]
-        for a, b in zip(cuts, cuts[1:] + [hi]):
-            segments.append((a, b))
-            segment_chunk.append(c)
+        segments += zip(cuts, cuts[1:] + [hi])
+        segment_chunk += [c] * len(cuts)
         chunk_segments.append(range(first, len(segments)))
     return Layout(plan, offsets, list(numels), param_chunk, bounds, counts, pos,
                   segments, segment_chunk, chunk_segments)

@@ -148,17 +148,14 @@ class HostAccumulator:
         for a, b in places:
             self._parts.append(tuple(rows[j, a:b] for j in range(g)))
             if wide == self.dtype:  # summed in place in the row that goes back
-                self._out.append(rows[g, a:b])
-                self._back.append(None)
-                self._post.append(rows[g, a:b])
+                out, back, post = rows[g, a:b], None, rows[g, a:b]
             elif keep_wide:  # float32 sum, allreduced, then rounded into the row that goes back
-                self._out.append(wide_row[a:b])
-                self._back.append(rows[g, a:b])
-                self._post.append(wide_row[a:b])
+                out, back, post = wide_row[a:b], rows[g, a:b], wide_row[a:b]
             else:  # rounded in the summing pass: the float32 sum never reaches memory
-                self._out.append(None)
-                self._back.append(rows[g, a:b])
-                self._post.append(None)
+                out, back, post = None, rows[g, a:b], None
+            self._out.append(out)
+            self._back.append(back)
+            self._post.append(post)
 
     def _routes(self, segs: list[tuple[int, int]], places: list[tuple[int, int]],
                 flats: list[torch.Tensor], stages: list[torch.Tensor] | None) -> list[Routes]:
@@ -185,12 +182,9 @@ class HostAccumulator:
         g = len(self.devices)
         n = self._elems
         wire = n * self._host.element_size()
-        out = {"d2h_write": g * wire, "sum_read": g * wire, "h2d_read": g * wire}
-        if len(self._rows) == 2:  # float32 written, allreduced, read again and rounded
-            four = n * 4
-            out["sum_write"] = four + four + wire
-        else:
-            out["sum_write"] = wire
+        # with a float32 row: float32 written, allreduced, read again and rounded
+        out = {"d2h_write": g * wire, "sum_read": g * wire, "h2d_read": g * wire,
+               "sum_write": n * 4 + n * 4 + wire if len(self._rows) == 2 else wire}
         out["total"] = sum(out.values())
         return out
 

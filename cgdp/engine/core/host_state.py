@@ -105,13 +105,10 @@ FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 """``fused=True`` unless the user chose: 3-9x faster on CPU (``bench/bench_host_update.py``)."""
 
 
-def prefer_fused(opt: torch.optim.Optimizer) -> list[int]:
-    """``fused=True`` in groups that chose neither ``fused`` nor ``foreach``; the indices changed."""
+def prefer_fused(opt: torch.optim.Optimizer) -> None:
+    """``fused=True`` in groups that chose neither ``fused`` nor ``foreach``."""
     if type(opt) not in FUSED_CPU:
-        return []
-    changed = []
-    for k, g in enumerate(opt.param_groups):
+        return
+    for g in opt.param_groups:
         if g.get("fused") is None and g.get("foreach") is None and not g.get("differentiable"):
             g["fused"] = True
-            changed.append(k)
-    return changed

@@ -81,11 +81,6 @@ class HostMasters:
         self.refresh()
 
     @property
-    def versions(self) -> list[int]:
-        """Replica 0's version counters when the masters last took or gave them."""
-        return self._versions
-
-    @property
     def nbytes(self) -> int:
         return self.flat.numel() * 4
 
@@ -107,25 +102,22 @@ class HostMasters:
         """Masters ← replica 0's parameters (at start, after a failed step)."""
         with torch.no_grad():
             torch._foreach_copy_(self.masters, [p.detach() for p in self.params[0]])
-        self._versions = list(map(_VERSION, self.params[0]))
+        self.versions = list(map(_VERSION, self.params[0]))
+        """Replica 0's version counters when the masters last took or gave them."""
 
     def follow(self, round_replicas: bool = False) -> None:
         """Masters of parameters written by anything but the engine retake replica 0's (and, with
         ``round_replicas`` and a bf16 wire, the replicas take their rounding)."""
         now = list(map(_VERSION, self.params[0]))
-        if now == self._versions:
+        if now == self.versions:
             return
-        moved = [pid for pid, (a, b) in enumerate(zip(now, self._versions)) if a != b]
+        moved = [pid for pid, (a, b) in enumerate(zip(now, self.versions)) if a != b]
         with torch.no_grad():
             torch._foreach_copy_([self.masters[pid] for pid in moved], [self.params[0][pid].detach() for pid in moved])
         if round_replicas and self.wire is not None:
             self.wire.round_replicas(moved)
             now = list(map(_VERSION, self.params[0]))
-        self._versions = now
-
-    def follow_rounded(self) -> None:
-        self.wire.round_replicas(range(len(self.masters)))
-        self._versions = list(map(_VERSION, self.params[0]))
+        self.versions = now
 
     def take_grads(self, row: torch.Tensor | None, offsets: Sequence[int], flat: torch.Tensor,
                    pids: Sequence[int] | None = None) -> None:
@@ -156,7 +148,7 @@ class HostMasters:
         """Every replica's parameters ← the masters (``pids``, or all), on each device's thread."""
         if self.wire is not None and pids is None:  # bf16 over the bus
             stamps = self.wire.to_devices(threads)
-            self._versions = list(map(_VERSION, self.params[0]))
+            self.versions = list(map(_VERSION, self.params[0]))
             return stamps
         if pids is None:
             masters, params = self.masters, self.params
@@ -173,7 +165,7 @@ class HostMasters:
                 torch._foreach_copy_(params[j], masters, non_blocking=dev.is_cuda)
             return t0, dev.stamp()
         stamps = threads.run_all(copy, computing=True)
-        self._versions = list(map(_VERSION, self.params[0]))
+        self.versions = list(map(_VERSION, self.params[0]))
         return stamps
 
 
@@ -242,14 +234,15 @@ class HostUpdate(Update):
                module: nn.Module | None = None) -> None:
         """Once the stream exists: read the host's sum row in place if possible (then no gradient goes back, only
         parameters), overlap if allowed. With a bf16 wire replica 0's ``state_dict()`` holds the masters."""
-        self._stream, self._grads, self._guard = stream, grads, guard
-        if (stream.stages and stream.transfer == torch.bfloat16
-                and stream.stages[0].numel() >= self.masters.flat.numel()):
-            self.masters.wire = Bf16Wire(self.masters, stream.stages)
-            self.masters.follow_rounded()  # from the first forward on, the replicas hold the masters' rounding
-            resources.push(self.masters.wire.close)
+        self._stream, self._guard = stream, guard
+        m = self.masters
+        if stream.stages and stream.transfer == torch.bfloat16 and stream.stages[0].numel() >= m.flat.numel():
+            m.wire = Bf16Wire(m, stream.stages)
+            m.wire.round_replicas(range(len(m.masters)))  # from the first forward on, the replicas hold their rounding
+            m.versions = list(map(_VERSION, m.params[0]))
+            resources.push(m.wire.close)
             if module is not None:
-                resources.push(masters_in_state_dict(module, self.masters).remove)
+                resources.push(masters_in_state_dict(module, m))
         host = stream.host
         # float32 sum read in place, or a bf16 row widened chunk by chunk
         self._rounded = None if host is None or host.sum_row() is not None else host.rounded_row()
@@ -268,7 +261,6 @@ class HostUpdate(Update):
             resources.push(functools.partial(_stop, self._queue, thread))
             host.on_summed = weak_call(self._summed)
             if host_adam.usable(self.optimizer):
-                m = self.masters
                 self._flat = host_adam.FlatAdam(self.optimizer, m.masters, m.offsets, m.flat)
                 m.unshown_bytes = self._flat.unshown_bytes  # the moments' other side (the state shows one)
 
@@ -280,7 +272,9 @@ class HostUpdate(Update):
         is stepped with backward, so the refusal leaves the optimizer untouched."""
         m = self.masters
         if not self.settle():
-            raise RuntimeError(_UNSETTLED)
+            raise RuntimeError("the host update thread did not finish a failed step's chunk updates within timeout_s "
+                               "(a step hook that never returns?), so the host optimizer's state may be ahead of the "
+                               "parameters")
         m.follow(round_replicas=True)
         self._seconds, self.undone = 0.0, False
         # step hooks would run per chunk on part of the parameters: with any, update once after backward
@@ -464,10 +458,6 @@ class HostUpdate(Update):
         stamps = m.to_devices(threads)
         self.figures["host_update_bytes_back"] = float(m.wire.sent_bytes if m.wire is not None else m.nbytes)
         return stamps
-
-
-_UNSETTLED = ("the host update thread did not finish a failed step's chunk updates within timeout_s (a step hook "
-              "that never returns?), so the host optimizer's state may be ahead of the parameters")
 
 
 def _stop(q: queue.SimpleQueue, thread: threading.Thread) -> None:

@@ -14,7 +14,7 @@ Threads: :meth:`Bf16Wire.to_devices` on each device's thread; the rest on the ca
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -104,7 +104,7 @@ class Bf16Wire:
         self._kept = []
 
 
-def masters_in_state_dict(module: nn.Module, masters: Any) -> Any:
+def masters_in_state_dict(module: nn.Module, masters: Any) -> Callable[[], None]:
     """``state_dict()`` of the module or any submodule holds copies of the float32 masters, not the rounded replica
     values (``keep_vars=True`` keeps the parameters). One post-hook per module owning parameters; returns their remover.
     """
@@ -126,15 +126,8 @@ def masters_in_state_dict(module: nn.Module, masters: Any) -> Any:
         return mod.register_state_dict_post_hook(hook) if keys else None
 
     handles = [h for h in map(hook_for, module.modules()) if h is not None]
-    return _Handles(handles)
 
-
-class _Handles:
-    """Removes several hooks at once."""
-
-    def __init__(self, handles: list[Any]):
-        self.handles = handles
-
-    def remove(self) -> None:
-        for h in self.handles:
+    def remove() -> None:
+        for h in handles:
             h.remove()
+    return remove

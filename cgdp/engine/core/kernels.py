@@ -24,116 +24,62 @@ BLOCK = 4096
 _loop = njit(nogil=True, inline="never", cache=True)
 
 
-@intrinsic
-def _bits_to_f32(typingctx, u):
-    """Reinterpret a uint32 as float32 (a register bit cast; vectorises, unlike an array view)."""
-    sig = types.float32(types.uint32)
+def _cast(result, arg, convert):
+    """An intrinsic from ``arg`` to ``result``: ``convert(builder, value)``, register casts that vectorise (unlike an
+    array view)."""
+    def cast(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return convert(builder, args[0])
+        return result(arg), codegen
+    return intrinsic(cast)
 
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return sig, codegen
+
+_bits_to_f32 = _cast(types.float32, types.uint32, lambda b, u: b.bitcast(u, ir.FloatType()))
+_f32_bits = _cast(types.uint32, types.float32, lambda b, x: b.bitcast(x, ir.IntType(32)))
+# IEEE half: ``fpext`` widens (one instruction with F16C), ``fptrunc`` rounds to nearest even, as torch
+_half_to_f32 = _cast(types.float32, types.uint16, lambda b, u: b.fpext(b.bitcast(u, ir.HalfType()), ir.FloatType()))
+_f32_to_half_bits = _cast(types.uint16, types.float32,
+                          lambda b, x: b.bitcast(b.fptrunc(x, ir.HalfType()), ir.IntType(16)))
+
+
+@njit(nogil=True, cache=True)
+def _rest(v, parts, i):
+    """``v`` plus element ``i`` of ``parts[1:]`` (up to three), left to right; ``len(parts)`` is a compile-time
+    constant, so only its additions are compiled."""
+    n = len(parts)
+    if n > 1:
+        v = v + parts[1][i]
+    if n > 2:
+        v = v + parts[2][i]
+    if n > 3:
+        v = v + parts[3][i]
+    return v
 
 
 @_loop
-def _set1s(o, a, s):
+def _set(o, s, *parts):
+    """``o = (parts[0] + parts[1] + ...) * s`` for one to four parts; the non-finite count (``s`` None: unscaled, 0)."""
     nb = 0
     for i in range(o.shape[0]):
-        v = a[i] * s
+        v = _rest(parts[0][i], parts, i)
+        if s is not None:
+            v = v * s
+            nb += (v - v) != 0  # v - v is 0 for finite v, NaN for NaN/Inf: counted in the same pass
         o[i] = v
-        nb += (v - v) != 0  # v - v is 0 for finite v, NaN for NaN/Inf: counted in the same pass
     return nb
 
 
 @_loop
-def _set2s(o, a, b, s):
+def _add(o, s, *parts):
+    """:func:`_set` onto ``o``: ``o = (o + parts[0] + ...) * s``."""
     nb = 0
     for i in range(o.shape[0]):
-        v = (a[i] + b[i]) * s
+        v = _rest(o[i] + parts[0][i], parts, i)
+        if s is not None:
+            v = v * s
+            nb += (v - v) != 0
         o[i] = v
-        nb += (v - v) != 0
     return nb
-
-
-@_loop
-def _set3s(o, a, b, c, s):
-    nb = 0
-    for i in range(o.shape[0]):
-        v = ((a[i] + b[i]) + c[i]) * s
-        o[i] = v
-        nb += (v - v) != 0
-    return nb
-
-
-@_loop
-def _set4s(o, a, b, c, d, s):
-    nb = 0
-    for i in range(o.shape[0]):
-        v = (((a[i] + b[i]) + c[i]) + d[i]) * s
-        o[i] = v
-        nb += (v - v) != 0
-    return nb
-
-
-@_loop
-def _set4(o, a, b, c, d):
-    for i in range(o.shape[0]):
-        o[i] = ((a[i] + b[i]) + c[i]) + d[i]
-
-
-@_loop
-def _add4(o, a, b, c, d):
-    for i in range(o.shape[0]):
-        o[i] = (((o[i] + a[i]) + b[i]) + c[i]) + d[i]
-
-
-@_loop
-def _add1s(o, a, s):
-    nb = 0
-    for i in range(o.shape[0]):
-        v = (o[i] + a[i]) * s
-        o[i] = v
-        nb += (v - v) != 0
-    return nb
-
-
-@_loop
-def _add2s(o, a, b, s):
-    nb = 0
-    for i in range(o.shape[0]):
-        v = ((o[i] + a[i]) + b[i]) * s
-        o[i] = v
-        nb += (v - v) != 0
-    return nb
-
-
-@_loop
-def _add3s(o, a, b, c, s):
-    nb = 0
-    for i in range(o.shape[0]):
-        v = (((o[i] + a[i]) + b[i]) + c[i]) * s
-        o[i] = v
-        nb += (v - v) != 0
-    return nb
-
-
-@_loop
-def _add4s(o, a, b, c, d, s):
-    nb = 0
-    for i in range(o.shape[0]):
-        v = ((((o[i] + a[i]) + b[i]) + c[i]) + d[i]) * s
-        o[i] = v
-        nb += (v - v) != 0
-    return nb
-
-
-@intrinsic
-def _half_to_f32(typingctx, u):
-    """Widen fp16 bits (uint16) to float32 (``fpext half``: one instruction with F16C)."""
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return sig, codegen
 
 
 @njit(nogil=True, inline="always", cache=True)
@@ -143,26 +89,6 @@ def widen(u, half):
     if half:
         return _half_to_f32(u)
     return _bits_to_f32(np.uint32(u) << np.uint32(16))
-
-
-@intrinsic
-def _f32_bits(typingctx, x):
-    """Reinterpret a float32 as uint32."""
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return sig, codegen
-
-
-@intrinsic
-def _f32_to_half_bits(typingctx, x):
-    """Round a float32 to IEEE half (``fptrunc``: to nearest even, as torch) and return its bits."""
-    sig = types.uint16(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-    return sig, codegen
 
 
 @njit(nogil=True, inline="always", cache=True)
@@ -184,13 +110,29 @@ def _narrow(o, d, half):
 
 
 @_loop
-def _wset2s(o, a, b, s, half):
+def _wset(o, s, half, *parts):
+    """``o = (parts[0] + parts[1]) * s`` for one or two 16-bit parts widened; the non-finite count (``s`` None:
+    unscaled, 0)."""
     nb = 0
     for i in range(o.shape[0]):
-        v = (widen(a[i], half) + widen(b[i], half)) * s
+        v = widen(parts[0][i], half)
+        if len(parts) > 1:
+            v = v + widen(parts[1][i], half)
+        if s is not None:
+            v = v * s
+            nb += (v - v) != 0
         o[i] = v
-        nb += (v - v) != 0
     return nb
+
+
+@_loop
+def _wadd(o, half, *parts):
+    """``o += parts[0] (+ parts[1])``, one or two 16-bit parts widened, left to right."""
+    for i in range(o.shape[0]):
+        v = o[i] + widen(parts[0][i], half)
+        if len(parts) > 1:
+            v = v + widen(parts[1][i], half)
+        o[i] = v
 
 
 @_loop
@@ -201,30 +143,6 @@ def _scale_count(o, s):
         o[i] = v
         nb += (v - v) != 0
     return nb
-
-
-@_loop
-def _wset1(o, a, half):
-    for i in range(o.shape[0]):
-        o[i] = widen(a[i], half)
-
-
-@_loop
-def _wset2(o, a, b, half):
-    for i in range(o.shape[0]):
-        o[i] = widen(a[i], half) + widen(b[i], half)
-
-
-@_loop
-def _wadd1(o, a, half):
-    for i in range(o.shape[0]):
-        o[i] = o[i] + widen(a[i], half)
-
-
-@_loop
-def _wadd2(o, a, b, half):
-    for i in range(o.shape[0]):
-        o[i] = (o[i] + widen(a[i], half)) + widen(b[i], half)
 
 
 @njit(nogil=True, inline="never", cache=True, fastmath={"reassoc", "nsz"})
@@ -246,86 +164,13 @@ def _ordered_sum(sq):
     return t
 
 
-# One kernel per part count up to four, each calling its fused loop with the parts as plain arguments: indexing the
-# tuple of parts with a run-time index costs half the bandwidth. With ``want_sq``, each block's sum of squares is taken
-# right after the block is written, while it is still in L1 (no second pass over memory), into its own slot of ``sq``;
-# the slots are then added in block order, so the total is the same whatever the thread count.
-def _k1(out, a, s, want_sq):
-    n = out.shape[0]
-    nblocks = (n + BLOCK - 1) // BLOCK
-    sq = np.zeros(nblocks if want_sq else 0)
-    bad = 0
-    for blk in prange(nblocks):
-        lo = blk * BLOCK
-        hi = min(lo + BLOCK, n)
-        bad += _set1s(out[lo:hi], a[lo:hi], s)
-        if want_sq:
-            sq[blk] = _sumsq(out[lo:hi])
-    return bad, _ordered_sum(sq)
-
-
-def _k2(out, a, b, s, want_sq):
-    n = out.shape[0]
-    nblocks = (n + BLOCK - 1) // BLOCK
-    sq = np.zeros(nblocks if want_sq else 0)
-    bad = 0
-    for blk in prange(nblocks):
-        lo = blk * BLOCK
-        hi = min(lo + BLOCK, n)
-        bad += _set2s(out[lo:hi], a[lo:hi], b[lo:hi], s)
-        if want_sq:
-            sq[blk] = _sumsq(out[lo:hi])
-    return bad, _ordered_sum(sq)
-
-
-def _k3(out, a, b, c, s, want_sq):
-    n = out.shape[0]
-    nblocks = (n + BLOCK - 1) // BLOCK
-    sq = np.zeros(nblocks if want_sq else 0)
-    bad = 0
-    for blk in prange(nblocks):
-        lo = blk * BLOCK
-        hi = min(lo + BLOCK, n)
-        bad += _set3s(out[lo:hi], a[lo:hi], b[lo:hi], c[lo:hi], s)
-        if want_sq:
-            sq[blk] = _sumsq(out[lo:hi])
-    return bad, _ordered_sum(sq)
-
-
-def _k4(out, a, b, c, d, s, want_sq):
-    n = out.shape[0]
-    nblocks = (n + BLOCK - 1) // BLOCK
-    sq = np.zeros(nblocks if want_sq else 0)
-    bad = 0
-    for blk in prange(nblocks):
-        lo = blk * BLOCK
-        hi = min(lo + BLOCK, n)
-        bad += _set4s(out[lo:hi], a[lo:hi], b[lo:hi], c[lo:hi], d[lo:hi], s)
-        if want_sq:
-            sq[blk] = _sumsq(out[lo:hi])
-    return bad, _ordered_sum(sq)
-
-
-def _wk2(out, a, b, s, want_sq, half, back):
-    n = a.shape[0]
-    nblocks = (n + BLOCK - 1) // BLOCK
-    sq = np.zeros(nblocks if want_sq else 0)
-    bad = 0
-    for blk in prange(nblocks):
-        lo = blk * BLOCK
-        hi = min(lo + BLOCK, n)
-        # an empty out: the float32 block lives in a scratch that stays in cache (only back is written)
-        o = out[lo:hi] if out.shape[0] else np.empty(hi - lo, np.float32)
-        bad += _wset2s(o, a[lo:hi], b[lo:hi], s, half)
-        if want_sq:
-            sq[blk] = _sumsq(o)
-        if back.shape[0]:
-            _narrow(o, back[lo:hi], half)
-    return bad, _ordered_sum(sq)
-
-
-def _body(out, parts, scale, want_sq):
-    """More than four parts: the first four in one pass, then up to four more per pass."""
+# The drivers take the parts as ``*parts``: their count is a compile-time constant, so only its branch is compiled, and
+# up to four parts reach their fused loop as plain arguments (static indices: indexing the tuple of parts with a
+# run-time index costs half the bandwidth). With ``want_sq``, each block's sum of squares is taken right after the block
+# is written, while it is still in L1 (no second pass over memory), into its own slot of ``sq``; the slots are then
+# added in block order, so the total is the same whatever the thread count.
+def _sum(out, scale, want_sq, *parts):
+    """Up to four parts in one fused pass; more: the first four in one pass, then up to four more per pass."""
     n = out.shape[0]
     nparts = len(parts)
     nblocks = (n + BLOCK - 1) // BLOCK
@@ -335,69 +180,71 @@ def _body(out, parts, scale, want_sq):
         lo = blk * BLOCK
         hi = min(lo + BLOCK, n)
         o = out[lo:hi]
-        _set4(o, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], parts[3][lo:hi])
-        j = 4
-        while nparts - j > 4:  # middle groups of four; the last group is fused with the scale
-            _add4(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], parts[j + 3][lo:hi])
-            j += 4
-        k = nparts - j
-        if k == 1:
-            bad += _add1s(o, parts[j][lo:hi], scale)
-        elif k == 2:
-            bad += _add2s(o, parts[j][lo:hi], parts[j + 1][lo:hi], scale)
-        elif k == 3:
-            bad += _add3s(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], scale)
+        if nparts == 1:
+            bad += _set(o, scale, parts[0][lo:hi])
+        elif nparts == 2:
+            bad += _set(o, scale, parts[0][lo:hi], parts[1][lo:hi])
+        elif nparts == 3:
+            bad += _set(o, scale, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi])
+        elif nparts == 4:
+            bad += _set(o, scale, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], parts[3][lo:hi])
         else:
-            bad += _add4s(o, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi],
-                          parts[j + 3][lo:hi], scale)
+            _set(o, None, parts[0][lo:hi], parts[1][lo:hi], parts[2][lo:hi], parts[3][lo:hi])
+            j = 4
+            while nparts - j > 4:  # middle groups of four; the last group is fused with the scale
+                _add(o, None, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], parts[j + 3][lo:hi])
+                j += 4
+            k = nparts - j
+            if k == 1:
+                bad += _add(o, scale, parts[j][lo:hi])
+            elif k == 2:
+                bad += _add(o, scale, parts[j][lo:hi], parts[j + 1][lo:hi])
+            elif k == 3:
+                bad += _add(o, scale, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi])
+            else:
+                bad += _add(o, scale, parts[j][lo:hi], parts[j + 1][lo:hi], parts[j + 2][lo:hi], parts[j + 3][lo:hi])
         if want_sq:
             sq[blk] = _sumsq(o)
     return bad, _ordered_sum(sq)
 
 
-def _body_wide(out, parts, scale, want_sq, half, back):
-    """16-bit parts widened to float32 on the fly; a non-empty ``back`` also gets each block rounded; an empty ``out``
-    keeps each block in a scratch."""
+def _sum_wide(out, scale, want_sq, half, back, *parts):
+    """16-bit parts widened to float32 on the fly (two: in the summing pass); a non-empty ``back`` also gets each block
+    rounded; an empty ``out`` keeps each block in a scratch that stays in cache (only ``back`` is written)."""
     n = parts[0].shape[0]
     nparts = len(parts)
     nblocks = (n + BLOCK - 1) // BLOCK
     sq = np.zeros(nblocks if want_sq else 0)
     bad = 0
-    for b in prange(nblocks):
-        lo = b * BLOCK
+    for blk in prange(nblocks):
+        lo = blk * BLOCK
         hi = min(lo + BLOCK, n)
         o = out[lo:hi] if out.shape[0] else np.empty(hi - lo, np.float32)
-        z = nparts - nparts
-        if nparts == 1:
-            _wset1(o, parts[z][lo:hi], half)
-            j = 1
+        if nparts == 2:
+            bad += _wset(o, scale, half, parts[0][lo:hi], parts[1][lo:hi])
         else:
-            _wset2(o, parts[z][lo:hi], parts[z + 1][lo:hi], half)
-            j = 2
-        while j < nparts:
-            if nparts - j >= 2:
-                _wadd2(o, parts[j][lo:hi], parts[j + 1][lo:hi], half)
-                j += 2
+            if nparts == 1:
+                _wset(o, None, half, parts[0][lo:hi])
+                j = 1
             else:
-                _wadd1(o, parts[j][lo:hi], half)
-                j += 1
-        bad += _scale_count(o, scale)
+                _wset(o, None, half, parts[0][lo:hi], parts[1][lo:hi])
+                j = 2
+            while j < nparts:
+                if nparts - j >= 2:
+                    _wadd(o, half, parts[j][lo:hi], parts[j + 1][lo:hi])
+                    j += 2
+                else:
+                    _wadd(o, half, parts[j][lo:hi])
+                    j += 1
+            bad += _scale_count(o, scale)
         if want_sq:
-            sq[b] = _sumsq(o)
+            sq[blk] = _sumsq(o)
         if back.shape[0]:
             _narrow(o, back[lo:hi], half)
     return bad, _ordered_sum(sq)
 
 
-# Compiled twice each, parallel and serial (below accumulate.SERIAL_BELOW elements, or in a forked child). Index 0 takes
-# any number of parts, index k exactly k (16-bit: index 1 exactly two).
-PARALLEL = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body, _k1, _k2, _k3, _k4)]
-SERIAL = [njit(nogil=True, cache=True)(k) for k in (_body, _k1, _k2, _k3, _k4)]
-PARALLEL_WIDE = [njit(parallel=True, nogil=True, cache=True)(k) for k in (_body_wide, _wk2)]
-SERIAL_WIDE = [njit(nogil=True, cache=True)(k) for k in (_body_wide, _wk2)]
-
-
-def _round_blocks_py(src, dst, half):
+def _round_blocks(src, dst, half):
     n = src.shape[0]
     for blk in prange((n + BLOCK - 1) // BLOCK):
         lo = blk * BLOCK
@@ -405,11 +252,7 @@ def _round_blocks_py(src, dst, half):
         _narrow(src[lo:hi], dst[lo:hi], half)
 
 
-round_blocks = njit(parallel=True, nogil=True, cache=True)(_round_blocks_py)
-round_blocks_serial = njit(nogil=True, cache=True)(_round_blocks_py)
-
-
-def _sumsq_blocks_py(x):
+def _sumsq_blocks(x):
     n = x.shape[0]
     nblocks = (n + BLOCK - 1) // BLOCK
     sq = np.zeros(nblocks)
@@ -419,5 +262,13 @@ def _sumsq_blocks_py(x):
     return _ordered_sum(sq)
 
 
-sumsq_blocks = njit(parallel=True, nogil=True, cache=True)(_sumsq_blocks_py)
-sumsq_blocks_serial = njit(nogil=True, cache=True)(_sumsq_blocks_py)
+def _compiled(kernel):
+    """``{parallel: compiled}``: ``prange`` over blocks, or serial (below accumulate.SERIAL_BELOW elements, or in a
+    forked child)."""
+    return {True: njit(parallel=True, nogil=True, cache=True)(kernel), False: njit(nogil=True, cache=True)(kernel)}
+
+
+SUM = _compiled(_sum)
+SUM_WIDE = _compiled(_sum_wide)
+ROUND = _compiled(_round_blocks)
+SUMSQ = _compiled(_sumsq_blocks)

@@ -17,14 +17,9 @@ from typing import Any, Sequence
 import torch
 
 
-def optimizer_state_bytes(opt: torch.optim.Optimizer, device: torch.device | None = None) -> int:
-    """Bytes of ``opt``'s state tensors (on ``device``, or all)."""
-    total = 0
-    for s in opt.state.values():
-        for v in s.values():
-            if isinstance(v, torch.Tensor) and (device is None or v.device == device):
-                total += v.numel() * v.element_size()
-    return total
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of ``opt``'s state tensors."""
+    return _nbytes([v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
 
 
 def _nbytes(ts: Sequence[torch.Tensor | None]) -> int:
@@ -40,7 +35,8 @@ def grad_bytes(params: Sequence[torch.Tensor], flat: torch.Tensor | None) -> int
         if g is None:
             continue
         if g.is_sparse:
-            total += _nbytes([g.coalesce()._values(), g.coalesce()._indices()])
+            g = g.coalesce()
+            total += _nbytes([g._values(), g._indices()])
         elif ptr is None or g.untyped_storage().data_ptr() != ptr:
             total += _nbytes([g])
     return total
@@ -82,10 +78,9 @@ def memory_report(devices: Sequence[str], params: Sequence[Sequence[torch.Tensor
             "transfer": stream.host.registered_bytes if stream is not None and stream.host is not None else 0}
     if host_update is not None:
         masters, opts = host_update
-        host["parameters"] = masters.nbytes
-        host["gradients"] = masters.grad_bytes
+        host.update(parameters=masters.nbytes, gradients=masters.grad_bytes,
+                    optimizer_state=sum(optimizer_state_bytes(o) for o in opts) + masters.unshown_bytes())
         if masters.wire is not None:  # the masters' bf16 rounding, sent to the devices
             host["transfer"] += _nbytes([masters.wire.flat16])
-        host["optimizer_state"] = sum(optimizer_state_bytes(o) for o in opts) + masters.unshown_bytes()
     out["host"] = host
     return out
