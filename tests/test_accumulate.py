@@ -129,3 +129,12 @@ def test_rounding_to_16_bits_matches_torch(dtype):
     exact = torch.empty_like(a)
     round_into(x.numpy(), host_array(exact))
     assert torch.equal(exact.view(torch.int16), expect.view(torch.int16))
+
+
+def test_parallel_and_serial_kernels_are_cached_apart():
+    """Numba's cache keys a function by its qualified name, code and signature, not by ``parallel=``: a serial build
+    cached first was loaded for the parallel one (sums on one thread). Each pair compiles two functions named apart."""
+    from cgdp.engine.core import kernels
+    for pair in (kernels.SUM, kernels.SUM_WIDE, kernels.ROUND, kernels.SUMSQ):
+        assert pair[True].targetoptions.get("parallel") and not pair[False].targetoptions.get("parallel")
+        assert pair[True].py_func.__qualname__ != pair[False].py_func.__qualname__

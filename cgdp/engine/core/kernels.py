@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+from types import FunctionType
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -264,8 +266,11 @@ def _sumsq_blocks(x):
 
 def _compiled(kernel):
     """``{parallel: compiled}``: ``prange`` over blocks, or serial (below accumulate.SERIAL_BELOW elements, or in a
-    forked child)."""
-    return {True: njit(parallel=True, nogil=True, cache=True)(kernel), False: njit(nogil=True, cache=True)(kernel)}
+    forked child). The serial one compiles a copy named apart: Numba's cache keys a function by its name, code and
+    signature, not by ``parallel``, so one would load the other's machine code."""
+    serial = FunctionType(kernel.__code__, kernel.__globals__, kernel.__name__ + "_serial")
+    serial.__qualname__ = kernel.__qualname__ + "_serial"
+    return {True: njit(parallel=True, nogil=True, cache=True)(kernel), False: njit(nogil=True, cache=True)(serial)}
 
 
 SUM = _compiled(_sum)
