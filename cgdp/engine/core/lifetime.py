@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from types import SimpleNamespace
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -33,7 +34,7 @@ CLOSE_WAIT_S = 5.0
 
 
 class Operations:
-    """The operation lock of one engine (``name``: how errors name it)."""
+    """The operation lock of one engine."""
 
     def __init__(self, refusal: Callable[[str, str, bool], str], stopped: Callable[[str], str],
                  on_device_thread: Callable[[], bool]):
@@ -142,8 +143,7 @@ class Resources:
         self._stack.append(close)
 
     def release(self) -> None:
-        """Let copies in flight finish, then stop everything in reverse order, once; the first failure is raised after.
-        """
+        """Let copies in flight finish, then stop everything in reverse order, once; the first failure raised last."""
         steps, self._stack = self._stack[::-1], []
         drain, self.drain = self.drain, None
         if drain is not None:  # note: host waits on every stream
@@ -158,17 +158,6 @@ class Resources:
             raise first
 
 
-class _NoThreads:
-    stuck: list[str] = []
-
-    @staticmethod
-    def on_device_thread() -> bool:
-        return False
-
-
-_NO_THREADS = _NoThreads()
-
-
 class Lifetime:
     """An engine's lifetime: its operation lock, its resources, whether it is closed or broken."""
 
@@ -177,8 +166,9 @@ class Lifetime:
         """``name``, ``reopen``: how errors name the engine and what to do once closed; ``refusal``, ``stopped``: see
         :class:`Operations`; ``stop``: fails every wait of the engine."""
         self.name, self._reopen, self._stop = name, reopen, stop
-        self.threads: Any = _NO_THREADS  # the engine's DeviceThreads, once built
-        self.ops = Operations(refusal, stopped, self._on_device_thread)
+        self.threads: Any = SimpleNamespace(stuck=[], on_device_thread=lambda: False)
+        """The engine's DeviceThreads, once built."""
+        self.ops = Operations(refusal, stopped, lambda: self.threads.on_device_thread())
         self.resources = Resources()
         self.release = weakref.finalize(owner, self.resources.release)
         """Releases the resources once: from ``close()``, or when the engine is freed."""
@@ -186,20 +176,15 @@ class Lifetime:
         self.broken: str | None = None
         """Why the engine cannot continue (a failure that may have left the replicas different)."""
 
-    def _on_device_thread(self) -> bool:
-        return self.threads.on_device_thread()
-
     def check_usable(self) -> None:
-        if self.closed or self.broken or self.threads.stuck:
-            raise RuntimeError(self._unusable())
-
-    def _unusable(self) -> str:
         if self.closed:
-            return f"this {self.name} is closed; {self._reopen}"
+            raise RuntimeError(f"this {self.name} is closed; {self._reopen}")
         if self.broken:
-            return f"this {self.name} cannot continue: {self.broken}"
-        return (f"this {self.name} cannot continue: the device thread(s) of {', '.join(self.threads.stuck)} never "
-                f"returned from a step that failed; {self._reopen} (load a checkpoint into it)")  # both faces
+            raise RuntimeError(f"this {self.name} cannot continue: {self.broken}")
+        if self.threads.stuck:
+            raise RuntimeError(f"this {self.name} cannot continue: the device thread(s) of "
+                               f"{', '.join(self.threads.stuck)} never returned from a step that failed; "
+                               f"{self._reopen} (load a checkpoint into it)")
 
     def close(self) -> None:
         if self.closed:
@@ -245,8 +230,7 @@ class Lifetime:
 
 
 def operation(what: str) -> Callable[[F], F]:
-    """A method that is one operation of its engine (``self._life``): holds the operation lock, on a usable engine only.
-    """
+    """A method that is one operation of its engine (``self._life``): holds its operation lock, on a usable engine."""
     def wrap(method: F) -> F:
         @functools.wraps(method)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
