@@ -143,12 +143,12 @@ def gather_on_first(devs: Sequence[Device], flats: list[torch.Tensor]) -> torch.
     if devs[0].is_cuda and sum_dtype(first.dtype) == first.dtype:
         from cgdp.engine.backend.cuda import reduce_to_first
         reduce_to_first(devs, flats)
-        return (~torch.isfinite(first)).sum()
-    total = first.to(sum_dtype(first.dtype))  # first itself for float32/float64
-    for flat in flats[1:]:
-        total.add_(flat.to(first.device, non_blocking=True))
-    if total is not first:
-        first.copy_(total)
+    else:
+        total = first.to(sum_dtype(first.dtype))  # first itself for float32/float64
+        for flat in flats[1:]:
+            total.add_(flat.to(first.device, non_blocking=True))
+        if total is not first:
+            first.copy_(total)
     return (~torch.isfinite(first)).sum()
 
 
