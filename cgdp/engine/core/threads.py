@@ -111,12 +111,10 @@ def _on_new_thread(fn: Callable[[], Any]) -> Any:
 def start_numba_threads() -> None:
     """Start Numba's threading layer (once per process) on a thread of its own.
 
-    Its ``omp`` layer shares torch's GNU OpenMP runtime, and starting it sets the OpenMP count of the thread that starts
-    it to every core (``omp_set_num_threads``): that thread's torch intra-op count. Left to the host kernels' warm-up,
-    that was the caller: a caller at ``torch.set_num_threads(1)`` computed on 2 threads after the engine was built, and
-    the pool thread OpenMP started for its per-step work spun on a core the device threads needed (a 48 x Linear(32)
-    step 3x slower on 2 cores). A throwaway thread takes the change instead.
-    """
+    Its ``omp`` layer shares torch's GNU OpenMP runtime, and starting it sets the starting thread's OpenMP count, its
+    torch intra-op count, to every core (``omp_set_num_threads``). Started by the host kernels' warm-up on the caller,
+    a caller at ``torch.set_num_threads(1)`` computed on 2 threads, whose OpenMP pool thread spun on a core the device
+    threads needed (a 48 x Linear(32) step 3x slower on 2 cores). A throwaway thread takes the change instead."""
     import numba  # the host kernels' dependency (cgdp.engine.core.accumulate), imported where it is started
     _on_new_thread(numba.get_num_threads)  # Numba starts its layer at its first thread query
 
@@ -156,8 +154,7 @@ class DeviceThreads:
             for t in self._threads:  # note: waits until each thread has set its own count (at start)
                 t.submit_to(Future(), lambda: None).result()
             _on_new_thread(lambda: torch.set_num_threads(start))  # as it was; nobody's own count changes
-        n = default_at_once(len(devs)) if at_once is None else max(1, min(at_once, len(devs)))
-        self.at_once = n
+        self.at_once = n = default_at_once(len(devs)) if at_once is None else max(1, min(at_once, len(devs)))
         """Device threads computing at once (fewer than the devices: they take turns)."""
         self._turns = threading.Semaphore(n) if n < len(devs) else None
         self._queued: set[str] = set()
@@ -190,20 +187,12 @@ class DeviceThreads:
         else:
             futs = [t.submit_to(_Slot(cond, left), self._guarded, fn, j) for j, t in enumerate(self._threads)]
         self._wait(futs, "a forward or loss_fn")  # note: host waits for the device threads
-        results, first = [], None
-        for f in futs:
-            exc = f.exception()
-            if exc is None:
-                results.append(f._result)
-            elif first is None or (isinstance(first, StepAborted) and not isinstance(exc, StepAborted)):
-                first = exc
-        if first is not None:
+        if left.every:  # a slot failed
+            errors = [e for f in futs if (e := f.exception()) is not None]
             # the first failure recorded anywhere (a device, the host, the comm) is the cause; what the other threads
             # raised (aborts, their own timeouts) follows from it
-            if self._guard.error is not None:
-                raise self._guard.error
-            raise first
-        return results
+            raise self._guard.error or next((e for e in errors if not isinstance(e, StepAborted)), errors[0])
+        return [f._result for f in futs]
 
     def run_beside(self, first: Callable[[], Any], fns: Sequence[Callable[[], Any]]) -> tuple[Any, list]:
         """``first()`` on the caller's thread while ``fns[j - 1]()`` runs on device j's thread, j >= 1; ``first``'s
