@@ -6,10 +6,9 @@ Invariants (``docs/reliability.md`` states them for users):
   (:class:`Operations`). A second one while it runs, from another thread or from inside it (``loss_fn``, a forward on a
   device thread), is a ``RuntimeError`` at once, never a hang or an interleaving.
 * **An unfinished operation is reported at the next call.** A ``DataParallel`` backward that raised (autograd skips its
-  final callback) leaves a *stale* hold. The next operation from the owner
-  thread, or from any thread once the owner has ended, runs its clean-up first; another thread while the owner lives is
-  refused. A backward's owner is the thread that ran its forward; a second gathered output in the same backward is
-  recognised by autograd's graph task.
+  final callback) leaves a *stale* hold. The next operation from the owner thread, or from any thread once the owner has
+  ended, runs its clean-up first; another thread while the owner lives is refused. A backward's owner is the thread that
+  ran its forward; a second gathered output in the same backward is recognised by autograd's graph task.
 * **Dropped means closed, and nothing is freed in flight.** :class:`Resources` is a stack of what must be stopped,
   released in reverse after every copy in flight has finished, exactly once: by ``close()`` or by a ``weakref.finalize``
   (it holds no reference to the engine).
