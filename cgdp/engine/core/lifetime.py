@@ -104,8 +104,7 @@ class Operations:
         self.give()
 
     def close(self, stop: Callable[[BaseException], None], release: Callable[[], None]) -> bool:
-        """Whether ``close()`` may ``release`` now; if not, the operation holding the lock runs it when it gives the
-        lock back."""
+        """Whether ``close()`` may ``release`` now; else the operation holding the lock runs it as it gives it back."""
         me = threading.current_thread()
         with self._lock:
             if self.what is None:

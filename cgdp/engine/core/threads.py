@@ -87,9 +87,8 @@ def usable_cores() -> int:
 
 
 def default_at_once(num_devices: int) -> int:
-    """All at once while each thread can have a core, else ``cores - 1`` (one left to the host thread and the caller).
-    On 2 cores (``bench/bench_host_cost.py``) one at a time cut cgdp's CPU per device per step 4.9 -> 1.3 ms at G = 4.
-    """
+    """All at once while each thread can have a core, else ``cores - 1`` (one left to the host thread and the caller):
+    on 2 cores one at a time cut cgdp's CPU per device per step 4.9 -> 1.3 ms (G = 4, ``bench/bench_host_cost.py``)."""
     cores = usable_cores()
     return num_devices if num_devices <= cores else max(1, cores - 1)
 
@@ -126,12 +125,9 @@ def _counts_per_thread() -> bool:
 
 
 def intra_op_threads(devs: Sequence[Device]) -> int | None:
-    """torch's intra-op threads per device thread, or None to leave torch's count.
-
-    On CPU-emulated devices G pools over every core fight (README, "Performance"), so each thread gets
-    :func:`threads_per_device`, at most the caller's count. Left alone: ``OMP_NUM_THREADS`` when set, GPUs, and builds
-    whose count is not per thread.
-    """
+    """torch's intra-op threads per device thread, or None to leave torch's count: on CPU-emulated devices G pools over
+    every core fight (README, "Performance"), so each thread gets :func:`threads_per_device`, at most the caller's
+    count. Left alone: ``OMP_NUM_THREADS`` when set, GPUs, and builds whose count is not per thread."""
     if any(getattr(d, "is_cuda", False) for d in devs) or os.environ.get("OMP_NUM_THREADS") \
             or not _counts_per_thread():
         return None
