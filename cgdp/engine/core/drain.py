@@ -10,15 +10,13 @@ from cgdp.engine.sync import Guard
 
 
 def _settle(devs: Sequence[Device], host: HostAccumulator | None, g: Guard, host_s: float) -> bool:
-    """Every device's streams, then the host (False if it did not drain within ``host_s``), then the streams again."""
     for d in devs:
         d.synchronize(g)  # note: host waits on every stream
-    if host is None:
-        return True
-    if not host.drain(host_s):
-        return False
-    for d in devs:  # copies back issued by what the host just finished
-        d.synchronize(g)
+    if host is not None:
+        if not host.drain(host_s):
+            return False
+        for d in devs:  # copies back issued by what the host just finished
+            d.synchronize(g)
     return True
 
 
