@@ -41,7 +41,6 @@ class Claim:
 
 
 def _open(ref: weakref.ref | None) -> Any:
-    """The engine of a claim if it is open, else None."""
     engine = ref() if ref is not None else None
     return engine if engine is not None and not engine.closed else None
 
