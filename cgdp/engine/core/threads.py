@@ -236,7 +236,7 @@ class DeviceThreads:
 
     def _abandon(self, futs: list[_Slot], exc: BaseException) -> None:
         self._guard.fail(exc)  # every waiting thread stops at its next wake-up
-        futs[-1].wake_every_time()  # so that _let_stop sees each thread stop as it stops
+        futs[-1].wake_every_time()  # so that the wait below sees each thread stop as it stops
         with self._later_lock:  # work not started yet never starts
             later, self._later = self._later, deque()
         for t, f, _, _ in later:
@@ -244,7 +244,11 @@ class DeviceThreads:
             f.set_exception(StepAborted("another thread of this step failed"))
         # stuck until they stop: a second Ctrl-C while they are given time leaves them so
         self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done()]
-        _let_stop(futs)
+        deadline = time.monotonic() + STOP_WAIT_S
+        for f in futs:
+            left = deadline - time.monotonic()
+            if left <= 0 or not f.wait(left):
+                break
         self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done()]
 
     def _guarded(self, fn: Callable[[int], Any], j: int) -> Any:
@@ -381,14 +385,6 @@ class _Slot:
 _DONE = _Slot(threading.Condition(threading.Lock()), _Countdown(0))
 """A part already done (:meth:`DeviceThreads.run_beside`'s own, on the caller's thread)."""
 _DONE._done = True
-
-
-def _let_stop(futs: list[_Slot]) -> None:
-    deadline = time.monotonic() + STOP_WAIT_S
-    for f in futs:
-        left = deadline - time.monotonic()
-        if left <= 0 or not f.wait(left):
-            return
 
 
 def caller_context(device_types: Sequence[str] = ("cuda", "cpu"), grad: bool = True
