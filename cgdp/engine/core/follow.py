@@ -87,10 +87,6 @@ class Follow:
         m0 = self.modules[0]
         return list(map(id, chain.from_iterable(map(dict.values, map(_CHILDREN, m0))))), fingerprint(m0)
 
-    def record(self) -> None:
-        """Replica 0 as it is now is every replica's (after a load, a copy)."""
-        self._seen = self._look()
-
     def stepped(self) -> None:
         """Every replica was stepped alike: the new versions are not a change to follow."""
         s = self._seen
@@ -135,7 +131,7 @@ class Follow:
                 for params in self.params[1:]:
                     for p, first in zip(params, self.params[0]):
                         p.copy_(first)
-        self.record()
+        self._seen = self._look()  # replica 0 as it is now is every replica's
         return relisted
 
     def _refuse_new_children(self) -> None:
