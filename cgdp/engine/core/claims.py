@@ -40,23 +40,22 @@ class Claim:
         self._ids = []
 
 
+def _open(ref: weakref.ref | None) -> Any:
+    engine = ref() if ref is not None else None
+    return engine if engine is not None and not engine.closed else None
+
+
 def claimed(param: nn.Parameter) -> bool:
     """Whether an open engine holds ``param``."""
     with _lock:
         ref = _CLAIMS.get(id(param))
-    engine = ref() if ref is not None else None
-    return engine is not None and not engine.closed
+    return _open(ref) is not None
 
 
 def holder(module: nn.Module) -> Any:
     """The open engine that holds some parameter of ``module``, or None."""
     with _lock:
-        for p in module.parameters():
-            ref = _CLAIMS.get(id(p))
-            engine = ref() if ref is not None else None
-            if engine is not None and not engine.closed:
-                return engine
-    return None
+        return next((e for p in module.parameters() if (e := _open(_CLAIMS.get(id(p)))) is not None), None)
 
 
 def claim(engine: Any, module: nn.Module, what: str) -> Claim:

@@ -42,9 +42,8 @@ def scale_gradients(flat: torch.Tensor, coef: torch.Tensor) -> None:
     if coef.device == flat.device:
         pass
     elif coef.device == _HOST:
-        # made on the device, its value a kernel argument: a copy of a host tensor with non_blocking=True comes from
-        # pageable memory, which blocks the host until the stream has caught up (a hidden synchronisation in every
-        # clipped step)
+        # made on the device, its value a kernel argument: a host tensor copied with non_blocking=True comes from
+        # pageable memory, blocking the host until the stream has caught up (a hidden sync in every clipped step)
         coef = torch.full((), coef.item(), dtype=coef.dtype, device=flat.device)
     else:
         coef = coef.to(flat.device, non_blocking=True)  # device to device: no host synchronisation

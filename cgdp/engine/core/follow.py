@@ -46,11 +46,9 @@ class Follow:
     adds of an optimizer the face does not step."""
 
     def __init__(self, replicas: Sequence[nn.Module], devices: Sequence[torch.device], name: str, again: str,
-                 warn: Callable[[str], None] | None = None, after_load: Callable[[], None] | None = None,
-                 unbound: tuple[str, str] = ("", "")):
+                 after_load: Callable[[], None] | None = None, unbound: tuple[str, str] = ("", "")):
         self.replicas = list(replicas)
         self.name, self.again, self.unbound = name, again, unbound
-        self.warn = warn or warn_user
         self.after_load = after_load or (lambda: None)
         self.modules = [list(r.modules()) for r in replicas]  # same order on every replica
         self.params = [list(r.parameters()) for r in replicas]  # trainable or not
@@ -89,10 +87,6 @@ class Follow:
         m0 = self.modules[0]
         return list(map(id, chain.from_iterable(map(dict.values, map(_CHILDREN, m0))))), fingerprint(m0)
 
-    def record(self) -> None:
-        """Replica 0 as it is now is every replica's (after a load, a copy)."""
-        self._seen = self._look()
-
     def stepped(self) -> None:
         """Every replica was stepped alike: the new versions are not a change to follow."""
         s = self._seen
@@ -129,12 +123,15 @@ class Follow:
             self._copy_requires_grad(now[1])
         if now[2] != seen[2]:
             whose, how = self.unbound
-            self.warn(f"replica 0's parameters were changed outside optimizer.step(){whose} ({how}in place under "
+            warn_user(f"replica 0's parameters were changed outside optimizer.step(){whose} ({how}in place under "
                       f"torch.no_grad(), e.g. p.clamp_ or torch.nn.init); {self.name} copies them to "
                       f"every replica before it runs them again. Changes through p.data are not seen: "
                       f"make them on every replica (.replicas)")
-            self._copy_parameters(range(len(self.params[0])))
-        self.record()
+            with torch.no_grad():
+                for params in self.params[1:]:
+                    for p, first in zip(params, self.params[0]):
+                        p.copy_(first)
+        self._seen = self._look()  # replica 0 as it is now is every replica's
         return relisted
 
     def _refuse_new_children(self) -> None:
@@ -175,12 +172,6 @@ class Follow:
                     if bufs[i].shape == self.buffers[0][i].shape:
                         bufs[i].copy_(self.buffers[0][i])
         self.after_load()  # every replica's buffers are the same: the face's baseline
-
-    def _copy_parameters(self, which: Any) -> None:
-        with torch.no_grad():
-            for params in self.params[1:]:
-                for i in which:
-                    params[i].copy_(self.params[0][i])
 
     def broadcast(self, at: int = 0) -> None:
         """Every replica's submodule ``at`` ← replica 0's state, after a load."""
@@ -227,8 +218,7 @@ class Follow:
                     refused.append(i)
                     for p in ps[1:]:
                         p.copy_(first)
-        s = self._seen
-        self._seen = (s[0], s[1], list(map(_VERSION, self.params[0])), *s[3:])
+        self.stepped()  # replica 0's writes are every replica's now
         names = [n for n, _ in self.replicas[0].named_parameters()] if refused or saved else []
         if saved:
             raise RuntimeError(

@@ -6,10 +6,9 @@ Invariants (``docs/reliability.md`` states them for users):
   (:class:`Operations`). A second one while it runs, from another thread or from inside it (``loss_fn``, a forward on a
   device thread), is a ``RuntimeError`` at once, never a hang or an interleaving.
 * **An unfinished operation is reported at the next call.** A ``DataParallel`` backward that raised (autograd skips its
-  final callback) leaves a *stale* hold. The next operation from the owner
-  thread, or from any thread once the owner has ended, runs its clean-up first; another thread while the owner lives is
-  refused. A backward's owner is the thread that ran its forward; a second gathered output in the same backward is
-  recognised by autograd's graph task.
+  final callback) leaves a *stale* hold. The next operation from the owner thread, or from any thread once the owner has
+  ended, runs its clean-up first; another thread while the owner lives is refused. A backward's owner is the thread that
+  ran its forward; a second gathered output in the same backward is recognised by autograd's graph task.
 * **Dropped means closed, and nothing is freed in flight.** :class:`Resources` is a stack of what must be stopped,
   released in reverse after every copy in flight has finished, exactly once: by ``close()`` or by a ``weakref.finalize``
   (it holds no reference to the engine).
@@ -22,6 +21,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from types import SimpleNamespace
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -33,7 +33,7 @@ CLOSE_WAIT_S = 5.0
 
 
 class Operations:
-    """The operation lock of one engine (``name``: how errors name it)."""
+    """The operation lock of one engine."""
 
     def __init__(self, refusal: Callable[[str, str, bool], str], stopped: Callable[[str], str],
                  on_device_thread: Callable[[], bool]):
@@ -104,8 +104,7 @@ class Operations:
         self.give()
 
     def close(self, stop: Callable[[BaseException], None], release: Callable[[], None]) -> bool:
-        """Whether ``close()`` may ``release`` now; if not, the operation holding the lock runs it when it gives the
-        lock back."""
+        """Whether ``close()`` may ``release`` now; else the operation holding the lock runs it as it gives it back."""
         me = threading.current_thread()
         with self._lock:
             if self.what is None:
@@ -142,8 +141,7 @@ class Resources:
         self._stack.append(close)
 
     def release(self) -> None:
-        """Let copies in flight finish, then stop everything in reverse order, once; the first failure is raised after.
-        """
+        """Let copies in flight finish, then stop everything in reverse order, once; the first failure raised last."""
         steps, self._stack = self._stack[::-1], []
         drain, self.drain = self.drain, None
         if drain is not None:  # note: host waits on every stream
@@ -158,17 +156,6 @@ class Resources:
             raise first
 
 
-class _NoThreads:
-    stuck: list[str] = []
-
-    @staticmethod
-    def on_device_thread() -> bool:
-        return False
-
-
-_NO_THREADS = _NoThreads()
-
-
 class Lifetime:
     """An engine's lifetime: its operation lock, its resources, whether it is closed or broken."""
 
@@ -177,8 +164,9 @@ class Lifetime:
         """``name``, ``reopen``: how errors name the engine and what to do once closed; ``refusal``, ``stopped``: see
         :class:`Operations`; ``stop``: fails every wait of the engine."""
         self.name, self._reopen, self._stop = name, reopen, stop
-        self.threads: Any = _NO_THREADS  # the engine's DeviceThreads, once built
-        self.ops = Operations(refusal, stopped, self._on_device_thread)
+        self.threads: Any = SimpleNamespace(stuck=[], on_device_thread=lambda: False)
+        """The engine's DeviceThreads, once built."""
+        self.ops = Operations(refusal, stopped, lambda: self.threads.on_device_thread())
         self.resources = Resources()
         self.release = weakref.finalize(owner, self.resources.release)
         """Releases the resources once: from ``close()``, or when the engine is freed."""
@@ -186,20 +174,15 @@ class Lifetime:
         self.broken: str | None = None
         """Why the engine cannot continue (a failure that may have left the replicas different)."""
 
-    def _on_device_thread(self) -> bool:
-        return self.threads.on_device_thread()
-
     def check_usable(self) -> None:
-        if self.closed or self.broken or self.threads.stuck:
-            raise RuntimeError(self._unusable())
-
-    def _unusable(self) -> str:
         if self.closed:
-            return f"this {self.name} is closed; {self._reopen}"
+            raise RuntimeError(f"this {self.name} is closed; {self._reopen}")
         if self.broken:
-            return f"this {self.name} cannot continue: {self.broken}"
-        return (f"this {self.name} cannot continue: the device thread(s) of {', '.join(self.threads.stuck)} never "
-                f"returned from a step that failed; {self._reopen} (load a checkpoint into it)")  # both faces
+            raise RuntimeError(f"this {self.name} cannot continue: {self.broken}")
+        if self.threads.stuck:
+            raise RuntimeError(f"this {self.name} cannot continue: the device thread(s) of "
+                               f"{', '.join(self.threads.stuck)} never returned from a step that failed; "
+                               f"{self._reopen} (load a checkpoint into it)")
 
     def close(self) -> None:
         if self.closed:
@@ -245,8 +228,7 @@ class Lifetime:
 
 
 def operation(what: str) -> Callable[[F], F]:
-    """A method that is one operation of its engine (``self._life``): holds the operation lock, on a usable engine only.
-    """
+    """A method that is one operation of its engine (``self._life``): holds its operation lock, on a usable engine."""
     def wrap(method: F) -> F:
         @functools.wraps(method)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:

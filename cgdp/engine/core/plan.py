@@ -11,8 +11,7 @@ from cgdp.planning.chunks import Plan, resolve_plan, validate_plan
 def first_plan(chunks: int | Plan | str, layer_bytes: Sequence[int], devices: int, comm: Comm | None, *,
                tuned: bool = True, paper: bool = False) -> tuple[Plan, Any]:
     """The first plan and the tuner (None if the plan is given or ``tuned`` is False: nothing streams, ``"auto"`` is one
-    layer per chunk). ``paper``: ``"paper"`` is allowed, and ``"auto"`` with a comm probes the MPI stage (~0.1 s,
-    collective)."""
+    layer per chunk). ``paper``: allows ``"paper"``; ``"auto"`` with a comm probes the MPI tier (~0.1 s, collective)."""
     n = len(layer_bytes)
     tuner = None
     if not isinstance(chunks, str):

@@ -51,12 +51,7 @@ class _DeviceThread:
                                        name=f"cgdp-{dev.name}", daemon=True)
         self.thread.start()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        fut: Future = Future()
-        self._q.put((fut, fn, args))
-        return fut
-
-    def submit_to(self, slot: "_Slot", fn: Callable[..., Any], *args: Any) -> "_Slot":
+    def submit_to(self, slot: Any, fn: Callable[..., Any], *args: Any) -> Any:
         self._q.put((slot, fn, args))
         return slot
 
@@ -76,9 +71,7 @@ def _serve(q: queue.SimpleQueue, bind: Callable[[], None], intra_op: int | None)
         item = q.get()  # idle between steps
         if item is None:
             return
-        fut, fn, args = item
-        if not fut.set_running_or_notify_cancel():
-            continue
+        fut, fn, args = item  # nothing is ever cancelled
         try:
             fut.set_result(fn(*args))
         except BaseException as exc:
@@ -87,7 +80,6 @@ def _serve(q: queue.SimpleQueue, bind: Callable[[], None], intra_op: int | None)
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask, else the machine's count)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -95,15 +87,13 @@ def usable_cores() -> int:
 
 
 def default_at_once(num_devices: int) -> int:
-    """All at once while each thread can have a core, else ``cores - 1`` (one left to the host thread and the caller).
-    On 2 cores (``bench/bench_host_cost.py``) one at a time cut cgdp's CPU per device per step 4.9 -> 1.3 ms at G = 4.
-    """
+    """All at once while each thread can have a core, else ``cores - 1`` (one left to the host thread and the caller):
+    on 2 cores one at a time cut cgdp's CPU per device per step 4.9 -> 1.3 ms (G = 4, ``bench/bench_host_cost.py``)."""
     cores = usable_cores()
     return num_devices if num_devices <= cores else max(1, cores - 1)
 
 
 def threads_per_device(num_devices: int) -> int:
-    """One share of the usable cores per device thread, at least one."""
     return max(1, usable_cores() // num_devices)
 
 
@@ -120,30 +110,24 @@ def _on_new_thread(fn: Callable[[], Any]) -> Any:
 def start_numba_threads() -> None:
     """Start Numba's threading layer (once per process) on a thread of its own.
 
-    Its ``omp`` layer shares torch's GNU OpenMP runtime, and starting it sets the OpenMP count of the thread that starts
-    it to every core (``omp_set_num_threads``): that thread's torch intra-op count. Left to the host kernels' warm-up,
-    that was the caller: a caller at ``torch.set_num_threads(1)`` computed on 2 threads after the engine was built, and
-    the pool thread OpenMP started for its per-step work spun on a core the device threads needed (a 48 x Linear(32)
-    step 3x slower on 2 cores). A throwaway thread takes the change instead.
-    """
+    Its ``omp`` layer shares torch's GNU OpenMP runtime, and starting it sets the starting thread's OpenMP count, its
+    torch intra-op count, to every core (``omp_set_num_threads``). Started by the host kernels' warm-up on the caller,
+    a caller at ``torch.set_num_threads(1)`` computed on 2 threads, whose OpenMP pool thread spun on a core the device
+    threads needed (a 48 x Linear(32) step 3x slower on 2 cores). A throwaway thread takes the change instead."""
     import numba  # the host kernels' dependency (cgdp.engine.core.accumulate), imported where it is started
     _on_new_thread(numba.get_num_threads)  # Numba starts its layer at its first thread query
 
 
 @functools.lru_cache(maxsize=None)
 def _counts_per_thread() -> bool:
-    """Whether torch keeps the intra-op count per thread (its OpenMP backend; the native one has one pool per process).
-    """
+    """Whether torch keeps the intra-op count per thread (OpenMP backend; the native one has one pool per process)."""
     return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 def intra_op_threads(devs: Sequence[Device]) -> int | None:
-    """torch's intra-op threads per device thread, or None to leave torch's count.
-
-    On CPU-emulated devices G pools over every core fight (README, "Performance"), so each thread gets
-    :func:`threads_per_device`, at most the caller's count. Left alone: ``OMP_NUM_THREADS`` when set, GPUs, and builds
-    whose count is not per thread.
-    """
+    """torch's intra-op threads per device thread, or None to leave torch's count: on CPU-emulated devices G pools over
+    every core fight (README, "Performance"), so each thread gets :func:`threads_per_device`, at most the caller's
+    count. Left alone: ``OMP_NUM_THREADS`` when set, GPUs, and builds whose count is not per thread."""
     if any(getattr(d, "is_cuda", False) for d in devs) or os.environ.get("OMP_NUM_THREADS") \
             or not _counts_per_thread():
         return None
@@ -164,10 +148,9 @@ class DeviceThreads:
         self._threads = [_DeviceThread(d, self.intra_op) for d in devs]
         if start is not None:
             for t in self._threads:  # note: waits until each thread has set its own count (at start)
-                t.submit(lambda: None).result()
+                t.submit_to(Future(), lambda: None).result()
             _on_new_thread(lambda: torch.set_num_threads(start))  # as it was; nobody's own count changes
-        n = default_at_once(len(devs)) if at_once is None else max(1, min(at_once, len(devs)))
-        self.at_once = n
+        self.at_once = n = default_at_once(len(devs)) if at_once is None else max(1, min(at_once, len(devs)))
         """Device threads computing at once (fewer than the devices: they take turns)."""
         self._turns = threading.Semaphore(n) if n < len(devs) else None
         self._queued: set[str] = set()
@@ -185,8 +168,6 @@ class DeviceThreads:
         ``fn(j)`` runs in a turn and must not wait for another device; ``turns``: ``fn(j)`` takes its turn itself
         (:meth:`computing`). While devices take turns, ``fn(j)`` starts only when a turn is free and is handed it, so
         its thread wakes once."""
-        # one condition and one countdown per call, shared by its slots: the caller wakes once, when the last slot is
-        # done (or at a failure), not once per device
         cond, left = threading.Condition(threading.Lock()), _Countdown(len(self._threads))
         if self._turns is not None and (computing or turns):
             call = self._in_turn if computing else self._guarded
@@ -201,25 +182,13 @@ class DeviceThreads:
                     self._start_next()
         else:
             futs = [t.submit_to(_Slot(cond, left), self._guarded, fn, j) for j, t in enumerate(self._threads)]
-        try:
-            self._wait(futs)  # note: host waits for the device threads
-        except BaseException as exc:  # a timeout here, or KeyboardInterrupt
-            self._abandon(futs, exc)
-            raise
-        results, first = [], None
-        for f in futs:
-            exc = f.exception()
-            if exc is None:
-                results.append(f.result())
-            elif first is None or (isinstance(first, StepAborted) and not isinstance(exc, StepAborted)):
-                first = exc
-        if first is not None:
+        self._wait(futs, "a forward or loss_fn")  # note: host waits for the device threads
+        if left.every:  # a slot failed
+            errors = [e for f in futs if (e := f.exception()) is not None]
             # the first failure recorded anywhere (a device, the host, the comm) is the cause; what the other threads
             # raised (aborts, their own timeouts) follows from it
-            if self._guard.error is not None:
-                raise self._guard.error
-            raise first
-        return results
+            raise self._guard.error or next((e for e in errors if not isinstance(e, StepAborted)), errors[0])
+        return [f._result for f in futs]
 
     def run_beside(self, first: Callable[[], Any], fns: Sequence[Callable[[], Any]]) -> tuple[Any, list]:
         """``first()`` on the caller's thread while ``fns[j - 1]()`` runs on device j's thread, j >= 1; ``first``'s
@@ -231,36 +200,27 @@ class DeviceThreads:
         try:
             out = first()
         except Exception:
-            self._wait_or_abandon(futs)
+            self._wait(futs, "an optimizer.step()")  # note: host waits for the device threads
             raise
         except BaseException as exc:  # Ctrl-C in ``first``: the others get STOP_WAIT_S to stop
             self._abandon(futs, exc)
             raise
         if left.left:  # (the others mostly finished while ``first`` ran)
-            self._wait_or_abandon(futs)
+            self._wait(futs, "an optimizer.step()")  # note: host waits for the device threads
         return out, [(j, e) for j, f in enumerate(futs) if (e := f.exception()) is not None]
 
-    def _wait_or_abandon(self, futs: list) -> None:
-        try:
-            self._wait(futs, "an optimizer.step()")  # note: host waits for the device threads
-        except BaseException as exc:  # a timeout here, or KeyboardInterrupt
-            self._abandon(futs, exc)
-            raise
-
-    def _wait(self, futs: list[Future], what: str = "a forward or loss_fn") -> None:
-        """Wait for every thread, waking every POLL_S (so Ctrl-C surfaces); bounded by timeout_s."""
+    def _wait(self, futs: list, what: str) -> None:
+        """Wait for every thread, waking every POLL_S (so Ctrl-C surfaces), bounded by timeout_s; a timeout or Ctrl-C
+        abandons the call (:meth:`_abandon`)."""
         timeout = self._guard.timeout_s
         # the device threads' own waits time out after timeout_s with a message naming what they waited for; this outer
         # bound fires just after, for a thread stuck outside any wait
         deadline = None if timeout is None else time.monotonic() + timeout + min(0.1 * timeout, 1.0)
         # after a failure elsewhere, a waiting thread stops at its next wake-up and a computing one when its computation
         # ends; both are waited for (a thread still busy at the deadline is stuck)
-        for f in futs:
-            while True:
-                try:
-                    f.exception(timeout=POLL_S)
-                    break
-                except TimeoutError:
+        try:
+            for f in futs:
+                while not f.wait(POLL_S):
                     if deadline is not None and time.monotonic() > deadline:
                         if self._guard.error is not None:  # the cause, not the thread it left stuck
                             raise self._guard.error
@@ -270,11 +230,13 @@ class DeviceThreads:
                         raise TimeoutError(f"the device thread(s) of {', '.join(busy)} did not finish within "
                                            f"timeout_s = {timeout:g} s ({what} that never "
                                            f"returns?); raise timeout_s if a step can really take that long")
+        except BaseException as exc:  # a timeout here, or KeyboardInterrupt
+            self._abandon(futs, exc)
+            raise
 
-    def _abandon(self, futs: list[Future], exc: BaseException) -> None:
+    def _abandon(self, futs: list[_Slot], exc: BaseException) -> None:
         self._guard.fail(exc)  # every waiting thread stops at its next wake-up
-        if isinstance(futs[-1], _Slot):
-            futs[-1].wake_every_time()  # so that _let_stop sees each thread stop as it stops
+        futs[-1].wake_every_time()  # so that the wait below sees each thread stop as it stops
         with self._later_lock:  # work not started yet never starts
             later, self._later = self._later, deque()
         for t, f, _, _ in later:
@@ -282,7 +244,11 @@ class DeviceThreads:
             f.set_exception(StepAborted("another thread of this step failed"))
         # stuck until they stop: a second Ctrl-C while they are given time leaves them so
         self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done()]
-        _let_stop(futs)
+        deadline = time.monotonic() + STOP_WAIT_S
+        for f in futs:
+            left = deadline - time.monotonic()
+            if left <= 0 or not f.wait(left):
+                break
         self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done()]
 
     def _guarded(self, fn: Callable[[int], Any], j: int) -> Any:
@@ -370,8 +336,8 @@ class _Countdown:
 
 
 class _Slot:
-    """One device's part of a :meth:`DeviceThreads.run_all`: the few ``Future`` methods used, on one condition shared by
-    the call's slots, so the caller wakes once per call, not once per device."""
+    """One device's part of a :meth:`DeviceThreads.run_all`: the ``Future`` methods used, on one condition shared by the
+    call's slots, so the caller wakes once per call (when the last is done, or at a failure), not once per device."""
 
     __slots__ = ("_cond", "_left", "_done", "_result", "_error")
 
@@ -381,9 +347,6 @@ class _Slot:
         self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
-
-    def set_running_or_notify_cancel(self) -> bool:
-        return True
 
     def set_result(self, result: Any) -> None:
         with self._cond:
@@ -397,7 +360,6 @@ class _Slot:
             self._finished()
 
     def wake_every_time(self) -> None:
-        """From now on, every slot of this call that finishes wakes the waiters."""
         with self._cond:
             self._left.every = True
 
@@ -410,44 +372,19 @@ class _Slot:
     def done(self) -> bool:
         return self._done
 
-    def exception(self, timeout: float | None = None) -> BaseException | None:
+    def wait(self, timeout: float | None) -> bool:
         if not self._done:
             with self._cond:
-                if not self._cond.wait_for(lambda: self._done, timeout):
-                    raise TimeoutError
-        return self._error
-
-    def result(self) -> Any:
-        if self.exception() is not None:
-            raise self._error
-        return self._result
-
-
-class _Done:
-    """A part already done (:meth:`DeviceThreads.run_beside`'s own, on the caller's thread)."""
-
-    @staticmethod
-    def done() -> bool:
+                return self._cond.wait_for(lambda: self._done, timeout)
         return True
 
-    @staticmethod
-    def exception(timeout: float | None = None) -> None:
-        return None
+    def exception(self) -> BaseException | None:
+        return self._error
 
 
-_DONE = _Done()
-
-
-def _let_stop(futs: list[Future]) -> None:
-    deadline = time.monotonic() + STOP_WAIT_S
-    for f in futs:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        try:
-            f.exception(timeout=left)
-        except TimeoutError:
-            return
+_DONE = _Slot(threading.Condition(threading.Lock()), _Countdown(0))
+"""A part already done (:meth:`DeviceThreads.run_beside`'s own, on the caller's thread)."""
+_DONE._done = True
 
 
 def caller_context(device_types: Sequence[str] = ("cuda", "cpu"), grad: bool = True

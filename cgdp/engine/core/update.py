@@ -12,8 +12,7 @@ The engine calls one :class:`Update` per step and never asks which strategy it i
 The contract: the attributes ``streams``, ``sums``, ``only_first_stepped`` (read before the gradient path is built);
 :meth:`~Update.hook_views`; :meth:`~Update.begin_step`; :meth:`~Update.reduce` (after backward, the gradient in place
 and its NaN/Inf count, agreed across ranks; nonzero rejects the step before :meth:`~Update.step`); :meth:`~Update.step`
-(scale, update, every replica bitwise replica 0's; per device the stamps, None where none ran) and
-:attr:`~Update.figures`.
+(scale, update, every replica bitwise replica 0's; per device the stamps, None where none ran); :attr:`~Update.figures`.
 
 Threads: ``reduce`` and :meth:`Typical.step` on the caller's thread; :meth:`PerReplica.step` on each device's thread (a
 GPU's kernels are issued by the thread owning its streams). Buffers and schedulers are the face's, after the step.
@@ -143,12 +142,12 @@ def gather_on_first(devs: Sequence[Device], flats: list[torch.Tensor]) -> torch.
     if devs[0].is_cuda and sum_dtype(first.dtype) == first.dtype:
         from cgdp.engine.backend.cuda import reduce_to_first
         reduce_to_first(devs, flats)
-        return (~torch.isfinite(first)).sum()
-    total = first.to(sum_dtype(first.dtype))  # first itself for float32/float64
-    for flat in flats[1:]:
-        total.add_(flat.to(first.device, non_blocking=True))
-    if total is not first:
-        first.copy_(total)
+    else:
+        total = first.to(sum_dtype(first.dtype))  # first itself for float32/float64
+        for flat in flats[1:]:
+            total.add_(flat.to(first.device, non_blocking=True))
+        if total is not first:
+            first.copy_(total)
     return (~torch.isfinite(first)).sum()
 
 
