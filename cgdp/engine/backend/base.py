@@ -58,9 +58,8 @@ class Device(ABC):
     """Where the replica lives."""
     is_cuda: bool = False
 
-    def __init__(self, name: str, fail: Callable[[BaseException], None]):
+    def __init__(self, name: str):
         self.name = name
-        self._fail = fail
         self.trace: TraceSink | None = None
 
     def bind_thread(self) -> None:

@@ -77,7 +77,7 @@ class CpuDevice(Device):
     is_cuda = False
 
     def __init__(self, name: str, fail: Callable[[BaseException], None]):
-        super().__init__(name, fail)
+        super().__init__(name)
         self.torch_device = torch.device("cpu")
         self._d2h = Worker(f"cgdp-{name}-d2h", fail)
         self._h2d = Worker(f"cgdp-{name}-h2d", fail)

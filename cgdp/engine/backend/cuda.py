@@ -18,6 +18,7 @@ touches ``torch.cuda``; ``cgdp.testing``'s simulated runtime sits beneath it, so
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -44,7 +45,7 @@ class CudaDevice(Device):
     is_cuda = True
 
     def __init__(self, name: str, index: int, fail: Callable[[BaseException], None]):
-        super().__init__(name, fail)
+        super().__init__(name)
         self.rt = runtime()
         self.index = index
         self.torch_device = self.rt.torch_device(index)
@@ -72,13 +73,10 @@ class CudaDevice(Device):
                                f"buffers live there")
 
     def host_empty(self, shape, dtype):
-        numel = 1
-        for n in shape:
-            numel *= n
         # any stream of this device: what matters is that cuda:N is current, so the registration uses its context (and
         # creates none on the caller's current device)
         with self.rt.stream(self.h2d):
-            t = self.rt.host_alloc(numel, dtype).view(shape)
+            t = self.rt.host_alloc(math.prod(shape), dtype).view(shape)
         self._hosts.append(t)
         return t
 
@@ -119,17 +117,14 @@ class CudaDevice(Device):
             for s in r.units[unit]:
                 src, dst, stage = r.d2h[s]
                 if timed:
-                    start = rt.Event(enable_timing=True, blocking=True)
-                    start.record(self.d2h)
+                    start = self._event_on(self.d2h)
                 if stage is not None:
                     rt.copy(stage, src)  # cast on the device: fewer bytes over the bus
                     src = stage
                 rt.copy(dst, src)
                 self._landed[s].record(self.d2h)
                 if timed:
-                    done = rt.Event(enable_timing=True, blocking=True)
-                    done.record(self.d2h)
-                    self.copies.append(("d2h", r.labels[s], start, done))
+                    self.copies.append(("d2h", r.labels[s], start, self._event_on(self.d2h)))
         r.sent(unit)
 
     def wait_arrived(self, s: int, guard: Guard) -> None:
@@ -141,19 +136,15 @@ class CudaDevice(Device):
         src, dst, stage = r.h2d[s]
         with rt.stream(self.h2d):
             if timed:
-                start = rt.Event(enable_timing=True, blocking=True)
-                start.record(self.h2d)
+                start = self._event_on(self.h2d)
             if stage is not None:
                 rt.copy(stage, src)
-                rt.copy(dst, stage)  # widened on the device
-            else:
-                rt.copy(dst, src)
+                src = stage  # widened on the device
+            rt.copy(dst, src)
             if r.ring:  # the host row is reused once this copy has read it
                 self._back[s % r.ring].record(self.h2d)
             if timed:
-                done = rt.Event(enable_timing=True, blocking=True)
-                done.record(self.h2d)
-                self.copies.append(("h2d", r.labels[s], start, done))
+                self.copies.append(("h2d", r.labels[s], start, self._event_on(self.h2d)))
 
     def wait_given_back(self, s: int, guard: Guard) -> None:
         r = self._routes
@@ -178,21 +169,20 @@ class CudaDevice(Device):
     def begin_timing(self) -> None:
         self.copies = []
         self.compute_done = None
-        anchor = self.rt.Event(enable_timing=True, blocking=True)
-        anchor.record(self.rt.current_stream(self.index))
+        anchor = self._event_on(self.rt.current_stream(self.index))
         anchor.synchronize()  # note: host sync, in timed steps only
         self._anchor = (anchor, time.perf_counter())
 
-    def _timed(self) -> bool:
-        """Inside a timed step (the trainer sets ``trace`` for those only)."""
-        return self.trace is not None and self._anchor is not None
+    def _event_on(self, stream: Any) -> Any:
+        """A timing event recorded on ``stream`` now (timed steps only)."""
+        ev = self.rt.Event(enable_timing=True, blocking=True)
+        ev.record(stream)
+        return ev
 
     def stamp(self) -> Any:
-        if not self._timed():
+        if self.trace is None or self._anchor is None:  # not inside a timed step (``trace`` is set for those only)
             return time.perf_counter()
-        ev = self.rt.Event(enable_timing=True, blocking=True)
-        ev.record(self.rt.current_stream(self.index))
-        return ev
+        return self._event_on(self.rt.current_stream(self.index))
 
     def backward_issued(self) -> Any:
         self.compute_done = self.stamp()

@@ -53,8 +53,6 @@ class TorchCuda:
     """The CUDA runtime, as cgdp uses it: every method is one ``torch.cuda`` call (or two). ``torch_module``: ``torch``,
     or the simulated namespaces of :mod:`cgdp.testing.fake_cuda`."""
 
-    simulated = False
-
     def __init__(self, torch_module: Any = torch, native: Callable[[], Any] = _load_cudart,
                  page_size: int | None = None):
         if torch_module is torch:  # submodules torch.cuda does not import itself
@@ -113,31 +111,27 @@ class TorchCuda:
         """Page-locked host memory of exactly ``numel`` elements on pages of its own (a shared page would fail another
         registration); register under a guard of the owning device."""
         page = self.page_size
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        nbytes = max(numel, 1) * itemsize
+        nbytes = max(numel, 1) * dtype.itemsize
         span = -(-nbytes // page) * page
         raw = self.torch.empty(span + page, dtype=torch.uint8)
         skip = (-raw.data_ptr()) % page
         buf = raw[skip:skip + nbytes]
         err = int(self.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
         if err != 0:
-            self._clear_last_error()
-            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**20:.1f} MiB of host memory failed "
-                               f"(CUDA error {err}: {_CUDA_ERRORS.get(err, 'see cudaError_t')})")
+            self._failed(err, f"cudaHostRegister of {nbytes / 2**20:.1f} MiB of host memory")
         return buf.view(dtype)[:numel]  # a view of ``raw``'s storage, which it keeps alive
 
     def host_free(self, t: torch.Tensor) -> None:
         err = int(self.cuda.cudart().cudaHostUnregister(t.data_ptr()))
         if err != 0:
-            self._clear_last_error()
-            raise RuntimeError(f"cudaHostUnregister of cgdp's host rows failed (CUDA error {err}: "
-                               f"{_CUDA_ERRORS.get(err, 'see cudaError_t')})")
+            self._failed(err, "cudaHostUnregister of cgdp's host rows")
 
-    def _clear_last_error(self) -> None:
-        """Clear the thread's last error, which the next kernel launch would otherwise raise as its own."""
+    def _failed(self, err: int, what: str) -> None:
+        """Clear the thread's last error, which the next kernel launch would otherwise raise as its own, and raise."""
         lib = self._native()
         if lib is not None:
             lib.cudaGetLastError()
+        raise RuntimeError(f"{what} failed (CUDA error {err}: {_CUDA_ERRORS.get(err, 'see cudaError_t')})")
 
     def reduce_into_first(self, tensors: Sequence[torch.Tensor]) -> None:
         """``tensors[0]`` += the others (one per device): an in-place NCCL reduce where available, else copies and adds
