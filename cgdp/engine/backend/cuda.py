@@ -198,7 +198,6 @@ class CudaDevice(Device):
         return host0 + anchor.elapsed_time(stamp) / 1e3
 
     def end_timing(self) -> None:
-        """Emit the timed copies; stamps of this step stay resolvable until the next one."""
         if self.trace is not None:
             for stream, label, start, done in self.copies:
                 self.trace(self.name, stream, label, self.resolve(start), self.resolve(done))
@@ -224,8 +223,7 @@ class CudaDevice(Device):
 
 # ------------------------------------------------------------------------- typical mode
 def reduce_to_first(devs: Sequence[CudaDevice], flats: Sequence[torch.Tensor]) -> None:
-    """``flats[0]`` ← the sum of all: one reduce (NCCL across GPUs); replicas sharing a GPU are added in device order.
-    """
+    """``flats[0]`` ← the sum of all: one reduce (NCCL across GPUs); replicas sharing a GPU added in device order."""
     indices = [d.index for d in devs]
     if len(set(indices)) < len(indices) or len(flats) == 1:
         for flat in flats[1:]:
@@ -238,12 +236,9 @@ def broadcast_from_first(devs: Sequence[CudaDevice], params: list[list[nn.Parame
     """Every replica's parameters ← replica 0's, one coalesced broadcast (as ``nn.DataParallel``)."""
     indices = [d.index for d in devs]
     with torch.no_grad():
-        if len(set(indices)) < len(indices) or len(params) == 1:
-            for others in params[1:]:
-                torch._foreach_copy_(others, params[0])
-            return
-        copies = devs[0].rt.broadcast(params[0], indices)
-        for others, src in zip(params[1:], copies[1:]):
+        shared = len(set(indices)) < len(indices) or len(params) == 1  # replica 0's own tensors are the source
+        sources = [params[0]] * len(params) if shared else devs[0].rt.broadcast(params[0], indices)
+        for others, src in zip(params[1:], sources[1:]):
             torch._foreach_copy_(others, src)
 
 

@@ -11,12 +11,13 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import mmap
 import os
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.cuda.comm  # noqa: F401 (submodules torch.cuda does not import itself)
+import torch.cuda.nccl  # noqa: F401
 
 
 def host_page_size() -> int:
@@ -55,9 +56,6 @@ class TorchCuda:
 
     def __init__(self, torch_module: Any = torch, native: Callable[[], Any] = _load_cudart,
                  page_size: int | None = None):
-        if torch_module is torch:  # submodules torch.cuda does not import itself
-            importlib.import_module("torch.cuda.comm")
-            importlib.import_module("torch.cuda.nccl")
         self.torch = torch_module
         self.cuda = torch_module.cuda
         self._native = native
@@ -71,9 +69,8 @@ class TorchCuda:
 
     def is_device(self, device: Any) -> bool:
         """Whether ``device`` (a ``torch.device``) is one of this runtime's devices."""
-        if not isinstance(device, torch.device) or device.index is None:
-            return False
-        return device.type == self.torch_device(device.index).type
+        return (isinstance(device, torch.device) and device.index is not None
+                and device.type == self.torch_device(device.index).type)
 
     def Stream(self, index: int) -> Any:  # noqa: N802 (mirrors torch.cuda.Stream)
         with self.cuda.device(index):
@@ -171,8 +168,7 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-_REAL = TorchCuda()
-_runtime: Any = _REAL
+_runtime: Any = TorchCuda()
 
 
 def runtime() -> Any:

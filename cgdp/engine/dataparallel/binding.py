@@ -292,14 +292,13 @@ class HostBinding(Binding):
             self._reload(opt)
         elif len(opt.param_groups) != self._planned:  # add_param_group
             self._plan(opt)
-        for p in self._others:
-            if p.grad is not None:
-                raise NotImplementedError(
-                    "update='host' steps the parameters that were dense and trainable when the model was wrapped; "
-                    "this optimizer also holds one with a gradient that is not among them (a sparse embedding's, "
-                    "one unfrozen after wrapping, or one outside the model): give the sparse parameters an optimizer "
-                    "of their own (e.g. torch.optim.SparseAdam: it steps on the devices), unfreeze before wrapping, "
-                    "give parameters outside the model an optimizer of their own, or use update='devices'")
+        if any(p.grad is not None for p in self._others):
+            raise NotImplementedError(
+                "update='host' steps the parameters that were dense and trainable when the model was wrapped; "
+                "this optimizer also holds one with a gradient that is not among them (a sparse embedding's, "
+                "one unfrozen after wrapping, or one outside the model): give the sparse parameters an optimizer "
+                "of their own (e.g. torch.optim.SparseAdam: it steps on the devices), unfreeze before wrapping, "
+                "give parameters outside the model an optimizer of their own, or use update='devices'")
         m, pids = self.masters, self._pids
         m.follow()
         m.take_grads(*steps.host_sum(), pids)  # the host's sum in place where every replica holds it

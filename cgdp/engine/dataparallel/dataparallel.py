@@ -253,12 +253,11 @@ class DataParallel(nn.Module):
             try:
                 with in_caller():
                     return self._rng.on_device(j, lambda: self._replicas[j](*parts[j][0], **parts[j][1]))
-            except Exception as exc:  # the user's own error, said where it happened (Python >= 3.11)
-                note = getattr(exc, "add_note", lambda _: None)
-                note(f"(raised in replica {j} of cgdp.DataParallel, on {self.devices[j]})")
+            except Exception as exc:  # the user's own error, said where it happened
+                exc.add_note(f"(raised in replica {j} of cgdp.DataParallel, on {self.devices[j]})")
                 hint = unbatched_note(args, kwargs, sizes)
                 if hint:
-                    note(hint)
+                    exc.add_note(hint)
                 raise
 
         try:

@@ -64,9 +64,8 @@ def _paths(spec: Any, prefix: str = "output") -> list[str]:
         return [prefix]
     if spec[0] == "seq":
         return [p for i, s in enumerate(spec[2]) for p in _paths(s, f"{prefix}[{i}]")]
-    sep = "." if spec[0] == "dc" or dataclasses.is_dataclass(spec[1]) else ""
-    return [p for k, s in zip(spec[2], spec[3])
-            for p in _paths(s, f"{prefix}.{k}" if sep else f"{prefix}[{k!r}]")]
+    dotted = spec[0] == "dc" or dataclasses.is_dataclass(spec[1])
+    return [p for k, s in zip(spec[2], spec[3]) for p in _paths(s, f"{prefix}.{k}" if dotted else f"{prefix}[{k!r}]")]
 
 
 def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
@@ -228,14 +227,11 @@ def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
             result.append(None)  # filled below
         else:
             result.append(_same_or_none(vals, name))
-    if kinds:
-        plan = _Plan(kinds, devs, lengths, weights, dst, on_backward)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            combined = iter(_Gather.apply(plan, *tensors))
-        else:
-            combined = iter(_combine_all(kinds, tensors, weights, dst))
-        result = [next(combined) if r is None and isinstance(flat[0][i], torch.Tensor) else r
-                  for i, r in enumerate(result)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        combined = iter(_Gather.apply(_Plan(kinds, devs, lengths, weights, dst, on_backward), *tensors))
+    else:  # (no tensor: nothing combined)
+        combined = iter(_combine_all(kinds, tensors, weights, dst))
+    result = [next(combined) if r is None and isinstance(flat[0][i], torch.Tensor) else r for i, r in enumerate(result)]
     return _unflatten(specs[0], iter(result))
 
 

@@ -31,13 +31,10 @@ class ReplicaSteps:
         self._grads, self._state, self.parameter_maps = grads, state, maps
         self.kept = grads.kept  # whether replica 0 stepped on the gradients its mirrors hold
         self._stream, self._comm, self._timeout_s = stream, comm, timeout_s
+        self.ranks = 1 if comm is None else comm.size
         self.tuner = tuner
         self._t_step: float | None = None
         self.bindings: weakref.WeakSet = weakref.WeakSet()
-
-    @property
-    def ranks(self) -> int:
-        return 1 if self._comm is None else self._comm.size
 
     def unusable(self, why: str) -> None:
         self._life.broken = f"{why}; load a checkpoint into model.module and wrap it again"
