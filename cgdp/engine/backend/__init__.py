@@ -50,8 +50,7 @@ def parse_devices(devices: Sequence[str], share: bool = False) -> tuple[str, lis
     return kind, idx
 
 
-def make_devices(devices: Sequence[str], fail: Callable[[BaseException], None],
-                 share: bool = False) -> list[Device]:
+def make_devices(devices: Sequence[str], fail: Callable[[BaseException], None], share: bool = False) -> list[Device]:
     kind, idx = parse_devices(devices, share)
     if kind == "cuda":
         from cgdp.engine.backend.cuda import CudaDevice

@@ -274,9 +274,7 @@ class HostBinding(Binding):
         state: defaultdict = defaultdict(dict)
         for p, s in opt.state.items():
             if id(p) in self._to_master:
-                for k, v in list(s.items()):
-                    if isinstance(v, torch.Tensor) and v.device.type != "cpu":
-                        s[k] = v.to("cpu")
+                s.update({k: v.to("cpu") for k, v in s.items() if isinstance(v, torch.Tensor) and not v.is_cpu})
                 state[self._to_master[id(p)]] = s
         self.host.state = state
 

@@ -1,11 +1,8 @@
-"""``cgdp.DataParallel``: the engine behind the user's own training loop.
-
-``model = cgdp.DataParallel(net, devices)`` replaces ``torch.nn.DataParallel(net)``; the loop stays the user's
-(``opt = model.bind(opt)`` once, then ``opt.zero_grad()``, ``model(x)``, ``loss.backward()``, ``opt.step()``). It drives
-the same :class:`~cgdp.engine.core.stream.GradientStream` and gradient owner (:mod:`cgdp.engine.core.gradients`: the sum
-invariant, the states) as ``Trainer``. Each operation (forward, a backward from :meth:`DataParallel._begin_backward` to
-:meth:`DataParallel._end_backward`, ``clip_grad_norm_``, the bound ``optimizer.step()``, ``bind()``) holds the
-operation lock (:mod:`cgdp.engine.core.lifetime`); ``docs/design.md`` draws them.
+"""``cgdp.DataParallel``: the engine behind the user's own loop (``opt = model.bind(opt)`` once, then ``model(x)``,
+``loss.backward()``, ``opt.step()``), driving the same :class:`~cgdp.engine.core.stream.GradientStream` and gradient
+owner (:mod:`cgdp.engine.core.gradients`: the sum invariant, the states) as ``Trainer``. Each operation (forward, a
+backward from :meth:`DataParallel._begin_backward` to :meth:`DataParallel._end_backward`, ``clip_grad_norm_``, the bound
+``optimizer.step()``, ``bind()``) holds the operation lock (:mod:`cgdp.engine.core.lifetime`; ``docs/design.md``).
 
 * **Replicas.** ``net`` is replica 0 on ``devices[0]``, trained in place (``.module``); replicas j > 0 are deep copies,
   never broadcast again: each takes the same optimizer step (:mod:`~.steps`, :mod:`~.binding`).
@@ -16,8 +13,8 @@ operation lock (:mod:`cgdp.engine.core.lifetime`); ``docs/design.md`` draws them
   waits for every host SUM (unweighted: the loss on the gathered output already weights each sample). On emulated
   devices every backward runs on one thread; each replica's hooks are still touched by one thread only.
 * **Several machines** (``comm``): host sums scaled by 1/R and allreduced per chunk (the mean, as DDP: all of a
-  replica's gradient, also what reached replica 0 other than through the gathered output, such as a weight penalty). Every rank must
-  do the same synced backwards and training forwards (the buffers' mean is a collective).
+  replica's gradient, also what reached replica 0 other than through the gathered output, such as a weight penalty).
+  Every rank must do the same synced backwards and training forwards (the buffers' mean is a collective).
 
 Input gradients: :mod:`~.input_grads`; sparse gradients: :mod:`cgdp.engine.core.sparse_grads`; buffers that require
 grad: :mod:`~.user_module`. Unsupported (clear errors): ``torch.autograd.grad`` for the parameters, input gradients

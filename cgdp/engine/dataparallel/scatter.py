@@ -68,8 +68,7 @@ def _paths(spec: Any, prefix: str = "output") -> list[str]:
     return [p for k, s in zip(spec[2], spec[3]) for p in _paths(s, f"{prefix}.{k}" if dotted else f"{prefix}[{k!r}]")]
 
 
-def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
-            ) -> tuple[list[tuple[tuple, dict]], list[int]]:
+def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]) -> tuple[list[tuple[tuple, dict]], list[int]]:
     """Per device, its ``(args, kwargs)``; and each part's number of samples."""
     leaves: list[Any] = []
     spec = _flatten((tuple(args), dict(kwargs)), leaves)
@@ -84,13 +83,10 @@ def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
         raise ValueError("cgdp.DataParallel got an empty batch (first dimension 0): there is nothing to run; "
                          "skip empty batches")
     g = min(len(devices), n)
-    split = [torch.tensor_split(x, g) if isinstance(x, torch.Tensor) and x.dim() > 0 else None
-             for x in leaves]
+    split = [torch.tensor_split(x, g) if isinstance(x, torch.Tensor) and x.dim() > 0 else None for x in leaves]
     parts = []
-    for j in range(g):
-        dev = devices[j]
-        mine = [upload(s[j], dev) if s is not None
-                else upload(x, dev) if isinstance(x, torch.Tensor) else x
+    for j, dev in enumerate(devices[:g]):  # a tensor without a batch dimension goes whole to every replica
+        mine = [upload(s[j], dev) if s is not None else upload(x, dev) if isinstance(x, torch.Tensor) else x
                 for x, s in zip(leaves, split)]
         parts.append(_unflatten(spec, iter(mine)))
     sizes = [int(s.shape[0]) for s in torch.tensor_split(torch.empty(n, 0), g)]
@@ -178,8 +174,7 @@ class _Gather(torch.autograd.Function):
             if grad is None or kind == "stack":
                 out += [None] * len(devs)
             elif kind == "cat":
-                out += [p.to(d, non_blocking=True)
-                        for p, d in zip(torch.split(grad, plan.lengths[i]), devs)]
+                out += [p.to(d, non_blocking=True) for p, d in zip(torch.split(grad, plan.lengths[i]), devs)]
             else:
                 out += [(grad * w).to(d, non_blocking=True) for w, d in zip(plan.weights, devs)]
         return tuple(out)
