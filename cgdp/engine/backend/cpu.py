@@ -40,15 +40,12 @@ class Worker:
     def submit(self, fn: Callable[[Progress], None], copies: int) -> int:
         """Run ``fn(progress)`` after everything before it; returns the count at which its last copy is done."""
         self.submitted += copies
-        self._q.put((fn, copies, self.submitted))
+        self._q.put((fn, self.submitted))
         return self.submitted
 
     def _run(self) -> None:
-        while True:
-            item = self._q.get()  # waits for work; the thread is idle between steps
-            if item is None:
-                return
-            fn, copies, target = item
+        while (item := self._q.get()) is not None:  # waits for work; the thread is idle between steps
+            fn, target = item
             try:
                 fn(self.progress)
             except BaseException as exc:  # reported to the step, never lost
@@ -116,9 +113,8 @@ class CpuDevice(Device):
         t0 = time.perf_counter() if self.trace is not None else 0.0
         if stage is not None:  # the cast a GPU does before the bus (D2H), or the widening after it
             stage.copy_(src)
-            dst.copy_(stage)
-        else:
-            dst.copy_(src)
+            src = stage
+        dst.copy_(src)
         if self.trace is not None:
             self.trace(self.name, stream, label, t0, time.perf_counter())
 

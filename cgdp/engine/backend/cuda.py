@@ -11,8 +11,7 @@ touches ``torch.cuda``; ``cgdp.testing``'s simulated runtime sits beneath it, so
 * ``give_back`` enqueues the H2D copy; ``compute_wait`` makes the compute stream wait on it, without a host sync. A step
   may return with copies back still running: ``close()`` and anything that frees or relays buffers synchronises first.
 * Every thread that calls CUDA works under a guard of its device, so using only ``cuda:1`` never touches GPU 0.
-* Flat buffers and host slots live for the whole run (no ``record_stream`` needed); host slots are page-locked by
-  ``TorchCuda.host_alloc``.
+* Flat buffers and host slots (page-locked by ``TorchCuda.host_alloc``) live all run long: no ``record_stream`` needed.
 * Replicas sharing a GPU (``share_devices=True``) have their own copy streams and random stream, one compute stream.
 * Timing (profiled or traced steps only): timestamps are device events resolved after the step against an anchor.
 """

@@ -83,8 +83,7 @@ class TorchCuda:
     def stream(self, s: Any) -> Iterator[None]:
         # the stream's device is made current first (a device guard: restored lazily, without cudaSetDevice on a device
         # that has no context). A bare torch.cuda.stream(s) on a thread that never chose a device would leave through
-        # set_stream(device 0's stream), i.e. cudaSetDevice(0): a CUDA context on GPU 0 for a process that uses another
-        # GPU.
+        # set_stream(device 0's stream), i.e. cudaSetDevice(0): a context on GPU 0 for a process that uses another GPU.
         with self.cuda.device(s.device_index), self.cuda.stream(s):
             yield
 

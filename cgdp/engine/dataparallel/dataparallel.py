@@ -46,7 +46,7 @@ from cgdp.engine.core.stream import GradientStream, check_sizes
 from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.dataparallel.binding import bind
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
-from cgdp.engine.core.dense_grads import DenseGrads, build_dense
+from cgdp.engine.core.dense_grads import build_dense
 from cgdp.engine.core.gradients import GradPart, Gradients, UserFault
 from cgdp.engine.dataparallel.steps import ReplicaSteps
 from cgdp.engine.dataparallel.replica_state import ReplicaState
@@ -169,33 +169,26 @@ class DataParallel(nn.Module):
         res = self._life.resources
         res.push(self._state.follow.close)  # its load hook: never pickled with the module
         self._param_hooks = ParamHooks(params, unsupported=sparse[0])  # they run on the sum
-        layer_pids = number_params(layer_params)
         self._threads = self._life.threads = DeviceThreads(devs, self._guard)
         res.push(self._threads.close)
         self._rng = make_rng(devs)  # one random stream per replica
         self._backward_check = BackwardCheck()
         dense, tuner = GradPart(), None  # nothing to stream
         if any(info.numel for info in infos):  # dense trainable parameters: the streaming path
-            dense, tuner = self._build_stream(devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
-                                              host_memory)
+            # no step profiles here (the loop is the user's): the tuner measures uniform plans
+            plan, tuner = first_plan(chunks, [i.numel * dtype.itemsize for i in infos], len(devs), self._comm)
+            dense = build_dense(devs, params, number_params(layer_params), dtype, plan, resources=res,
+                                guard=self._guard, comm=self._comm, param_hooks=self._param_hooks, initial=before,
+                                keep_grads=True, segment_bytes=segment_bytes, streaming=True, host_memory=host_memory)
+            self._stream = dense.stream
+            if self._comm is not None:  # the mean over ranks, as DDP's: of all the gradient, whatever path it took
+                self._stream.host.scale = 1.0 / self._comm.size
         self._grads = Gradients(dense, SparseGrads(sparse, torch_devices) if sparse[0] else None, torch_devices)
         self._params = params
         self._steps = steps = ReplicaSteps(self._life, devs, self._threads, self._grads, self._state,
                                            weak_call(self._parameter_maps), self._stream, self._comm, tuner,
                                            self._guard.timeout_s, HostMasters(devs, params) if self._host_update else None)
         res.push(lambda: [b.close() for b in list(steps.bindings)])
-
-    def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
-                      host_memory) -> tuple[DenseGrads, Any]:
-        # no step profiles here (the loop is the user's): the tuner measures uniform plans
-        plan, tuner = first_plan(chunks, [i.numel * dtype.itemsize for i in infos], len(devs), self._comm)
-        dense = build_dense(devs, params, layer_pids, dtype, plan, resources=self._life.resources, guard=self._guard,
-                            comm=self._comm, param_hooks=self._param_hooks, initial=before, keep_grads=True,
-                            segment_bytes=segment_bytes, streaming=True, host_memory=host_memory)
-        self._stream = dense.stream
-        if self._comm is not None:  # the mean over ranks, as DDP's: of all the gradient, whatever path it took
-            self._stream.host.scale = 1.0 / self._comm.size
-        return dense, tuner
 
     @property
     def replicas(self) -> list[nn.Module]:

@@ -182,7 +182,6 @@ class _Gather(torch.autograd.Function):
 
 def _combine_all(kinds: list[str], tensors: Sequence[torch.Tensor], weights: Sequence[float],
                  dst: torch.device) -> list[torch.Tensor]:
-    """Per kind, its ``len(weights)`` tensors (one per replica) made one on ``dst``."""
     g = len(weights)
     return [_combine(k, tensors[i * g:(i + 1) * g], weights, dst) for i, k in enumerate(kinds)]
 
