@@ -60,7 +60,6 @@ def make_devices(devices: Sequence[str], fail: Callable[[BaseException], None], 
 
 
 def default_devices() -> list[str]:
-    """All visible GPUs, or two CPU-emulated devices."""
     from cgdp.engine.backend.cuda import cuda_count
     return [f"cuda:{i}" for i in range(cuda_count())] or ["cpu:0", "cpu:1"]
 

@@ -173,7 +173,6 @@ class CudaDevice(Device):
         self._anchor = (anchor, time.perf_counter())
 
     def _event_on(self, stream: Any) -> Any:
-        """A timing event recorded on ``stream`` now (timed steps only)."""
         ev = self.rt.Event(enable_timing=True, blocking=True)
         ev.record(stream)
         return ev

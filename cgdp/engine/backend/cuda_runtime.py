@@ -68,7 +68,6 @@ class TorchCuda:
         return self.torch.device("cuda", index)
 
     def is_device(self, device: Any) -> bool:
-        """Whether ``device`` (a ``torch.device``) is one of this runtime's devices."""
         return (isinstance(device, torch.device) and device.index is not None
                 and device.type == self.torch_device(device.index).type)
 
@@ -100,7 +99,6 @@ class TorchCuda:
         self.cuda.synchronize(index)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """An asynchronous copy (or cast) on the current stream."""
         dst.copy_(src, non_blocking=True)
 
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
