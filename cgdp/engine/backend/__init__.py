@@ -50,8 +50,7 @@ def parse_devices(devices: Sequence[str], share: bool = False) -> tuple[str, lis
     return kind, idx
 
 
-def make_devices(devices: Sequence[str], fail: Callable[[BaseException], None],
-                 share: bool = False) -> list[Device]:
+def make_devices(devices: Sequence[str], fail: Callable[[BaseException], None], share: bool = False) -> list[Device]:
     kind, idx = parse_devices(devices, share)
     if kind == "cuda":
         from cgdp.engine.backend.cuda import CudaDevice
@@ -60,13 +59,9 @@ def make_devices(devices: Sequence[str], fail: Callable[[BaseException], None],
     return [CpuDevice(name, fail) for name in devices]
 
 
-def default_devices(max_devices: int | None = None, emulated: int = 2) -> list[str]:
-    """All visible GPUs (at most ``max_devices``), or ``emulated`` CPU-emulated devices."""
+def default_devices() -> list[str]:
     from cgdp.engine.backend.cuda import cuda_count
-    n = cuda_count()
-    if n:
-        return [f"cuda:{i}" for i in range(n if max_devices is None else min(n, max_devices))]
-    return [f"cpu:{i}" for i in range(emulated)]
+    return [f"cuda:{i}" for i in range(cuda_count())] or ["cpu:0", "cpu:1"]
 
 
 def make_rng(devs: Sequence[Device]) -> Any:

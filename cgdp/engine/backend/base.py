@@ -4,13 +4,9 @@ One :class:`Device` per entry of ``devices``, owning three in-order queues: the 
 host thread), a D2H and an H2D stream. The rest of the engine runs unchanged on CUDA and CPU-emulated devices.
 
 :meth:`Device.set_routes` sets the gradient path up once per plan (:class:`Routes`: per segment, the views each copy
-reads and writes), so a step creates no Python object per segment. Per step, with ``u`` a unit (a chunk, or a segment in
-a ring) and ``s`` a segment:
-
-* ``send(u)``: in a gradient hook, issue the unit's copies and call ``routes.sent(u)``; never wait.
-* ``wait_arrived(s)``: the host thread waits until this device's copy of ``s`` has landed.
-* ``give_back(s)``: issue the copy of the sum back; ``wait_given_back(s)`` waits for it (before a ring slot is reused);
-  ``compute_wait`` makes later compute wait for an ``h2d_marker``.
+reads and writes), so a step creates no Python object per segment. Per step a unit (a chunk, or a segment in a ring) is
+sent from a gradient hook, which never waits; the host thread waits for each segment to land, and for its copy back
+before a ring slot is reused; ``compute_wait`` makes later compute wait for an ``h2d_marker``.
 """
 from __future__ import annotations
 
@@ -54,13 +50,11 @@ class Routes:
 class Device(ABC):
     name: str
     """The user's device string, e.g. ``"cuda:1"`` or ``"cpu:1"``."""
-    torch_device: torch.device
-    """Where the replica lives."""
+    torch_device: torch.device  # where the replica lives
     is_cuda: bool = False
 
-    def __init__(self, name: str, fail: Callable[[BaseException], None]):
+    def __init__(self, name: str):
         self.name = name
-        self._fail = fail
         self.trace: TraceSink | None = None
 
     def bind_thread(self) -> None:
@@ -86,8 +80,8 @@ class Device(ABC):
 
     @abstractmethod
     def send(self, unit: int) -> None:
-        """After all compute issued so far, copy ``unit``'s segments to the host on the D2H stream, then
-        ``routes.sent(unit)``."""
+        """In a gradient hook, never waiting: after all compute issued so far, copy ``unit``'s segments to the host on
+        the D2H stream, then ``routes.sent(unit)``."""
 
     @abstractmethod
     def wait_arrived(self, s: int, guard: Guard) -> None:

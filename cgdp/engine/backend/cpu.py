@@ -23,12 +23,10 @@ from cgdp.engine.backend.base import Device, Routes
 from cgdp.engine.sync import Guard, Progress
 
 INLINE_BYTES = 256 << 10
-"""Copies up to this size run on the thread that issues them rather than on a stream worker."""
 
 
 class Worker:
-    """One in-order queue on its own thread (an emulated stream); ``progress`` counts copies finished, also on failure.
-    """
+    """An in-order queue on its own thread (an emulated stream); ``progress`` counts copies finished, also failed."""
 
     def __init__(self, name: str, fail: Callable[[BaseException], None]):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -42,15 +40,12 @@ class Worker:
     def submit(self, fn: Callable[[Progress], None], copies: int) -> int:
         """Run ``fn(progress)`` after everything before it; returns the count at which its last copy is done."""
         self.submitted += copies
-        self._q.put((fn, copies, self.submitted))
+        self._q.put((fn, self.submitted))
         return self.submitted
 
     def _run(self) -> None:
-        while True:
-            item = self._q.get()  # waits for work; the thread is idle between steps
-            if item is None:
-                return
-            fn, copies, target = item
+        while (item := self._q.get()) is not None:  # waits for work; the thread is idle between steps
+            fn, target = item
             try:
                 fn(self.progress)
             except BaseException as exc:  # reported to the step, never lost
@@ -74,26 +69,20 @@ def _as_numpy(route) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 class CpuDevice(Device):
-    is_cuda = False
-
     def __init__(self, name: str, fail: Callable[[BaseException], None]):
-        super().__init__(name, fail)
+        super().__init__(name)
         self.torch_device = torch.device("cpu")
         self._d2h = Worker(f"cgdp-{name}-d2h", fail)
         self._h2d = Worker(f"cgdp-{name}-h2d", fail)
         self._routes: Routes | None = None
-        self._landed: list[int] = []
-        """Per segment: the D2H progress at which its copy has landed (0: copied inline)."""
-        self._back: list[int] = []
-        """Per segment: the H2D progress at which its copy back is done (0: copied inline)."""
 
     def host_empty(self, shape, dtype):
         return torch.empty(shape, dtype=dtype)
 
     def set_routes(self, routes: Routes) -> None:
         self._routes = routes
-        self._landed = [0] * len(routes.d2h)
-        self._back = [0] * len(routes.h2d)
+        self._landed = [0] * len(routes.d2h)  # per segment: the D2H progress at which it has landed (0: copied inline)
+        self._back = [0] * len(routes.h2d)  # per segment: the H2D progress at which it is back (0: copied inline)
         self._inline_out = [b <= INLINE_BYTES for b in routes.unit_bytes]
         self._inline_back = [b <= INLINE_BYTES for b in routes.segment_bytes]
         # a small copy of one dtype to the same is a NumPy copy (a fifth of torch's dispatch)
@@ -124,9 +113,8 @@ class CpuDevice(Device):
         t0 = time.perf_counter() if self.trace is not None else 0.0
         if stage is not None:  # the cast a GPU does before the bus (D2H), or the widening after it
             stage.copy_(src)
-            dst.copy_(stage)
-        else:
-            dst.copy_(src)
+            src = stage
+        dst.copy_(src)
         if self.trace is not None:
             self.trace(self.name, stream, label, t0, time.perf_counter())
 
@@ -162,11 +150,8 @@ class CpuDevice(Device):
         return self._h2d.submitted
 
     def compute_wait(self, marker: Any, guard: Guard) -> None:
-        # note: the emulated compute stream is this host thread, so it waits on the host.
+        # note: the emulated compute stream is this host thread, so it waits on the host (wait_marker: nothing left)
         self._h2d.progress.wait(marker, guard, f"the gradients copied back to {self.name}")
-
-    def wait_marker(self, marker: Any, guard: Guard) -> None:
-        pass  # compute_wait already waited on the host
 
     def synchronize(self, guard: Guard) -> None:
         for w, what in ((self._d2h, "D2H"), (self._h2d, "H2D")):

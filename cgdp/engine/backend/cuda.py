@@ -11,13 +11,13 @@ touches ``torch.cuda``; ``cgdp.testing``'s simulated runtime sits beneath it, so
 * ``give_back`` enqueues the H2D copy; ``compute_wait`` makes the compute stream wait on it, without a host sync. A step
   may return with copies back still running: ``close()`` and anything that frees or relays buffers synchronises first.
 * Every thread that calls CUDA works under a guard of its device, so using only ``cuda:1`` never touches GPU 0.
-* Flat buffers and host slots live for the whole run (no ``record_stream`` needed); host slots are page-locked by
-  ``TorchCuda.host_alloc``.
+* Flat buffers and host slots (page-locked by ``TorchCuda.host_alloc``) live all run long: no ``record_stream`` needed.
 * Replicas sharing a GPU (``share_devices=True``) have their own copy streams and random stream, one compute stream.
 * Timing (profiled or traced steps only): timestamps are device events resolved after the step against an anchor.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -44,7 +44,7 @@ class CudaDevice(Device):
     is_cuda = True
 
     def __init__(self, name: str, index: int, fail: Callable[[BaseException], None]):
-        super().__init__(name, fail)
+        super().__init__(name)
         self.rt = runtime()
         self.index = index
         self.torch_device = self.rt.torch_device(index)
@@ -72,13 +72,10 @@ class CudaDevice(Device):
                                f"buffers live there")
 
     def host_empty(self, shape, dtype):
-        numel = 1
-        for n in shape:
-            numel *= n
         # any stream of this device: what matters is that cuda:N is current, so the registration uses its context (and
         # creates none on the caller's current device)
         with self.rt.stream(self.h2d):
-            t = self.rt.host_alloc(numel, dtype).view(shape)
+            t = self.rt.host_alloc(math.prod(shape), dtype).view(shape)
         self._hosts.append(t)
         return t
 
@@ -119,17 +116,14 @@ class CudaDevice(Device):
             for s in r.units[unit]:
                 src, dst, stage = r.d2h[s]
                 if timed:
-                    start = rt.Event(enable_timing=True, blocking=True)
-                    start.record(self.d2h)
+                    start = self._event_on(self.d2h)
                 if stage is not None:
                     rt.copy(stage, src)  # cast on the device: fewer bytes over the bus
                     src = stage
                 rt.copy(dst, src)
                 self._landed[s].record(self.d2h)
                 if timed:
-                    done = rt.Event(enable_timing=True, blocking=True)
-                    done.record(self.d2h)
-                    self.copies.append(("d2h", r.labels[s], start, done))
+                    self.copies.append(("d2h", r.labels[s], start, self._event_on(self.d2h)))
         r.sent(unit)
 
     def wait_arrived(self, s: int, guard: Guard) -> None:
@@ -141,19 +135,15 @@ class CudaDevice(Device):
         src, dst, stage = r.h2d[s]
         with rt.stream(self.h2d):
             if timed:
-                start = rt.Event(enable_timing=True, blocking=True)
-                start.record(self.h2d)
+                start = self._event_on(self.h2d)
             if stage is not None:
                 rt.copy(stage, src)
-                rt.copy(dst, stage)  # widened on the device
-            else:
-                rt.copy(dst, src)
+                src = stage  # widened on the device
+            rt.copy(dst, src)
             if r.ring:  # the host row is reused once this copy has read it
                 self._back[s % r.ring].record(self.h2d)
             if timed:
-                done = rt.Event(enable_timing=True, blocking=True)
-                done.record(self.h2d)
-                self.copies.append(("h2d", r.labels[s], start, done))
+                self.copies.append(("h2d", r.labels[s], start, self._event_on(self.h2d)))
 
     def wait_given_back(self, s: int, guard: Guard) -> None:
         r = self._routes
@@ -178,21 +168,19 @@ class CudaDevice(Device):
     def begin_timing(self) -> None:
         self.copies = []
         self.compute_done = None
-        anchor = self.rt.Event(enable_timing=True, blocking=True)
-        anchor.record(self.rt.current_stream(self.index))
+        anchor = self._event_on(self.rt.current_stream(self.index))
         anchor.synchronize()  # note: host sync, in timed steps only
         self._anchor = (anchor, time.perf_counter())
 
-    def _timed(self) -> bool:
-        """Inside a timed step (the trainer sets ``trace`` for those only)."""
-        return self.trace is not None and self._anchor is not None
+    def _event_on(self, stream: Any) -> Any:
+        ev = self.rt.Event(enable_timing=True, blocking=True)
+        ev.record(stream)
+        return ev
 
     def stamp(self) -> Any:
-        if not self._timed():
+        if self.trace is None or self._anchor is None:  # not inside a timed step (``trace`` is set for those only)
             return time.perf_counter()
-        ev = self.rt.Event(enable_timing=True, blocking=True)
-        ev.record(self.rt.current_stream(self.index))
-        return ev
+        return self._event_on(self.rt.current_stream(self.index))
 
     def backward_issued(self) -> Any:
         self.compute_done = self.stamp()
@@ -208,7 +196,6 @@ class CudaDevice(Device):
         return host0 + anchor.elapsed_time(stamp) / 1e3
 
     def end_timing(self) -> None:
-        """Emit the timed copies; stamps of this step stay resolvable until the next one."""
         if self.trace is not None:
             for stream, label, start, done in self.copies:
                 self.trace(self.name, stream, label, self.resolve(start), self.resolve(done))
@@ -234,8 +221,7 @@ class CudaDevice(Device):
 
 # ------------------------------------------------------------------------- typical mode
 def reduce_to_first(devs: Sequence[CudaDevice], flats: Sequence[torch.Tensor]) -> None:
-    """``flats[0]`` ← the sum of all: one reduce (NCCL across GPUs); replicas sharing a GPU are added in device order.
-    """
+    """``flats[0]`` ← the sum of all: one reduce (NCCL across GPUs); replicas sharing a GPU added in device order."""
     indices = [d.index for d in devs]
     if len(set(indices)) < len(indices) or len(flats) == 1:
         for flat in flats[1:]:
@@ -248,12 +234,9 @@ def broadcast_from_first(devs: Sequence[CudaDevice], params: list[list[nn.Parame
     """Every replica's parameters ← replica 0's, one coalesced broadcast (as ``nn.DataParallel``)."""
     indices = [d.index for d in devs]
     with torch.no_grad():
-        if len(set(indices)) < len(indices) or len(params) == 1:
-            for others in params[1:]:
-                torch._foreach_copy_(others, params[0])
-            return
-        copies = devs[0].rt.broadcast(params[0], indices)
-        for others, src in zip(params[1:], copies[1:]):
+        shared = len(set(indices)) < len(indices) or len(params) == 1  # replica 0's own tensors are the source
+        sources = [params[0]] * len(params) if shared else devs[0].rt.broadcast(params[0], indices)
+        for others, src in zip(params[1:], sources[1:]):
             torch._foreach_copy_(others, src)
 
 

@@ -11,12 +11,13 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import mmap
 import os
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.cuda.comm  # noqa: F401 (submodules torch.cuda does not import itself)
+import torch.cuda.nccl  # noqa: F401
 
 
 def host_page_size() -> int:
@@ -53,13 +54,8 @@ class TorchCuda:
     """The CUDA runtime, as cgdp uses it: every method is one ``torch.cuda`` call (or two). ``torch_module``: ``torch``,
     or the simulated namespaces of :mod:`cgdp.testing.fake_cuda`."""
 
-    simulated = False
-
     def __init__(self, torch_module: Any = torch, native: Callable[[], Any] = _load_cudart,
                  page_size: int | None = None):
-        if torch_module is torch:  # submodules torch.cuda does not import itself
-            importlib.import_module("torch.cuda.comm")
-            importlib.import_module("torch.cuda.nccl")
         self.torch = torch_module
         self.cuda = torch_module.cuda
         self._native = native
@@ -72,10 +68,8 @@ class TorchCuda:
         return self.torch.device("cuda", index)
 
     def is_device(self, device: Any) -> bool:
-        """Whether ``device`` (a ``torch.device``) is one of this runtime's devices."""
-        if not isinstance(device, torch.device) or device.index is None:
-            return False
-        return device.type == self.torch_device(device.index).type
+        return (isinstance(device, torch.device) and device.index is not None
+                and device.type == self.torch_device(device.index).type)
 
     def Stream(self, index: int) -> Any:  # noqa: N802 (mirrors torch.cuda.Stream)
         with self.cuda.device(index):
@@ -88,8 +82,7 @@ class TorchCuda:
     def stream(self, s: Any) -> Iterator[None]:
         # the stream's device is made current first (a device guard: restored lazily, without cudaSetDevice on a device
         # that has no context). A bare torch.cuda.stream(s) on a thread that never chose a device would leave through
-        # set_stream(device 0's stream), i.e. cudaSetDevice(0): a CUDA context on GPU 0 for a process that uses another
-        # GPU.
+        # set_stream(device 0's stream), i.e. cudaSetDevice(0): a context on GPU 0 for a process that uses another GPU.
         with self.cuda.device(s.device_index), self.cuda.stream(s):
             yield
 
@@ -106,38 +99,33 @@ class TorchCuda:
         self.cuda.synchronize(index)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """An asynchronous copy (or cast) on the current stream."""
         dst.copy_(src, non_blocking=True)
 
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Page-locked host memory of exactly ``numel`` elements on pages of its own (a shared page would fail another
         registration); register under a guard of the owning device."""
         page = self.page_size
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        nbytes = max(numel, 1) * itemsize
+        nbytes = max(numel, 1) * dtype.itemsize
         span = -(-nbytes // page) * page
         raw = self.torch.empty(span + page, dtype=torch.uint8)
         skip = (-raw.data_ptr()) % page
         buf = raw[skip:skip + nbytes]
         err = int(self.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
         if err != 0:
-            self._clear_last_error()
-            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**20:.1f} MiB of host memory failed "
-                               f"(CUDA error {err}: {_CUDA_ERRORS.get(err, 'see cudaError_t')})")
+            self._failed(err, f"cudaHostRegister of {nbytes / 2**20:.1f} MiB of host memory")
         return buf.view(dtype)[:numel]  # a view of ``raw``'s storage, which it keeps alive
 
     def host_free(self, t: torch.Tensor) -> None:
         err = int(self.cuda.cudart().cudaHostUnregister(t.data_ptr()))
         if err != 0:
-            self._clear_last_error()
-            raise RuntimeError(f"cudaHostUnregister of cgdp's host rows failed (CUDA error {err}: "
-                               f"{_CUDA_ERRORS.get(err, 'see cudaError_t')})")
+            self._failed(err, "cudaHostUnregister of cgdp's host rows")
 
-    def _clear_last_error(self) -> None:
-        """Clear the thread's last error, which the next kernel launch would otherwise raise as its own."""
+    def _failed(self, err: int, what: str) -> None:
+        """Clear the thread's last error, which the next kernel launch would otherwise raise as its own, and raise."""
         lib = self._native()
         if lib is not None:
             lib.cudaGetLastError()
+        raise RuntimeError(f"{what} failed (CUDA error {err}: {_CUDA_ERRORS.get(err, 'see cudaError_t')})")
 
     def reduce_into_first(self, tensors: Sequence[torch.Tensor]) -> None:
         """``tensors[0]`` += the others (one per device): an in-place NCCL reduce where available, else copies and adds
@@ -177,8 +165,7 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-_REAL = TorchCuda()
-_runtime: Any = _REAL
+_runtime: Any = TorchCuda()
 
 
 def runtime() -> Any:

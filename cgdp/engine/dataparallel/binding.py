@@ -109,8 +109,7 @@ class Binding:
         self.stepping: threading.Thread | None = None  # the guard lets the optimizer's own step run there
         self.closed = False
         self.mirrors: list[torch.optim.Optimizer] = []
-        self.targets: list[tuple[torch.optim.Optimizer, dict, torch.device]] = []
-        self._lens: list[int] = []
+        self._lens = [len(g["params"]) for g in opt.param_groups]
         self._build(opt, steps)
         inner = opt.step
         method = isinstance(inner, types.MethodType) and inner.__self__ is opt
@@ -126,8 +125,8 @@ class Binding:
         self.mirrors = [_construct(opt, self._groups(opt.param_groups, m)) for m in self.maps]
         # the Trainer's strategy; replica 0's optimizer is the user's, held weakly here (the optimizer holds us)
         self.update = PerReplica(steps.devs, [None, *self.mirrors], [])
+        # (optimizer, id(replica 0's parameter) -> its own, device) of each optimizer the user's groups reach
         self.targets = [(m, mp, next(iter(mp.values())).device) for m, mp in zip(self.mirrors, self.maps)]
-        self._lens = [len(g["params"]) for g in opt.param_groups]
         if opt.state:
             self._reload(opt)
 
@@ -199,16 +198,16 @@ class Binding:
 
     def _sync_groups(self, opt: torch.optim.Optimizer) -> None:
         groups = opt.param_groups
-        if len(groups) > len(self._lens):
-            new = [p for g in groups[len(self._lens):] for p in g["params"]
-                   if id(p) not in self._owned and id(p) not in self.outside]
+        added = groups[len(self._lens):]
+        if added:
+            new = [p for g in added for p in g["params"] if id(p) not in self._owned and id(p) not in self.outside]
             if new:  # outside ones (a frozen head added later); a layer replaced after wrapping is refused
                 self.outside.update(outside_only(new, self._inside(), isinstance(self, HostBinding),
                                                  self.steps().ranks))
             for m, mp, _ in self.targets:
-                for g in self._groups(groups[len(self._lens):], mp):
+                for g in self._groups(added, mp):
                     m.add_param_group(g)
-            self._lens += [len(g["params"]) for g in groups[len(self._lens):]]
+            self._lens += [len(g["params"]) for g in added]
         if any(len(g["params"]) != n for g, n in zip(groups, self._lens)):
             raise RuntimeError("the parameters of an optimizer param group of a cgdp.DataParallel changed after "
                                "it was bound; add parameters with optimizer.add_param_group instead")
@@ -225,12 +224,11 @@ class Binding:
             m.load_state_dict(copy.deepcopy(state))
 
     def resync(self, opt: torch.optim.Optimizer) -> None:
+        ours = [p for g in opt.param_groups for p in g["params"] if id(p) not in self.outside]
         with torch.no_grad():
             for mapping in self.maps:
-                for group in opt.param_groups:
-                    for p in group["params"]:
-                        if id(p) not in self.outside:
-                            mapping[id(p)].copy_(p)
+                for p in ours:
+                    mapping[id(p)].copy_(p)
         self._reload(opt)
 
     def close(self) -> None:
@@ -258,12 +256,10 @@ class HostBinding(Binding):
             raise TypeError(OWN_STEP.format(cls=type(opt).__name__))
         self.masters = m = steps.host_masters
         self._to_master = {id(p): master for p, master in zip(m.params[0], m.masters)}
-        self.maps = []
         self.host = _construct(opt, self._groups(opt.param_groups, self._to_master))
         self.targets = [(self.host, self._to_master, torch.device("cpu"))]
         self.host._optimizer_step_pre_hooks = opt._optimizer_step_pre_hooks  # the user's step hooks, shared
         self.host._optimizer_step_post_hooks = opt._optimizer_step_post_hooks
-        self._lens = [len(g["params"]) for g in opt.param_groups]
         self._reload(opt)
 
     def _groups(self, groups: list[dict], mapping: dict[int, Any]) -> list[dict]:
@@ -278,9 +274,7 @@ class HostBinding(Binding):
         state: defaultdict = defaultdict(dict)
         for p, s in opt.state.items():
             if id(p) in self._to_master:
-                for k, v in list(s.items()):
-                    if isinstance(v, torch.Tensor) and v.device.type != "cpu":
-                        s[k] = v.to("cpu")
+                s.update({k: v.to("cpu") for k, v in s.items() if isinstance(v, torch.Tensor) and not v.is_cpu})
                 state[self._to_master[id(p)]] = s
         self.host.state = state
 
@@ -296,14 +290,13 @@ class HostBinding(Binding):
             self._reload(opt)
         elif len(opt.param_groups) != self._planned:  # add_param_group
             self._plan(opt)
-        for p in self._others:
-            if p.grad is not None:
-                raise NotImplementedError(
-                    "update='host' steps the parameters that were dense and trainable when the model was wrapped; "
-                    "this optimizer also holds one with a gradient that is not among them (a sparse embedding's, "
-                    "one unfrozen after wrapping, or one outside the model): give the sparse parameters an optimizer "
-                    "of their own (e.g. torch.optim.SparseAdam: it steps on the devices), unfreeze before wrapping, "
-                    "give parameters outside the model an optimizer of their own, or use update='devices'")
+        if any(p.grad is not None for p in self._others):
+            raise NotImplementedError(
+                "update='host' steps the parameters that were dense and trainable when the model was wrapped; "
+                "this optimizer also holds one with a gradient that is not among them (a sparse embedding's, "
+                "one unfrozen after wrapping, or one outside the model): give the sparse parameters an optimizer "
+                "of their own (e.g. torch.optim.SparseAdam: it steps on the devices), unfreeze before wrapping, "
+                "give parameters outside the model an optimizer of their own, or use update='devices'")
         m, pids = self.masters, self._pids
         m.follow()
         m.take_grads(*steps.host_sum(), pids)  # the host's sum in place where every replica holds it
@@ -316,7 +309,7 @@ class HostBinding(Binding):
             if len(self.host.state) != n:  # the first step made the state: the user's object holds it too
                 for master, s in self.host.state.items():
                     opt.state[self._back[id(master)]] = s
-            steps.host_copy_back(pids)  # also after a raise: what one device holds then
+            m.to_devices(steps.threads, pids)  # also after a raise: what one device holds then
 
     def close(self) -> None:
         """The optimizer gets its state back on the parameters' device (torch's own placement)."""

@@ -1,11 +1,8 @@
-"""``cgdp.DataParallel``: the engine behind the user's own training loop.
-
-``model = cgdp.DataParallel(net, devices)`` replaces ``torch.nn.DataParallel(net)``; the loop stays the user's
-(``opt = model.bind(opt)`` once, then ``opt.zero_grad()``, ``model(x)``, ``loss.backward()``, ``opt.step()``). It drives
-the same :class:`~cgdp.engine.core.stream.GradientStream` and gradient owner (:mod:`cgdp.engine.core.gradients`: the sum
-invariant, the states) as ``Trainer``. Each operation (forward, a backward from :meth:`DataParallel._begin_backward` to
-:meth:`DataParallel._end_backward`, ``clip_grad_norm_``, the bound ``optimizer.step()``, ``bind()``) holds the
-operation lock (:mod:`cgdp.engine.core.lifetime`); ``docs/design.md`` draws them.
+"""``cgdp.DataParallel``: the engine behind the user's own loop (``opt = model.bind(opt)`` once, then ``model(x)``,
+``loss.backward()``, ``opt.step()``), driving the same :class:`~cgdp.engine.core.stream.GradientStream` and gradient
+owner (:mod:`cgdp.engine.core.gradients`: the sum invariant, the states) as ``Trainer``. Each operation (forward, a
+backward from :meth:`DataParallel._begin_backward` to :meth:`DataParallel._end_backward`, ``clip_grad_norm_``, the bound
+``optimizer.step()``, ``bind()``) holds the operation lock (:mod:`cgdp.engine.core.lifetime`; ``docs/design.md``).
 
 * **Replicas.** ``net`` is replica 0 on ``devices[0]``, trained in place (``.module``); replicas j > 0 are deep copies,
   never broadcast again: each takes the same optimizer step (:mod:`~.steps`, :mod:`~.binding`).
@@ -16,8 +13,8 @@ operation lock (:mod:`cgdp.engine.core.lifetime`); ``docs/design.md`` draws them
   waits for every host SUM (unweighted: the loss on the gathered output already weights each sample). On emulated
   devices every backward runs on one thread; each replica's hooks are still touched by one thread only.
 * **Several machines** (``comm``): host sums scaled by 1/R and allreduced per chunk (the mean, as DDP: all of a
-  replica's gradient, also what reached replica 0 other than through the gathered output, such as a weight penalty). Every rank must
-  do the same synced backwards and training forwards (the buffers' mean is a collective).
+  replica's gradient, also what reached replica 0 other than through the gathered output, such as a weight penalty).
+  Every rank must do the same synced backwards and training forwards (the buffers' mean is a collective).
 
 Input gradients: :mod:`~.input_grads`; sparse gradients: :mod:`cgdp.engine.core.sparse_grads`; buffers that require
 grad: :mod:`~.user_module`. Unsupported (clear errors): ``torch.autograd.grad`` for the parameters, input gradients
@@ -49,7 +46,7 @@ from cgdp.engine.core.stream import GradientStream, check_sizes
 from cgdp.engine.core.threads import DeviceThreads, caller_context
 from cgdp.engine.dataparallel.binding import bind
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
-from cgdp.engine.core.dense_grads import DenseGrads, build_dense
+from cgdp.engine.core.dense_grads import build_dense
 from cgdp.engine.core.gradients import GradPart, Gradients, UserFault
 from cgdp.engine.dataparallel.steps import ReplicaSteps
 from cgdp.engine.dataparallel.replica_state import ReplicaState
@@ -158,7 +155,7 @@ class DataParallel(nn.Module):
 
     def _build(self, module, infos, layer_params, dtype, chunks, segment_bytes, host_memory) -> None:
         devs = self._devs
-        before = [p.grad for p in (q for layer in layer_params for q in layer)]
+        before = [p.grad for layer in layer_params for p in layer]
         reps = make_replicas(module, devs)
         self._life.claim.add(p for r in reps[1:] for p in r.parameters())
         self.module = module
@@ -167,41 +164,31 @@ class DataParallel(nn.Module):
         params = [[p for layer in find_layers(r, {id(q) for q in sp})[1] for p in layer]
                   for r, sp in zip(reps, sparse)]
         self._grad_buffers = GradBuffers(reps)  # read from replica 0 by every replica
-        self._state = ReplicaState(reps, [d.torch_device for d in devs])
-        self._life.resources.push(self._state.follow.close)  # its load hook: never pickled with the module
-        self._param_hooks = ParamHooks(params, unsupported=sparse[0])  # they run on the sum
-        layer_pids = number_params(layer_params)
-        tuner = None
+        self._torch_devices = torch_devices = [d.torch_device for d in devs]
+        self._state = ReplicaState(reps, torch_devices)
         res = self._life.resources
+        res.push(self._state.follow.close)  # its load hook: never pickled with the module
+        self._param_hooks = ParamHooks(params, unsupported=sparse[0])  # they run on the sum
         self._threads = self._life.threads = DeviceThreads(devs, self._guard)
         res.push(self._threads.close)
         self._rng = make_rng(devs)  # one random stream per replica
         self._backward_check = BackwardCheck()
-        self._stream: GradientStream | None = None
-        dense = GradPart()  # nothing to stream
+        dense, tuner = GradPart(), None  # nothing to stream
         if any(info.numel for info in infos):  # dense trainable parameters: the streaming path
-            dense, tuner = self._build_stream(devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
-                                              host_memory)
-        torch_devices = [d.torch_device for d in devs]
+            # no step profiles here (the loop is the user's): the tuner measures uniform plans
+            plan, tuner = first_plan(chunks, [i.numel * dtype.itemsize for i in infos], len(devs), self._comm)
+            dense = build_dense(devs, params, number_params(layer_params), dtype, plan, resources=res,
+                                guard=self._guard, comm=self._comm, param_hooks=self._param_hooks, initial=before,
+                                keep_grads=True, segment_bytes=segment_bytes, streaming=True, host_memory=host_memory)
+            self._stream = dense.stream
+            if self._comm is not None:  # the mean over ranks, as DDP's: of all the gradient, whatever path it took
+                self._stream.host.scale = 1.0 / self._comm.size
         self._grads = Gradients(dense, SparseGrads(sparse, torch_devices) if sparse[0] else None, torch_devices)
         self._params = params
         self._steps = steps = ReplicaSteps(self._life, devs, self._threads, self._grads, self._state,
                                            weak_call(self._parameter_maps), self._stream, self._comm, tuner,
                                            self._guard.timeout_s, HostMasters(devs, params) if self._host_update else None)
         res.push(lambda: [b.close() for b in list(steps.bindings)])
-
-    def _build_stream(self, devs, infos, params, layer_pids, dtype, chunks, segment_bytes, before,
-                      host_memory) -> tuple[DenseGrads, Any]:
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        # no step profiles here (the loop is the user's): the tuner measures uniform plans
-        plan, tuner = first_plan(chunks, [i.numel * itemsize for i in infos], len(devs), self._comm)
-        dense = build_dense(devs, params, layer_pids, dtype, plan, resources=self._life.resources, guard=self._guard,
-                            comm=self._comm, param_hooks=self._param_hooks, initial=before, keep_grads=True,
-                            segment_bytes=segment_bytes, streaming=True, host_memory=host_memory)
-        self._stream = dense.stream
-        if self._comm is not None:  # the mean over ranks, as DDP's: of all the gradient, whatever path it took
-            self._stream.host.scale = 1.0 / self._comm.size
-        return dense, tuner
 
     @property
     def replicas(self) -> list[nn.Module]:
@@ -223,8 +210,8 @@ class DataParallel(nn.Module):
     @operation("bind()")
     def bind(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Bind ``optimizer`` once: its ``step()`` steps every replica until :meth:`close`. Returns it; idempotent."""
-        bind(optimizer, self._steps, {id(p) for p in self._state.params[0]} | set(self._grad_buffers.ids()),
-             weak_call(self._inside))
+        owned = {id(p) for p in [*self._state.params[0], *self._grad_buffers.current(0)]}
+        bind(optimizer, self._steps, owned, weak_call(self._inside))
         return optimizer
 
     def _inside(self) -> set[int]:
@@ -238,17 +225,16 @@ class DataParallel(nn.Module):
 
     @operation("forward()")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        devs = self._devs
-        for d in devs:
+        for d in self._devs:
             d.check_caller("model(...)")  # CUDA: the replicas run on the default streams, as must the gather
         self._state.before_forward()  # what the user changed on model.module since
-        parts, sizes = scatter(args, kwargs, [d.torch_device for d in devs])
+        parts, sizes = scatter(args, kwargs, self._torch_devices)
         g = len(parts)
-        counts = watch_counts(parts, [d.torch_device for d in devs]) if self._scalar_outputs == "auto" else []
+        counts = watch_counts(parts, self._torch_devices) if self._scalar_outputs == "auto" else []
         self._backward_check.disarm()  # guard hooks left by an autograd.grad that failed
         self._guard.reset()  # a forward that raised before left its error: this one reports its own
         if self._grad_buffers:
-            self._grad_buffers.refresh([d.torch_device for d in devs], g)
+            self._grad_buffers.refresh(self._torch_devices, g)
         in_caller = caller_context()
 
         def forward_on(j: int) -> Any:
@@ -257,18 +243,18 @@ class DataParallel(nn.Module):
             try:
                 with in_caller():
                     return self._rng.on_device(j, lambda: self._replicas[j](*parts[j][0], **parts[j][1]))
-            except Exception as exc:  # the user's own error, said where it happened (Python >= 3.11)
-                getattr(exc, "add_note", lambda _: None)(f"(raised in replica {j} of cgdp.DataParallel, on {self.devices[j]})")
+            except Exception as exc:  # the user's own error, said where it happened
+                exc.add_note(f"(raised in replica {j} of cgdp.DataParallel, on {self.devices[j]})")
                 hint = unbatched_note(args, kwargs, sizes)
                 if hint:
-                    getattr(exc, "add_note", lambda _: None)(hint)
+                    exc.add_note(hint)
                 raise
 
         try:
             outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on, computing=True))
         except BaseException:  # failed on some devices only: counters (BatchNorm's) must agree
             if not self._threads.stuck:
-                self._state.broadcast(buffers_only=True)
+                self._state.broadcast_buffers()
             raise
         self._state.follow.after_forward(g)  # parameters the forward changed in place
         if self.module.training:  # the buffers the forward wrote (BatchNorm's statistics): the same everywhere
@@ -279,26 +265,24 @@ class DataParallel(nn.Module):
                         self._begin_backward(sync or self._sync == _SYNC_IN_BACKWARD, me))
                        if self._grads.trains else None)
         summed = self._scalar_outputs == "sum" or any(c.used for c in counts)  # shares of a global sum
-        out = gather(outs[:g], sizes, devs[0].torch_device, on_backward, sum_scalars=summed)
+        out = gather(outs[:g], sizes, self.output_device, on_backward, sum_scalars=summed)
         if not summed:  # a model's own loss under uneven padding, trained on: said once
             self._own_loss.when_trained(out, [labels_of(kw) for _, kw in parts])
         return out
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backwards of forwards run inside accumulate locally; the next synced one sends it all (as DDP's)."""
-        old, self._sync = self._sync, _NO_SYNC
-        try:
-            yield
-        finally:
-            self._sync = old
+        return self._syncing(_NO_SYNC)
 
-    @contextlib.contextmanager
-    def sync_in_backward(self) -> Iterator[None]:
+    def sync_in_backward(self) -> contextlib.AbstractContextManager[None]:
         """Every backward run inside sums, also through forwards run inside :meth:`no_sync` (which then send what
         they accumulated); forwards inside count as synced. DDP's ``require_backward_grad_sync``, as Accelerate's
         ``trigger_sync_in_backward`` sets it: several forwards under ``no_sync()``, their last backward in here."""
-        old, self._sync = self._sync, _SYNC_IN_BACKWARD
+        return self._syncing(_SYNC_IN_BACKWARD)
+
+    @contextlib.contextmanager
+    def _syncing(self, mode: str) -> Iterator[None]:
+        old, self._sync = self._sync, mode
         try:
             yield
         finally:
@@ -364,10 +348,8 @@ class DataParallel(nn.Module):
     def _parameter_maps(self) -> list[dict[int, nn.Parameter]]:
         """Per replica j > 0: id(replica 0's parameter) -> replica j's (grad-requiring buffers' stand-ins too)."""
         first = list(self.module.parameters())
-        maps = [{id(p): q for p, q in zip(first, r.parameters())} for r in self._replicas[1:]]
-        for m, stand_ins in zip(maps, self._grad_buffers.parameter_maps()):
-            m.update(stand_ins)
-        return maps
+        return [{**{id(p): q for p, q in zip(first, r.parameters())}, **stand_ins}
+                for r, stand_ins in zip(self._replicas[1:], self._grad_buffers.parameter_maps())]
 
     def _begin_backward(self, sync: bool, owner: threading.Thread) -> None:
         """Autograd thread, in the gather's backward, before any replica's gradient exists."""
@@ -375,7 +357,7 @@ class DataParallel(nn.Module):
             return  # a second gathered output in the same backward
         try:
             self._life.check_usable()
-            if not self._backward_check.trains(self._state.params[0], self._state.trainable):
+            if not self._backward_check.trains(self._state.params[0], self._state.follow.trainable):
                 self._life.ops.give()  # input gradients only: autograd alone, as on one device
                 return
             self._guard.reset()

@@ -30,7 +30,11 @@ class BackwardCheck:
         if reach is True:
             return True
         if any(trainable) and torch.is_grad_enabled():  # in a backward, grad mode is create_graph
-            refuse_double_backward()
+            raise RuntimeError("input gradients with create_graph=True (a gradient penalty) through cgdp.DataParallel "
+                               "are not supported while the model has trainable parameters: the backward of that "
+                               "gradient would reach the replicas' parameters without the engine, and give replica "
+                               "0's share only. Freeze the model (requires_grad_(False)) if it does not train, or "
+                               "compute the penalty on one device")
         if reach == AUTOGRAD_GRAD and any(trainable):
             self.arm([p for p, t in zip(params, trainable) if t])
         return False
@@ -42,7 +46,8 @@ class BackwardCheck:
                 node = self._accs.get(id(p))
                 if node is None or (i == 0 and not torch._C._will_engine_execute_node(node)):
                     # new, or the first says no: the node may have changed (p.data = ...); if so, forget all
-                    fresh = _grad_accumulator(p)
+                    with torch.enable_grad():  # backward runs without grad mode: a view would have no grad_fn
+                        fresh = p.view_as(p).grad_fn.next_functions[0][0]
                     if node is not None and fresh is not node:
                         self._accs.clear()
                     self._accs[id(p)] = node = fresh
@@ -68,16 +73,3 @@ class BackwardCheck:
         for h in self._handles:
             h.remove()
         self._handles = []
-
-
-def _grad_accumulator(p: torch.Tensor) -> torch.autograd.graph.Node:
-    with torch.enable_grad():  # backward runs without grad mode: a view would have no grad_fn
-        return p.view_as(p).grad_fn.next_functions[0][0]
-
-
-def refuse_double_backward() -> None:
-    raise RuntimeError("input gradients with create_graph=True (a gradient penalty) through cgdp.DataParallel "
-                       "are not supported while the model has trainable parameters: the backward of that "
-                       "gradient would reach the replicas' parameters without the engine, and give replica "
-                       "0's share only. Freeze the model (requires_grad_(False)) if it does not train, or "
-                       "compute the penalty on one device")

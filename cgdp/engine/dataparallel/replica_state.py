@@ -24,13 +24,9 @@ class ReplicaState:
     def __init__(self, replicas: list[nn.Module], devices: list[torch.device]):
         self.replicas = replicas
         self.follow = Follow(replicas, devices, "cgdp.DataParallel", "close() and wrap model.module again",
-                             after_load=self._loaded, unbound=UNBOUND)
+                             after_load=lambda: self.buffer_watch.synced(), unbound=UNBOUND)  # buffers equal again
         self.params = self.follow.params  # per replica, all of them in parameters() order
         self.rebuild_buffers()
-
-    @property
-    def trainable(self) -> list[bool]:
-        return self.follow.trainable
 
     def rebuild_buffers(self) -> None:
         """List the buffers (again: a hook registration changed them, :mod:`cgdp.engine.core.module_hooks`)."""
@@ -42,16 +38,7 @@ class ReplicaState:
         if self.follow.before_step():  # a hook registration changed the buffers (prune)
             self.rebuild_buffers()
 
-    def record_parameters(self) -> None:
-        self.follow.stepped()
-
-    def _loaded(self) -> None:
-        self.buffer_watch.synced()  # every replica's buffers are the same again
-
-    def broadcast(self, buffers_only: bool = False) -> None:
-        if not buffers_only:
-            self.follow.broadcast()
-            return
+    def broadcast_buffers(self) -> None:
         first = self.replicas[0]
         with torch.no_grad():
             for r in self.replicas[1:]:
@@ -72,4 +59,4 @@ class ReplicaState:
         sync_buffers([[b.data for b in bufs] for bufs in bufs_f], weights + [0.0] * (n - g), comm, changed)
         self.buffer_watch.synced(changed, others=False)
         if g < n:  # replicas that got no sample: integer buffers (counters) too
-            self.broadcast(buffers_only=True)
+            self.broadcast_buffers()

@@ -52,9 +52,7 @@ def _unflatten(spec: Any, it) -> Any:
     kind, cls = spec[0], spec[1]
     if kind == "seq":
         items = [_unflatten(s, it) for s in spec[2]]
-        if cls in (tuple, list):
-            return cls(items)
-        return cls(*items) if hasattr(cls, "_fields") else cls(items)  # namedtuple or subclass
+        return cls(*items) if hasattr(cls, "_fields") else cls(items)  # a namedtuple, or tuple, list or a subclass
     values = {k: _unflatten(s, it) for k, s in zip(spec[2], spec[3])}
     if kind == "dc" or dataclasses.is_dataclass(cls):  # ModelOutput: a dict and a dataclass
         return cls(**values)
@@ -66,21 +64,16 @@ def _paths(spec: Any, prefix: str = "output") -> list[str]:
         return [prefix]
     if spec[0] == "seq":
         return [p for i, s in enumerate(spec[2]) for p in _paths(s, f"{prefix}[{i}]")]
-    sep = "." if spec[0] == "dc" or dataclasses.is_dataclass(spec[1]) else ""
-    return [p for k, s in zip(spec[2], spec[3])
-            for p in _paths(s, f"{prefix}.{k}" if sep else f"{prefix}[{k!r}]")]
+    dotted = spec[0] == "dc" or dataclasses.is_dataclass(spec[1])
+    return [p for k, s in zip(spec[2], spec[3]) for p in _paths(s, f"{prefix}.{k}" if dotted else f"{prefix}[{k!r}]")]
 
 
-def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
-            ) -> tuple[list[tuple[tuple, dict]], list[int]]:
+def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]) -> tuple[list[tuple[tuple, dict]], list[int]]:
     """Per device, its ``(args, kwargs)``; and each part's number of samples."""
     leaves: list[Any] = []
     spec = _flatten((tuple(args), dict(kwargs)), leaves)
     batched = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
-    if not batched:  # nothing to split: replica 0 runs the whole call
-        mine = [upload(x, devices[0]) if isinstance(x, torch.Tensor) else x for x in leaves]
-        return [_unflatten(spec, iter(mine))], [1]
-    n = batched[0].shape[0]
+    n = batched[0].shape[0] if batched else 1  # nothing to split: replica 0 runs the whole call
     if any(x.shape[0] != n for x in batched):
         raise ValueError(f"cgdp.DataParallel splits every tensor argument along its first dimension, so "
                          f"they must all have the batch size there; got first dimensions "
@@ -90,13 +83,10 @@ def scatter(args: tuple, kwargs: dict, devices: Sequence[torch.device]
         raise ValueError("cgdp.DataParallel got an empty batch (first dimension 0): there is nothing to run; "
                          "skip empty batches")
     g = min(len(devices), n)
-    split = [torch.tensor_split(x, g) if isinstance(x, torch.Tensor) and x.dim() > 0 else None
-             for x in leaves]
+    split = [torch.tensor_split(x, g) if isinstance(x, torch.Tensor) and x.dim() > 0 else None for x in leaves]
     parts = []
-    for j in range(g):
-        dev = devices[j]
-        mine = [upload(s[j], dev) if s is not None
-                else upload(x, dev) if isinstance(x, torch.Tensor) else x
+    for j, dev in enumerate(devices[:g]):  # a tensor without a batch dimension goes whole to every replica
+        mine = [upload(s[j], dev) if s is not None else upload(x, dev) if isinstance(x, torch.Tensor) else x
                 for x, s in zip(leaves, split)]
         parts.append(_unflatten(spec, iter(mine)))
     sizes = [int(s.shape[0]) for s in torch.tensor_split(torch.empty(n, 0), g)]
@@ -169,11 +159,7 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, plan: _Plan, *tensors: torch.Tensor):
         ctx.plan = plan
         ctx.set_materialize_grads(False)
-        g = len(plan.weights)
-        outs = []
-        for i, kind in enumerate(plan.kinds):
-            ts = tensors[i * g:(i + 1) * g]
-            outs.append(_combine(kind, ts, plan.weights, plan.dst))
+        outs = _combine_all(plan.kinds, tensors, plan.weights, plan.dst)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return tuple(outs)
 
@@ -188,11 +174,16 @@ class _Gather(torch.autograd.Function):
             if grad is None or kind == "stack":
                 out += [None] * len(devs)
             elif kind == "cat":
-                out += [p.to(d, non_blocking=True)
-                        for p, d in zip(torch.split(grad, plan.lengths[i]), devs)]
+                out += [p.to(d, non_blocking=True) for p, d in zip(torch.split(grad, plan.lengths[i]), devs)]
             else:
                 out += [(grad * w).to(d, non_blocking=True) for w, d in zip(plan.weights, devs)]
         return tuple(out)
+
+
+def _combine_all(kinds: list[str], tensors: Sequence[torch.Tensor], weights: Sequence[float],
+                 dst: torch.device) -> list[torch.Tensor]:
+    g = len(weights)
+    return [_combine(k, tensors[i * g:(i + 1) * g], weights, dst) for i, k in enumerate(kinds)]
 
 
 def _combine(kind: str, ts: Sequence[torch.Tensor], weights: Sequence[float], dst: torch.device) -> torch.Tensor:
@@ -211,11 +202,8 @@ _warned: set[str] = set()
 
 def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
            on_backward: Callable[[], None] | None, sum_scalars: bool = False) -> Any:
-    flat, specs = [], []
-    for o in outputs:
-        leaves: list[Any] = []
-        specs.append(_flatten(o, leaves))
-        flat.append(leaves)
+    flat: list[list[Any]] = [[] for _ in outputs]
+    specs = [_flatten(o, leaves) for o, leaves in zip(outputs, flat)]
     if any(s != specs[0] for s in specs[1:]):
         raise ValueError("the replicas of cgdp.DataParallel returned outputs of different structure "
                          "(keys or lengths); the model's output must not depend on the batch's content")
@@ -226,27 +214,18 @@ def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
     for i, name in enumerate(names):
         vals = [leaves[i] for leaves in flat]
         if all(isinstance(v, torch.Tensor) for v in vals):
-            if vals[0].dim() > 0:
-                kind = "cat"
-            else:
-                kind = "wsum" if vals[0].is_floating_point() else "stack"
-            kinds.append(kind)
+            kinds.append("cat" if vals[0].dim() > 0 else "wsum" if vals[0].is_floating_point() else "stack")
             devs.append([v.device for v in vals])
             lengths.append([v.shape[0] if v.dim() else 0 for v in vals])
             tensors += vals
             result.append(None)  # filled below
         else:
             result.append(_same_or_none(vals, name))
-    if kinds:
-        plan = _Plan(kinds, devs, lengths, weights, dst, on_backward)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            combined = iter(_Gather.apply(plan, *tensors))
-        else:
-            g = len(outputs)
-            combined = iter([_combine(k, tensors[i * g:(i + 1) * g], weights, dst)
-                             for i, k in enumerate(kinds)])
-        result = [next(combined) if r is None and isinstance(flat[0][i], torch.Tensor) else r
-                  for i, r in enumerate(result)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        combined = iter(_Gather.apply(_Plan(kinds, devs, lengths, weights, dst, on_backward), *tensors))
+    else:  # (no tensor: nothing combined)
+        combined = iter(_combine_all(kinds, tensors, weights, dst))
+    result = [next(combined) if r is None and isinstance(flat[0][i], torch.Tensor) else r for i, r in enumerate(result)]
     return _unflatten(specs[0], iter(result))
 
 

@@ -28,21 +28,16 @@ class ReplicaSteps:
         """``maps()``: per replica j > 0, id(replica 0's parameter) -> replica j's; ``tuner``: None once fixed."""
         self.host_masters = host_masters
         self._life, self.devs, self.threads = life, devs, threads
-        self._grads, self._state, self._maps = grads, state, maps
+        self._grads, self._state, self.parameter_maps = grads, state, maps
+        self.kept = grads.kept  # whether replica 0 stepped on the gradients its mirrors hold
         self._stream, self._comm, self._timeout_s = stream, comm, timeout_s
+        self.ranks = 1 if comm is None else comm.size
         self.tuner = tuner
         self._t_step: float | None = None
         self.bindings: weakref.WeakSet = weakref.WeakSet()
 
-    @property
-    def ranks(self) -> int:
-        return 1 if self._comm is None else self._comm.size
-
     def unusable(self, why: str) -> None:
         self._life.broken = f"{why}; load a checkpoint into model.module and wrap it again"
-
-    def parameter_maps(self) -> list[dict[int, nn.Parameter]]:
-        return self._maps()
 
     def begin(self) -> None:
         ops = self._life.ops
@@ -72,16 +67,10 @@ class ReplicaSteps:
                  and len(st.flats) > 1)
         return st.host.sum_row() if whole else None, st.layout.offsets, st.flats[0]
 
-    def host_copy_back(self, pids: list[int]) -> None:
-        self.host_masters.to_devices(self.threads, pids)
-
-    def kept(self) -> bool:
-        return self._grads.kept()
-
     def end(self) -> None:
         """After every replica stepped; gives the operation lock back, whatever happens."""
         try:
-            self._state.record_parameters()
+            self._state.follow.stepped()
             if self.tuner is not None:
                 self._tune()
         finally:

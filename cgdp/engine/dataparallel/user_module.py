@@ -7,24 +7,19 @@
 """
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
 
 class GradBuffers:
     def __init__(self, replicas: list[nn.Module]):
-        first = replicas[0]
-        self.names = [name for name, b in first.named_buffers() if b.requires_grad]
-        owners = [[_owner(r, name) for name in self.names] for r in replicas]
-        self._slots = owners  # per replica: (submodule, attribute) of each such buffer
-        self.stand_ins = [[getattr(m, a) for m, a in slots] for slots in owners]  # the deep copy's (replica 0's: them)
+        self.names = [name for name, b in replicas[0].named_buffers() if b.requires_grad]
+        # per replica: (submodule, attribute) of each such buffer
+        self._slots = [[_owner(r, name) for name in self.names] for r in replicas]
+        self.stand_ins = [self.current(j) for j in range(len(replicas))]  # the deep copy's (replica 0's: them)
 
     def __bool__(self) -> bool:
         return bool(self.names)
-
-    def ids(self) -> list[int]:
-        return [id(b) for b in self.current(0)]
 
     def current(self, j: int) -> list[torch.Tensor]:
         return [getattr(m, a) for m, a in self._slots[j]]
