@@ -880,3 +880,24 @@ def test_a_forward_that_raises_reports_its_own_error_not_an_earlier_one():
             model(torch.randn(4, 5))
         with pytest.raises(ValueError, match="got 6"):
             model(torch.randn(4, 6))
+
+
+def test_the_first_forward_that_draws_counts_batchnorm_once():
+    """On emulated devices the first forward that draws random numbers (Dropout) is done again with a stream per
+    device: its buffer writes, counters included, are undone first, so BatchNorm's statistics take one update."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    ref = copy.deepcopy(net)
+    x = torch.randn(8, 4)
+    with cgdp.DataParallel(net, ["cpu:0", "cpu:1"], chunks=1) as model:
+        model(x)
+        assert model.module[1].num_batches_tracked.item() == 1
+        assert all(r[1].num_batches_tracked.item() == 1 for r in model.replicas)
+        mean = model.module[1].running_mean.clone()
+        model(x)
+        assert model.module[1].num_batches_tracked.item() == 2
+    halves = [copy.deepcopy(ref[1]) for _ in range(2)]
+    with torch.no_grad():
+        for bn, part in zip(halves, x.tensor_split(2)):
+            bn(ref[0](part))
+    torch.testing.assert_close(mean, (halves[0].running_mean + halves[1].running_mean) / 2, rtol=1e-6, atol=1e-7)

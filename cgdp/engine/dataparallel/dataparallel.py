@@ -251,14 +251,15 @@ class DataParallel(nn.Module):
                 raise
 
         try:
-            outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on, computing=True))
+            outs = self._rng.forward_all(lambda: self._threads.run_all(forward_on, computing=True),
+                                         self._state.buffer_watch.restore)  # done again if it drew: buffers back
         except BaseException:  # failed on some devices only: counters (BatchNorm's) must agree
             if not self._threads.stuck:
                 self._state.broadcast_buffers()
             raise
         self._state.follow.after_forward(g)  # parameters the forward changed in place
         if self.module.training:  # the buffers the forward wrote (BatchNorm's statistics): the same everywhere
-            self._state.after_forward(sizes, self._comm)
+            self._state.after_forward(sizes, self._comm, not (self._devs[0].is_cuda or self._rng.turns))
         sync = self._sync != _NO_SYNC
         # read again when the backward starts (autograd's thread): sync_in_backward() around it sums it
         on_backward = ((lambda me=threading.current_thread():

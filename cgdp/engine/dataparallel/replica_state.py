@@ -32,7 +32,9 @@ class ReplicaState:
         """List the buffers (again: a hook registration changed them, :mod:`cgdp.engine.core.module_hooks`)."""
         self.buffers_f = [[b for b in r.buffers() if b.is_floating_point() and not b.requires_grad]
                           for r in self.replicas]
-        self.buffer_watch = BufferWatch(self.buffers_f)  # which of them a forward wrote
+        # which of them a forward wrote; the others (counters) kept too: a forward done again restores them
+        self.buffer_watch = BufferWatch(self.buffers_f, [[b for b in r.buffers() if not b.is_floating_point()]
+                                                         for r in self.replicas])
 
     def before_forward(self) -> None:
         if self.follow.before_step():  # a hook registration changed the buffers (prune)
@@ -47,8 +49,10 @@ class ReplicaState:
         self.buffer_watch.synced()
         self.follow.buffers_synced()
 
-    def after_forward(self, sizes: list[int], comm: Any) -> None:
-        """Buffers a training forward wrote take their batch-weighted mean (only those: constants stay bitwise)."""
+    def after_forward(self, sizes: list[int], comm: Any, rerun: bool) -> None:
+        """Buffers a training forward wrote take their batch-weighted mean (only those: constants stay bitwise);
+        ``rerun``: a forward may still be done again (:meth:`EmulatedRNG.forward_all`), so the counters' baseline moves
+        too."""
         bufs_f, g, n = self.buffers_f, len(sizes), len(self.replicas)
         self.follow.buffers_synced()  # what the forward wrote is not the user's change (made equal below)
         if not bufs_f[0] or (n == 1 and comm is None):
@@ -57,6 +61,6 @@ class ReplicaState:
         changed = self.buffer_watch.changed(comm)
         # through .data: the graph saved these buffers; writing the tensors would bump versions and fail backward
         sync_buffers([[b.data for b in bufs] for bufs in bufs_f], weights + [0.0] * (n - g), comm, changed)
-        self.buffer_watch.synced(changed, others=False)
+        self.buffer_watch.synced(changed, others=rerun)
         if g < n:  # replicas that got no sample: integer buffers (counters) too
             self.broadcast_buffers()
