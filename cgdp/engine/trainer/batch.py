@@ -27,7 +27,8 @@ Part = tuple[Any, torch.Tensor]
 
 def split_batch(inputs: Any, targets: Any, g: int) -> tuple[list[Part], list[int]]:
     """``(inputs, targets)`` in ``g`` parts (only the ``min(n, g)`` with samples), and every device's sample count."""
-    xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    many = isinstance(inputs, (tuple, list))
+    xs = tuple(inputs) if many else (inputs,)
     if not xs or not all(isinstance(x, torch.Tensor) for x in xs):
         raise TypeError("inputs must be a tensor (or a tuple of tensors passed as model(*inputs)) "
                         "whose first dimension is the batch")
@@ -42,10 +43,8 @@ def split_batch(inputs: Any, targets: Any, g: int) -> tuple[list[Part], list[int
     check_not_empty(n)
     split_x = [torch.tensor_split(x, g) for x in xs]
     split_y = torch.tensor_split(targets, g)
-    parts = []
-    for j in range(min(n, g)):  # a batch smaller than the devices: the first n get a sample each
-        xj = tuple(s[j] for s in split_x)
-        parts.append((xj if isinstance(inputs, (tuple, list)) else xj[0], split_y[j]))
+    # a batch smaller than the devices: the first n get a sample each
+    parts = [(tuple(s[j] for s in split_x) if many else split_x[0][j], split_y[j]) for j in range(min(n, g))]
     return parts, [int(s.shape[0]) for s in split_y]
 
 
@@ -80,7 +79,7 @@ def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int], frozenset[in
     n = ranked[0][0]
     check_not_empty(n)
     whole = frozenset(id(t) for _, t in found if t.dim() == 0 or t.shape[0] != n)
-    return split_tree(batch, n, g)[:n], [n // g + (1 if j < n % g else 0) for j in range(g)], whole
+    return split_tree(batch, n, g)[:n], [_piece_size(n, g, j) for j in range(g)], whole
 
 
 def _refuse_ragged_records(tree: Any, where: str = "batch") -> None:
@@ -170,9 +169,9 @@ def micro_rounds(parts: list[Any], sizes: list[int], total: int, k: int,
                          f"{short[0]} gets {sizes[short[0]]} of this batch; use a larger batch or fewer "
                          f"micro-batches")
     split = [split_tree(part, n, k, whole) for part, n in zip(parts, sizes)]
-    return [([s[i] for s in split], [_micro_size(n, k, i) / total for n in sizes]) for i in range(k)]
+    return [([s[i] for s in split], [_piece_size(n, k, i) / total for n in sizes]) for i in range(k)]
 
 
-def _micro_size(n: int, k: int, i: int) -> int:
+def _piece_size(n: int, k: int, i: int) -> int:
     """Size of piece i of ``torch.tensor_split`` of n samples into k pieces."""
     return n // k + (1 if i < n % k else 0)

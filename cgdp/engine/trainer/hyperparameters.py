@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import operator
 import re
 import warnings
 from typing import Any, Callable, Sequence
@@ -35,9 +36,7 @@ def _same(a: Any, b: Any, differ: list[torch.Tensor] | None = None) -> bool:
     """``a == b``; with ``differ`` a list, device tensors are compared there: the differing count is appended, True for
     now."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        if a.shape != b.shape:
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
             return False
         if differ is not None and _HOST not in (a.device, b.device):
             with torch.no_grad():  # device to device: no host wait (NaN differs, as in torch.equal)
@@ -49,13 +48,8 @@ def _same(a: Any, b: Any, differ: list[torch.Tensor] | None = None) -> bool:
     return type(a) is type(b) and a == b
 
 
-_PLAIN = (int, float, bool, str, type(None))
-_PLAIN_TYPES = frozenset(_PLAIN)
+_PLAIN_TYPES = frozenset((int, float, bool, str, type(None)))
 _WITH_TUPLES = _PLAIN_TYPES | {tuple}
-
-
-def _is_nan(v: object) -> bool:
-    return v != v
 
 
 def _plain_values(opt: torch.optim.Optimizer) -> list[list] | None:
@@ -70,7 +64,7 @@ def _plain_values(opt: torch.optim.Optimizer) -> list[list] | None:
         if not types <= _PLAIN_TYPES and not (
                 types <= _WITH_TUPLES and all(set(map(type, v)) <= _PLAIN_TYPES for v in values if type(v) is tuple)):
             return None
-        if float in types and any(map(_is_nan, values)):  # NaN: equal only to itself in the detailed check
+        if float in types and not all(map(operator.eq, values, values)):  # NaN: only the detailed check sees it
             return None
         out.append(sorted(zip(d, map(type, values), values)))
     return out
@@ -93,8 +87,7 @@ def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer],
                 f"optimizer {j} has {len(groups)} param group(s) but optimizer 0 has {len(first)}; "
                 f"every replica's optimizer must have the same groups. The update was not applied")
         for g, (a, b) in enumerate(zip(first, groups)):
-            keys = (set(a) | set(b)) - {"params"}
-            for key in sorted(keys):
+            for key in sorted((set(a) | set(b)) - {"params"}):
                 if key not in a or key not in b or not _same(a[key], b[key], differ):
                     raise HyperparameterMismatchError(
                         f"trainer.optimizers[{j}].param_groups[{g}][{key!r}] is {b.get(key)!r} but "
@@ -202,7 +195,6 @@ class Schedulers:
         return self.schedulers[0].state_dict() if self.schedulers else None
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        if state is None or not self.schedulers:
-            return
-        for s in self.schedulers:
-            s.load_state_dict(copy.deepcopy(state))  # each its own copy, as for the optimizers
+        if state is not None:
+            for s in self.schedulers:
+                s.load_state_dict(copy.deepcopy(state))  # each its own copy, as for the optimizers

@@ -55,37 +55,29 @@ def parse_step(args: Sequence[Any], g: int, comm: Comm | None = None) -> StepCal
     """Split for ``g`` devices. A batch refused on one rank is refused on every rank: this rank joins the step's first
     collective (:func:`~cgdp.engine.core.replicas.batch_weights`) with NaN, so no collectives pair across steps."""
     try:
-        return _parse_step(args, g)
+        if len(args) not in (2, 3):
+            raise TypeError(f"step takes (batch, loss_fn) or (inputs, targets, loss_fn); got {len(args)} "
+                            f"argument(s)")
+        loss_fn = args[-1]
+        if len(args) == 3:
+            if not callable(loss_fn):
+                raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {_kind(loss_fn)}")
+            parts, sizes = split_batch(args[0], args[1], g)
+            return StepCall(parts, sizes, False, partial(_output_loss, loss_fn))
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {_kind(loss_fn)}"
+                            f" (step takes (batch, loss_fn) or (inputs, targets, loss_fn))")
+        # a torch loss (nn.CrossEntropyLoss(), F.cross_entropy) is called as (output, target)
+        if isinstance(loss_fn, nn.modules.loss._Loss) or getattr(loss_fn, "__module__", None) == "torch.nn.functional":
+            raise TypeError(f"step(batch, loss_fn) calls loss_fn(model, batch), but {_name(loss_fn)} takes "
+                            f"(output, target); pass the targets too: step(inputs, targets, loss_fn)")
+        parts, sizes, whole = split_nested(args[0], g)
+        return StepCall(parts, sizes, True, partial(_model_loss, loss_fn), whole)
     except Exception:
         if comm is not None:
             with contextlib.suppress(Exception):  # (a comm that fails here: the batch's error is the one to see)
                 comm.allreduce_small(np.array([math.nan]))
         raise
-
-
-def _parse_step(args: Sequence[Any], g: int) -> StepCall:
-    if len(args) not in (2, 3):
-        raise TypeError(f"step takes (batch, loss_fn) or (inputs, targets, loss_fn); got {len(args)} "
-                        f"argument(s)")
-    loss_fn = args[-1]
-    if len(args) == 3:
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {_kind(loss_fn)}")
-        parts, sizes = split_batch(args[0], args[1], g)
-        return StepCall(parts, sizes, False, partial(_output_loss, loss_fn))
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {_kind(loss_fn)}"
-                        f" (step takes (batch, loss_fn) or (inputs, targets, loss_fn))")
-    if _is_output_loss(loss_fn):
-        raise TypeError(f"step(batch, loss_fn) calls loss_fn(model, batch), but {_name(loss_fn)} takes "
-                        f"(output, target); pass the targets too: step(inputs, targets, loss_fn)")
-    parts, sizes, whole = split_nested(args[0], g)
-    return StepCall(parts, sizes, True, partial(_model_loss, loss_fn), whole)
-
-
-def _is_output_loss(fn: Any) -> bool:
-    """A torch loss (``nn.CrossEntropyLoss()``, ``F.cross_entropy``): called as (output, target)."""
-    return isinstance(fn, nn.modules.loss._Loss) or getattr(fn, "__module__", None) == "torch.nn.functional"
 
 
 def _name(fn: Any) -> str:
@@ -209,20 +201,16 @@ def _kind(value: Any) -> str:
 
 
 def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], comm: Comm | None,
-                 nested: bool, held: "HeldMicroBatches | None" = None,
-                 read: bool = False) -> list[float | DeviceWeight]:
+                 nested: bool, held: HeldMicroBatches, read: bool = False) -> list[float | DeviceWeight]:
     """Each device's backward weight once every forward is done; ``held`` adds the earlier micro-batches' counts. The
     counts are read before backward with MPI or ``read`` (``update="host"`` steps its optimizer during backward)."""
     counts = [r.count for r in results if r.count is not None]
-    if not counts and (held is None or not held.pairs) and not (comm is not None and nested):
+    mpi = comm is not None and nested
+    if not counts and not held.pairs and not mpi:
         return sample_weights  # means over samples only, on this rank alone: nothing to add up
     first = results[0].loss.device
-    count = _total(counts, first)
-    vec = np.array([0.0, len(counts), len(results)], np.float64)
-    if held is not None:
-        vec += (0.0, held.pairs, held.results)
-        count, counts = _total([count, held.count], first), held.counts + counts
-    mpi = comm is not None and nested
+    vec = np.array([0.0, len(counts) + held.pairs, len(results) + held.results], np.float64)
+    count, counts = _total([_total(counts, first), held.count], first), held.counts + counts
     if isinstance(count, torch.Tensor) and (mpi or read):  # read this rank's counts, in one wait
         values = read_at_once([count, *counts], first)
         check_counts(values[1:])
@@ -235,7 +223,7 @@ def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], com
     if pairs == 0:
         return sample_weights
     if pairs != devices:
-        where = "devices and micro-batches" if held is not None and held.results else "devices"
+        where = "devices and micro-batches" if held.results else "devices"
         raise TypeError(f"loss_fn returned (loss_sum, count) on {pairs} of {devices} {where} and a scalar "
                         f"on the others; return the same form on every device")
     if not isinstance(count, torch.Tensor):

@@ -231,8 +231,6 @@ def probe_state(optimizer: torch.optim.Optimizer, group: int) -> dict[str, Any] 
         return None
     out: dict[str, Any] = {}
     for k, v in probe.state[p].items():
-        if isinstance(v, torch.Tensor):
-            out[k] = "param" if v.shape == p.shape else v.dtype if v.dim() == 0 else type(v).__name__
-        else:
-            out[k] = type(v).__name__
+        tensor = isinstance(v, torch.Tensor)
+        out[k] = "param" if tensor and v.shape == p.shape else v.dtype if tensor and v.dim() == 0 else type(v).__name__
     return out

@@ -1,7 +1,7 @@
 """Profiles and traces of one step, built from what the streams recorded.
 
 While a step is timed, streams and threads append ``(device, stream, name, start, end)`` events to one list and the
-hooks stamp each gradient's arrival; after it, :func:`build_trace` makes a timeline and :func:`build_profile` a
+hooks stamp each gradient's arrival; after it, :meth:`Timing.finish` makes a timeline and :func:`build_profile` a
 :class:`~cgdp.planning.profile.StepProfile` (the paper's Table 4), which the tuner and calibration read.
 """
 from __future__ import annotations
@@ -23,16 +23,10 @@ class Timing:
     applied step :meth:`finish` (a failed step keeps the previous ones)."""
 
     def __init__(self, always: bool):
-        self.always = always
-        """Profile every step (``Trainer(profile=True)``)."""
-        self.profile_once = False
-        """Profile the next step (``Trainer.profile_next()``)."""
-        self.trace_once = False
-        """Trace the next step (``Trainer.trace_next()``)."""
-        self.profiling = self.tracing = False
-        """Whether this step is profiled, traced."""
-        self.events: list[Event] | None = None
-        """This step's events while it is timed, else None."""
+        self.always = always  # Trainer(profile=True)
+        self.profile_once = self.trace_once = False  # Trainer.profile_next(), trace_next()
+        self.profiling = self.tracing = False  # this step
+        self.events: list[Event] | None = None  # this step's, while it is timed
         self.last_profile: StepProfile | None = None
         self.last_trace: list[dict[str, Any]] | None = None
 
@@ -57,21 +51,24 @@ class Timing:
 
     def finish(self, devs: Sequence[Device], fw, bw, up, t_start: float,
                profile_inputs: Callable[[], dict[str, Any]]) -> None:
-        """After an applied step: its trace and profile, if timed; ``profile_inputs()`` gives :func:`build_profile`'s
-        rest."""
-        if not (self.profiling or self.tracing):
+        """After an applied step, if timed: its trace and profile (``profile_inputs()`` gives :func:`build_profile`'s
+        rest). Stamps are resolved before ``end_timing()``."""
+        events = self.events
+        if events is None:
             return
-        if self.events is not None:
-            self.events += compute_spans(devs, fw, bw, up)
+        for j, d in enumerate(devs):  # the compute-stream spans, on the devices' clocks
+            for name, span in (("forward", fw[j][1:3]), ("backward", bw[j][1:3]), ("update", up[j])):
+                if span is not None:
+                    events.append((d.name, "compute", name, d.resolve(span[0]), d.resolve(span[1])))
         inputs = profile_inputs() if self.profiling else None
-        trace, profile = finish_timing(devs, [b[1] for b in bw], self.events or [], t_start, self.tracing, inputs)
-        self.last_trace = trace if self.tracing else self.last_trace
-        self.last_profile = profile if self.profiling else self.last_profile
-
-
-def build_trace(events: Sequence[Event], t_start: float) -> list[dict[str, Any]]:
-    return [{"device": dev, "stream": stream, "name": name, "start": a - t_start, "end": b - t_start}
-            for dev, stream, name, a, b in events]
+        bw_start = [d.resolve(b[1]) for d, b in zip(devs, bw)]
+        for d in devs:
+            d.end_timing()  # emits the device-timed copies into the events
+        if self.tracing:
+            self.last_trace = [{"device": dev, "stream": stream, "name": name, "start": a - t_start,
+                                "end": b - t_start} for dev, stream, name, a, b in events]
+        if inputs is not None:
+            self.last_profile = build_profile(devs=devs, bw_start=bw_start, events=events, **inputs)
 
 
 def build_profile(*, devs: Sequence[Device], marks: StepMarks, bw_start: Sequence[float],
@@ -79,15 +76,12 @@ def build_profile(*, devs: Sequence[Device], marks: StepMarks, bw_start: Sequenc
                   itemsize: int, stats: dict[str, float], layer_bytes: Sequence[int], mode: str,
                   ranks: int, host: dict[str, int] | None = None) -> StepProfile:
     """The step's profile. ``bw_start[j]``: when device j's backward started (resolved)."""
-    ready = [math.nan] * len(layer_pids)
-    for li, pids in enumerate(layer_pids):
-        best = -1.0
-        for j, (touched, ready_at) in enumerate(zip(marks.touched, marks.ready_at)):
-            for pid in pids:
-                if touched[pid]:
-                    best = max(best, devs[j].resolve(ready_at[pid]) - bw_start[j])
-        if best >= 0:
-            ready[li] = best
+    ready = []
+    for pids in layer_pids:
+        best = max([-1.0] + [devs[j].resolve(at[pid]) - bw_start[j]
+                             for j, (touched, at) in enumerate(zip(marks.touched, marks.ready_at))
+                             for pid in pids if touched[pid]])
+        ready.append(best if best >= 0 else math.nan)
     t0 = min(bw_start)
     by: dict[tuple[str, str], list[tuple[str, float, float]]] = {}
     for dev, stream, name, a, b in events:
@@ -114,19 +108,6 @@ def build_profile(*, devs: Sequence[Device], marks: StepMarks, bw_start: Sequenc
         host_bytes_moved=(host or {}).get("bytes_moved", 0))
 
 
-def finish_timing(devs: Sequence[Device], bw_stamps: Sequence[Any], events: Sequence[Event], t_start: float,
-                  tracing: bool, profile_inputs: dict[str, Any] | None) -> tuple[Any, StepProfile | None]:
-    """After a timed step: its trace (``tracing``) and profile (``profile_inputs``); stamps resolved before
-    ``end_timing()``."""
-    bw_start = [d.resolve(s) for d, s in zip(devs, bw_stamps)]
-    for d in devs:
-        d.end_timing()  # emits the device-timed copies into the events
-    trace = build_trace(events, t_start) if tracing else None
-    if profile_inputs is None:
-        return trace, None
-    return trace, build_profile(devs=devs, bw_start=bw_start, events=events, **profile_inputs)
-
-
 def step_stats(devs: Sequence[Device], fw: Sequence[tuple[Any, Any, Any]],
                bw: Sequence[tuple[float, Any, Any, Any]], up: Sequence[tuple[Any, Any] | None],
                t_start: float, t_bw: float, t_up: float, t_end: float, samples: int) -> dict[str, float]:
@@ -148,13 +129,3 @@ def step_stats(devs: Sequence[Device], fw: Sequence[tuple[Any, Any, Any]],
         "samples": float(samples),
     }
 
-
-def compute_spans(devs: Sequence[Device], fw, bw, up) -> list[Event]:
-    """The compute-stream spans of a timed step for traces, on the devices' clocks."""
-    out: list[Event] = []
-    for j, d in enumerate(devs):
-        out.append((d.name, "compute", "forward", d.resolve(fw[j][1]), d.resolve(fw[j][2])))
-        out.append((d.name, "compute", "backward", d.resolve(bw[j][1]), d.resolve(bw[j][2])))
-        if up[j] is not None:
-            out.append((d.name, "compute", "update", d.resolve(up[j][0]), d.resolve(up[j][1])))
-    return out

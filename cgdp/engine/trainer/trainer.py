@@ -127,8 +127,7 @@ class Trainer:
         self._timeout_s = timeout_s
 
         self._layer_pids = number_params(checked.layer_params)
-        self._layer_bytes = [info.numel * torch.tensor([], dtype=self._dtype).element_size()
-                             for info in checked.layers]
+        self._layer_bytes = [info.numel * self._dtype.itemsize for info in checked.layers]
 
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
@@ -203,8 +202,7 @@ class Trainer:
         """Switch the chunk plan between steps (every rank must pass the same plan)."""
         for d in self._devs:
             d.check_caller("Trainer.set_plan()")
-        new = resolve_plan(plan, len(self.layers))
-        self._relay(new)
+        self._relay(resolve_plan(plan, len(self.layers)))
 
     def profile_next(self) -> None:
         """Profile the next step: ``last_profile`` then holds its :class:`StepProfile`."""
@@ -338,8 +336,7 @@ class Trainer:
         plan, done = tuned_plan(self.tuner, self._comm, len(self.layers))
         if plan != self._stream.plan:
             self._relay(plan)
-        if done:  # the final plan is in place; no more measurements
-            self._tuning = False
+        self._tuning = not done  # done: the final plan is in place; no more measurements
         return self._tuning
 
     def _prepare(self, call: Any) -> tuple[list, int, Any]:
@@ -425,13 +422,9 @@ class Trainer:
                     ranks=self._comm.size if self._comm is not None else 1)
 
     # ------------------------------------------------------------------ failures, plan switches
-    def _quiesce(self) -> None:
-        """Wait until no copy is in flight on any device (before buffers are relaid)."""
-        quiesce(self._devs, self._stream.host, self._timeout_s)
-
     def _relay(self, plan: Plan) -> None:
         """The flat buffers laid out for ``plan``, with nothing in flight (``.grad`` kept)."""
-        self._quiesce()
+        quiesce(self._devs, self._stream.host, self._timeout_s)
         self._stream.set_plan(plan)
         self._grads.relaid()
 
@@ -446,7 +439,7 @@ class Trainer:
             # who stops here (close(), or dropping the trainer) frees nothing a copy still uses
             if phase == "backward":
                 self._sync_buffers()
-            self._quiesce()
+            quiesce(self._devs, self._stream.host, self._timeout_s)
             return
         self._life.fail(exc, self._devs, self._stream.host)
         if not self._update.settle():  # update="host": a checkpoint saved after this error holds the step before
