@@ -111,20 +111,6 @@ def verdict(differ: float, optimizers: Sequence[torch.optim.Optimizer]) -> None:
                                           "the update was not applied")
 
 
-def hyperparameter_digest(optimizers: Sequence[torch.optim.Optimizer]) -> list[float]:
-    """``[mismatch, h, h * h]`` with ``h`` a 16-bit hash of optimizer 0's values: summed over R ranks, they agree iff
-    ``R * Σh² == (Σh)²`` (exact in float64), so every rank reaches the same verdict."""
-    try:
-        check_hyperparameters(optimizers)
-        mismatch = 0.0
-    except HyperparameterMismatchError:
-        mismatch = 1.0
-    text = repr([sorted(((k, _plain(v)) for k, v in g.items() if k != "params"), key=str)
-                 for g in optimizers[0].param_groups])
-    h = float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:2], "little"))
-    return [mismatch, h, h * h]
-
-
 def _plain(v: Any) -> Any:
     """A value whose repr is the same on every rank (an object's default repr holds its address)."""
     if isinstance(v, torch.Tensor):
@@ -136,30 +122,34 @@ def _plain(v: Any) -> Any:
     return type(v).__qualname__
 
 
-def check_digests(summed: Sequence[float], ranks: int, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Raise on every rank if :func:`hyperparameter_digest` summed over ``ranks`` shows a difference."""
-    mismatch, h, hh = summed
+def agree_on_step(comm: Comm, loss: float, bad: float, norm: float, touched: np.ndarray,
+                  optimizers: Sequence[torch.optim.Optimizer]) -> tuple[float, float, float, np.ndarray]:
+    """One small allreduce over every rank: the summed loss and NaN/Inf count, rank 0's clipping norm (other CPUs may
+    round its last bits differently), per parameter the devices that got a gradient, and a hyperparameter digest
+    ``[mismatch, h, h * h]`` with ``h`` a 16-bit hash of optimizer 0's values: summed over R ranks, they agree iff
+    ``R * Σh² == (Σh)²`` (exact in float64), so every rank reaches the same verdict (and raises on a mismatch)."""
+    try:
+        check_hyperparameters(optimizers)
+        mismatch = 0.0
+    except HyperparameterMismatchError:
+        mismatch = 1.0
+    text = repr([sorted(((k, _plain(v)) for k, v in g.items() if k != "params"), key=str)
+                 for g in optimizers[0].param_groups])
+    h = float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:2], "little"))
+    norm0 = norm if comm.rank == 0 else 0.0
+    vec = comm.allreduce_small(np.concatenate([[loss, bad, norm0], [mismatch, h, h * h], touched]))
+    mismatch, h, hh = vec[3:6]
     if mismatch:
         check_hyperparameters(optimizers)  # this rank's own message, if it is the one that differs
         raise HyperparameterMismatchError(
             "the optimizers' hyperparameters differ between the replicas of another rank; the update "
             "was not applied. Change hyperparameters on every optimizer of every rank, or use "
             "Trainer(..., scheduler=lambda opt: ...)")
-    if ranks * hh != h * h:
+    if comm.size * hh != h * h:
         raise HyperparameterMismatchError(
             "the optimizers' hyperparameters (param-group values such as lr) differ between MPI "
             "ranks; the update was not applied. Change them the same way on every rank, or use "
             "Trainer(..., scheduler=lambda opt: ...)")
-
-
-def agree_on_step(comm: Comm, loss: float, bad: float, norm: float, touched: np.ndarray,
-                  optimizers: Sequence[torch.optim.Optimizer]) -> tuple[float, float, float, np.ndarray]:
-    """One small allreduce over every rank: the summed loss and NaN/Inf count, rank 0's clipping norm (other CPUs may
-    round its last bits differently), and per parameter the devices that got a gradient; raises on a hyperparameter
-    mismatch."""
-    norm0 = norm if comm.rank == 0 else 0.0
-    vec = comm.allreduce_small(np.concatenate([[loss, bad, norm0], hyperparameter_digest(optimizers), touched]))
-    check_digests(vec[3:6], comm.size, optimizers)
     return float(vec[0]), float(vec[1]), float(vec[2]), vec[6:]
 
 

@@ -19,7 +19,6 @@ from cgdp.engine.backend.base import Device
 from cgdp.engine.core.buffers import copy_from_first
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
-from cgdp.engine.sync import Guard
 from cgdp.engine.trainer.losses import DeviceLoss, DeviceWeight, HeldMicroBatches, backward_weight, read_at_once
 from cgdp.engine.trainer.timing import Timing
 
@@ -31,14 +30,12 @@ Backward = tuple[float, Any, Any, Any]
 
 class DevicePasses:
     def __init__(self, devs: Sequence[Device], replicas: Sequence[nn.Module], rng: Any, threads: DeviceThreads,
-                 stream: GradientStream, guard: Guard, timing: Timing,
-                 after_forward: Callable[[int], None] = lambda used: None):
+                 stream: GradientStream, timing: Timing, after_forward: Callable[[int], None]):
         self.devs = list(devs)
         self.replicas = list(replicas)
         self.rng = rng
         self.threads = threads
         self.stream = stream
-        self.guard = guard
         self.timing = timing
         self.after_forward = after_forward
         """Called after every forward pass: what the forwards changed in the parameters is made the same everywhere."""

@@ -59,41 +59,39 @@ class Trainer:
     """Data-parallel training over ``devices`` with gradients averaged on the host.
 
     Args:
-        model: the module to train. It becomes replica 0: moved to ``devices[0]`` in place (as
-            ``model.to(...)`` does) and trained in place; the other devices get deep copies
-            (``.replicas``).
+        model: the module to train. It becomes replica 0: moved to ``devices[0]`` in place (as ``model.to(...)`` does)
+            and trained in place; the other devices get deep copies (``.replicas``).
         optimizer: ``params -> torch.optim.Optimizer``; one optimizer is built per replica.
         devices: ``["cuda:0", "cuda:1", ...]`` or CPU-emulated ``["cpu:0", "cpu:1", ...]``.
-        mode: ``"cgdp"`` (host averaging during backward), ``"typical"`` (device 0 gathers,
-            averages, updates and broadcasts the parameters) or ``"single"`` (one device).
-        chunks: chunk size k (the paper's uniform plan), an explicit plan (list of lists of layer
-            indices, in send order), or ``"auto"`` (the default, as for ``DataParallel``: tuned
-            over the first 8 to 17 steps, then fixed; ``"paper"`` runs the paper's Algorithm 1). The
-            plan never changes results, only speed. Modes ``"typical"`` and ``"single"`` send no
-            chunks: ``"auto"`` is then one layer per chunk, untuned.
-        comm: ``None`` for one machine, ``"mpi"``, ``"gloo"`` (docs/multinode.md; or a process group, or a :class:`cgdp.comm.Comm`) for several.
-            Every rank must build the same model with the same initial parameters (checked at
-            start-up). A comm passed in belongs to the trainer from then on: ``close()`` closes it.
-        timeout_s: longest any thread waits for another before the step fails with
-            ``TimeoutError`` (a lost copy, a dead MPI peer, a forward that never returns: the
-            trainer is then unusable). ``None`` waits forever (Ctrl-C still ends a step).
+        mode: ``"cgdp"`` (host averaging during backward), ``"typical"`` (device 0 gathers, averages, updates and
+            broadcasts the parameters) or ``"single"`` (one device).
+        chunks: chunk size k (the paper's uniform plan), an explicit plan (list of lists of layer indices, in send
+            order), or ``"auto"`` (the default, as for ``DataParallel``: tuned over the first 8 to 17 steps, then fixed;
+            ``"paper"`` runs the paper's Algorithm 1). The plan never changes results, only speed. Modes ``"typical"``
+            and ``"single"`` send no chunks: ``"auto"`` is then one layer per chunk, untuned.
+        comm: ``None`` for one machine, ``"mpi"``, ``"gloo"`` (docs/multinode.md; or a process group, or a
+            :class:`cgdp.comm.Comm`) for several. Every rank must build the same model with the same initial parameters
+            (checked at start-up). A comm passed in belongs to the trainer from then on: ``close()`` closes it.
+        timeout_s: longest any thread waits for another before the step fails with ``TimeoutError`` (a lost copy, a dead
+            MPI peer, a forward that never returns: the trainer is then unusable). ``None`` waits forever (Ctrl-C still
+            ends a step).
         profile: profile every step (``.last_profile``); ``profile_next()`` profiles one.
-        segment_bytes: chunks larger than this travel in segments of this size, so that copy
-            out, host sum and copy back of one chunk overlap (see :mod:`cgdp.engine.core.flatgrad`).
+        segment_bytes: chunks larger than this travel in segments of this size, so that copy out, host sum and copy back
+            of one chunk overlap (see :mod:`cgdp.engine.core.flatgrad`).
         scheduler: ``optimizer -> LRScheduler``, one per replica, stepped after each applied update.
-        clip_grad_norm: clip the averaged gradient's total 2-norm as ``clip_grad_norm_`` does on one
-            device (:mod:`cgdp.engine.core.clip`); ``stats["grad_norm"]``: the norm before clipping.
-        micro_batches: micro-batches per device part, accumulated on the device; chunks travel
-            during the last one's backward only.
-        share_devices: allow a GPU to be listed more than once (one replica per entry, each with
-            its own copy streams), e.g. ``["cuda:0", "cuda:0"]``: the G > 1 data path on one GPU.
-        grad_transfer: ``"bf16"``: float32 gradients travel in bf16 (half the bytes; summed in
-            float32; the error bound in :mod:`cgdp.engine.core.host`). ``None``: in their dtype.
-        host_memory: bytes of pinned host memory for a ring of ``segment_bytes`` slots (bitwise the
-            results of ``None``: (G + 1) x the gradient bytes; :mod:`cgdp.engine.core.host`).
-        update: ``"devices"`` (each device steps its own optimizer) or ``"host"``: one optimizer
-            over float32 masters in host memory; the parameters go back to every device, and no
-            device holds optimizer state (``.optimizers``: that one; :mod:`cgdp.engine.core.host_update`).
+        clip_grad_norm: clip the averaged gradient's total 2-norm as ``clip_grad_norm_`` does on one device
+            (:mod:`cgdp.engine.core.clip`); ``stats["grad_norm"]``: the norm before clipping.
+        micro_batches: micro-batches per device part, accumulated on the device; chunks travel during the last one's
+            backward only.
+        share_devices: allow a GPU to be listed more than once (one replica per entry, each with its own copy streams),
+            e.g. ``["cuda:0", "cuda:0"]``: the G > 1 data path on one GPU.
+        grad_transfer: ``"bf16"``: float32 gradients travel in bf16 (half the bytes; summed in float32; the error bound
+            in :mod:`cgdp.engine.core.host`). ``None``: in their dtype.
+        host_memory: bytes of pinned host memory for a ring of ``segment_bytes`` slots (bitwise the results of ``None``:
+            (G + 1) x the gradient bytes; :mod:`cgdp.engine.core.host`).
+        update: ``"devices"`` (each device steps its own optimizer) or ``"host"``: one optimizer over float32 masters in
+            host memory; the parameters go back to every device, and no device holds optimizer state (``.optimizers``:
+            that one; :mod:`cgdp.engine.core.host_update`).
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
@@ -181,8 +179,8 @@ class Trainer:
         self._grads = Gradients(dense, None, [d.torch_device for d in self._devs])
         self._update.attach(self._stream, self._grads, self._max_norm is not None, self._guard, res, self.replicas[0])
         self._stream.want_norm = self._max_norm is not None
-        self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._guard,
-                                    self._timing, after_forward(self._follow.after_forward, self._update))
+        self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._timing,
+                                    after_forward(self._follow.after_forward, self._update))
 
     def _loaded(self) -> None:
         self._buffer_watch.synced()  # the loaded buffers are the same on every replica
