@@ -209,7 +209,7 @@ def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], com
     if not counts and not held.pairs and not mpi:
         return sample_weights  # means over samples only, on this rank alone: nothing to add up
     first = results[0].loss.device
-    vec = np.array([0.0, len(counts) + held.pairs, len(results) + held.results], np.float64)
+    vec = np.array([0.0, len(counts) + held.pairs, len(results) + len(held.values)], np.float64)
     count, counts = _total([_total(counts, first), held.count], first), held.counts + counts
     if isinstance(count, torch.Tensor) and (mpi or read):  # read this rank's counts, in one wait
         values = read_at_once([count, *counts], first)
@@ -223,7 +223,7 @@ def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], com
     if pairs == 0:
         return sample_weights
     if pairs != devices:
-        where = "devices and micro-batches" if held.results else "devices"
+        where = "devices and micro-batches" if held.values else "devices"
         raise TypeError(f"loss_fn returned (loss_sum, count) on {pairs} of {devices} {where} and a scalar "
                         f"on the others; return the same form on every device")
     if not isinstance(count, torch.Tensor):
@@ -246,7 +246,7 @@ class HeldMicroBatches:
     devices: int
     k: int
     values: list[float] = field(default_factory=list)
-    """Each earlier micro-batch's loss value, per device (round by round)."""
+    """Each earlier micro-batch's loss value, per device (round by round): one per earlier loss."""
     used: list[float | torch.Tensor] = field(default_factory=list)
     """The weight each of those backwards ran with (mean losses: final)."""
     count: float | torch.Tensor = 0.0
@@ -255,8 +255,6 @@ class HeldMicroBatches:
     """Each of those counts (checked when read)."""
     pairs: int = 0
     """How many of the earlier micro-batches' losses were pairs."""
-    results: int = 0
-    """How many earlier losses there were (devices x rounds)."""
     guess: list[float | torch.Tensor] | None = None
     seconds: float = 0.0
 
@@ -264,9 +262,9 @@ class HeldMicroBatches:
         """The weights one earlier round's backwards run with."""
         pairs = sum(r.count is not None for r in results)
         self.pairs += pairs
-        self.results += len(results)
-        if self.pairs not in (0, self.results):
-            raise TypeError(f"loss_fn returned (loss_sum, count) on {self.pairs} of {self.results} devices "
+        losses = len(self.values) + len(results)  # (this round's values come after its backwards)
+        if self.pairs not in (0, losses):
+            raise TypeError(f"loss_fn returned (loss_sum, count) on {self.pairs} of {losses} devices "
                             f"and micro-batches and a scalar on the others; return the same form on every device")
         if not pairs:
             self.used += sample_weights

@@ -1,6 +1,4 @@
-"""Steps 2 and 3 of the data path, on the devices' host threads: forward and loss, then backward.
-
-``Trainer.step`` decides on the caller's thread; what it hands to the device threads is here, one method per pass:
+"""Steps 2 and 3 of the data path on the devices' host threads (``Trainer.step`` decides on the caller's thread):
 :meth:`DevicePasses.forward_all` (in each replica's random stream and the caller's autocast),
 :meth:`DevicePasses.hold_micro_batches` (micro-batches 1..k-1, nothing sent) and :meth:`DevicePasses.backward_all` (the
 hooks send; each device then flushes and waits for its gradients to be back). Each backward takes its loss out of its

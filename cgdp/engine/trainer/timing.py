@@ -74,7 +74,7 @@ class Timing:
 def build_profile(*, devs: Sequence[Device], marks: StepMarks, bw_start: Sequence[float],
                   layer_pids: Sequence[Sequence[int]], layout: Layout, events: Sequence[Event],
                   itemsize: int, stats: dict[str, float], layer_bytes: Sequence[int], mode: str,
-                  ranks: int, host: dict[str, int] | None = None) -> StepProfile:
+                  ranks: int, host: dict[str, int]) -> StepProfile:
     """The step's profile. ``bw_start[j]``: when device j's backward started (resolved)."""
     ready = []
     for pids in layer_pids:
@@ -91,21 +91,17 @@ def build_profile(*, devs: Sequence[Device], marks: StepMarks, bw_start: Sequenc
     chunks = []
     for c, layers in enumerate(layout.plan):
         lo, hi = layout.chunk_bounds[c]
-        key = f"chunk {c}"
-        d2h, h2d = by.get(("d2h", key), []), by.get(("h2d", key), [])
-        acc, comm = by.get(("accumulate", key), []), by.get(("comm", key), [])
+        d2h, acc, comm, h2d = (by.get((stream, f"chunk {c}"), []) for stream in ("d2h", "accumulate", "comm", "h2d"))
         chunks.append(ChunkTiming(
             index=c, layers=list(layers), bytes=(hi - lo) * itemsize,
             d2h_s=busy(d2h, g), acc_s=busy(acc, 1), comm_s=busy(comm, 1), h2d_s=busy(h2d, g),
             sent_s=(min(a for _, a, _ in d2h) - t0) if d2h else 0.0,
             back_s=(max(b for _, _, b in h2d) - t0) if h2d else 0.0))
-    s = stats
     return StepProfile(
         devices=g, ranks=ranks, mode=mode, layer_bytes=list(layer_bytes), layer_ready_s=ready,
-        forward_s=s["forward_s"], backward_s=s["backward_s"], exposed_comm_s=s["exposed_comm_s"],
-        update_s=s["update_s"], step_s=s["step_s"], plan=[list(c) for c in layout.plan], chunks=chunks,
-        host_registered_bytes=(host or {}).get("registered_bytes", 0),
-        host_bytes_moved=(host or {}).get("bytes_moved", 0))
+        plan=[list(c) for c in layout.plan], chunks=chunks, host_registered_bytes=host["registered_bytes"],
+        host_bytes_moved=host["bytes_moved"],
+        **{k: stats[k] for k in ("forward_s", "backward_s", "exposed_comm_s", "update_s", "step_s")})
 
 
 def step_stats(devs: Sequence[Device], fw: Sequence[tuple[Any, Any, Any]],
