@@ -12,6 +12,7 @@ they stay bitwise identical.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import math
 import operator
@@ -97,10 +98,7 @@ def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer],
                         f"pass Trainer(..., scheduler=lambda opt: ...) to schedule it")
     if not differ:
         return None
-    total = differ[0]
-    for d in differ[1:]:
-        total = total + d.to(total.device, non_blocking=True)  # device to device
-    return total
+    return functools.reduce(lambda total, d: total + d.to(total.device, non_blocking=True), differ)  # device to device
 
 
 def verdict(differ: float, optimizers: Sequence[torch.optim.Optimizer]) -> None:

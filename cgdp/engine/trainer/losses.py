@@ -180,18 +180,13 @@ def read_at_once(values: Sequence[float | torch.Tensor], device: torch.device) -
 
 @dataclass
 class DeviceWeight:
-    """1 / C while the counts are on the devices; the step's one read checks them (:meth:`value`)."""
+    """1 / C while the counts are on the devices; the step's one read checks them (``passes.loss_values``)."""
     total: torch.Tensor
     """C, float64, on the first device."""
     counts: list[float | torch.Tensor]
     """Every count of the step (each device's, each micro-batch's)."""
     per_device: list[torch.Tensor]
     """1 / C (float64) on each device, for its backward and its held micro-batches' rescale."""
-
-    def value(self, read: Sequence[float]) -> float:
-        """1 / C from ``read``: ``[total, *counts]`` as read; raises if a count is bad."""
-        check_counts(read[1:], read[0])
-        return 1.0 / read[0]
 
 
 def _kind(value: Any) -> str:
@@ -248,7 +243,7 @@ class HeldMicroBatches:
     values: list[float] = field(default_factory=list)
     """Each earlier micro-batch's loss value, per device (round by round): one per earlier loss."""
     used: list[float | torch.Tensor] = field(default_factory=list)
-    """The weight each of those backwards ran with (mean losses: final)."""
+    """The weight each of those backwards ran with, for mean losses (final; pairs' are replaced by 1 / C)."""
     count: float | torch.Tensor = 0.0
     """This rank's summed counts of the earlier micro-batches (on the first device if one is a tensor)."""
     counts: list[float | torch.Tensor] = field(default_factory=list)
@@ -276,13 +271,10 @@ class HeldMicroBatches:
         first = results[0].loss.device
         self.count = _total([self.count, _total(counts, first)], first)
         self.counts += counts
-        w = [g.reciprocal() if isinstance(g, torch.Tensor) else 1.0 / g for g in self.guess]
-        self.used += w
-        return w
+        return [g.reciprocal() if isinstance(g, torch.Tensor) else 1.0 / g for g in self.guess]
 
     def rescale(self, final: float | DeviceWeight) -> list[torch.Tensor | None]:
-        """Per device, the factor its held gradients take once 1 / C is known (float64, on the device where a count is).
-        """
+        """Per device, the factor its held gradients take once 1 / C is known (float64, where a count is)."""
         if self.guess is None:
             return [None] * self.devices
         if isinstance(final, DeviceWeight):

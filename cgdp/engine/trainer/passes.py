@@ -17,7 +17,8 @@ from cgdp.engine.backend.base import Device
 from cgdp.engine.core.buffers import copy_from_first
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
-from cgdp.engine.trainer.losses import DeviceLoss, DeviceWeight, HeldMicroBatches, backward_weight, read_at_once
+from cgdp.engine.trainer.losses import (DeviceLoss, DeviceWeight, HeldMicroBatches, backward_weight, check_counts,
+                                        read_at_once)
 from cgdp.engine.trainer.timing import Timing
 
 Forward = tuple[DeviceLoss, Any, Any]
@@ -133,6 +134,7 @@ def loss_values(losses: Sequence[Any], weights: Sequence[float | DeviceWeight],
     read = read_at_once([*losses, *counts, *flags], device)  # the step's one host read
     n = len(losses)
     if dw is not None:
-        final = dw.value(read[n:n + len(counts)])
+        check_counts(read[n + 1:n + len(counts)], read[n])  # [total, *counts] as read; raises if a count is bad
+        final = 1.0 / read[n]
         weights = [final if isinstance(w, DeviceWeight) else w for w in weights]
     return math.fsum(w * v for w, v in zip(weights, read[:n])), read[len(read) - len(flags):]

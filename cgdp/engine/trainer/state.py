@@ -88,10 +88,7 @@ def lossless(v: torch.Tensor, dtype: torch.dtype) -> bool:
     if v.is_complex() and not dtype.is_complex:
         return False
     back = v.to(dtype).to(v.dtype)
-    same = back == v
-    if v.is_floating_point() or v.is_complex():
-        same |= back.isnan() & v.isnan()
-    return bool(same.all())
+    return bool(((back == v) | (back.isnan() & v.isnan())).all())
 
 
 def _check_tensor(v: Any, what: str, shape: torch.Size, dtype: torch.dtype) -> None:
