@@ -141,8 +141,7 @@ def check_micro_batches(k: Any) -> int:
 
 
 def split_tree(tree: Any, n: int, k: int, whole: frozenset[int] = frozenset()) -> list[Any]:
-    """``tree`` in ``k`` pieces: tensors with first dimension ``n`` (not in ``whole``) split, every other value whole.
-    """
+    """``tree`` in ``k`` pieces: tensors with first dimension ``n`` (not in ``whole``) split, the rest whole."""
     splits: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def piece(i: int) -> Callable[[torch.Tensor, str], Any]:

@@ -34,8 +34,7 @@ _HOST = torch.device("cpu")
 
 
 def _same(a: Any, b: Any, differ: list[torch.Tensor] | None = None) -> bool:
-    """``a == b``; with ``differ`` a list, device tensors are compared there: the differing count is appended, True for
-    now."""
+    """``a == b``; with ``differ``, device tensors are compared there (their differing count appended; True for now)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
             return False
@@ -74,8 +73,7 @@ def _plain_values(opt: torch.optim.Optimizer) -> list[list] | None:
 def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer],
                           on_devices: bool = False) -> torch.Tensor | None:
     """Raise :class:`HyperparameterMismatchError` if any optimizer's param-group values differ from optimizer 0's.
-    ``on_devices``: device tensors are compared there; returns the count that differ (None if none) for :func:`verdict`.
-    """
+    ``on_devices``: device tensors are compared there; returns how many differ (None if none) for :func:`verdict`."""
     fast = _plain_values(optimizers[0])
     if fast is not None and all(_plain_values(o) == fast for o in optimizers[1:]):
         return None  # every value a plain number, string or tuple, and all equal (the per-step case)

@@ -207,9 +207,8 @@ def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], com
     vec = np.array([0.0, len(counts) + held.pairs, len(results) + len(held.values)], np.float64)
     count, counts = _total([_total(counts, first), held.count], first), held.counts + counts
     if isinstance(count, torch.Tensor) and (mpi or read):  # read this rank's counts, in one wait
-        values = read_at_once([count, *counts], first)
-        check_counts(values[1:])
-        count = values[0]
+        count, *values = read_at_once([count, *counts], first)
+        check_counts(values)
     if mpi:  # every rank passes here: the sum is over all of them
         vec[0] = count
         vec = comm.allreduce_small(vec)
@@ -231,8 +230,7 @@ def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], com
 
 @dataclass
 class HeldMicroBatches:
-    """Micro-batches 1..k-1 of a step: their gradients add up in the flat buffers and nothing is sent until the k-th
-    backward.
+    """Micro-batches 1..k-1 of a step: their gradients add up in the flat buffers, nothing sent until the k-th backward.
 
     Pairs need 1 / C, known only after the last forward: device j runs its earlier backwards with 1 / guess_j (its first
     count times k, a scale that keeps 16-bit gradients in range) and multiplies what it holds by guess_j / C before the

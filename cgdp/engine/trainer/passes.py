@@ -126,8 +126,7 @@ class DevicePasses:
 def loss_values(losses: Sequence[Any], weights: Sequence[float | DeviceWeight],
                 flags: Sequence[float | torch.Tensor | None], device: torch.device) -> tuple[float, list[float]]:
     """The step's loss Σ w·loss and ``flags`` as floats (None: 0), from one host read: losses, device counts
-    (:class:`DeviceWeight`, checked here) and device-scalar flags, gathered on ``device`` as float64 and read at once.
-    """
+    (:class:`DeviceWeight`, checked here) and device-scalar flags, gathered on ``device`` as float64, read at once."""
     dw = next((w for w in weights if isinstance(w, DeviceWeight)), None)
     counts = [dw.total, *dw.counts] if dw is not None else []
     flags = [0.0 if f is None else f for f in flags]

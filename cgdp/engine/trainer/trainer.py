@@ -303,10 +303,9 @@ class Trainer:
     def close(self) -> None:
         """Remove every hook, stop every thread, free the flat and pinned buffers.
 
-        From another thread while ``step()`` runs: that step stops with a ``RuntimeError`` (or
-        returns, if it was already past its last wait), and ``close()`` waits up to
-        :data:`~cgdp.engine.core.lifetime.CLOSE_WAIT_S` for it; a step still running then releases
-        everything itself when it ends (:mod:`cgdp.engine.core.lifetime`)."""
+        From another thread while ``step()`` runs: that step stops with a ``RuntimeError`` (or returns, if it was
+        already past its last wait), and ``close()`` waits up to :data:`~cgdp.engine.core.lifetime.CLOSE_WAIT_S` for it;
+        a step still running then releases everything itself when it ends (:mod:`cgdp.engine.core.lifetime`)."""
         self._life.close()
 
     @property
@@ -376,11 +375,10 @@ class Trainer:
                 f"{self._stream.bad_layers(self.layer_names)}); the update was not applied. Lower the learning rate, "
                 f"check the inputs, or clip gradients")
         # the user's gradient hooks, on the average (core/param_hooks.py)
-        if self._grads.run_hooks(touched, self._update.hook_views):
-            if self._max_norm is not None:  # the norm of their result (rank 0's, as the host's)
-                norm = self._grads.device_norm()
-                self._grad_norm = norm if self._comm is None else float(
-                    self._comm.allreduce_small(np.array([norm if self._comm.rank == 0 else 0.0]))[0])
+        if self._grads.run_hooks(touched, self._update.hook_views) and self._max_norm is not None:
+            norm = self._grads.device_norm()  # the norm of their result (rank 0's, as the host's)
+            self._grad_norm = norm if self._comm is None else float(
+                self._comm.allreduce_small(np.array([norm if self._comm.rank == 0 else 0.0]))[0])
         self._grads.end_step(touched)
         return loss
 
