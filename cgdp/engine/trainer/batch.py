@@ -85,23 +85,20 @@ def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int], frozenset[in
 def _refuse_ragged_records(tree: Any, where: str = "batch") -> None:
     """Per-sample records (dicts with the same keys) whose tensors differ in length: their lengths are not the batch,
     and counting them could pick one as the batch size."""
-    if isinstance(tree, Mapping):
-        for k, v in tree.items():
+    records = isinstance(tree, list) and len(tree) > 1 and all(isinstance(r, Mapping) for r in tree)
+    if records and len({tuple(r) for r in tree}) == 1:
+        for key in tree[0]:
+            lengths = {r[key].shape[0] for r in tree if isinstance(r[key], torch.Tensor) and r[key].dim()}
+            if len(lengths) > 1:
+                raise ValueError(
+                    f"cannot split the batch across devices: {where} is a list of {len(tree)} per-sample "
+                    f"records whose {key!r} tensors have different first dimensions "
+                    f"({sorted(lengths)[:6]}), and cgdp splits tensors by their first dimension only. "
+                    f"Pad them into tensors whose first dimension is the batch (with a length per "
+                    f"sample), or give each step a batch of tensors")
+    if isinstance(tree, (Mapping, tuple, list)):
+        for k, v in tree.items() if isinstance(tree, Mapping) else enumerate(tree):
             _refuse_ragged_records(v, f"{where}[{k!r}]")
-    elif isinstance(tree, (tuple, list)):
-        records = isinstance(tree, list) and len(tree) > 1 and all(isinstance(r, Mapping) for r in tree)
-        if records and len({tuple(r) for r in tree}) == 1:
-            for key in tree[0]:
-                lengths = {r[key].shape[0] for r in tree if isinstance(r[key], torch.Tensor) and r[key].dim()}
-                if len(lengths) > 1:
-                    raise ValueError(
-                        f"cannot split the batch across devices: {where} is a list of {len(tree)} per-sample "
-                        f"records whose {key!r} tensors have different first dimensions "
-                        f"({sorted(lengths)[:6]}), and cgdp splits tensors by their first dimension only. "
-                        f"Pad them into tensors whose first dimension is the batch (with a length per "
-                        f"sample), or give each step a batch of tensors")
-        for i, v in enumerate(tree):
-            _refuse_ragged_records(v, f"{where}[{i}]")
 
 
 def to_device(part: Any, device: torch.device) -> Any:
