@@ -122,7 +122,6 @@ class Trainer:
         self._timing = Timing(bool(profile))
         self._guard = Guard(timeout_s)
         self._life = Lifetime(self, "Trainer", "create a new Trainer", refusal, stopped, self._guard.fail)
-        self._timeout_s = timeout_s
 
         self._layer_pids = number_params(checked.layer_params)
         self._layer_bytes = [info.numel * self._dtype.itemsize for info in checked.layers]
@@ -155,7 +154,7 @@ class Trainer:
         self.optimizers = self._update.shown()
 
         opt = reps.optimizers[0]
-        self._comm = self._life.open_comm(comm, self._timeout_s, lambda: signature(
+        self._comm = self._life.open_comm(comm, self._guard.timeout_s, lambda: signature(
             "Trainer", model, self.layers, len(self._devs), self._dtype, mode=self.mode, optimizer=type(opt).__name__,
             optimizer_defaults=repr(sorted(opt.defaults.items(), key=str)), **settings(
                 grad_transfer=None if self._transfer is None else "bf16", update="host" if self._host_update else
@@ -366,7 +365,7 @@ class Trainer:
         loss, (bad, differ, self._grad_norm) = loss_values(losses, weights, flags, self._devs[0].torch_device)
         verdict(differ, self.optimizers)  # tensor hyperparameters on the devices, compared there
         if self._comm is not None:  # every rank takes the same values (rank 0's clipping norm)
-            self._comm.fence(self._timeout_s)
+            self._comm.fence(self._guard.timeout_s)
             loss, bad, self._grad_norm, touched = agree_on_step(self._comm, loss, bad, self._grad_norm, touched,
                                                                 self.optimizers)
         if bad:
@@ -420,7 +419,7 @@ class Trainer:
     # ------------------------------------------------------------------ failures, plan switches
     def _relay(self, plan: Plan) -> None:
         """The flat buffers laid out for ``plan``, with nothing in flight (``.grad`` kept)."""
-        quiesce(self._devs, self._stream.host, self._timeout_s)
+        quiesce(self._devs, self._stream.host, self._guard.timeout_s)
         self._stream.set_plan(plan)
         self._grads.relaid()
 
@@ -435,7 +434,7 @@ class Trainer:
             # who stops here (close(), or dropping the trainer) frees nothing a copy still uses
             if phase == "backward":
                 self._sync_buffers()
-            quiesce(self._devs, self._stream.host, self._timeout_s)
+            quiesce(self._devs, self._stream.host, self._guard.timeout_s)
             return
         self._life.fail(exc, self._devs, self._stream.host)
         if not self._update.settle():  # update="host": a checkpoint saved after this error holds the step before
