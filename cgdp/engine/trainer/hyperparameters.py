@@ -4,8 +4,7 @@ they stay bitwise identical.
 * :func:`check_hyperparameters`: before each update, every optimizer's param-group values must equal optimizer 0's; a
   change on one replica is an error, not a drift. Tensor values on a device are compared there, without a host wait; the
   count of differences is read with the step's losses and rejects the step before the update (:func:`verdict`).
-* :func:`agree_on_step` (MPI): the step's one small allreduce, which carries a hyperparameter digest so every rank
-  rejects the same step.
+* :func:`agree_on_step` (MPI): the step's one small allreduce carries a hyperparameter digest: every rank rejects alike.
 * :class:`Schedulers`: one scheduler per optimizer, stepped together after every applied update, saved as one
   (``ReduceLROnPlateau`` is stepped by the user: ``for s in trainer.schedulers: s.step(metric)``).
 """

@@ -336,8 +336,7 @@ class Trainer:
         return self._tuning
 
     def _prepare(self, call: Any) -> tuple[list, int, Any]:
-        """Before anything runs: the checks, each device's share of the batch and micro-batch
-        rounds, and the caller's autocast; (rounds, global batch size, autocast)."""
+        """The checks, each device's micro-batch rounds, the caller's autocast: (rounds, global batch size, amp)."""
         # before anything runs (with a comm: in the step's allreduce); on the devices: read with the losses
         self._differ = check_hyperparameters(self.optimizers, on_devices=True) if self._comm is None else None
         for d in self._devs:
