@@ -71,9 +71,8 @@ def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int], frozenset[in
                          f"a tuple, list or dict of tensors whose first dimension is the batch")
     ranked = dims.most_common()
     if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
-        tied = [d for d, c in ranked if c == ranked[0][1]]
         raise ValueError(f"cannot tell the batch dimension: the batch holds as many tensors of first "
-                         f"dimension {tied[0]} as of {tied[1]} ({_describe(found)}). cgdp splits the "
+                         f"dimension {ranked[0][0]} as of {ranked[1][0]} ({_describe(found)}). cgdp splits the "
                          f"tensors whose first dimension most tensors share; pass values that are not "
                          f"per-sample to loss_fn through its closure instead of the batch")
     n = ranked[0][0]
