@@ -115,9 +115,8 @@ def _check_model(sd: Any, model: nn.Module) -> None:
                          f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
                          f"{' ...' if len(extra) > 5 else ''}; was it saved from another model?")
     for k, t in mine.items():
-        if k.endswith(_EXTRA_STATE):  # get_extra_state()'s value: any object its set_extra_state takes
-            continue
-        _check_tensor(sd[k], f"model's {k}", t.shape, t.dtype)
+        if not k.endswith(_EXTRA_STATE):  # (else get_extra_state()'s value: any object its set_extra_state takes)
+            _check_tensor(sd[k], f"model's {k}", t.shape, t.dtype)
 
 
 def _check_optimizer(sd: Any, optimizer: torch.optim.Optimizer) -> None:
