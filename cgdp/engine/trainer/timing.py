@@ -56,10 +56,9 @@ class Timing:
         events = self.events
         if events is None:
             return
-        for j, d in enumerate(devs):  # the compute-stream spans, on the devices' clocks
-            for name, span in (("forward", fw[j][1:3]), ("backward", bw[j][1:3]), ("update", up[j])):
-                if span is not None:
-                    events.append((d.name, "compute", name, d.resolve(span[0]), d.resolve(span[1])))
+        events += [(d.name, "compute", name, d.resolve(span[0]), d.resolve(span[1])) for j, d in enumerate(devs)
+                   for name, span in (("forward", fw[j][1:3]), ("backward", bw[j][1:3]), ("update", up[j]))
+                   if span is not None]  # the compute-stream spans, on the devices' clocks
         inputs = profile_inputs() if self.profiling else None
         bw_start = [d.resolve(b[1]) for d, b in zip(devs, bw)]
         for d in devs:
