@@ -89,10 +89,7 @@ def _name(fn: Any) -> str:
 def _output_loss(loss_fn: Callable, model: nn.Module, part: tuple[Any, torch.Tensor],
                  device: torch.device) -> DeviceLoss:
     x, y = part
-    if isinstance(x, tuple):
-        out = model(*(to_device(t, device) for t in x))
-    else:
-        out = model(to_device(x, device))
+    out = model(*(to_device(t, device) for t in x)) if isinstance(x, tuple) else model(to_device(x, device))
     loss = loss_fn(out, to_device(y, device))
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -190,9 +187,7 @@ class DeviceWeight:
 
 
 def _kind(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return type(value).__name__
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], comm: Comm | None,

@@ -174,9 +174,7 @@ def _key(pid: Any) -> Any:
 
 
 def _kind(v: Any) -> str:
-    if isinstance(v, torch.Tensor):
-        return f"a {v.dtype} tensor of shape {tuple(v.shape)}"
-    return f"a {type(v).__name__}"
+    return f"a {v.dtype} tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
 
 
 def _check_group(saved: Mapping, live: Mapping, i: int) -> None:
