@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -140,16 +141,14 @@ def split_tree(tree: Any, n: int, k: int, whole: frozenset[int] = frozenset()) -
     """``tree`` in ``k`` pieces: tensors with first dimension ``n`` (not in ``whole``) split, the rest whole."""
     splits: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def piece(i: int) -> Callable[[torch.Tensor, str], Any]:
-        def take(t: torch.Tensor, where: str) -> torch.Tensor:
-            if id(t) in whole or t.dim() == 0 or t.shape[0] != n:
-                return t
-            if id(t) not in splits:
-                splits[id(t)] = torch.tensor_split(t, k)
-            return splits[id(t)][i]
-        return take
+    def take(i: int, t: torch.Tensor, where: str) -> torch.Tensor:
+        if id(t) in whole or t.dim() == 0 or t.shape[0] != n:
+            return t
+        if id(t) not in splits:
+            splits[id(t)] = torch.tensor_split(t, k)
+        return splits[id(t)][i]
 
-    return [_map(tree, piece(i)) for i in range(k)]
+    return [_map(tree, partial(take, i)) for i in range(k)]
 
 
 def micro_rounds(parts: list[Any], sizes: list[int], total: int, k: int,
