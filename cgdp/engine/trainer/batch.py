@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -27,7 +28,8 @@ Part = tuple[Any, torch.Tensor]
 
 def split_batch(inputs: Any, targets: Any, g: int) -> tuple[list[Part], list[int]]:
     """``(inputs, targets)`` in ``g`` parts (only the ``min(n, g)`` with samples), and every device's sample count."""
-    xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    many = isinstance(inputs, (tuple, list))
+    xs = tuple(inputs) if many else (inputs,)
     if not xs or not all(isinstance(x, torch.Tensor) for x in xs):
         raise TypeError("inputs must be a tensor (or a tuple of tensors passed as model(*inputs)) "
                         "whose first dimension is the batch")
@@ -42,10 +44,8 @@ def split_batch(inputs: Any, targets: Any, g: int) -> tuple[list[Part], list[int
     check_not_empty(n)
     split_x = [torch.tensor_split(x, g) for x in xs]
     split_y = torch.tensor_split(targets, g)
-    parts = []
-    for j in range(min(n, g)):  # a batch smaller than the devices: the first n get a sample each
-        xj = tuple(s[j] for s in split_x)
-        parts.append((xj if isinstance(inputs, (tuple, list)) else xj[0], split_y[j]))
+    # a batch smaller than the devices: the first n get a sample each
+    parts = [(tuple(s[j] for s in split_x) if many else split_x[0][j], split_y[j]) for j in range(min(n, g))]
     return parts, [int(s.shape[0]) for s in split_y]
 
 
@@ -72,37 +72,33 @@ def split_nested(batch: Any, g: int) -> tuple[list[Any], list[int], frozenset[in
                          f"a tuple, list or dict of tensors whose first dimension is the batch")
     ranked = dims.most_common()
     if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
-        tied = [d for d, c in ranked if c == ranked[0][1]]
         raise ValueError(f"cannot tell the batch dimension: the batch holds as many tensors of first "
-                         f"dimension {tied[0]} as of {tied[1]} ({_describe(found)}). cgdp splits the "
+                         f"dimension {ranked[0][0]} as of {ranked[1][0]} ({_describe(found)}). cgdp splits the "
                          f"tensors whose first dimension most tensors share; pass values that are not "
                          f"per-sample to loss_fn through its closure instead of the batch")
     n = ranked[0][0]
     check_not_empty(n)
     whole = frozenset(id(t) for _, t in found if t.dim() == 0 or t.shape[0] != n)
-    return split_tree(batch, n, g)[:n], [n // g + (1 if j < n % g else 0) for j in range(g)], whole
+    return split_tree(batch, n, g)[:n], [_piece_size(n, g, j) for j in range(g)], whole
 
 
 def _refuse_ragged_records(tree: Any, where: str = "batch") -> None:
     """Per-sample records (dicts with the same keys) whose tensors differ in length: their lengths are not the batch,
     and counting them could pick one as the batch size."""
-    if isinstance(tree, Mapping):
-        for k, v in tree.items():
+    records = isinstance(tree, list) and len(tree) > 1 and all(isinstance(r, Mapping) for r in tree)
+    if records and len({tuple(r) for r in tree}) == 1:
+        for key in tree[0]:
+            lengths = {r[key].shape[0] for r in tree if isinstance(r[key], torch.Tensor) and r[key].dim()}
+            if len(lengths) > 1:
+                raise ValueError(
+                    f"cannot split the batch across devices: {where} is a list of {len(tree)} per-sample "
+                    f"records whose {key!r} tensors have different first dimensions "
+                    f"({sorted(lengths)[:6]}), and cgdp splits tensors by their first dimension only. "
+                    f"Pad them into tensors whose first dimension is the batch (with a length per "
+                    f"sample), or give each step a batch of tensors")
+    if isinstance(tree, (Mapping, tuple, list)):
+        for k, v in tree.items() if isinstance(tree, Mapping) else enumerate(tree):
             _refuse_ragged_records(v, f"{where}[{k!r}]")
-    elif isinstance(tree, (tuple, list)):
-        records = isinstance(tree, list) and len(tree) > 1 and all(isinstance(r, Mapping) for r in tree)
-        if records and len({tuple(r) for r in tree}) == 1:
-            for key in tree[0]:
-                lengths = {r[key].shape[0] for r in tree if isinstance(r[key], torch.Tensor) and r[key].dim()}
-                if len(lengths) > 1:
-                    raise ValueError(
-                        f"cannot split the batch across devices: {where} is a list of {len(tree)} per-sample "
-                        f"records whose {key!r} tensors have different first dimensions "
-                        f"({sorted(lengths)[:6]}), and cgdp splits tensors by their first dimension only. "
-                        f"Pad them into tensors whose first dimension is the batch (with a length per "
-                        f"sample), or give each step a batch of tensors")
-        for i, v in enumerate(tree):
-            _refuse_ragged_records(v, f"{where}[{i}]")
 
 
 def to_device(part: Any, device: torch.device) -> Any:
@@ -142,20 +138,17 @@ def check_micro_batches(k: Any) -> int:
 
 
 def split_tree(tree: Any, n: int, k: int, whole: frozenset[int] = frozenset()) -> list[Any]:
-    """``tree`` in ``k`` pieces: tensors with first dimension ``n`` (not in ``whole``) split, every other value whole.
-    """
+    """``tree`` in ``k`` pieces: tensors with first dimension ``n`` (not in ``whole``) split, the rest whole."""
     splits: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def piece(i: int) -> Callable[[torch.Tensor, str], Any]:
-        def take(t: torch.Tensor, where: str) -> torch.Tensor:
-            if id(t) in whole or t.dim() == 0 or t.shape[0] != n:
-                return t
-            if id(t) not in splits:
-                splits[id(t)] = torch.tensor_split(t, k)
-            return splits[id(t)][i]
-        return take
+    def take(i: int, t: torch.Tensor, where: str) -> torch.Tensor:
+        if id(t) in whole or t.dim() == 0 or t.shape[0] != n:
+            return t
+        if id(t) not in splits:
+            splits[id(t)] = torch.tensor_split(t, k)
+        return splits[id(t)][i]
 
-    return [_map(tree, piece(i)) for i in range(k)]
+    return [_map(tree, partial(take, i)) for i in range(k)]
 
 
 def micro_rounds(parts: list[Any], sizes: list[int], total: int, k: int,
@@ -170,9 +163,9 @@ def micro_rounds(parts: list[Any], sizes: list[int], total: int, k: int,
                          f"{short[0]} gets {sizes[short[0]]} of this batch; use a larger batch or fewer "
                          f"micro-batches")
     split = [split_tree(part, n, k, whole) for part, n in zip(parts, sizes)]
-    return [([s[i] for s in split], [_micro_size(n, k, i) / total for n in sizes]) for i in range(k)]
+    return [([s[i] for s in split], [_piece_size(n, k, i) / total for n in sizes]) for i in range(k)]
 
 
-def _micro_size(n: int, k: int, i: int) -> int:
+def _piece_size(n: int, k: int, i: int) -> int:
     """Size of piece i of ``torch.tensor_split`` of n samples into k pieces."""
     return n // k + (1 if i < n % k else 0)

@@ -4,16 +4,17 @@ they stay bitwise identical.
 * :func:`check_hyperparameters`: before each update, every optimizer's param-group values must equal optimizer 0's; a
   change on one replica is an error, not a drift. Tensor values on a device are compared there, without a host wait; the
   count of differences is read with the step's losses and rejects the step before the update (:func:`verdict`).
-* :func:`agree_on_step` (MPI): the step's one small allreduce, which carries a hyperparameter digest so every rank
-  rejects the same step.
+* :func:`agree_on_step` (MPI): the step's one small allreduce carries a hyperparameter digest: every rank rejects alike.
 * :class:`Schedulers`: one scheduler per optimizer, stepped together after every applied update, saved as one
   (``ReduceLROnPlateau`` is stepped by the user: ``for s in trainer.schedulers: s.step(metric)``).
 """
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import math
+import operator
 import re
 import warnings
 from typing import Any, Callable, Sequence
@@ -32,12 +33,9 @@ _HOST = torch.device("cpu")
 
 
 def _same(a: Any, b: Any, differ: list[torch.Tensor] | None = None) -> bool:
-    """``a == b``; with ``differ`` a list, device tensors are compared there: the differing count is appended, True for
-    now."""
+    """``a == b``; with ``differ``, device tensors are compared there (their differing count appended; True for now)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return False
-        if a.shape != b.shape:
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
             return False
         if differ is not None and _HOST not in (a.device, b.device):
             with torch.no_grad():  # device to device: no host wait (NaN differs, as in torch.equal)
@@ -49,13 +47,8 @@ def _same(a: Any, b: Any, differ: list[torch.Tensor] | None = None) -> bool:
     return type(a) is type(b) and a == b
 
 
-_PLAIN = (int, float, bool, str, type(None))
-_PLAIN_TYPES = frozenset(_PLAIN)
+_PLAIN_TYPES = frozenset((int, float, bool, str, type(None)))
 _WITH_TUPLES = _PLAIN_TYPES | {tuple}
-
-
-def _is_nan(v: object) -> bool:
-    return v != v
 
 
 def _plain_values(opt: torch.optim.Optimizer) -> list[list] | None:
@@ -70,7 +63,7 @@ def _plain_values(opt: torch.optim.Optimizer) -> list[list] | None:
         if not types <= _PLAIN_TYPES and not (
                 types <= _WITH_TUPLES and all(set(map(type, v)) <= _PLAIN_TYPES for v in values if type(v) is tuple)):
             return None
-        if float in types and any(map(_is_nan, values)):  # NaN: equal only to itself in the detailed check
+        if float in types and not all(map(operator.eq, values, values)):  # NaN: only the detailed check sees it
             return None
         out.append(sorted(zip(d, map(type, values), values)))
     return out
@@ -79,8 +72,7 @@ def _plain_values(opt: torch.optim.Optimizer) -> list[list] | None:
 def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer],
                           on_devices: bool = False) -> torch.Tensor | None:
     """Raise :class:`HyperparameterMismatchError` if any optimizer's param-group values differ from optimizer 0's.
-    ``on_devices``: device tensors are compared there; returns the count that differ (None if none) for :func:`verdict`.
-    """
+    ``on_devices``: device tensors are compared there; returns how many differ (None if none) for :func:`verdict`."""
     fast = _plain_values(optimizers[0])
     if fast is not None and all(_plain_values(o) == fast for o in optimizers[1:]):
         return None  # every value a plain number, string or tuple, and all equal (the per-step case)
@@ -93,8 +85,7 @@ def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer],
                 f"optimizer {j} has {len(groups)} param group(s) but optimizer 0 has {len(first)}; "
                 f"every replica's optimizer must have the same groups. The update was not applied")
         for g, (a, b) in enumerate(zip(first, groups)):
-            keys = (set(a) | set(b)) - {"params"}
-            for key in sorted(keys):
+            for key in sorted((set(a) | set(b)) - {"params"}):
                 if key not in a or key not in b or not _same(a[key], b[key], differ):
                     raise HyperparameterMismatchError(
                         f"trainer.optimizers[{j}].param_groups[{g}][{key!r}] is {b.get(key)!r} but "
@@ -104,10 +95,7 @@ def check_hyperparameters(optimizers: Sequence[torch.optim.Optimizer],
                         f"pass Trainer(..., scheduler=lambda opt: ...) to schedule it")
     if not differ:
         return None
-    total = differ[0]
-    for d in differ[1:]:
-        total = total + d.to(total.device, non_blocking=True)  # device to device
-    return total
+    return functools.reduce(lambda total, d: total + d.to(total.device, non_blocking=True), differ)  # device to device
 
 
 def verdict(differ: float, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -116,20 +104,6 @@ def verdict(differ: float, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         check_hyperparameters(optimizers)
         raise HyperparameterMismatchError("the optimizers' tensor hyperparameters differ between the replicas; "
                                           "the update was not applied")
-
-
-def hyperparameter_digest(optimizers: Sequence[torch.optim.Optimizer]) -> list[float]:
-    """``[mismatch, h, h * h]`` with ``h`` a 16-bit hash of optimizer 0's values: summed over R ranks, they agree iff
-    ``R * Σh² == (Σh)²`` (exact in float64), so every rank reaches the same verdict."""
-    try:
-        check_hyperparameters(optimizers)
-        mismatch = 0.0
-    except HyperparameterMismatchError:
-        mismatch = 1.0
-    text = repr([sorted(((k, _plain(v)) for k, v in g.items() if k != "params"), key=str)
-                 for g in optimizers[0].param_groups])
-    h = float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:2], "little"))
-    return [mismatch, h, h * h]
 
 
 def _plain(v: Any) -> Any:
@@ -143,30 +117,34 @@ def _plain(v: Any) -> Any:
     return type(v).__qualname__
 
 
-def check_digests(summed: Sequence[float], ranks: int, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Raise on every rank if :func:`hyperparameter_digest` summed over ``ranks`` shows a difference."""
-    mismatch, h, hh = summed
+def agree_on_step(comm: Comm, loss: float, bad: float, norm: float, touched: np.ndarray,
+                  optimizers: Sequence[torch.optim.Optimizer]) -> tuple[float, float, float, np.ndarray]:
+    """One small allreduce over every rank: the summed loss and NaN/Inf count, rank 0's clipping norm (other CPUs may
+    round its last bits differently), per parameter the devices that got a gradient, and a hyperparameter digest
+    ``[mismatch, h, h * h]`` with ``h`` a 16-bit hash of optimizer 0's values: summed over R ranks, they agree iff
+    ``R * Σh² == (Σh)²`` (exact in float64), so every rank reaches the same verdict (and raises on a mismatch)."""
+    try:
+        check_hyperparameters(optimizers)
+        mismatch = 0.0
+    except HyperparameterMismatchError:
+        mismatch = 1.0
+    text = repr([sorted(((k, _plain(v)) for k, v in g.items() if k != "params"), key=str)
+                 for g in optimizers[0].param_groups])
+    h = float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:2], "little"))
+    norm0 = norm if comm.rank == 0 else 0.0
+    vec = comm.allreduce_small(np.concatenate([[loss, bad, norm0], [mismatch, h, h * h], touched]))
+    mismatch, h, hh = vec[3:6]
     if mismatch:
         check_hyperparameters(optimizers)  # this rank's own message, if it is the one that differs
         raise HyperparameterMismatchError(
             "the optimizers' hyperparameters differ between the replicas of another rank; the update "
             "was not applied. Change hyperparameters on every optimizer of every rank, or use "
             "Trainer(..., scheduler=lambda opt: ...)")
-    if ranks * hh != h * h:
+    if comm.size * hh != h * h:
         raise HyperparameterMismatchError(
             "the optimizers' hyperparameters (param-group values such as lr) differ between MPI "
             "ranks; the update was not applied. Change them the same way on every rank, or use "
             "Trainer(..., scheduler=lambda opt: ...)")
-
-
-def agree_on_step(comm: Comm, loss: float, bad: float, norm: float, touched: np.ndarray,
-                  optimizers: Sequence[torch.optim.Optimizer]) -> tuple[float, float, float, np.ndarray]:
-    """One small allreduce over every rank: the summed loss and NaN/Inf count, rank 0's clipping norm (other CPUs may
-    round its last bits differently), and per parameter the devices that got a gradient; raises on a hyperparameter
-    mismatch."""
-    norm0 = norm if comm.rank == 0 else 0.0
-    vec = comm.allreduce_small(np.concatenate([[loss, bad, norm0], hyperparameter_digest(optimizers), touched]))
-    check_digests(vec[3:6], comm.size, optimizers)
     return float(vec[0]), float(vec[1]), float(vec[2]), vec[6:]
 
 
@@ -202,7 +180,6 @@ class Schedulers:
         return self.schedulers[0].state_dict() if self.schedulers else None
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        if state is None or not self.schedulers:
-            return
-        for s in self.schedulers:
-            s.load_state_dict(copy.deepcopy(state))  # each its own copy, as for the optimizers
+        if state is not None:
+            for s in self.schedulers:
+                s.load_state_dict(copy.deepcopy(state))  # each its own copy, as for the optimizers

@@ -55,37 +55,29 @@ def parse_step(args: Sequence[Any], g: int, comm: Comm | None = None) -> StepCal
     """Split for ``g`` devices. A batch refused on one rank is refused on every rank: this rank joins the step's first
     collective (:func:`~cgdp.engine.core.replicas.batch_weights`) with NaN, so no collectives pair across steps."""
     try:
-        return _parse_step(args, g)
+        if len(args) not in (2, 3):
+            raise TypeError(f"step takes (batch, loss_fn) or (inputs, targets, loss_fn); got {len(args)} "
+                            f"argument(s)")
+        loss_fn = args[-1]
+        if len(args) == 3:
+            if not callable(loss_fn):
+                raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {_kind(loss_fn)}")
+            parts, sizes = split_batch(args[0], args[1], g)
+            return StepCall(parts, sizes, False, partial(_output_loss, loss_fn))
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {_kind(loss_fn)}"
+                            f" (step takes (batch, loss_fn) or (inputs, targets, loss_fn))")
+        # a torch loss (nn.CrossEntropyLoss(), F.cross_entropy) is called as (output, target)
+        if isinstance(loss_fn, nn.modules.loss._Loss) or getattr(loss_fn, "__module__", None) == "torch.nn.functional":
+            raise TypeError(f"step(batch, loss_fn) calls loss_fn(model, batch), but {_name(loss_fn)} takes "
+                            f"(output, target); pass the targets too: step(inputs, targets, loss_fn)")
+        parts, sizes, whole = split_nested(args[0], g)
+        return StepCall(parts, sizes, True, partial(_model_loss, loss_fn), whole)
     except Exception:
         if comm is not None:
             with contextlib.suppress(Exception):  # (a comm that fails here: the batch's error is the one to see)
                 comm.allreduce_small(np.array([math.nan]))
         raise
-
-
-def _parse_step(args: Sequence[Any], g: int) -> StepCall:
-    if len(args) not in (2, 3):
-        raise TypeError(f"step takes (batch, loss_fn) or (inputs, targets, loss_fn); got {len(args)} "
-                        f"argument(s)")
-    loss_fn = args[-1]
-    if len(args) == 3:
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {_kind(loss_fn)}")
-        parts, sizes = split_batch(args[0], args[1], g)
-        return StepCall(parts, sizes, False, partial(_output_loss, loss_fn))
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {_kind(loss_fn)}"
-                        f" (step takes (batch, loss_fn) or (inputs, targets, loss_fn))")
-    if _is_output_loss(loss_fn):
-        raise TypeError(f"step(batch, loss_fn) calls loss_fn(model, batch), but {_name(loss_fn)} takes "
-                        f"(output, target); pass the targets too: step(inputs, targets, loss_fn)")
-    parts, sizes, whole = split_nested(args[0], g)
-    return StepCall(parts, sizes, True, partial(_model_loss, loss_fn), whole)
-
-
-def _is_output_loss(fn: Any) -> bool:
-    """A torch loss (``nn.CrossEntropyLoss()``, ``F.cross_entropy``): called as (output, target)."""
-    return isinstance(fn, nn.modules.loss._Loss) or getattr(fn, "__module__", None) == "torch.nn.functional"
 
 
 def _name(fn: Any) -> str:
@@ -97,10 +89,7 @@ def _name(fn: Any) -> str:
 def _output_loss(loss_fn: Callable, model: nn.Module, part: tuple[Any, torch.Tensor],
                  device: torch.device) -> DeviceLoss:
     x, y = part
-    if isinstance(x, tuple):
-        out = model(*(to_device(t, device) for t in x))
-    else:
-        out = model(to_device(x, device))
+    out = model(*(to_device(t, device) for t in x)) if isinstance(x, tuple) else model(to_device(x, device))
     loss = loss_fn(out, to_device(y, device))
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -188,7 +177,7 @@ def read_at_once(values: Sequence[float | torch.Tensor], device: torch.device) -
 
 @dataclass
 class DeviceWeight:
-    """1 / C while the counts are on the devices; the step's one read checks them (:meth:`value`)."""
+    """1 / C while the counts are on the devices; the step's one read checks them (``passes.loss_values``)."""
     total: torch.Tensor
     """C, float64, on the first device."""
     counts: list[float | torch.Tensor]
@@ -196,37 +185,25 @@ class DeviceWeight:
     per_device: list[torch.Tensor]
     """1 / C (float64) on each device, for its backward and its held micro-batches' rescale."""
 
-    def value(self, read: Sequence[float]) -> float:
-        """1 / C from ``read``: ``[total, *counts]`` as read; raises if a count is bad."""
-        check_counts(read[1:], read[0])
-        return 1.0 / read[0]
-
 
 def _kind(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return type(value).__name__
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], comm: Comm | None,
-                 nested: bool, held: "HeldMicroBatches | None" = None,
-                 read: bool = False) -> list[float | DeviceWeight]:
+                 nested: bool, held: HeldMicroBatches, read: bool = False) -> list[float | DeviceWeight]:
     """Each device's backward weight once every forward is done; ``held`` adds the earlier micro-batches' counts. The
     counts are read before backward with MPI or ``read`` (``update="host"`` steps its optimizer during backward)."""
     counts = [r.count for r in results if r.count is not None]
-    if not counts and (held is None or not held.pairs) and not (comm is not None and nested):
+    mpi = comm is not None and nested
+    if not counts and not held.pairs and not mpi:
         return sample_weights  # means over samples only, on this rank alone: nothing to add up
     first = results[0].loss.device
-    count = _total(counts, first)
-    vec = np.array([0.0, len(counts), len(results)], np.float64)
-    if held is not None:
-        vec += (0.0, held.pairs, held.results)
-        count, counts = _total([count, held.count], first), held.counts + counts
-    mpi = comm is not None and nested
+    vec = np.array([0.0, len(counts) + held.pairs, len(results) + len(held.values)], np.float64)
+    count, counts = _total([_total(counts, first), held.count], first), held.counts + counts
     if isinstance(count, torch.Tensor) and (mpi or read):  # read this rank's counts, in one wait
-        values = read_at_once([count, *counts], first)
-        check_counts(values[1:])
-        count = values[0]
+        count, *values = read_at_once([count, *counts], first)
+        check_counts(values)
     if mpi:  # every rank passes here: the sum is over all of them
         vec[0] = count
         vec = comm.allreduce_small(vec)
@@ -235,7 +212,7 @@ def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], com
     if pairs == 0:
         return sample_weights
     if pairs != devices:
-        where = "devices and micro-batches" if held is not None and held.results else "devices"
+        where = "devices and micro-batches" if held.values else "devices"
         raise TypeError(f"loss_fn returned (loss_sum, count) on {pairs} of {devices} {where} and a scalar "
                         f"on the others; return the same form on every device")
     if not isinstance(count, torch.Tensor):
@@ -248,8 +225,7 @@ def loss_weights(results: Sequence[DeviceLoss], sample_weights: list[float], com
 
 @dataclass
 class HeldMicroBatches:
-    """Micro-batches 1..k-1 of a step: their gradients add up in the flat buffers and nothing is sent until the k-th
-    backward.
+    """Micro-batches 1..k-1 of a step: their gradients add up in the flat buffers, nothing sent until the k-th backward.
 
     Pairs need 1 / C, known only after the last forward: device j runs its earlier backwards with 1 / guess_j (its first
     count times k, a scale that keeps 16-bit gradients in range) and multiplies what it holds by guess_j / C before the
@@ -258,17 +234,15 @@ class HeldMicroBatches:
     devices: int
     k: int
     values: list[float] = field(default_factory=list)
-    """Each earlier micro-batch's loss value, per device (round by round)."""
+    """Each earlier micro-batch's loss value, per device (round by round): one per earlier loss."""
     used: list[float | torch.Tensor] = field(default_factory=list)
-    """The weight each of those backwards ran with (mean losses: final)."""
+    """The weight each of those backwards ran with, for mean losses (final; pairs' are replaced by 1 / C)."""
     count: float | torch.Tensor = 0.0
     """This rank's summed counts of the earlier micro-batches (on the first device if one is a tensor)."""
     counts: list[float | torch.Tensor] = field(default_factory=list)
     """Each of those counts (checked when read)."""
     pairs: int = 0
     """How many of the earlier micro-batches' losses were pairs."""
-    results: int = 0
-    """How many earlier losses there were (devices x rounds)."""
     guess: list[float | torch.Tensor] | None = None
     seconds: float = 0.0
 
@@ -276,9 +250,9 @@ class HeldMicroBatches:
         """The weights one earlier round's backwards run with."""
         pairs = sum(r.count is not None for r in results)
         self.pairs += pairs
-        self.results += len(results)
-        if self.pairs not in (0, self.results):
-            raise TypeError(f"loss_fn returned (loss_sum, count) on {self.pairs} of {self.results} devices "
+        losses = len(self.values) + len(results)  # (this round's values come after its backwards)
+        if self.pairs not in (0, losses):
+            raise TypeError(f"loss_fn returned (loss_sum, count) on {self.pairs} of {losses} devices "
                             f"and micro-batches and a scalar on the others; return the same form on every device")
         if not pairs:
             self.used += sample_weights
@@ -290,13 +264,10 @@ class HeldMicroBatches:
         first = results[0].loss.device
         self.count = _total([self.count, _total(counts, first)], first)
         self.counts += counts
-        w = [g.reciprocal() if isinstance(g, torch.Tensor) else 1.0 / g for g in self.guess]
-        self.used += w
-        return w
+        return [g.reciprocal() if isinstance(g, torch.Tensor) else 1.0 / g for g in self.guess]
 
     def rescale(self, final: float | DeviceWeight) -> list[torch.Tensor | None]:
-        """Per device, the factor its held gradients take once 1 / C is known (float64, on the device where a count is).
-        """
+        """Per device, the factor its held gradients take once 1 / C is known (float64, where a count is)."""
         if self.guess is None:
             return [None] * self.devices
         if isinstance(final, DeviceWeight):

@@ -33,9 +33,7 @@ MODES = tuple(UPDATES)
 def make_update(mode: str, host: bool, devs: Sequence[Any], optimizers: Sequence[torch.optim.Optimizer],
                 params: Sequence[Sequence[nn.Parameter]], factory: Callable[..., torch.optim.Optimizer]) -> Update:
     """The strategy of ``mode``, or the host optimizer (``update="host"``) over the factory's optimizer."""
-    if host:
-        return HostUpdate(devs, optimizers, params, factory)
-    return UPDATES[mode](devs, optimizers, params)
+    return HostUpdate(devs, optimizers, params, factory) if host else UPDATES[mode](devs, optimizers, params)
 
 
 @dataclass(frozen=True)
@@ -45,15 +43,13 @@ class Checked:
     layers: list[LayerInfo]
     """The model's layers (modules that directly own trainable parameters), in forward order."""
     layer_params: list[list[nn.Parameter]]
-    """Per layer, the parameters it owns."""
     dtype: torch.dtype
     """The one dtype of the trainable parameters (the flat buffers')."""
     transfer: torch.dtype | None
     """The dtype gradients travel in, when it is not ``dtype`` (``grad_transfer``)."""
     max_norm: float | None
-    """``clip_grad_norm``, as a float."""
     micro_batches: int
-    host_update: bool = False
+    host_update: bool
     """``update="host"``: one optimizer over float32 masters in host memory."""
 
 

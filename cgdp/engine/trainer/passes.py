@@ -1,6 +1,4 @@
-"""Steps 2 and 3 of the data path, on the devices' host threads: forward and loss, then backward.
-
-``Trainer.step`` decides on the caller's thread; what it hands to the device threads is here, one method per pass:
+"""Steps 2 and 3 of the data path on the devices' host threads (``Trainer.step`` decides on the caller's thread):
 :meth:`DevicePasses.forward_all` (in each replica's random stream and the caller's autocast),
 :meth:`DevicePasses.hold_micro_batches` (micro-batches 1..k-1, nothing sent) and :meth:`DevicePasses.backward_all` (the
 hooks send; each device then flushes and waits for its gradients to be back). Each backward takes its loss out of its
@@ -19,8 +17,8 @@ from cgdp.engine.backend.base import Device
 from cgdp.engine.core.buffers import copy_from_first
 from cgdp.engine.core.stream import GradientStream
 from cgdp.engine.core.threads import DeviceThreads
-from cgdp.engine.sync import Guard
-from cgdp.engine.trainer.losses import DeviceLoss, DeviceWeight, HeldMicroBatches, backward_weight, read_at_once
+from cgdp.engine.trainer.losses import (DeviceLoss, DeviceWeight, HeldMicroBatches, backward_weight, check_counts,
+                                        read_at_once)
 from cgdp.engine.trainer.timing import Timing
 
 Forward = tuple[DeviceLoss, Any, Any]
@@ -31,14 +29,12 @@ Backward = tuple[float, Any, Any, Any]
 
 class DevicePasses:
     def __init__(self, devs: Sequence[Device], replicas: Sequence[nn.Module], rng: Any, threads: DeviceThreads,
-                 stream: GradientStream, guard: Guard, timing: Timing,
-                 after_forward: Callable[[int], None] = lambda used: None):
+                 stream: GradientStream, timing: Timing, after_forward: Callable[[int], None]):
         self.devs = list(devs)
         self.replicas = list(replicas)
         self.rng = rng
         self.threads = threads
         self.stream = stream
-        self.guard = guard
         self.timing = timing
         self.after_forward = after_forward
         """Called after every forward pass: what the forwards changed in the parameters is made the same everywhere."""
@@ -130,14 +126,14 @@ class DevicePasses:
 def loss_values(losses: Sequence[Any], weights: Sequence[float | DeviceWeight],
                 flags: Sequence[float | torch.Tensor | None], device: torch.device) -> tuple[float, list[float]]:
     """The step's loss Σ w·loss and ``flags`` as floats (None: 0), from one host read: losses, device counts
-    (:class:`DeviceWeight`, checked here) and device-scalar flags, gathered on ``device`` as float64 and read at once.
-    """
+    (:class:`DeviceWeight`, checked here) and device-scalar flags, gathered on ``device`` as float64, read at once."""
     dw = next((w for w in weights if isinstance(w, DeviceWeight)), None)
     counts = [dw.total, *dw.counts] if dw is not None else []
     flags = [0.0 if f is None else f for f in flags]
     read = read_at_once([*losses, *counts, *flags], device)  # the step's one host read
     n = len(losses)
     if dw is not None:
-        final = dw.value(read[n:n + len(counts)])
+        check_counts(read[n + 1:n + len(counts)], read[n])  # [total, *counts] as read; raises if a count is bad
+        final = 1.0 / read[n]
         weights = [final if isinstance(w, DeviceWeight) else w for w in weights]
     return math.fsum(w * v for w, v in zip(weights, read[:n])), read[len(read) - len(flags):]

@@ -88,10 +88,7 @@ def lossless(v: torch.Tensor, dtype: torch.dtype) -> bool:
     if v.is_complex() and not dtype.is_complex:
         return False
     back = v.to(dtype).to(v.dtype)
-    same = back == v
-    if v.is_floating_point() or v.is_complex():
-        same |= back.isnan() & v.isnan()
-    return bool(same.all())
+    return bool(((back == v) | (back.isnan() & v.isnan())).all())
 
 
 def _check_tensor(v: Any, what: str, shape: torch.Size, dtype: torch.dtype) -> None:
@@ -118,9 +115,8 @@ def _check_model(sd: Any, model: nn.Module) -> None:
                          f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
                          f"{' ...' if len(extra) > 5 else ''}; was it saved from another model?")
     for k, t in mine.items():
-        if k.endswith(_EXTRA_STATE):  # get_extra_state()'s value: any object its set_extra_state takes
-            continue
-        _check_tensor(sd[k], f"model's {k}", t.shape, t.dtype)
+        if not k.endswith(_EXTRA_STATE):  # (else get_extra_state()'s value: any object its set_extra_state takes)
+            _check_tensor(sd[k], f"model's {k}", t.shape, t.dtype)
 
 
 def _check_optimizer(sd: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -178,9 +174,7 @@ def _key(pid: Any) -> Any:
 
 
 def _kind(v: Any) -> str:
-    if isinstance(v, torch.Tensor):
-        return f"a {v.dtype} tensor of shape {tuple(v.shape)}"
-    return f"a {type(v).__name__}"
+    return f"a {v.dtype} tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
 
 
 def _check_group(saved: Mapping, live: Mapping, i: int) -> None:
@@ -231,8 +225,6 @@ def probe_state(optimizer: torch.optim.Optimizer, group: int) -> dict[str, Any] 
         return None
     out: dict[str, Any] = {}
     for k, v in probe.state[p].items():
-        if isinstance(v, torch.Tensor):
-            out[k] = "param" if v.shape == p.shape else v.dtype if v.dim() == 0 else type(v).__name__
-        else:
-            out[k] = type(v).__name__
+        tensor = isinstance(v, torch.Tensor)
+        out[k] = "param" if tensor and v.shape == p.shape else v.dtype if tensor and v.dim() == 0 else type(v).__name__
     return out

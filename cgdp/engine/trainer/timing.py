@@ -1,7 +1,7 @@
 """Profiles and traces of one step, built from what the streams recorded.
 
 While a step is timed, streams and threads append ``(device, stream, name, start, end)`` events to one list and the
-hooks stamp each gradient's arrival; after it, :func:`build_trace` makes a timeline and :func:`build_profile` a
+hooks stamp each gradient's arrival; after it, :meth:`Timing.finish` makes a timeline and :func:`build_profile` a
 :class:`~cgdp.planning.profile.StepProfile` (the paper's Table 4), which the tuner and calibration read.
 """
 from __future__ import annotations
@@ -23,16 +23,10 @@ class Timing:
     applied step :meth:`finish` (a failed step keeps the previous ones)."""
 
     def __init__(self, always: bool):
-        self.always = always
-        """Profile every step (``Trainer(profile=True)``)."""
-        self.profile_once = False
-        """Profile the next step (``Trainer.profile_next()``)."""
-        self.trace_once = False
-        """Trace the next step (``Trainer.trace_next()``)."""
-        self.profiling = self.tracing = False
-        """Whether this step is profiled, traced."""
-        self.events: list[Event] | None = None
-        """This step's events while it is timed, else None."""
+        self.always = always  # Trainer(profile=True)
+        self.profile_once = self.trace_once = False  # Trainer.profile_next(), trace_next()
+        self.profiling = self.tracing = False  # this step
+        self.events: list[Event] | None = None  # this step's, while it is timed
         self.last_profile: StepProfile | None = None
         self.last_trace: list[dict[str, Any]] | None = None
 
@@ -57,37 +51,36 @@ class Timing:
 
     def finish(self, devs: Sequence[Device], fw, bw, up, t_start: float,
                profile_inputs: Callable[[], dict[str, Any]]) -> None:
-        """After an applied step: its trace and profile, if timed; ``profile_inputs()`` gives :func:`build_profile`'s
-        rest."""
-        if not (self.profiling or self.tracing):
+        """After an applied step, if timed: its trace and profile (``profile_inputs()`` gives :func:`build_profile`'s
+        rest). Stamps are resolved before ``end_timing()``."""
+        events = self.events
+        if events is None:
             return
-        if self.events is not None:
-            self.events += compute_spans(devs, fw, bw, up)
+        events += [(d.name, "compute", name, d.resolve(span[0]), d.resolve(span[1])) for j, d in enumerate(devs)
+                   for name, span in (("forward", fw[j][1:3]), ("backward", bw[j][1:3]), ("update", up[j]))
+                   if span is not None]  # the compute-stream spans, on the devices' clocks
         inputs = profile_inputs() if self.profiling else None
-        trace, profile = finish_timing(devs, [b[1] for b in bw], self.events or [], t_start, self.tracing, inputs)
-        self.last_trace = trace if self.tracing else self.last_trace
-        self.last_profile = profile if self.profiling else self.last_profile
-
-
-def build_trace(events: Sequence[Event], t_start: float) -> list[dict[str, Any]]:
-    return [{"device": dev, "stream": stream, "name": name, "start": a - t_start, "end": b - t_start}
-            for dev, stream, name, a, b in events]
+        bw_start = [d.resolve(b[1]) for d, b in zip(devs, bw)]
+        for d in devs:
+            d.end_timing()  # emits the device-timed copies into the events
+        if self.tracing:
+            self.last_trace = [{"device": dev, "stream": stream, "name": name, "start": a - t_start,
+                                "end": b - t_start} for dev, stream, name, a, b in events]
+        if inputs is not None:
+            self.last_profile = build_profile(devs=devs, bw_start=bw_start, events=events, **inputs)
 
 
 def build_profile(*, devs: Sequence[Device], marks: StepMarks, bw_start: Sequence[float],
                   layer_pids: Sequence[Sequence[int]], layout: Layout, events: Sequence[Event],
                   itemsize: int, stats: dict[str, float], layer_bytes: Sequence[int], mode: str,
-                  ranks: int, host: dict[str, int] | None = None) -> StepProfile:
+                  ranks: int, host: dict[str, int]) -> StepProfile:
     """The step's profile. ``bw_start[j]``: when device j's backward started (resolved)."""
-    ready = [math.nan] * len(layer_pids)
-    for li, pids in enumerate(layer_pids):
-        best = -1.0
-        for j, (touched, ready_at) in enumerate(zip(marks.touched, marks.ready_at)):
-            for pid in pids:
-                if touched[pid]:
-                    best = max(best, devs[j].resolve(ready_at[pid]) - bw_start[j])
-        if best >= 0:
-            ready[li] = best
+    ready = []
+    for pids in layer_pids:
+        best = max([-1.0] + [devs[j].resolve(at[pid]) - bw_start[j]
+                             for j, (touched, at) in enumerate(zip(marks.touched, marks.ready_at))
+                             for pid in pids if touched[pid]])
+        ready.append(best if best >= 0 else math.nan)
     t0 = min(bw_start)
     by: dict[tuple[str, str], list[tuple[str, float, float]]] = {}
     for dev, stream, name, a, b in events:
@@ -97,34 +90,17 @@ def build_profile(*, devs: Sequence[Device], marks: StepMarks, bw_start: Sequenc
     chunks = []
     for c, layers in enumerate(layout.plan):
         lo, hi = layout.chunk_bounds[c]
-        key = f"chunk {c}"
-        d2h, h2d = by.get(("d2h", key), []), by.get(("h2d", key), [])
-        acc, comm = by.get(("accumulate", key), []), by.get(("comm", key), [])
+        d2h, acc, comm, h2d = (by.get((stream, f"chunk {c}"), []) for stream in ("d2h", "accumulate", "comm", "h2d"))
         chunks.append(ChunkTiming(
             index=c, layers=list(layers), bytes=(hi - lo) * itemsize,
             d2h_s=busy(d2h, g), acc_s=busy(acc, 1), comm_s=busy(comm, 1), h2d_s=busy(h2d, g),
             sent_s=(min(a for _, a, _ in d2h) - t0) if d2h else 0.0,
             back_s=(max(b for _, _, b in h2d) - t0) if h2d else 0.0))
-    s = stats
     return StepProfile(
         devices=g, ranks=ranks, mode=mode, layer_bytes=list(layer_bytes), layer_ready_s=ready,
-        forward_s=s["forward_s"], backward_s=s["backward_s"], exposed_comm_s=s["exposed_comm_s"],
-        update_s=s["update_s"], step_s=s["step_s"], plan=[list(c) for c in layout.plan], chunks=chunks,
-        host_registered_bytes=(host or {}).get("registered_bytes", 0),
-        host_bytes_moved=(host or {}).get("bytes_moved", 0))
-
-
-def finish_timing(devs: Sequence[Device], bw_stamps: Sequence[Any], events: Sequence[Event], t_start: float,
-                  tracing: bool, profile_inputs: dict[str, Any] | None) -> tuple[Any, StepProfile | None]:
-    """After a timed step: its trace (``tracing``) and profile (``profile_inputs``); stamps resolved before
-    ``end_timing()``."""
-    bw_start = [d.resolve(s) for d, s in zip(devs, bw_stamps)]
-    for d in devs:
-        d.end_timing()  # emits the device-timed copies into the events
-    trace = build_trace(events, t_start) if tracing else None
-    if profile_inputs is None:
-        return trace, None
-    return trace, build_profile(devs=devs, bw_start=bw_start, events=events, **profile_inputs)
+        plan=[list(c) for c in layout.plan], chunks=chunks, host_registered_bytes=host["registered_bytes"],
+        host_bytes_moved=host["bytes_moved"],
+        **{k: stats[k] for k in ("forward_s", "backward_s", "exposed_comm_s", "update_s", "step_s")})
 
 
 def step_stats(devs: Sequence[Device], fw: Sequence[tuple[Any, Any, Any]],
@@ -148,13 +124,3 @@ def step_stats(devs: Sequence[Device], fw: Sequence[tuple[Any, Any, Any]],
         "samples": float(samples),
     }
 
-
-def compute_spans(devs: Sequence[Device], fw, bw, up) -> list[Event]:
-    """The compute-stream spans of a timed step for traces, on the devices' clocks."""
-    out: list[Event] = []
-    for j, d in enumerate(devs):
-        out.append((d.name, "compute", "forward", d.resolve(fw[j][1]), d.resolve(fw[j][2])))
-        out.append((d.name, "compute", "backward", d.resolve(bw[j][1]), d.resolve(bw[j][2])))
-        if up[j] is not None:
-            out.append((d.name, "compute", "update", d.resolve(up[j][0]), d.resolve(up[j][1])))
-    return out

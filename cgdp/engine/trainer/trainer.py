@@ -59,41 +59,39 @@ class Trainer:
     """Data-parallel training over ``devices`` with gradients averaged on the host.
 
     Args:
-        model: the module to train. It becomes replica 0: moved to ``devices[0]`` in place (as
-            ``model.to(...)`` does) and trained in place; the other devices get deep copies
-            (``.replicas``).
+        model: the module to train. It becomes replica 0: moved to ``devices[0]`` in place (as ``model.to(...)`` does)
+            and trained in place; the other devices get deep copies (``.replicas``).
         optimizer: ``params -> torch.optim.Optimizer``; one optimizer is built per replica.
         devices: ``["cuda:0", "cuda:1", ...]`` or CPU-emulated ``["cpu:0", "cpu:1", ...]``.
-        mode: ``"cgdp"`` (host averaging during backward), ``"typical"`` (device 0 gathers,
-            averages, updates and broadcasts the parameters) or ``"single"`` (one device).
-        chunks: chunk size k (the paper's uniform plan), an explicit plan (list of lists of layer
-            indices, in send order), or ``"auto"`` (the default, as for ``DataParallel``: tuned
-            over the first 8 to 17 steps, then fixed; ``"paper"`` runs the paper's Algorithm 1). The
-            plan never changes results, only speed. Modes ``"typical"`` and ``"single"`` send no
-            chunks: ``"auto"`` is then one layer per chunk, untuned.
-        comm: ``None`` for one machine, ``"mpi"``, ``"gloo"`` (docs/multinode.md; or a process group, or a :class:`cgdp.comm.Comm`) for several.
-            Every rank must build the same model with the same initial parameters (checked at
-            start-up). A comm passed in belongs to the trainer from then on: ``close()`` closes it.
-        timeout_s: longest any thread waits for another before the step fails with
-            ``TimeoutError`` (a lost copy, a dead MPI peer, a forward that never returns: the
-            trainer is then unusable). ``None`` waits forever (Ctrl-C still ends a step).
+        mode: ``"cgdp"`` (host averaging during backward), ``"typical"`` (device 0 gathers, averages, updates and
+            broadcasts the parameters) or ``"single"`` (one device).
+        chunks: chunk size k (the paper's uniform plan), an explicit plan (list of lists of layer indices, in send
+            order), or ``"auto"`` (the default, as for ``DataParallel``: tuned over the first 8 to 17 steps, then fixed;
+            ``"paper"`` runs the paper's Algorithm 1). The plan never changes results, only speed. Modes ``"typical"``
+            and ``"single"`` send no chunks: ``"auto"`` is then one layer per chunk, untuned.
+        comm: ``None`` for one machine, ``"mpi"``, ``"gloo"`` (docs/multinode.md; or a process group, or a
+            :class:`cgdp.comm.Comm`) for several. Every rank must build the same model with the same initial parameters
+            (checked at start-up). A comm passed in belongs to the trainer from then on: ``close()`` closes it.
+        timeout_s: longest any thread waits for another before the step fails with ``TimeoutError`` (a lost copy, a dead
+            MPI peer, a forward that never returns: the trainer is then unusable). ``None`` waits forever (Ctrl-C still
+            ends a step).
         profile: profile every step (``.last_profile``); ``profile_next()`` profiles one.
-        segment_bytes: chunks larger than this travel in segments of this size, so that copy
-            out, host sum and copy back of one chunk overlap (see :mod:`cgdp.engine.core.flatgrad`).
+        segment_bytes: chunks larger than this travel in segments of this size, so that copy out, host sum and copy back
+            of one chunk overlap (see :mod:`cgdp.engine.core.flatgrad`).
         scheduler: ``optimizer -> LRScheduler``, one per replica, stepped after each applied update.
-        clip_grad_norm: clip the averaged gradient's total 2-norm as ``clip_grad_norm_`` does on one
-            device (:mod:`cgdp.engine.core.clip`); ``stats["grad_norm"]``: the norm before clipping.
-        micro_batches: micro-batches per device part, accumulated on the device; chunks travel
-            during the last one's backward only.
-        share_devices: allow a GPU to be listed more than once (one replica per entry, each with
-            its own copy streams), e.g. ``["cuda:0", "cuda:0"]``: the G > 1 data path on one GPU.
-        grad_transfer: ``"bf16"``: float32 gradients travel in bf16 (half the bytes; summed in
-            float32; the error bound in :mod:`cgdp.engine.core.host`). ``None``: in their dtype.
-        host_memory: bytes of pinned host memory for a ring of ``segment_bytes`` slots (bitwise the
-            results of ``None``: (G + 1) x the gradient bytes; :mod:`cgdp.engine.core.host`).
-        update: ``"devices"`` (each device steps its own optimizer) or ``"host"``: one optimizer
-            over float32 masters in host memory; the parameters go back to every device, and no
-            device holds optimizer state (``.optimizers``: that one; :mod:`cgdp.engine.core.host_update`).
+        clip_grad_norm: clip the averaged gradient's total 2-norm as ``clip_grad_norm_`` does on one device
+            (:mod:`cgdp.engine.core.clip`); ``stats["grad_norm"]``: the norm before clipping.
+        micro_batches: micro-batches per device part, accumulated on the device; chunks travel during the last one's
+            backward only.
+        share_devices: allow a GPU to be listed more than once (one replica per entry, each with its own copy streams),
+            e.g. ``["cuda:0", "cuda:0"]``: the G > 1 data path on one GPU.
+        grad_transfer: ``"bf16"``: float32 gradients travel in bf16 (half the bytes; summed in float32; the error bound
+            in :mod:`cgdp.engine.core.host`). ``None``: in their dtype.
+        host_memory: bytes of pinned host memory for a ring of ``segment_bytes`` slots (bitwise the results of ``None``:
+            (G + 1) x the gradient bytes; :mod:`cgdp.engine.core.host`).
+        update: ``"devices"`` (each device steps its own optimizer) or ``"host"``: one optimizer over float32 masters in
+            host memory; the parameters go back to every device, and no device holds optimizer state (``.optimizers``:
+            that one; :mod:`cgdp.engine.core.host_update`).
     """
 
     def __init__(self, model: nn.Module, optimizer: Callable[..., torch.optim.Optimizer],
@@ -124,11 +122,9 @@ class Trainer:
         self._timing = Timing(bool(profile))
         self._guard = Guard(timeout_s)
         self._life = Lifetime(self, "Trainer", "create a new Trainer", refusal, stopped, self._guard.fail)
-        self._timeout_s = timeout_s
 
         self._layer_pids = number_params(checked.layer_params)
-        self._layer_bytes = [info.numel * torch.tensor([], dtype=self._dtype).element_size()
-                             for info in checked.layers]
+        self._layer_bytes = [info.numel * self._dtype.itemsize for info in checked.layers]
 
         self._threads: DeviceThreads | None = None
         self._stream: GradientStream | None = None
@@ -158,7 +154,7 @@ class Trainer:
         self.optimizers = self._update.shown()
 
         opt = reps.optimizers[0]
-        self._comm = self._life.open_comm(comm, self._timeout_s, lambda: signature(
+        self._comm = self._life.open_comm(comm, self._guard.timeout_s, lambda: signature(
             "Trainer", model, self.layers, len(self._devs), self._dtype, mode=self.mode, optimizer=type(opt).__name__,
             optimizer_defaults=repr(sorted(opt.defaults.items(), key=str)), **settings(
                 grad_transfer=None if self._transfer is None else "bf16", update="host" if self._host_update else
@@ -182,8 +178,8 @@ class Trainer:
         self._grads = Gradients(dense, None, [d.torch_device for d in self._devs])
         self._update.attach(self._stream, self._grads, self._max_norm is not None, self._guard, res, self.replicas[0])
         self._stream.want_norm = self._max_norm is not None
-        self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._guard,
-                                    self._timing, after_forward(self._follow.after_forward, self._update))
+        self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._timing,
+                                    after_forward(self._follow.after_forward, self._update))
 
     def _loaded(self) -> None:
         self._buffer_watch.synced()  # the loaded buffers are the same on every replica
@@ -203,8 +199,7 @@ class Trainer:
         """Switch the chunk plan between steps (every rank must pass the same plan)."""
         for d in self._devs:
             d.check_caller("Trainer.set_plan()")
-        new = resolve_plan(plan, len(self.layers))
-        self._relay(new)
+        self._relay(resolve_plan(plan, len(self.layers)))
 
     def profile_next(self) -> None:
         """Profile the next step: ``last_profile`` then holds its :class:`StepProfile`."""
@@ -307,10 +302,9 @@ class Trainer:
     def close(self) -> None:
         """Remove every hook, stop every thread, free the flat and pinned buffers.
 
-        From another thread while ``step()`` runs: that step stops with a ``RuntimeError`` (or
-        returns, if it was already past its last wait), and ``close()`` waits up to
-        :data:`~cgdp.engine.core.lifetime.CLOSE_WAIT_S` for it; a step still running then releases
-        everything itself when it ends (:mod:`cgdp.engine.core.lifetime`)."""
+        From another thread while ``step()`` runs: that step stops with a ``RuntimeError`` (or returns, if it was
+        already past its last wait), and ``close()`` waits up to :data:`~cgdp.engine.core.lifetime.CLOSE_WAIT_S` for it;
+        a step still running then releases everything itself when it ends (:mod:`cgdp.engine.core.lifetime`)."""
         self._life.close()
 
     @property
@@ -338,13 +332,11 @@ class Trainer:
         plan, done = tuned_plan(self.tuner, self._comm, len(self.layers))
         if plan != self._stream.plan:
             self._relay(plan)
-        if done:  # the final plan is in place; no more measurements
-            self._tuning = False
+        self._tuning = not done  # done: the final plan is in place; no more measurements
         return self._tuning
 
     def _prepare(self, call: Any) -> tuple[list, int, Any]:
-        """Before anything runs: the checks, each device's share of the batch and micro-batch
-        rounds, and the caller's autocast; (rounds, global batch size, autocast)."""
+        """The checks, each device's micro-batch rounds, the caller's autocast: (rounds, global batch size, amp)."""
         # before anything runs (with a comm: in the step's allreduce); on the devices: read with the losses
         self._differ = check_hyperparameters(self.optimizers, on_devices=True) if self._comm is None else None
         for d in self._devs:
@@ -372,7 +364,7 @@ class Trainer:
         loss, (bad, differ, self._grad_norm) = loss_values(losses, weights, flags, self._devs[0].torch_device)
         verdict(differ, self.optimizers)  # tensor hyperparameters on the devices, compared there
         if self._comm is not None:  # every rank takes the same values (rank 0's clipping norm)
-            self._comm.fence(self._timeout_s)
+            self._comm.fence(self._guard.timeout_s)
             loss, bad, self._grad_norm, touched = agree_on_step(self._comm, loss, bad, self._grad_norm, touched,
                                                                 self.optimizers)
         if bad:
@@ -381,11 +373,10 @@ class Trainer:
                 f"{self._stream.bad_layers(self.layer_names)}); the update was not applied. Lower the learning rate, "
                 f"check the inputs, or clip gradients")
         # the user's gradient hooks, on the average (core/param_hooks.py)
-        if self._grads.run_hooks(touched, self._update.hook_views):
-            if self._max_norm is not None:  # the norm of their result (rank 0's, as the host's)
-                norm = self._grads.device_norm()
-                self._grad_norm = norm if self._comm is None else float(
-                    self._comm.allreduce_small(np.array([norm if self._comm.rank == 0 else 0.0]))[0])
+        if self._grads.run_hooks(touched, self._update.hook_views) and self._max_norm is not None:
+            norm = self._grads.device_norm()  # the norm of their result (rank 0's, as the host's)
+            self._grad_norm = norm if self._comm is None else float(
+                self._comm.allreduce_small(np.array([norm if self._comm.rank == 0 else 0.0]))[0])
         self._grads.end_step(touched)
         return loss
 
@@ -425,13 +416,9 @@ class Trainer:
                     ranks=self._comm.size if self._comm is not None else 1)
 
     # ------------------------------------------------------------------ failures, plan switches
-    def _quiesce(self) -> None:
-        """Wait until no copy is in flight on any device (before buffers are relaid)."""
-        quiesce(self._devs, self._stream.host, self._timeout_s)
-
     def _relay(self, plan: Plan) -> None:
         """The flat buffers laid out for ``plan``, with nothing in flight (``.grad`` kept)."""
-        self._quiesce()
+        quiesce(self._devs, self._stream.host, self._guard.timeout_s)
         self._stream.set_plan(plan)
         self._grads.relaid()
 
@@ -446,7 +433,7 @@ class Trainer:
             # who stops here (close(), or dropping the trainer) frees nothing a copy still uses
             if phase == "backward":
                 self._sync_buffers()
-            self._quiesce()
+            quiesce(self._devs, self._stream.host, self._guard.timeout_s)
             return
         self._life.fail(exc, self._devs, self._stream.host)
         if not self._update.settle():  # update="host": a checkpoint saved after this error holds the step before
