@@ -42,7 +42,7 @@ class StepCall:
     parts: list[Any]
     """Device j's part of the batch (still on the caller's device)."""
     sizes: list[int]
-    """Samples per part."""
+    """Samples per device, 0 for a device without a part."""
     nested: bool
     """The two-argument form ``step(batch, loss_fn)``."""
     compute: Callable[[nn.Module, Any, torch.device], DeviceLoss]

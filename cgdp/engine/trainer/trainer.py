@@ -442,7 +442,8 @@ class Trainer:
             self._life.broken = f"a failure during the update may have left replicas different ({exc!r})"
         if self._comm is not None and phase != "forward":
             self._life.broken = f"a failure in a step with MPI peers leaves them out of step ({exc!r})"
-        if not self._life.broken and not self._threads.stuck:  # the replicas' buffers agree again (a forward may have failed on one)
+        # the replicas' buffers agree again (a forward may have failed on one)
+        if not self._life.broken and not self._threads.stuck:
             copy_from_first(self._buffers)
             copy_from_first(self._buffer_watch.others)
             self._buffer_watch.synced()
