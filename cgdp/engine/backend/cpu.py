@@ -104,8 +104,8 @@ class CpuDevice(Device):
         else:
             segs = r.units[unit]
             done = self._d2h.submit(partial(self._copy_all, segs, r.d2h, "d2h", r.labels), len(segs))
-            for k, s in enumerate(segs):
-                self._landed[s] = done - len(segs) + 1 + k
+            for at, s in enumerate(segs, done - len(segs) + 1):  # the progress at which segment s has landed
+                self._landed[s] = at
         r.sent(unit)
 
     def _copy(self, route, stream: str, label: str) -> None:

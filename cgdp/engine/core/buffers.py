@@ -20,10 +20,9 @@ from cgdp.comm import Comm
 class BufferWatch:
     """Which of the replicas' floating buffers were written since the last :meth:`synced`."""
 
-    def __init__(self, buffers: list[list[torch.Tensor]], others: list[list[torch.Tensor]] | None = None):
+    def __init__(self, buffers: list[list[torch.Tensor]], others: list[list[torch.Tensor]]):
         """``others[j]``: replica j's non-floating buffers (only restored, never averaged)."""
-        self.buffers = buffers
-        self.others = others or [[] for _ in buffers]
+        self.buffers, self.others = buffers, others
         self._seen = [[b.detach().clone() for b in bufs] for bufs in buffers]
         self._seen_others = [[b.detach().clone() for b in bufs] for bufs in self.others]
         self._others_version = [[b._version for b in bufs] for bufs in self.others]
@@ -34,7 +33,6 @@ class BufferWatch:
             return [False] * len(self.buffers[0])
         if not self.buffers[0]:
             return []
-        written = np.zeros(len(self.buffers[0]), np.float64)
         with torch.no_grad():
             # NaN != NaN: a NaN buffer counts as written, and is averaged (it stays NaN).
             flags = [torch.stack([(b != s).any() for b, s in zip(bufs, seen)])
@@ -44,8 +42,8 @@ class BufferWatch:
                 for f in flags[1:]:
                     mask = mask | f.to(mask.device, non_blocking=True)
                 return mask
-            for f in flags:  # with a comm every rank must agree: the host reads the flags
-                written += f.cpu().numpy()  # note: host waits for this device's comparison
+            # with a comm every rank must agree: the host reads the flags
+            written = np.sum([f.cpu().numpy() for f in flags], 0, np.float64)  # note: host waits for each comparison
         # every rank must average the same buffers
         return (comm.allreduce_small(written) > 0).tolist()
 

@@ -39,12 +39,10 @@ def device_norm(flat: torch.Tensor, read: bool = True) -> float | torch.Tensor:
 
 def scale_gradients(flat: torch.Tensor, coef: torch.Tensor) -> None:
     """``flat *= coef`` on its device (every gradient is a view into ``flat``)."""
-    if coef.device == flat.device:
-        pass
-    elif coef.device == _HOST:
-        # made on the device, its value a kernel argument: a host tensor copied with non_blocking=True comes from
-        # pageable memory, blocking the host until the stream has caught up (a hidden sync in every clipped step)
-        coef = torch.full((), coef.item(), dtype=coef.dtype, device=flat.device)
-    else:
-        coef = coef.to(flat.device, non_blocking=True)  # device to device: no host synchronisation
+    if coef.device != flat.device:
+        # from the host: made on the device, its value a kernel argument (a host tensor copied with non_blocking=True
+        # comes from pageable memory, blocking the host until the stream has caught up: a hidden sync in every clipped
+        # step); device to device: no host synchronisation
+        coef = (torch.full((), coef.item(), dtype=coef.dtype, device=flat.device) if coef.device == _HOST
+                else coef.to(flat.device, non_blocking=True))
     flat.mul_(coef)

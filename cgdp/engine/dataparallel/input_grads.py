@@ -35,7 +35,7 @@ class BackwardCheck:
                                "gradient would reach the replicas' parameters without the engine, and give replica "
                                "0's share only. Freeze the model (requires_grad_(False)) if it does not train, or "
                                "compute the penalty on one device")
-        if reach == AUTOGRAD_GRAD and any(trainable):
+        if reach == AUTOGRAD_GRAD:  # (reached only through a trainable parameter)
             self.arm([p for p, t in zip(params, trainable) if t])
         return False
 

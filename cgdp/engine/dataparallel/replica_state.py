@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from cgdp.engine.core.buffers import BufferWatch, sync_buffers
+from cgdp.engine.core.buffers import BufferWatch, copy_from_first, sync_buffers
 from cgdp.engine.core.follow import Follow
-from cgdp.engine.core.replicas import batch_weights
+from cgdp.engine.core.replicas import batch_weights, split_buffers
 
 
 UNBOUND = (" of an optimizer bound to the model", "by an optimizer never bound to it, which steps replica 0 alone: "
@@ -33,19 +33,14 @@ class ReplicaState:
         self.buffers_f = [[b for b in r.buffers() if b.is_floating_point() and not b.requires_grad]
                           for r in self.replicas]
         # which of them a forward wrote; the others (counters) kept too: a forward done again restores them
-        self.buffer_watch = BufferWatch(self.buffers_f, [[b for b in r.buffers() if not b.is_floating_point()]
-                                                         for r in self.replicas])
+        self.buffer_watch = BufferWatch(self.buffers_f, split_buffers(self.replicas)[1])
 
     def before_forward(self) -> None:
         if self.follow.before_step():  # a hook registration changed the buffers (prune)
             self.rebuild_buffers()
 
     def broadcast_buffers(self) -> None:
-        first = self.replicas[0]
-        with torch.no_grad():
-            for r in self.replicas[1:]:
-                for b, b0 in zip(r.buffers(), first.buffers()):
-                    b.data.copy_(b0)
+        copy_from_first([[b.data for b in r.buffers()] for r in self.replicas])
         self.buffer_watch.synced()
         self.follow.buffers_synced()
 

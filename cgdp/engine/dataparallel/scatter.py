@@ -198,6 +198,7 @@ def _combine(kind: str, ts: Sequence[torch.Tensor], weights: Sequence[float], ds
 
 
 _warned: set[str] = set()
+_GATHERED = object()
 
 
 def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
@@ -211,21 +212,20 @@ def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
     weights = [1.0] * len(sizes) if sum_scalars else [n / total for n in sizes]
     names = _paths(specs[0])
     kinds, devs, lengths, tensors, result = [], [], [], [], []
-    for i, name in enumerate(names):
-        vals = [leaves[i] for leaves in flat]
+    for name, vals in zip(names, zip(*flat)):
         if all(isinstance(v, torch.Tensor) for v in vals):
             kinds.append("cat" if vals[0].dim() > 0 else "wsum" if vals[0].is_floating_point() else "stack")
             devs.append([v.device for v in vals])
             lengths.append([v.shape[0] if v.dim() else 0 for v in vals])
             tensors += vals
-            result.append(None)  # filled below
+            result.append(_GATHERED)  # filled below
         else:
             result.append(_same_or_none(vals, name))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         combined = iter(_Gather.apply(_Plan(kinds, devs, lengths, weights, dst, on_backward), *tensors))
     else:  # (no tensor: nothing combined)
         combined = iter(_combine_all(kinds, tensors, weights, dst))
-    result = [next(combined) if r is None and isinstance(flat[0][i], torch.Tensor) else r for i, r in enumerate(result)]
+    result = [next(combined) if r is _GATHERED else r for r in result]
     return _unflatten(specs[0], iter(result))
 
 
