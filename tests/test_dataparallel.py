@@ -901,3 +901,33 @@ def test_the_first_forward_that_draws_counts_batchnorm_once():
         for bn, part in zip(halves, x.tensor_split(2)):
             bn(ref[0](part))
     torch.testing.assert_close(mean, (halves[0].running_mean + halves[1].running_mean) / 2, rtol=1e-6, atol=1e-7)
+
+
+class _Counts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.zeros((), dtype=torch.long))
+        self.lin, self.drop = nn.Linear(4, 4), nn.Dropout(0.5)
+
+    def forward(self, x):
+        if self.training:
+            self.n.add_(1)
+        return self.drop(self.lin(x))
+
+
+@pytest.mark.parametrize("devices", [["cpu:0"], ["cpu:0", "cpu:1"]])
+@pytest.mark.parametrize("make, name", [(lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)),
+                                         "1.num_batches_tracked"), (_Counts, "n")])
+def test_a_later_first_draw_keeps_the_buffer_writes_before_it(devices, make, name):
+    """Forwards that draw nothing (Dropout off) and then one that draws: the one done again starts from the buffers
+    the earlier forwards wrote (one device, or counters only: nothing averaged, the baseline still moves)."""
+    torch.manual_seed(0)
+    net = make()
+    with cgdp.DataParallel(net, devices, chunks=1) as model:
+        drop = next(m for m in model.module.modules() if isinstance(m, nn.Dropout))
+        drop.eval()
+        for _ in range(3):
+            model(torch.randn(8, 4))
+        drop.train()
+        model(torch.randn(8, 4))
+        assert [dict(r.named_buffers())[name].item() for r in model.replicas] == [4] * len(devices)

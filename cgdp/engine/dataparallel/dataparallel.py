@@ -266,7 +266,7 @@ class DataParallel(nn.Module):
                         self._begin_backward(sync or self._sync == _SYNC_IN_BACKWARD, me))
                        if self._grads.trains else None)
         summed = self._scalar_outputs == "sum" or any(c.used for c in counts)  # shares of a global sum
-        out = gather(outs[:g], sizes, self.output_device, on_backward, sum_scalars=summed)
+        out = gather(outs[:g], sizes, self._devs[0].torch_device, on_backward, sum_scalars=summed)
         if not summed:  # a model's own loss under uneven padding, trained on: said once
             self._own_loss.when_trained(out, [labels_of(kw) for _, kw in parts])
         return out

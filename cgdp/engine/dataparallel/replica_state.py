@@ -51,6 +51,8 @@ class ReplicaState:
         bufs_f, g, n = self.buffers_f, len(sizes), len(self.replicas)
         self.follow.buffers_synced()  # what the forward wrote is not the user's change (made equal below)
         if not bufs_f[0] or (n == 1 and comm is None):
+            if rerun:  # nothing to average, but a forward done again must find what this one wrote
+                self.buffer_watch.synced()
             return
         weights, _ = batch_weights(sizes, comm)
         changed = self.buffer_watch.changed(comm)
