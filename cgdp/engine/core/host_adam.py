@@ -56,18 +56,10 @@ def _sqrt(typingctx, a):
     return sig, codegen
 
 
-@njit(nogil=True, inline="always", cache=True)
-def _grad(g, p, sign, wd, l2, mode):
-    """The gradient as torch's kernel takes it: maximize (``* -1``), Adam's L2 term (``l2``)."""
-    gi = g * sign
-    gw = p * wd + gi if mode == 2 else _fma(p, wd, gi)
-    return gw if l2 else gi
-
-
 @intrinsic
 def _store_nt(typingctx, arr, i, val):
     """``arr[i] = val``, non-temporal (``vmovntps`` once vectorised: no read of the line before it is written). The
-    64-byte alignment it states holds for the vector stores :func:`_run` lets it make (aligned runs of NT_RUN)."""
+    64-byte alignment it states holds for the vector stores :func:`_chunk` lets it make (aligned runs of NT_RUN)."""
     sig = types.void(arr, i, val)
 
     def codegen(context, builder, signature, args):
@@ -96,9 +88,12 @@ read from DRAM, 2x slower at 16 K stepped again from cache)."""
 
 @njit(nogil=True, inline="always", cache=True)
 def _adam(pi, gi, m0i, v0i, c):
-    """One element: (exp_avg, exp_avg_sq, parameter) after the step, rounded as torch's kernel in ``mode``."""
+    """One element: (exp_avg, exp_avg_sq, parameter) after the step, rounded as torch's kernel in ``mode``; the
+    gradient as torch's kernel takes it: maximize (``* -1``), Adam's L2 term (``l2``)."""
     sign, wd, l2, coeff, small, c2, b2, decay, ss, bc, eps, mode = c
-    gi = _grad(gi, pi, sign, wd, l2, mode)
+    gi = gi * sign
+    gw = pi * wd + gi if mode == 2 else _fma(pi, wd, gi)
+    gi = gw if l2 else gi
     d = gi - m0i
     base = m0i if small else gi
     mi = coeff * d + base if mode == 2 else _fma(coeff, d, base)
@@ -112,7 +107,8 @@ def _adam(pi, gi, m0i, v0i, c):
 def _span(p, g, m0, v0, m1, v1, k, mode, flags, nt):
     """One run of one tensor: ``k`` = (step size, sqrt of bias correction 2, decay, weight decay, 1 - beta1, beta2,
     1 - beta2, eps); ``mode`` 0: torch's vector loop, 1: its scalar remainder, 2: no fused multiply-add (DEFAULT);
-    ``flags`` = (maximize, AdamW, weight decay); ``nt``: the moments stored non-temporally. Every choice a select."""
+    ``flags`` = (maximize, AdamW, weight decay); ``nt``: the moments stored non-temporally. Every choice a select
+    (LLVM versions the loop; a loop compiled per mode and store measured no faster)."""
     one = np.float32(1.0)
     sign = -one if flags[0] else one  # g * -1, as torch's vector loop: -g exactly
     decay = k[2] if flags[1] and flags[2] else one  # AdamW: p * (1 - lr * wd); by 1: p exactly
@@ -130,18 +126,6 @@ def _span(p, g, m0, v0, m1, v1, k, mode, flags, nt):
             m1[i], v1[i], p[i] = _adam(p[i], g[i], m0[i], v0[i], c)
 
 
-@njit(nogil=True, inline="always", cache=True)
-def _run(p, g, m0, v0, m1, v1, a, b, lo, hi, k, mode, flags, nt):
-    """Elements ``lo:hi`` of the tensor at ``a`` (gradient at ``b``); with ``nt``, its 64-byte aligned runs of
-    :data:`NT_RUN` elements stored non-temporally, the edges as usual."""
-    s = min(hi, lo + (-(a + lo)) % 16) if nt else hi  # the moments' buffers are 64-byte aligned
-    e = s + (hi - s) // NT_RUN * NT_RUN
-    for x, y, n in ((lo, s, False), (s, e, True), (e, hi, False)):
-        if y > x:
-            _span(p[a + x:a + y], g[b + x:b + y], m0[a + x:a + y], v0[a + x:a + y], m1[a + x:a + y],
-                  v1[a + x:a + y], k, mode, flags, n)
-
-
 @njit(nogil=True, cache=True)
 def _chunk(p, g, ma, mb, va, vb, plo, glo, sizes, side, ks, flags, vw, ew, fused, nt):
     """Every tensor ``j`` of a chunk: masters ``p[plo[j]:]``, gradient ``g[glo[j]:]``, moments read from side
@@ -153,10 +137,14 @@ def _chunk(p, g, ma, mb, va, vb, plo, glo, sizes, side, ks, flags, vw, ew, fused
         vec = n - n % vw
         ep = vec + ((n - vec) // ew) * ew if ew else vec
         cuts = (0, vec, ep, n)
-        for r in range(3):
-            if cuts[r + 1] > cuts[r]:
-                mode = 2 if not fused else (1 if r == 2 else 0)
-                _run(p, g, m0, v0, m1, v1, a, b, cuts[r], cuts[r + 1], ks[j], mode, flags, nt and r == 0)
+        for r in range(3):  # with nt, the vector loop's 64-byte aligned runs of NT_RUN stored non-temporally
+            lo, hi, mode = cuts[r], cuts[r + 1], 2 if not fused else (1 if r == 2 else 0)
+            s = min(hi, lo + (-(a + lo)) % 16) if nt and r == 0 else hi  # the moments' buffers are 64-byte aligned
+            e = s + (hi - s) // NT_RUN * NT_RUN
+            for x, y, t in ((lo, s, False), (s, e, True), (e, hi, False)):
+                if y > x:
+                    _span(p[a + x:a + y], g[b + x:b + y], m0[a + x:a + y], v0[a + x:a + y], m1[a + x:a + y],
+                          v1[a + x:a + y], ks[j], mode, flags, t)
     _fence()
 
 
@@ -258,9 +246,9 @@ class FlatAdam:
         # Python floats (double), as torch takes them: a numpy float32 lr would otherwise compute in float32
         lr, b1, b2, wd, eps = map(float, (group["lr"], *group["betas"], group["weight_decay"], group["eps"]))
         adamw = group.get("decoupled_weight_decay", False)
-        ks = np.empty((len(steps), 8), dtype=np.float32)
-        for j, st in enumerate(map(float, steps)):  # in double with libm's pow, as torch; cast to float32 as it does
-            ks[j] = (lr / (1 - b1 ** st), math.sqrt(1 - b2 ** st), 1 - lr * wd, wd, 1 - b1, b2, 1 - b2, eps)
+        rows = {st: (lr / (1 - b1 ** st), math.sqrt(1 - b2 ** st), 1 - lr * wd, wd, 1 - b1, b2, 1 - b2, eps)
+                for st in set(steps.tolist())}  # once per step count, in double with libm's pow, as torch
+        ks = np.array([rows[st] for st in steps.tolist()], dtype=np.float32)  # cast to float32 as it does
         return ks, np.asarray([group["maximize"], adamw, wd != 0], dtype=np.bool_)
 
     def unshown_bytes(self) -> int:
@@ -272,16 +260,17 @@ class FlatAdam:
 
     def commit(self) -> None:
         """The step succeeded: the written sides become current, state entries their views, steps counted."""
-        state = self.opt.state
+        state, counts = self.opt.state, []
         for pid in self._pending:
             self.side[pid] ^= 1
             self.steps[pid] += 1
-            t = self.masters[pid]
-            s = state[t]
+            s = state[self.masters[pid]]
             if "step" not in s:
                 s["step"] = torch.zeros((), dtype=torch.float32)
-            s["step"] += 1
+            counts.append(s["step"])
             s["exp_avg"], s["exp_avg_sq"] = self._views[self.side[pid]][pid]
+        if counts:
+            torch._foreach_add_(counts, 1)  # one call, as torch's step (one += per tensor: 3 us each)
         self._pending = []
 
     def discard(self) -> None:
