@@ -67,9 +67,8 @@ class StateSnapshot:
 
 def has_step_hooks(opt: torch.optim.Optimizer) -> bool:
     """Step hooks (``opt``'s or global) would see part of the parameters per chunk: update once after backward."""
-    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
-        return True
-    return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
+    return bool(opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
+                or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
 
 
 def may_write_then_raise(opt: torch.optim.Optimizer) -> bool:
@@ -77,10 +76,8 @@ def may_write_then_raise(opt: torch.optim.Optimizer) -> bool:
     own = vars(opt).get("step")
     while getattr(own, "_wrapped_by_lr_sched", False):
         own = own.__wrapped__
-    if (opt._optimizer_step_post_hooks or own not in (None, type(opt).step)
-            or not type(opt).__module__.startswith("torch.optim")):
-        return True
-    return bool(torch_optimizer._global_optimizer_post_hooks)
+    return bool(opt._optimizer_step_post_hooks or torch_optimizer._global_optimizer_post_hooks
+                or own not in (None, type(opt).step) or not type(opt).__module__.startswith("torch.optim"))
 
 
 def step_or_undo(opt: torch.optim.Optimizer, states: StateSnapshot, masters: Any) -> None:

@@ -71,7 +71,7 @@ class HostMasters:
                         for o, n, p in zip(self.offsets, numels, self.params[0])]
         self.pid = {id(p): pid for pid, p in enumerate(self.params[0])}
         self._staged: torch.Tensor | None = None  # replica 0's flat gradient, copied to the host
-        self._wide: torch.Tensor | None = None
+        self.wide: torch.Tensor | None = None  # the float32 row a bf16 sum row is widened into (HostUpdate's)
         self._attached: tuple | None = None
         self._selected: tuple = (None,)
         self.wire: Any = None  # Bf16Wire with grad_transfer="bf16"
@@ -87,16 +87,7 @@ class HostMasters:
     @property
     def grad_bytes(self) -> int:
         """Host bytes held for gradients besides the accumulator's rows."""
-        return sum(b.numel() * b.element_size() for b in (self._staged, self._wide) if b is not None)
-
-    def widened(self, rounded: torch.Tensor) -> torch.Tensor:
-        """The float32 buffer the bf16 sum row is widened into (allocated once)."""
-        if self._wide is None or self._wide.numel() != rounded.numel():
-            self._wide = torch.empty(rounded.shape, dtype=torch.float32)
-        return self._wide
-
-    def widen(self, rounded: torch.Tensor, lo: int, hi: int) -> None:
-        self.widened(rounded)[lo:hi].copy_(rounded[lo:hi])
+        return sum(b.numel() * b.element_size() for b in (self._staged, self.wide) if b is not None)
 
     def refresh(self) -> None:
         """Masters ← replica 0's parameters (at start, after a failed step)."""
@@ -218,7 +209,6 @@ class HostUpdate(Update):
         prefer_fused(opt)
         self.optimizer = opt
         self.overlap = "after backward"  # or "with backward" (chunk by chunk)
-        self.figures: dict[str, float] = {}
         self._stream: GradientStream | None = None
         self._layout: Any = None
         self._open = False  # an overlapped step began and was not finished (masters maybe ahead)
@@ -227,8 +217,7 @@ class HostUpdate(Update):
         self._flat: host_adam.FlatAdam | None = None  # Adam/AdamW's moments in two sides: no copy to undo
         self._fast = False  # this step's chunks go to ``_flat``
         self._seconds = 0.0
-        self._rounded: torch.Tensor | None = None
-        self.undone = False  # the step raised after backward and was undone: nothing changed
+        self._rounded: torch.Tensor | None = None  # a bf16 sum row, widened into ``masters.wide``
 
     def attach(self, stream: GradientStream, grads: Any, clipping: bool, guard: Guard, resources: Resources,
                module: nn.Module | None = None) -> None:
@@ -244,10 +233,9 @@ class HostUpdate(Update):
             if module is not None:
                 resources.push(masters_in_state_dict(module, m))
         host = stream.host
-        # float32 sum read in place, or a bf16 row widened chunk by chunk
-        self._rounded = None if host is None or host.sum_row() is not None else host.rounded_row()
-        if host is None or (host.sum_row() is None and self._rounded is None):
+        if host is None or (host.sum_row() is None and host.rounded_row() is None):
             return
+        self._rounded = host.rounded_row()  # a bf16 row widened chunk by chunk; else the float32 sum read in place
         host.send_back = False
         if not clipping and type(self.optimizer) in PER_PARAMETER:
             self.overlap = "with backward"
@@ -310,29 +298,29 @@ class HostUpdate(Update):
         """A failed overlapped step: its updates finished and undone (masters and optimizer state as before it), so
         that a checkpoint saved right after the error holds the step before. False: the host update thread did not
         finish them within ``timeout_s`` (the step is left open)."""
-        if not self._open:
+        if not self._open:  # only an overlapped step opens
             return True
-        if self.overlap == "with backward":
-            done = threading.Event()
-            self._queue.put(done.set)
-            try:
-                self._guard.wait(done, "the host update thread to finish a failed step's updates")
-            except StepAborted:  # the failed step's own error, already raised to the caller
-                if not done.wait(self._guard.timeout_s):  # note: host waits for the host update thread
-                    return False
-            self._undo()
-        else:
-            self.masters.refresh()
+        done = threading.Event()
+        self._queue.put(done.set)
+        try:
+            self._guard.wait(done, "the host update thread to finish a failed step's updates")
+        except StepAborted:  # the failed step's own error, already raised to the caller
+            if not done.wait(self._guard.timeout_s):  # note: host waits for the host update thread
+                return False
+        self._undo()
         self._open = False
         return True
 
-    def _sum_row(self, widen: bool = False) -> torch.Tensor:
-        """The float32 row the masters' gradients view (with ``widen``, a bf16 row widened whole now)."""
+    def _sum_row(self, widen: slice | None = None) -> torch.Tensor:
+        """The float32 row the masters' gradients view (a bf16 row's part ``widen`` widened into it now)."""
         if self._rounded is None:
             return self._stream.host.sum_row()
-        if widen:
-            self.masters.widen(self._rounded, 0, self._rounded.numel())
-        return self.masters.widened(self._rounded)
+        m = self.masters
+        if m.wide is None:  # allocated once (the row is the stream's for good)
+            m.wide = torch.empty(self._rounded.shape, dtype=torch.float32)
+        if widen is not None:
+            m.wide[widen].copy_(self._rounded[widen])
+        return m.wide
 
     def _summed(self, s: int) -> None:
         if not self._with_backward:
@@ -359,7 +347,7 @@ class HostUpdate(Update):
                 self._poisoned = c
                 return
             if self._rounded is not None:
-                self.masters.widen(self._rounded, *lay.chunk_bounds[c])
+                self._sum_row(slice(*lay.chunk_bounds[c]))
             t0 = time.perf_counter()
             groups = self.optimizer.param_groups
             lent, pids = [[] for _ in groups], []
@@ -439,7 +427,7 @@ class HostUpdate(Update):
             t0 = time.perf_counter()
             host = stream.host
             # else replica 0 holds the averaged gradient (a bf16 wire, a ring of host slots)
-            m.take_grads(self._sum_row(widen=True) if host is not None and not host.send_back else None,
+            m.take_grads(self._sum_row(slice(None)) if host is not None and not host.send_back else None,
                          stream.layout.offsets, stream.flats[0])
             if coef is not None:
                 grads = [g.grad for g in m.masters if g.grad is not None]

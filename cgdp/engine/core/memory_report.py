@@ -18,7 +18,6 @@ import torch
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of ``opt``'s state tensors."""
     return _nbytes([v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
 
 
@@ -30,10 +29,7 @@ def grad_bytes(params: Sequence[torch.Tensor], flat: torch.Tensor | None) -> int
     """The flat buffer, and every ``.grad`` that is not a view into it."""
     total = _nbytes([flat])
     ptr = flat.untyped_storage().data_ptr() if flat is not None and flat.numel() else None
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
+    for g in [p.grad for p in params if p.grad is not None]:
         if g.is_sparse:
             g = g.coalesce()
             total += _nbytes([g._values(), g._indices()])

@@ -242,9 +242,8 @@ class Binding:
         d = opt.__dict__
         d.pop(_ATTR, None)
         if getattr(d.get("step"), "cgdp_bound", False):  # (a scheduler's counter built since stays over it)
-            if self._had is None:
-                del d["step"]
-            else:
+            del d["step"]
+            if self._had is not None:
                 d["step"] = self._had
 
 
