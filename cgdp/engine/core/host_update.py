@@ -246,7 +246,8 @@ class HostUpdate(Update):
                                                                  guard.fail), name="cgdp-host-update", daemon=True)
             thread.start()
             weakref.finalize(self, self._queue.put, None)
-            resources.push(functools.partial(_stop, self._queue, thread))
+            resources.push(functools.partial(thread.join, 30.0))
+            resources.push(functools.partial(self._queue.put, None))  # the stack runs backwards: stopped, then joined
             host.on_summed = weak_call(self._summed)
             if host_adam.usable(self.optimizer):
                 self._flat = host_adam.FlatAdam(self.optimizer, m.masters, m.offsets, m.flat)
@@ -273,9 +274,7 @@ class HostUpdate(Update):
         lay = self._stream.layout
         if lay is not self._layout:  # a plan switch: the chunks' parameters and the row's views
             self._layout = lay
-            self._chunk_pids = [[] for _ in lay.plan]
-            for pid, c in enumerate(lay.param_chunk):
-                self._chunk_pids[c].append(pid)
+            self._chunk_pids = [[pid for pid, k in enumerate(lay.param_chunk) if k == c] for c in range(len(lay.plan))]
             where = {id(p): k for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
             self._group = [where.get(id(p)) for p in m.masters]
         m.grads_from_row(self._sum_row(), lay.offsets, ())  # again if zero_grad() dropped them
@@ -446,11 +445,6 @@ class HostUpdate(Update):
         stamps = m.to_devices(threads)
         self.figures["host_update_bytes_back"] = float(m.wire.sent_bytes if m.wire is not None else m.nbytes)
         return stamps
-
-
-def _stop(q: queue.SimpleQueue, thread: threading.Thread) -> None:
-    q.put(None)
-    thread.join(30.0)
 
 
 def _update_loop(q: queue.SimpleQueue, update: Callable[[int], None], fail: Callable[[BaseException], None]) -> None:
