@@ -28,10 +28,7 @@ class StateSnapshot:
     def save(self, state: dict, params: list[torch.Tensor]) -> None:
         src, dst = [], []
         for p in params:
-            s = state.get(p)
-            if not s:
-                self._saved.append((p, None))
-                continue
+            s = state.get(p) or {}
             bufs = self._bufs.setdefault(p, {})
             snap = {}
             for k, v in s.items():
@@ -43,7 +40,7 @@ class StateSnapshot:
                     dst.append(b)
                     v = b
                 snap[k] = v
-            self._saved.append((p, snap))
+            self._saved.append((p, snap if s else None))
         if src:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)

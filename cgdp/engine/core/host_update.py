@@ -106,8 +106,7 @@ class HostMasters:
         with torch.no_grad():
             torch._foreach_copy_([self.masters[pid] for pid in moved], [self.params[0][pid].detach() for pid in moved])
         if round_replicas and self.wire is not None:
-            self.wire.round_replicas(moved)
-            now = list(map(_VERSION, self.params[0]))
+            self.wire.round_replicas(moved)  # through .data: no version counter moves
         self.versions = now
 
     def take_grads(self, row: torch.Tensor | None, offsets: Sequence[int], flat: torch.Tensor,
@@ -228,7 +227,6 @@ class HostUpdate(Update):
         if stream.stages and stream.transfer == torch.bfloat16 and stream.stages[0].numel() >= m.flat.numel():
             m.wire = Bf16Wire(m, stream.stages)
             m.wire.round_replicas(range(len(m.masters)))  # from the first forward on, the replicas hold their rounding
-            m.versions = list(map(_VERSION, m.params[0]))
             resources.push(m.wire.close)
             if module is not None:
                 resources.push(masters_in_state_dict(module, m))
@@ -348,8 +346,7 @@ class HostUpdate(Update):
             if self._rounded is not None:
                 self._sum_row(slice(*lay.chunk_bounds[c]))
             t0 = time.perf_counter()
-            groups = self.optimizer.param_groups
-            lent, pids = [[] for _ in groups], []
+            lent, pids = [[] for _ in self.optimizer.param_groups], []
             masters = self.masters.masters
             for pid in self._chunk_pids[c]:
                 k = self._group[pid]

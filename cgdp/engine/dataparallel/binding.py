@@ -108,7 +108,6 @@ class Binding:
         self.opt = weakref.ref(opt)
         self.stepping: threading.Thread | None = None  # the guard lets the optimizer's own step run there
         self.closed = False
-        self.mirrors: list[torch.optim.Optimizer] = []
         self._lens = [len(g["params"]) for g in opt.param_groups]
         self._build(opt, steps)
         inner = opt.step
