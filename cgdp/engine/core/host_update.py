@@ -446,10 +446,7 @@ class HostUpdate(Update):
 
 def _update_loop(q: queue.SimpleQueue, update: Callable[[int], None], fail: Callable[[BaseException], None]) -> None:
     """Chunk numbers in (or a callable), until None."""
-    while True:
-        c = q.get()
-        if c is None:
-            return
+    for c in iter(q.get, None):
         try:
             c() if callable(c) else update(c)
         except BaseException as exc:
