@@ -100,7 +100,6 @@ FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 def prefer_fused(opt: torch.optim.Optimizer) -> None:
-    """``fused=True`` in groups that chose neither ``fused`` nor ``foreach``."""
     if type(opt) not in FUSED_CPU:
         return
     for g in opt.param_groups:
