@@ -81,13 +81,9 @@ class HostMasters:
         self.refresh()
 
     @property
-    def nbytes(self) -> int:
-        return self.flat.numel() * 4
-
-    @property
     def grad_bytes(self) -> int:
         """Host bytes held for gradients besides the accumulator's rows."""
-        return sum(b.numel() * b.element_size() for b in (self._staged, self.wide) if b is not None)
+        return sum(b.nbytes for b in (self._staged, self.wide) if b is not None)
 
     def refresh(self) -> None:
         """Masters ← replica 0's parameters (at start, after a failed step)."""
@@ -440,7 +436,7 @@ class HostUpdate(Update):
         self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped),
                         "host_update_step_hooks": float(self._hooked)}
         stamps = m.to_devices(threads)
-        self.figures["host_update_bytes_back"] = float(m.wire.sent_bytes if m.wire is not None else m.nbytes)
+        self.figures["host_update_bytes_back"] = float(m.wire.sent_bytes if m.wire is not None else m.flat.nbytes)
         return stamps
 
 

@@ -37,7 +37,7 @@ class Bf16Wire:
         self._backup: torch.Tensor | None = None
         self._aside: list[torch.Tensor] = []
         self._kept: Sequence[int] = []
-        self.sent_bytes = self.flat16.numel() * self.flat16.element_size()
+        self.sent_bytes = self.flat16.nbytes
         """Bytes each device receives in a copy back."""
 
     def to_devices(self, threads: DeviceThreads) -> list[Stamps]:
