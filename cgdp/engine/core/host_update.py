@@ -70,7 +70,7 @@ class HostMasters:
         self.masters = [nn.Parameter(self.flat[o:o + n].view(p.shape))
                         for o, n, p in zip(self.offsets, numels, self.params[0])]
         self.pid = {id(p): pid for pid, p in enumerate(self.params[0])}
-        self._staged: torch.Tensor | None = None  # replica 0's flat gradient, copied to the host
+        self.staged: torch.Tensor | None = None  # replica 0's flat gradient, copied to the host
         self.wide: torch.Tensor | None = None  # the float32 row a bf16 sum row is widened into (HostUpdate's)
         self._attached: tuple | None = None
         self._selected: tuple = (None,)
@@ -79,11 +79,6 @@ class HostMasters:
         """Host memory the optimizer holds besides its state (the flat moments' other side)."""
         self._viewed: list[nn.Parameter] = []
         self.refresh()
-
-    @property
-    def grad_bytes(self) -> int:
-        """Host bytes held for gradients besides the accumulator's rows."""
-        return sum(b.nbytes for b in (self._staged, self.wide) if b is not None)
 
     def refresh(self) -> None:
         """Masters ← replica 0's parameters (at start, after a failed step)."""
@@ -112,10 +107,10 @@ class HostMasters:
         per tensor); None where replica 0's ``.grad`` is."""
         grads = [grad_of(self.params[0][k]) for k in pids] if pids is not None else list(map(grad_of, self.params[0]))
         if row is None:
-            if self._staged is None or self._staged.shape != flat.shape:  # pinned on CUDA, as the masters
-                self._staged = self.devs[0].host_empty(flat.shape, flat.dtype)
+            if self.staged is None or self.staged.shape != flat.shape:  # pinned on CUDA, as the masters
+                self.staged = self.devs[0].host_empty(flat.shape, flat.dtype)
             with torch.no_grad():
-                row = self._staged.copy_(flat)  # note: host waits for replica 0's gradient (D2H, one copy)
+                row = self.staged.copy_(flat)  # note: host waits for replica 0's gradient (D2H, one copy)
         self.grads_from_row(row, offsets, [k for k, g in zip(pids or itertools.count(), grads) if g is None]
                             if any(map(is_none, grads)) else ())
 

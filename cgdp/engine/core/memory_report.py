@@ -74,7 +74,7 @@ def memory_report(devices: Sequence[str], params: Sequence[Sequence[torch.Tensor
             "transfer": stream.host.registered_bytes if stream is not None and stream.host is not None else 0}
     if host_update is not None:
         masters, opts = host_update
-        host.update(parameters=masters.flat.nbytes, gradients=masters.grad_bytes,
+        host.update(parameters=masters.flat.nbytes, gradients=_nbytes([masters.staged, masters.wide]),
                     optimizer_state=sum(optimizer_state_bytes(o) for o in opts) + masters.unshown_bytes())
         if masters.wire is not None:  # the masters' bf16 rounding, sent to the devices
             host["transfer"] += _nbytes([masters.wire.flat16])
