@@ -28,10 +28,7 @@ class StateSnapshot:
     def save(self, state: dict, params: list[torch.Tensor]) -> None:
         src, dst = [], []
         for p in params:
-            s = state.get(p)
-            if not s:
-                self._saved.append((p, None))
-                continue
+            s = state.get(p) or {}
             bufs = self._bufs.setdefault(p, {})
             snap = {}
             for k, v in s.items():
@@ -43,7 +40,7 @@ class StateSnapshot:
                     dst.append(b)
                     v = b
                 snap[k] = v
-            self._saved.append((p, snap))
+            self._saved.append((p, snap if s else None))
         if src:
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
@@ -67,9 +64,8 @@ class StateSnapshot:
 
 def has_step_hooks(opt: torch.optim.Optimizer) -> bool:
     """Step hooks (``opt``'s or global) would see part of the parameters per chunk: update once after backward."""
-    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
-        return True
-    return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
+    return bool(opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
+                or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
 
 
 def may_write_then_raise(opt: torch.optim.Optimizer) -> bool:
@@ -77,10 +73,8 @@ def may_write_then_raise(opt: torch.optim.Optimizer) -> bool:
     own = vars(opt).get("step")
     while getattr(own, "_wrapped_by_lr_sched", False):
         own = own.__wrapped__
-    if (opt._optimizer_step_post_hooks or own not in (None, type(opt).step)
-            or not type(opt).__module__.startswith("torch.optim")):
-        return True
-    return bool(torch_optimizer._global_optimizer_post_hooks)
+    return bool(opt._optimizer_step_post_hooks or torch_optimizer._global_optimizer_post_hooks
+                or own not in (None, type(opt).step) or not type(opt).__module__.startswith("torch.optim"))
 
 
 def step_or_undo(opt: torch.optim.Optimizer, states: StateSnapshot, masters: Any) -> None:
@@ -106,7 +100,6 @@ FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 def prefer_fused(opt: torch.optim.Optimizer) -> None:
-    """``fused=True`` in groups that chose neither ``fused`` nor ``foreach``."""
     if type(opt) not in FUSED_CPU:
         return
     for g in opt.param_groups:

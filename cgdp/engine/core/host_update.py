@@ -70,8 +70,8 @@ class HostMasters:
         self.masters = [nn.Parameter(self.flat[o:o + n].view(p.shape))
                         for o, n, p in zip(self.offsets, numels, self.params[0])]
         self.pid = {id(p): pid for pid, p in enumerate(self.params[0])}
-        self._staged: torch.Tensor | None = None  # replica 0's flat gradient, copied to the host
-        self._wide: torch.Tensor | None = None
+        self.staged: torch.Tensor | None = None  # replica 0's flat gradient, copied to the host
+        self.wide: torch.Tensor | None = None  # the float32 row a bf16 sum row is widened into (HostUpdate's)
         self._attached: tuple | None = None
         self._selected: tuple = (None,)
         self.wire: Any = None  # Bf16Wire with grad_transfer="bf16"
@@ -79,24 +79,6 @@ class HostMasters:
         """Host memory the optimizer holds besides its state (the flat moments' other side)."""
         self._viewed: list[nn.Parameter] = []
         self.refresh()
-
-    @property
-    def nbytes(self) -> int:
-        return self.flat.numel() * 4
-
-    @property
-    def grad_bytes(self) -> int:
-        """Host bytes held for gradients besides the accumulator's rows."""
-        return sum(b.numel() * b.element_size() for b in (self._staged, self._wide) if b is not None)
-
-    def widened(self, rounded: torch.Tensor) -> torch.Tensor:
-        """The float32 buffer the bf16 sum row is widened into (allocated once)."""
-        if self._wide is None or self._wide.numel() != rounded.numel():
-            self._wide = torch.empty(rounded.shape, dtype=torch.float32)
-        return self._wide
-
-    def widen(self, rounded: torch.Tensor, lo: int, hi: int) -> None:
-        self.widened(rounded)[lo:hi].copy_(rounded[lo:hi])
 
     def refresh(self) -> None:
         """Masters ← replica 0's parameters (at start, after a failed step)."""
@@ -115,8 +97,7 @@ class HostMasters:
         with torch.no_grad():
             torch._foreach_copy_([self.masters[pid] for pid in moved], [self.params[0][pid].detach() for pid in moved])
         if round_replicas and self.wire is not None:
-            self.wire.round_replicas(moved)
-            now = list(map(_VERSION, self.params[0]))
+            self.wire.round_replicas(moved)  # through .data: no version counter moves
         self.versions = now
 
     def take_grads(self, row: torch.Tensor | None, offsets: Sequence[int], flat: torch.Tensor,
@@ -126,10 +107,10 @@ class HostMasters:
         per tensor); None where replica 0's ``.grad`` is."""
         grads = [grad_of(self.params[0][k]) for k in pids] if pids is not None else list(map(grad_of, self.params[0]))
         if row is None:
-            if self._staged is None or self._staged.shape != flat.shape:  # pinned on CUDA, as the masters
-                self._staged = self.devs[0].host_empty(flat.shape, flat.dtype)
+            if self.staged is None or self.staged.shape != flat.shape:  # pinned on CUDA, as the masters
+                self.staged = self.devs[0].host_empty(flat.shape, flat.dtype)
             with torch.no_grad():
-                row = self._staged.copy_(flat)  # note: host waits for replica 0's gradient (D2H, one copy)
+                row = self.staged.copy_(flat)  # note: host waits for replica 0's gradient (D2H, one copy)
         self.grads_from_row(row, offsets, [k for k, g in zip(pids or itertools.count(), grads) if g is None]
                             if any(map(is_none, grads)) else ())
 
@@ -218,7 +199,6 @@ class HostUpdate(Update):
         prefer_fused(opt)
         self.optimizer = opt
         self.overlap = "after backward"  # or "with backward" (chunk by chunk)
-        self.figures: dict[str, float] = {}
         self._stream: GradientStream | None = None
         self._layout: Any = None
         self._open = False  # an overlapped step began and was not finished (masters maybe ahead)
@@ -227,8 +207,7 @@ class HostUpdate(Update):
         self._flat: host_adam.FlatAdam | None = None  # Adam/AdamW's moments in two sides: no copy to undo
         self._fast = False  # this step's chunks go to ``_flat``
         self._seconds = 0.0
-        self._rounded: torch.Tensor | None = None
-        self.undone = False  # the step raised after backward and was undone: nothing changed
+        self._rounded: torch.Tensor | None = None  # a bf16 sum row, widened into ``masters.wide``
 
     def attach(self, stream: GradientStream, grads: Any, clipping: bool, guard: Guard, resources: Resources,
                module: nn.Module | None = None) -> None:
@@ -239,15 +218,13 @@ class HostUpdate(Update):
         if stream.stages and stream.transfer == torch.bfloat16 and stream.stages[0].numel() >= m.flat.numel():
             m.wire = Bf16Wire(m, stream.stages)
             m.wire.round_replicas(range(len(m.masters)))  # from the first forward on, the replicas hold their rounding
-            m.versions = list(map(_VERSION, m.params[0]))
             resources.push(m.wire.close)
             if module is not None:
                 resources.push(masters_in_state_dict(module, m))
         host = stream.host
-        # float32 sum read in place, or a bf16 row widened chunk by chunk
-        self._rounded = None if host is None or host.sum_row() is not None else host.rounded_row()
-        if host is None or (host.sum_row() is None and self._rounded is None):
+        if host is None or (host.sum_row() is None and host.rounded_row() is None):
             return
+        self._rounded = host.rounded_row()  # a bf16 row widened chunk by chunk; else the float32 sum read in place
         host.send_back = False
         if not clipping and type(self.optimizer) in PER_PARAMETER:
             self.overlap = "with backward"
@@ -258,7 +235,8 @@ class HostUpdate(Update):
                                                                  guard.fail), name="cgdp-host-update", daemon=True)
             thread.start()
             weakref.finalize(self, self._queue.put, None)
-            resources.push(functools.partial(_stop, self._queue, thread))
+            resources.push(functools.partial(thread.join, 30.0))
+            resources.push(functools.partial(self._queue.put, None))  # the stack runs backwards: stopped, then joined
             host.on_summed = weak_call(self._summed)
             if host_adam.usable(self.optimizer):
                 self._flat = host_adam.FlatAdam(self.optimizer, m.masters, m.offsets, m.flat)
@@ -285,9 +263,7 @@ class HostUpdate(Update):
         lay = self._stream.layout
         if lay is not self._layout:  # a plan switch: the chunks' parameters and the row's views
             self._layout = lay
-            self._chunk_pids = [[] for _ in lay.plan]
-            for pid, c in enumerate(lay.param_chunk):
-                self._chunk_pids[c].append(pid)
+            self._chunk_pids = [[pid for pid, k in enumerate(lay.param_chunk) if k == c] for c in range(len(lay.plan))]
             where = {id(p): k for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
             self._group = [where.get(id(p)) for p in m.masters]
         m.grads_from_row(self._sum_row(), lay.offsets, ())  # again if zero_grad() dropped them
@@ -310,29 +286,29 @@ class HostUpdate(Update):
         """A failed overlapped step: its updates finished and undone (masters and optimizer state as before it), so
         that a checkpoint saved right after the error holds the step before. False: the host update thread did not
         finish them within ``timeout_s`` (the step is left open)."""
-        if not self._open:
+        if not self._open:  # only an overlapped step opens
             return True
-        if self.overlap == "with backward":
-            done = threading.Event()
-            self._queue.put(done.set)
-            try:
-                self._guard.wait(done, "the host update thread to finish a failed step's updates")
-            except StepAborted:  # the failed step's own error, already raised to the caller
-                if not done.wait(self._guard.timeout_s):  # note: host waits for the host update thread
-                    return False
-            self._undo()
-        else:
-            self.masters.refresh()
+        done = threading.Event()
+        self._queue.put(done.set)
+        try:
+            self._guard.wait(done, "the host update thread to finish a failed step's updates")
+        except StepAborted:  # the failed step's own error, already raised to the caller
+            if not done.wait(self._guard.timeout_s):  # note: host waits for the host update thread
+                return False
+        self._undo()
         self._open = False
         return True
 
-    def _sum_row(self, widen: bool = False) -> torch.Tensor:
-        """The float32 row the masters' gradients view (with ``widen``, a bf16 row widened whole now)."""
+    def _sum_row(self, widen: slice | None = None) -> torch.Tensor:
+        """The float32 row the masters' gradients view (a bf16 row's part ``widen`` widened into it now)."""
         if self._rounded is None:
             return self._stream.host.sum_row()
-        if widen:
-            self.masters.widen(self._rounded, 0, self._rounded.numel())
-        return self.masters.widened(self._rounded)
+        m = self.masters
+        if m.wide is None:  # allocated once (the row is the stream's for good)
+            m.wide = torch.empty(self._rounded.shape, dtype=torch.float32)
+        if widen is not None:
+            m.wide[widen].copy_(self._rounded[widen])
+        return m.wide
 
     def _summed(self, s: int) -> None:
         if not self._with_backward:
@@ -359,10 +335,9 @@ class HostUpdate(Update):
                 self._poisoned = c
                 return
             if self._rounded is not None:
-                self.masters.widen(self._rounded, *lay.chunk_bounds[c])
+                self._sum_row(slice(*lay.chunk_bounds[c]))
             t0 = time.perf_counter()
-            groups = self.optimizer.param_groups
-            lent, pids = [[] for _ in groups], []
+            lent, pids = [[] for _ in self.optimizer.param_groups], []
             masters = self.masters.masters
             for pid in self._chunk_pids[c]:
                 k = self._group[pid]
@@ -439,7 +414,7 @@ class HostUpdate(Update):
             t0 = time.perf_counter()
             host = stream.host
             # else replica 0 holds the averaged gradient (a bf16 wire, a ring of host slots)
-            m.take_grads(self._sum_row(widen=True) if host is not None and not host.send_back else None,
+            m.take_grads(self._sum_row(slice(None)) if host is not None and not host.send_back else None,
                          stream.layout.offsets, stream.flats[0])
             if coef is not None:
                 grads = [g.grad for g in m.masters if g.grad is not None]
@@ -456,21 +431,13 @@ class HostUpdate(Update):
         self.figures = {"host_update_s": self._seconds, "host_update_overlapped": float(overlapped),
                         "host_update_step_hooks": float(self._hooked)}
         stamps = m.to_devices(threads)
-        self.figures["host_update_bytes_back"] = float(m.wire.sent_bytes if m.wire is not None else m.nbytes)
+        self.figures["host_update_bytes_back"] = float(m.wire.sent_bytes if m.wire is not None else m.flat.nbytes)
         return stamps
-
-
-def _stop(q: queue.SimpleQueue, thread: threading.Thread) -> None:
-    q.put(None)
-    thread.join(30.0)
 
 
 def _update_loop(q: queue.SimpleQueue, update: Callable[[int], None], fail: Callable[[BaseException], None]) -> None:
     """Chunk numbers in (or a callable), until None."""
-    while True:
-        c = q.get()
-        if c is None:
-            return
+    for c in iter(q.get, None):
         try:
             c() if callable(c) else update(c)
         except BaseException as exc:

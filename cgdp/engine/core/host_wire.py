@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from cgdp.engine.core.threads import DeviceThreads
-
-Stamps = tuple[Any, Any]
+from cgdp.engine.core.update import Stamps
 
 
 class Bf16Wire:
@@ -38,8 +37,8 @@ class Bf16Wire:
         self._backup: torch.Tensor | None = None
         self._aside: list[torch.Tensor] = []
         self._kept: Sequence[int] = []
-        self.sent_bytes = 0
-        """Bytes each device received in the last copy back."""
+        self.sent_bytes = self.flat16.nbytes
+        """Bytes each device receives in a copy back."""
 
     def to_devices(self, threads: DeviceThreads) -> list[Stamps]:
         """Every replica's parameters ← float32(bf16(masters)), half the bytes over the bus."""
@@ -56,13 +55,10 @@ class Bf16Wire:
                 self.stages[j].copy_(self.flat16, non_blocking=dev.is_cuda)
                 torch._foreach_copy_(params[j], self.views[j])  # widened on the device
             return t0, dev.stamp()
-        stamps = threads.run_all(copy, computing=True)
-        self.sent_bytes = self.flat16.numel() * self.flat16.element_size()
-        return stamps
+        return threads.run_all(copy, computing=True)
 
     def close(self) -> None:
-        """Replica 0 (the user's model) takes the masters themselves, not their rounding; the stages' views are dropped.
-        """
+        """Replica 0 (the user's model) takes the masters themselves, not their rounding; the wire is dropped."""
         m = self.masters
         with torch.no_grad():
             torch._foreach_copy_([p.data for p in m.params[0]], m.masters)
@@ -106,12 +102,10 @@ class Bf16Wire:
 
 def masters_in_state_dict(module: nn.Module, masters: Any) -> Callable[[], None]:
     """``state_dict()`` of the module or any submodule holds copies of the float32 masters, not the rounded replica
-    values (``keep_vars=True`` keeps the parameters). One post-hook per module owning parameters; returns their remover.
-    """
-    index = {id(p): k for k, p in enumerate(masters.params[0])}
+    values (``keep_vars=True`` keeps the parameters): a post-hook per module owning parameters; returns the remover."""
 
     def hook_for(mod: nn.Module) -> Any:
-        keys = [(name, index[id(p)]) for name, p in mod.named_parameters(recurse=False) if id(p) in index]
+        keys = [(name, masters.pid[id(p)]) for name, p in mod.named_parameters(recurse=False) if id(p) in masters.pid]
         own = weakref.ref(mod)
 
         def hook(m: nn.Module, state: dict, prefix: str, meta: Any) -> None:

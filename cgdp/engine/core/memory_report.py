@@ -18,22 +18,18 @@ import torch
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of ``opt``'s state tensors."""
     return _nbytes([v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
 
 
 def _nbytes(ts: Sequence[torch.Tensor | None]) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+    return sum(t.nbytes for t in ts if t is not None)
 
 
 def grad_bytes(params: Sequence[torch.Tensor], flat: torch.Tensor | None) -> int:
     """The flat buffer, and every ``.grad`` that is not a view into it."""
     total = _nbytes([flat])
     ptr = flat.untyped_storage().data_ptr() if flat is not None and flat.numel() else None
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
+    for g in [p.grad for p in params if p.grad is not None]:
         if g.is_sparse:
             g = g.coalesce()
             total += _nbytes([g._values(), g._indices()])
@@ -78,7 +74,7 @@ def memory_report(devices: Sequence[str], params: Sequence[Sequence[torch.Tensor
             "transfer": stream.host.registered_bytes if stream is not None and stream.host is not None else 0}
     if host_update is not None:
         masters, opts = host_update
-        host.update(parameters=masters.nbytes, gradients=masters.grad_bytes,
+        host.update(parameters=masters.flat.nbytes, gradients=_nbytes([masters.staged, masters.wide]),
                     optimizer_state=sum(optimizer_state_bytes(o) for o in opts) + masters.unshown_bytes())
         if masters.wire is not None:  # the masters' bf16 rounding, sent to the devices
             host["transfer"] += _nbytes([masters.wire.flat16])

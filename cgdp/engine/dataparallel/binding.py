@@ -108,7 +108,6 @@ class Binding:
         self.opt = weakref.ref(opt)
         self.stepping: threading.Thread | None = None  # the guard lets the optimizer's own step run there
         self.closed = False
-        self.mirrors: list[torch.optim.Optimizer] = []
         self._lens = [len(g["params"]) for g in opt.param_groups]
         self._build(opt, steps)
         inner = opt.step
@@ -242,9 +241,8 @@ class Binding:
         d = opt.__dict__
         d.pop(_ATTR, None)
         if getattr(d.get("step"), "cgdp_bound", False):  # (a scheduler's counter built since stays over it)
-            if self._had is None:
-                del d["step"]
-            else:
+            del d["step"]
+            if self._had is not None:
                 d["step"] = self._had
 
 
