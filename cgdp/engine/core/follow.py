@@ -37,6 +37,7 @@ from cgdp.engine.core.user_warning import warn_user
 _TRAINING = operator.attrgetter("training")
 _GRAD = operator.attrgetter("requires_grad")
 _VERSION = operator.attrgetter("_version")
+_CHILDREN = operator.attrgetter("_modules")
 
 
 class Follow:
@@ -84,7 +85,7 @@ class Follow:
     def _structure(self) -> tuple:
         """Replica 0's module tree; read only when a registration or hook counter moved."""
         m0 = self.modules[0]
-        return list(map(id, chain.from_iterable(map(dict.values, map(operator.attrgetter("_modules"), m0))))), fingerprint(m0)
+        return list(map(id, chain.from_iterable(map(dict.values, map(_CHILDREN, m0))))), fingerprint(m0)
 
     def stepped(self) -> None:
         """Every replica was stepped alike: the new versions are not a change to follow."""
@@ -197,8 +198,7 @@ class Follow:
         """After a forward of replicas 0..used-1 (caller's thread): see the module."""
         versions = list(map(_VERSION, self.params[0]))
         seen = self._seen[2]
-        lookups = self._lookups
-        looked = lookups.take()  # only max_norm embeddings' weights
+        looked = self._lookups.take()  # only max_norm embeddings' weights
         if versions == seen:
             return
         refused, saved = [], []
@@ -207,7 +207,7 @@ class Follow:
                 ps = [params[i] for params in self.params]
                 first = ps[0]
                 if rows := looked.get(i):  # looked up: armed by before_step, so ``base`` is this forward's
-                    if _merge_rows(ps, rows, lookups.norm[i], lookups.base[i]):
+                    if _merge_rows(ps, rows, self._lookups.norm[i], self._lookups.base[i]):
                         saved.append(i)
                 elif all(torch.equal(first, p.to(first.device)) for p in ps[1:used]):
                     for p in ps[used:]:
@@ -366,18 +366,15 @@ class LocalHooks(OrderedDict):
         self.inherited = set(previous.keys())
         self.local: set[int] = set()
 
-    def _live(self) -> list[tuple[int, Any]]:
+    def items(self) -> list[tuple[int, Any]]:  # what nn.Module.__call__ calls for forward pre-hooks
         return [(k, v) for k, v in super().items() if k not in self.inherited or k in self.previous]
 
     def values(self):  # what nn.Module.load_state_dict calls
-        return [v for _, v in self._live()]
-
-    def items(self):  # what nn.Module.__call__ calls for forward pre-hooks
-        return self._live()
+        return [v for _, v in self.items()]
 
     def __reduce__(self):
         # a plain OrderedDict: the file (or the copy) holds the user's hooks only
-        return OrderedDict, (), None, None, iter([(k, v) for k, v in self._live() if k not in self.local])
+        return OrderedDict, (), None, None, iter([(k, v) for k, v in self.items() if k not in self.local])
 
 
 def _local_hook(module: nn.Module, attr: str, hook: Callable[..., Any]) -> RemovableHandle:

@@ -321,8 +321,7 @@ class DeviceThreads:
 
 
 class _Countdown:
-    """A run_all's slots not yet done, the condition they share, and whether each finishing slot wakes the waiters
-    (after a failure)."""
+    """A run_all's shared condition, its slots not yet done, and whether each one finishing wakes the waiters."""
 
     __slots__ = ("cond", "left", "every")
 
@@ -331,9 +330,8 @@ class _Countdown:
 
 
 class _Slot:
-    """One device's part of a :meth:`DeviceThreads.run_all`, with the ``Future`` methods its thread calls, on its
-    call's shared condition, so the caller wakes once per call (when the last is done, or at a failure), not once per
-    device."""
+    """One device's part of a :meth:`DeviceThreads.run_all` (the ``Future`` methods its thread calls), on the call's
+    shared condition: the caller wakes once per call (the last done, or a failure), not once per device."""
 
     __slots__ = ("_cond", "_left", "done", "result", "error")
 
