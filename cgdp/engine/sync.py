@@ -42,13 +42,6 @@ class Guard:
             if self.error is None and not isinstance(exc, StepAborted):
                 self.error = exc
 
-    def wait(self, event: threading.Event, what: str) -> None:
-        """Block the calling thread until ``event`` is set, another thread fails, or timeout."""
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        while not event.wait(POLL_S):
-            self.check_until(deadline, what)
-        self.check()
-
     def check(self) -> None:
         if self.error is not None:
             raise StepAborted("another thread of this step failed") from self.error
@@ -59,6 +52,13 @@ class Guard:
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"waited {self.timeout_s:g} s for {what}; raise timeout_s if a step can really take "
                                f"that long")
+
+    def wait(self, event: threading.Event, what: str) -> None:
+        """Block the calling thread until ``event`` is set, another thread fails, or timeout."""
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        while not event.wait(POLL_S):
+            self.check_until(deadline, what)
+        self.check()
 
 
 class Progress:
