@@ -209,12 +209,11 @@ class Follow:
                 if rows := looked.get(i):  # looked up: armed by before_step, so ``base`` is this forward's
                     if _merge_rows(ps, rows, self._lookups.norm[i], self._lookups.base[i]):
                         saved.append(i)
-                elif all(torch.equal(first, p.to(first.device)) for p in ps[1:used]):
-                    for p in ps[used:]:
-                        p.copy_(first)  # replicas without samples ran no forward
                 else:
-                    refused.append(i)
-                    for p in ps[1:]:
+                    same = all(torch.equal(first, p.to(first.device)) for p in ps[1:used])
+                    if not same:
+                        refused.append(i)
+                    for p in ps[used if same else 1:]:  # equal: only replicas without samples (they ran no forward)
                         p.copy_(first)
         self.stepped()  # replica 0's writes are every replica's now
         names = [n for n, _ in self.replicas[0].named_parameters()] if refused or saved else []
@@ -271,10 +270,8 @@ def _watch_registrations(delta: int) -> None:
     with _lock:
         _watchers += delta
         if _watchers == 1 and not _handles:
-            _handles[:] = [register(_count) for register in (
-                nn.modules.module.register_module_module_registration_hook,
-                nn.modules.module.register_module_parameter_registration_hook,
-                nn.modules.module.register_module_buffer_registration_hook)]
+            _handles[:] = [getattr(nn.modules.module, f"register_module_{kind}_registration_hook")(_count)
+                           for kind in ("module", "parameter", "buffer")]
         elif _watchers == 0:
             for h in _handles:
                 h.remove()
@@ -289,9 +286,8 @@ class _Lookups:
     def __init__(self, modules: list[list[nn.Module]], params: list[list[nn.Parameter]]):
         pos = {id(p): i for i, p in enumerate(params[0])}
         self.norm: dict[int, float] = {}
-        self.ids: dict[int, list[torch.Tensor]] = {}
+        self.ids: dict[int, list[torch.Tensor]] | None = None  # armed (the hooks record) while a dict
         self.base: dict[int, list[int]] = {}
-        self.armed = False
         self.edges: list = []
         self.handles: list[RemovableHandle] = []
         embeddings = [(k, m) for k, m in enumerate(modules[0])
@@ -315,23 +311,22 @@ class _Lookups:
         if not self.weights:
             return
         self.ids = {}
-        self.armed = True
         self.edges = [get_gradient_edge(w) for ws in self.weights.values() for w in ws if w.requires_grad]
         self.base = {i: [w._use_count() for w in ws] for i, ws in self.weights.items()}
 
     def take(self) -> dict[int, list[torch.Tensor]]:
         """After it: the indices looked up per weight."""
-        if not self.armed:
+        looked = self.ids
+        if looked is None:
             return {}
-        self.armed = False
-        self.edges = []
-        looked, self.ids = self.ids, {}
+        self.ids, self.edges = None, []
         return looked
 
 
 def _looked_up(i: int, lookups: _Lookups, _module: nn.Module, args: tuple) -> None:
-    if lookups.armed and args:
-        lookups.ids.setdefault(i, []).append(args[0])  # list.append: safe from the replicas' threads
+    ids = lookups.ids
+    if ids is not None and args:
+        ids.setdefault(i, []).append(args[0])  # list.append: safe from the replicas' threads
 
 
 def _merge_rows(ps: list[torch.Tensor], looked: list[torch.Tensor], norm_type: float, base: list[int]) -> bool:
