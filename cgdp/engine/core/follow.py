@@ -58,6 +58,8 @@ class Follow:
         self.trainable = list(self.wrapped_trainable)
         self._names = [n for n, _ in replicas[0].named_modules()]
         self._children = [[(k, id(c)) for k, c in m._modules.items()] for m in self.modules[0]]
+        self._child_ids = [c for children in self._children for _, c in children]  # the tree, flat
+        self._print = fingerprint(self.modules[0])
         self._lookups = _Lookups(self.modules, self.params)
         _watch_registrations(+1)
         me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
@@ -66,7 +68,6 @@ class Follow:
         for m in self.modules[0]:
             self._load += (_local_hook(m, "_load_state_dict_pre_hooks", partial(_load_begins, me)),
                            _local_hook(m, "_load_state_dict_post_hooks", partial(_load_ends, me)))
-        self._struct = self._structure()
         self._seen = self._look()
 
     def close(self) -> None:
@@ -81,11 +82,6 @@ class Follow:
         m0, p0 = self.modules[0], self.params[0]
         return [list(map(_TRAINING, m0)), list(map(_GRAD, p0)), list(map(_VERSION, p0)), _registrations,
                 hook_count(), list(map(_VERSION, self.buffers[0]))]
-
-    def _structure(self) -> tuple:
-        """Replica 0's module tree; read only when a registration or hook counter moved."""
-        m0 = self.modules[0]
-        return list(map(id, chain.from_iterable(map(dict.values, map(_CHILDREN, m0))))), fingerprint(m0)
 
     def stepped(self) -> None:
         """Every replica was stepped alike: the new versions are not a change to follow."""
@@ -104,12 +100,13 @@ class Follow:
         if now == seen:
             return False
         relisted = False
-        if now[3] != seen[3] or now[4] != seen[4]:
-            struct = self._structure()
-            if struct[0] != self._struct[0]:
+        if now[3] != seen[3] or now[4] != seen[4]:  # replica 0's module tree read again (in C)
+            m0 = self.modules[0]
+            if list(map(id, chain.from_iterable(map(dict.values, map(_CHILDREN, m0))))) != self._child_ids:
                 self._refuse_new_children()
-            relisted = self.hooks.follow(moved=struct[1] != self._struct[1])
-            self._struct = struct
+            fp = fingerprint(m0)
+            relisted = self.hooks.follow(moved=fp != self._print)
+            self._print = fp
         if now[3] != seen[3]:  # a buffer assigned or registered: listed again, every one copied
             self.buffers = [list(r.buffers()) for r in self.replicas]
             now[5] = list(map(_VERSION, self.buffers[0]))
