@@ -370,8 +370,7 @@ class LocalHooks(OrderedDict):
 
 
 def _local_hook(module: nn.Module, attr: str, hook: Callable[..., Any]) -> RemovableHandle:
-    """``hook`` registered in ``module``'s hook dictionary ``attr`` (by ``register_<attr less its s>``), kept out of
-    pickles and copies."""
+    """``hook`` in ``module``'s dictionary ``attr`` (by ``register<attr less s>``), kept out of pickles and copies."""
     hooks = getattr(module, attr)
     if not isinstance(hooks, LocalHooks):
         hooks = LocalHooks(hooks)

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
@@ -98,11 +98,8 @@ def threads_per_device(num_devices: int) -> int:
 
 def _on_new_thread(fn: Callable[[], Any]) -> Any:
     """``fn()`` on a thread of its own (whose intra-op count starts from the process-wide one)."""
-    out: list[Any] = []
-    t = threading.Thread(target=lambda: out.append(fn()), name="cgdp-intra-op-count")
-    t.start()
-    t.join()
-    return out[0] if out else None
+    with ThreadPoolExecutor(1, thread_name_prefix="cgdp-intra-op-count") as once:
+        return once.submit(fn).result()
 
 
 @functools.lru_cache(maxsize=None)
