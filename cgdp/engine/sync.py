@@ -46,14 +46,18 @@ class Guard:
         if self.error is not None:
             raise StepAborted("another thread of this step failed") from self.error
 
+    def check_until(self, deadline: float | None, what: str) -> None:
+        """:meth:`check`; past ``deadline`` (``time.monotonic()``, None: never) a timeout of the wait for ``what``."""
+        self.check()
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"waited {self.timeout_s:g} s for {what}; raise timeout_s if a step can really take "
+                               f"that long")
+
     def wait(self, event: threading.Event, what: str) -> None:
         """Block the calling thread until ``event`` is set, another thread fails, or timeout."""
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         while not event.wait(POLL_S):
-            self.check()
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"waited {self.timeout_s:g} s for {what}; raise timeout_s if a "
-                                   f"step can really take that long")
+            self.check_until(deadline, what)
         self.check()
 
 
@@ -81,21 +85,17 @@ class Progress:
         """Back to zero (only with nothing in flight)."""
         self.done = 0
 
-    def wait(self, target: int, guard: Guard | None, what: str) -> None:
+    def wait(self, target: int, guard: Guard, what: str) -> None:
         """Block until the count is at least ``target``, another thread fails, or timeout."""
         if self.done >= target:  # an int read: no lock needed to see that it is done
             return
-        timeout = guard.timeout_s if guard is not None else None
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if guard.timeout_s is None else time.monotonic() + guard.timeout_s
         with self._cond:
             self._waiters += 1
             try:
                 while self.done < target:
                     self._cond.wait(POLL_S)
-                    if guard is not None and self.done < target:
-                        guard.check()
-                    if deadline is not None and self.done < target and time.monotonic() > deadline:
-                        raise TimeoutError(f"waited {timeout:g} s for {what}; raise timeout_s if a step "
-                                           f"can really take that long")
+                    if self.done < target:
+                        guard.check_until(deadline, what)
             finally:
                 self._waiters -= 1

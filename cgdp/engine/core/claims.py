@@ -47,9 +47,7 @@ def _open(ref: weakref.ref | None) -> Any:
 
 def claimed(param: nn.Parameter) -> bool:
     """Whether an open engine holds ``param``."""
-    with _lock:
-        ref = _CLAIMS.get(id(param))
-    return _open(ref) is not None
+    return _open(_CLAIMS.get(id(param))) is not None  # one dict read: no lock needed
 
 
 def holder(module: nn.Module) -> Any:

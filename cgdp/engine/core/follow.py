@@ -58,15 +58,16 @@ class Follow:
         self.trainable = list(self.wrapped_trainable)
         self._names = [n for n, _ in replicas[0].named_modules()]
         self._children = [[(k, id(c)) for k, c in m._modules.items()] for m in self.modules[0]]
-        self._renorm = _max_norm_embeddings(self.modules[0], self.params[0])
-        self._lookups = _Lookups(self.modules, self._renorm, self.params)
+        self._child_ids = [c for children in self._children for _, c in children]  # the tree, flat
+        self._print = fingerprint(self.modules[0])
+        self._lookups = _Lookups(self.modules, self.params)
         _watch_registrations(+1)
         me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
-        self._index = {id(m): i for i, m in enumerate(self.modules[0])}
         self._outer: tuple = (None, None)  # the module a load_state_dict call loads, and its missing keys
-        self._load: list[RemovableHandle] | None = list(chain.from_iterable(
-            local_load_hooks(m, partial(_load_begins, me), partial(_load_ends, me)) for m in self.modules[0]))
-        self._struct = self._structure()
+        self._load: list[RemovableHandle] | None = []  # every submodule's load_state_dict pre- and post-hook
+        for m in self.modules[0]:
+            self._load += (_local_hook(m, "_load_state_dict_pre_hooks", partial(_load_begins, me)),
+                           _local_hook(m, "_load_state_dict_post_hooks", partial(_load_ends, me)))
         self._seen = self._look()
 
     def close(self) -> None:
@@ -76,25 +77,19 @@ class Follow:
             self._load = None
             _watch_registrations(-1)
 
-    def _look(self) -> tuple:
+    def _look(self) -> list:
         """Replica 0 now, as one value, built in C (cheap enough for every step)."""
         m0, p0 = self.modules[0], self.params[0]
-        return (list(map(_TRAINING, m0)), list(map(_GRAD, p0)), list(map(_VERSION, p0)), _registrations,
-                hook_count(), list(map(_VERSION, self.buffers[0])))
-
-    def _structure(self) -> tuple:
-        """Replica 0's module tree; read only when a registration or hook counter moved."""
-        m0 = self.modules[0]
-        return list(map(id, chain.from_iterable(map(dict.values, map(_CHILDREN, m0))))), fingerprint(m0)
+        return [list(map(_TRAINING, m0)), list(map(_GRAD, p0)), list(map(_VERSION, p0)), _registrations,
+                hook_count(), list(map(_VERSION, self.buffers[0]))]
 
     def stepped(self) -> None:
         """Every replica was stepped alike: the new versions are not a change to follow."""
-        s = self._seen
-        self._seen = (s[0], s[1], list(map(_VERSION, self.params[0])), *s[3:])
+        self._seen[2] = list(map(_VERSION, self.params[0]))
 
     def buffers_synced(self) -> None:
         """The face made every replica's buffers the same (after a forward): their new versions are not a change."""
-        self._seen = (*self._seen[:5], list(map(_VERSION, self.buffers[0])))
+        self._seen[5] = list(map(_VERSION, self.buffers[0]))
 
     def before_step(self) -> bool:
         """Caller's thread, no replica running: every replica takes what changed on replica 0, or a refusal is raised
@@ -105,15 +100,16 @@ class Follow:
         if now == seen:
             return False
         relisted = False
-        if now[3] != seen[3] or now[4] != seen[4]:
-            struct = self._structure()
-            if struct[0] != self._struct[0]:
+        if now[3] != seen[3] or now[4] != seen[4]:  # replica 0's module tree read again (in C)
+            m0 = self.modules[0]
+            if list(map(id, chain.from_iterable(map(dict.values, map(_CHILDREN, m0))))) != self._child_ids:
                 self._refuse_new_children()
-            relisted = self.hooks.follow(moved=struct[1] != self._struct[1])
-            self._struct = struct
+            fp = fingerprint(m0)
+            relisted = self.hooks.follow(moved=fp != self._print)
+            self._print = fp
         if now[3] != seen[3]:  # a buffer assigned or registered: listed again, every one copied
             self.buffers = [list(r.buffers()) for r in self.replicas]
-            now = (*now[:5], list(map(_VERSION, self.buffers[0])))
+            now[5] = list(map(_VERSION, self.buffers[0]))
             self._copy_buffers(range(len(self.buffers[0])))
         elif now[5] != seen[5]:  # changed in place (reset_running_stats(), a schedule): replica 0's everywhere
             self._copy_buffers([i for i, (a, b) in enumerate(zip(now[5], seen[5])) if a != b])
@@ -173,15 +169,15 @@ class Follow:
                         bufs[i].copy_(self.buffers[0][i])
         self.after_load()  # every replica's buffers are the same: the face's baseline
 
-    def broadcast(self, at: int = 0) -> None:
+    def broadcast(self, at: int) -> None:
         """Every replica's submodule ``at`` ← replica 0's state, after a load."""
         self._refuse_new_parameters()
         state = self.modules[0][at].state_dict()
         with torch.no_grad():
             for mods in self.modules[1:]:
                 mods[at].load_state_dict(state)
-        now, seen = self._look(), self._seen
-        self._seen = (*now[:3], *seen[3:5], now[5])  # a load that assigned buffers anew is followed by before_step
+        now = self._look()
+        self._seen[:3], self._seen[5] = now[:3], now[5]  # a load that assigned buffers anew is followed by before_step
         self.after_load()
 
     def _refuse_new_parameters(self) -> None:
@@ -199,24 +195,22 @@ class Follow:
         """After a forward of replicas 0..used-1 (caller's thread): see the module."""
         versions = list(map(_VERSION, self.params[0]))
         seen = self._seen[2]
-        looked = self._lookups.take()
+        looked = self._lookups.take()  # only max_norm embeddings' weights
         if versions == seen:
             return
-        changed = [i for i, (v, s) in enumerate(zip(versions, seen)) if v != s]
         refused, saved = [], []
         with torch.no_grad():
-            for i in changed:
+            for i in [i for i, (v, s) in enumerate(zip(versions, seen)) if v != s]:
                 ps = [params[i] for params in self.params]
                 first = ps[0]
-                if i in self._renorm and looked.get(i):
-                    if _merge_rows(ps, looked[i], self._renorm[i], self._lookups.base.get(i)):
+                if rows := looked.get(i):  # looked up: armed by before_step, so ``base`` is this forward's
+                    if _merge_rows(ps, rows, self._lookups.norm[i], self._lookups.base[i]):
                         saved.append(i)
-                elif all(torch.equal(first, p.to(first.device)) for p in ps[1:used]):
-                    for p in ps[used:]:
-                        p.copy_(first)  # replicas without samples ran no forward
                 else:
-                    refused.append(i)
-                    for p in ps[1:]:
+                    same = all(torch.equal(first, p.to(first.device)) for p in ps[1:used])
+                    if not same:
+                        refused.append(i)
+                    for p in ps[used if same else 1:]:  # equal: only replicas without samples (they ran no forward)
                         p.copy_(first)
         self.stepped()  # replica 0's writes are every replica's now
         names = [n for n, _ in self.replicas[0].named_parameters()] if refused or saved else []
@@ -252,7 +246,7 @@ def _load_ends(me: Callable[[], Follow | None], module: nn.Module, keys: Any) ->
     follow = me()
     if follow is not None and follow._outer[0] is module and follow._outer[1] is keys.missing_keys:
         follow._outer = (None, None)
-        follow.broadcast(follow._index[id(module)])
+        follow.broadcast(follow.modules[0].index(module))
 
 
 _registrations = 0
@@ -273,86 +267,66 @@ def _watch_registrations(delta: int) -> None:
     with _lock:
         _watchers += delta
         if _watchers == 1 and not _handles:
-            _handles[:] = [register(_count) for register in (
-                nn.modules.module.register_module_module_registration_hook,
-                nn.modules.module.register_module_parameter_registration_hook,
-                nn.modules.module.register_module_buffer_registration_hook)]
+            _handles[:] = [getattr(nn.modules.module, f"register_module_{kind}_registration_hook")(_count)
+                           for kind in ("module", "parameter", "buffer")]
         elif _watchers == 0:
             for h in _handles:
                 h.remove()
             _handles.clear()
 
 
-def _max_norm_embeddings(modules: list[nn.Module], params: list[nn.Parameter]) -> dict[int, float]:
-    """Position of each max_norm embedding's weight -> its ``norm_type``; a tied such weight is refused."""
-    pos = {id(p): i for i, p in enumerate(params)}
-    out = {}
-    for m in modules:
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
-            users = [o for o in modules if any(q is m.weight for q in o._parameters.values())]
-            if len(users) > 1:
+class _Lookups:
+    """The indices each max_norm embedding looked up per replica in the engine's forward (a local forward pre-hook),
+    and each weight's reference count before it (a rise: something saved it for backward, so it must not be written).
+    ``norm``: position of each such weight -> its ``norm_type``; a tied such weight is refused."""
+
+    def __init__(self, modules: list[list[nn.Module]], params: list[list[nn.Parameter]]):
+        pos = {id(p): i for i, p in enumerate(params[0])}
+        self.norm: dict[int, float] = {}
+        self.ids: dict[int, list[torch.Tensor]] | None = None  # armed (the hooks record) while a dict
+        self.base: dict[int, list[int]] = {}
+        self.edges: list = []
+        self.handles: list[RemovableHandle] = []
+        embeddings = [(k, m) for k, m in enumerate(modules[0])
+                      if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
+        for _, m in embeddings:  # all refused before any hook is registered
+            if sum(any(q is m.weight for q in o._parameters.values()) for o in modules[0]) > 1:
                 raise ValueError("an nn.Embedding with max_norm whose weight is shared with another module "
                                  "(tied) cannot be trained exactly on several devices: each device renormalises "
                                  "only the rows its part of the batch looks up, and the other module would see "
                                  "those. Untie the weight, or renormalise outside the forward (max_norm=None)")
-            out[pos[id(m.weight)]] = float(m.norm_type)
-    return out
-
-
-class _Lookups:
-    """The indices each max_norm embedding looked up per replica in the engine's forward (a local forward pre-hook),
-    and each weight's reference count before it (a rise: something saved it for backward, so it must not be written)."""
-
-    def __init__(self, modules: list[list[nn.Module]], renorm: dict[int, float], params: list[list[nn.Parameter]]):
-        self.weights = {i: [ps[i] for ps in params] for i in renorm}
-        self.ids: dict[int, list[torch.Tensor]] = {}
-        self.base: dict[int, list[int]] = {}
-        self.armed = [False]
-        self.edges: list = []
-        self.handles: list[RemovableHandle] = []
-        if not renorm:
-            return
-        where = {}
-        for k, m in enumerate(modules[0]):
-            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
-                pos = next(i for i, p in enumerate(params[0]) if p is m.weight)
-                for mods in modules:
-                    where[id(mods[k])] = pos
-                hooks = m._forward_pre_hooks
-                if not isinstance(hooks, LocalHooks):
-                    hooks = m._forward_pre_hooks = LocalHooks(hooks)
-                for mods in modules[1:]:
-                    mods[k].__dict__["_forward_pre_hooks"] = hooks  # shared, as every hook dictionary
-                handle = m.register_forward_pre_hook(partial(_looked_up, where, self.ids, self.armed))
-                hooks.local.add(handle.id)
-                self.handles.append(handle)
+        for k, m in embeddings:
+            i = pos[id(m.weight)]
+            self.norm[i] = float(m.norm_type)
+            self.handles.append(_local_hook(m, "_forward_pre_hooks", partial(_looked_up, i, self)))
+            for mods in modules[1:]:
+                mods[k].__dict__["_forward_pre_hooks"] = m._forward_pre_hooks  # shared, as every hook dictionary
+        self.weights = {i: [ps[i] for ps in params] for i in self.norm}
 
     def arm(self) -> None:
         """Before the engine's forward (caller's thread)."""
         if not self.weights:
             return
-        self.ids.clear()
-        self.armed[0] = True
+        self.ids = {}
         self.edges = [get_gradient_edge(w) for ws in self.weights.values() for w in ws if w.requires_grad]
         self.base = {i: [w._use_count() for w in ws] for i, ws in self.weights.items()}
 
     def take(self) -> dict[int, list[torch.Tensor]]:
         """After it: the indices looked up per weight."""
-        if not self.armed[0]:
+        looked = self.ids
+        if looked is None:
             return {}
-        self.armed[0] = False
-        self.edges = []
-        looked = dict(self.ids)
-        self.ids.clear()
+        self.ids, self.edges = None, []
         return looked
 
 
-def _looked_up(where: dict[int, int], ids: dict[int, list], armed: list[bool], module: nn.Module, args: tuple) -> None:
-    if armed[0] and args:
-        ids.setdefault(where[id(module)], []).append(args[0])  # list.append: safe from the replicas' threads
+def _looked_up(i: int, lookups: _Lookups, _module: nn.Module, args: tuple) -> None:
+    ids = lookups.ids
+    if ids is not None and args:
+        ids.setdefault(i, []).append(args[0])  # list.append: safe from the replicas' threads
 
 
-def _merge_rows(ps: list[torch.Tensor], looked: list[torch.Tensor], norm_type: float, base: list[int] | None) -> bool:
+def _merge_rows(ps: list[torch.Tensor], looked: list[torch.Tensor], norm_type: float, base: list[int]) -> bool:
     """Every replica's looked-up rows ← the row of smallest norm (renormalising only shrinks, to the same bits).
     Only differing rows are written. Returns whether a write hit a weight saved for backward."""
     first = ps[0]
@@ -368,7 +342,7 @@ def _merge_rows(ps: list[torch.Tensor], looked: list[torch.Tensor], norm_type: f
     for j, (p, q) in enumerate(zip(ps, values)):
         differ = (q != merged).any(1)
         if bool(differ.any()):
-            saved = saved or (base is not None and p._use_count() > base[j])
+            saved = saved or p._use_count() > base[j]
             p.index_copy_(0, rows[differ].to(p.device), merged[differ].to(p.device))
     return saved
 
@@ -384,29 +358,23 @@ class LocalHooks(OrderedDict):
         self.inherited = set(previous.keys())
         self.local: set[int] = set()
 
-    def _live(self) -> list[tuple[int, Any]]:
+    def items(self) -> list[tuple[int, Any]]:  # what nn.Module.__call__ calls for forward pre-hooks
         return [(k, v) for k, v in super().items() if k not in self.inherited or k in self.previous]
 
     def values(self):  # what nn.Module.load_state_dict calls
-        return [v for _, v in self._live()]
-
-    def items(self):  # what nn.Module.__call__ calls for forward pre-hooks
-        return self._live()
+        return [v for _, v in self.items()]
 
     def __reduce__(self):
         # a plain OrderedDict: the file (or the copy) holds the user's hooks only
-        return OrderedDict, (), None, None, iter([(k, v) for k, v in self._live() if k not in self.local])
+        return OrderedDict, (), None, None, iter([(k, v) for k, v in self.items() if k not in self.local])
 
 
-def local_load_hooks(module: nn.Module, pre: Callable[..., None], post: Callable[..., None]) -> list[RemovableHandle]:
-    """``module``'s load_state_dict pre- and post-hook, kept out of pickles and copies."""
-    handles = []
-    for attr, register, hook in (("_load_state_dict_pre_hooks", module.register_load_state_dict_pre_hook, pre),
-                                 ("_load_state_dict_post_hooks", module.register_load_state_dict_post_hook, post)):
-        hooks = getattr(module, attr)
-        if not isinstance(hooks, LocalHooks):
-            hooks = LocalHooks(hooks)
-            setattr(module, attr, hooks)
-        handles.append(register(hook))
-        hooks.local.add(handles[-1].id)
-    return handles
+def _local_hook(module: nn.Module, attr: str, hook: Callable[..., Any]) -> RemovableHandle:
+    """``hook`` in ``module``'s dictionary ``attr`` (by ``register<attr less s>``), kept out of pickles and copies."""
+    hooks = getattr(module, attr)
+    if not isinstance(hooks, LocalHooks):
+        hooks = LocalHooks(hooks)
+        setattr(module, attr, hooks)
+    handle = getattr(module, "register" + attr[:-1])(hook)
+    hooks.local.add(handle.id)
+    return handle

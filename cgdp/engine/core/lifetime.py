@@ -142,10 +142,8 @@ class Resources:
 
     def release(self) -> None:
         """Let copies in flight finish, then stop everything in reverse order, once; the first failure raised last."""
-        steps, self._stack = self._stack[::-1], []
-        drain, self.drain = self.drain, None
-        if drain is not None:  # note: host waits on every stream
-            steps.insert(0, drain)
+        steps = [self.drain] if self.drain is not None else []  # note: host waits on every stream (drain)
+        steps, self._stack, self.drain = steps + self._stack[::-1], [], None
         first: BaseException | None = None
         for close in steps:
             try:
@@ -221,9 +219,12 @@ class Lifetime:
     def fail(self, exc: BaseException, devs: Any, host: Any) -> str | None:
         """The failure path both faces share: every wait stopped by ``exc``, every stream and the host brought to rest;
         why the engine cannot go on (also set as :attr:`broken`), or None."""
-        from cgdp.engine.core.drain import drain_after_failure
+        from cgdp.engine.core.drain import settle
         self._stop(exc)
-        self.broken = drain_after_failure(devs, host)
+        try:
+            self.broken = None if settle(devs, host, 30.0) else "the host accumulator did not stop after a failed step"
+        except BaseException as drain_exc:  # pragma: no cover - only when a stream is wedged
+            self.broken = f"a stream did not drain after a failed step ({drain_exc})"
         return self.broken
 
 

@@ -26,9 +26,8 @@ import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager, nullcontext
-from functools import partial
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
@@ -99,11 +98,8 @@ def threads_per_device(num_devices: int) -> int:
 
 def _on_new_thread(fn: Callable[[], Any]) -> Any:
     """``fn()`` on a thread of its own (whose intra-op count starts from the process-wide one)."""
-    out: list[Any] = []
-    t = threading.Thread(target=lambda: out.append(fn()), name="cgdp-intra-op-count")
-    t.start()
-    t.join()
-    return out[0] if out else None
+    with ThreadPoolExecutor(1, thread_name_prefix="cgdp-intra-op-count") as once:
+        return once.submit(fn).result()
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,36 +162,35 @@ class DeviceThreads:
     def run_all(self, fn: Callable[[int], Any], computing: bool = False, turns: bool = False) -> list[Any]:
         """``[fn(0), fn(1), ...]``, each on its device's thread; the first real failure is raised. ``computing``: each
         ``fn(j)`` runs in a turn and must not wait for another device; ``turns``: ``fn(j)`` takes its turn itself
-        (:meth:`computing`). While devices take turns, ``fn(j)`` starts only when a turn is free and is handed it, so
-        its thread wakes once."""
-        cond, left = threading.Condition(threading.Lock()), _Countdown(len(self._threads))
+        (:meth:`computing`). While devices take turns, ``fn(j)`` starts only when a turn is free and is handed it (so
+        its thread wakes once), held until its first :meth:`computing` or its end."""
+        left = _Countdown(len(self._threads))
         if self._turns is not None and (computing or turns):
-            call = self._in_turn if computing else self._guarded
-            futs = [_Slot(cond, left) for _ in self._threads]
+            futs = [_Slot(left) for _ in self._threads]
             with self._later_lock:
                 for j, (t, f) in enumerate(zip(self._threads, futs)):
-                    self._later.append((t, f, partial(call, fn), j))
+                    self._later.append((t, f, fn, j))
                     self._queued.add(t.thread.name)
                 for _ in range(self.at_once):
                     if not self._turns.acquire(blocking=False):
                         break
                     self._start_next()
         else:
-            futs = [t.submit_to(_Slot(cond, left), self._guarded, fn, j) for j, t in enumerate(self._threads)]
+            futs = [t.submit_to(_Slot(left), self._guarded, fn, j) for j, t in enumerate(self._threads)]
         self._wait(futs, "a forward or loss_fn")  # note: host waits for the device threads
         if left.every:  # a slot failed
-            errors = [e for f in futs if (e := f.exception()) is not None]
+            errors = [f.error for f in futs if f.error is not None]
             # the first failure recorded anywhere (a device, the host, the comm) is the cause; what the other threads
             # raised (aborts, their own timeouts) follows from it
             raise self._guard.error or next((e for e in errors if not isinstance(e, StepAborted)), errors[0])
-        return [f._result for f in futs]
+        return [f.result for f in futs]
 
     def run_beside(self, first: Callable[[], Any], fns: Sequence[Callable[[], Any]]) -> tuple[Any, list]:
         """``first()`` on the caller's thread while ``fns[j - 1]()`` runs on device j's thread, j >= 1; ``first``'s
         result and ``(j, error)`` of each that raised (``first``'s own error is raised once all are done). The wait is
         :meth:`run_all`'s: bounded, Ctrl-C surfaces, a thread still busy after it is :attr:`stuck`."""
-        cond, left = threading.Condition(threading.Lock()), _Countdown(len(fns))
-        futs = [_DONE] + [t.submit_to(_Slot(cond, left), self._guarded, lambda _, fn=fn: fn(), j)
+        left = _Countdown(len(fns))
+        futs = [_DONE] + [t.submit_to(_Slot(left), self._guarded, lambda _, fn=fn: fn(), j)
                           for j, (t, fn) in enumerate(zip(self._threads[1:], fns), start=1)]  # device 0's: ``first``
         try:
             out = first()
@@ -207,7 +202,7 @@ class DeviceThreads:
             raise
         if left.left:  # (the others mostly finished while ``first`` ran)
             self._wait(futs, "an optimizer.step()")  # note: host waits for the device threads
-        return out, [(j, e) for j, f in enumerate(futs) if (e := f.exception()) is not None]
+        return out, [(j, f.error) for j, f in enumerate(futs) if f.error is not None]
 
     def _wait(self, futs: list, what: str) -> None:
         """Wait for every thread, waking every POLL_S (so Ctrl-C surfaces), bounded by timeout_s; a timeout or Ctrl-C
@@ -224,7 +219,7 @@ class DeviceThreads:
                     if deadline is not None and time.monotonic() > deadline:
                         if self._guard.error is not None:  # the cause, not the thread it left stuck
                             raise self._guard.error
-                        left = [t for t, g in zip(self._threads, futs) if not g.done()]
+                        left = [t for t, g in zip(self._threads, futs) if not g.done]
                         # a thread waiting for a turn is not stuck: name the ones in their turn
                         busy = [t.name for t in left if t.thread.name not in self._queued] or [t.name for t in left]
                         raise TimeoutError(f"the device thread(s) of {', '.join(busy)} did not finish within "
@@ -243,13 +238,13 @@ class DeviceThreads:
             self._queued.discard(t.thread.name)
             f.set_exception(StepAborted("another thread of this step failed"))
         # stuck until they stop: a second Ctrl-C while they are given time leaves them so
-        self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done()]
+        self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done]
         deadline = time.monotonic() + STOP_WAIT_S
         for f in futs:
             left = deadline - time.monotonic()
             if left <= 0 or not f.wait(left):
                 break
-        self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done()]
+        self.stuck = [t.name for t, f in zip(self._threads, futs) if not f.done]
 
     def _guarded(self, fn: Callable[[int], Any], j: int) -> Any:
         try:
@@ -258,25 +253,21 @@ class DeviceThreads:
             self._guard.fail(exc)
             raise
 
-    def _in_turn(self, fn: Callable[[int], Any], j: int) -> Any:
-        with self.computing():
-            return self._guarded(fn, j)
-
     def _start_next(self) -> None:
         """Hand a turn (under ``_later_lock``) to the next work waiting to start, else free it."""
         if not self._later:
             self._turns.release()
             return
-        t, slot, call, j = self._later.popleft()
+        t, slot, fn, j = self._later.popleft()
         self._queued.discard(t.thread.name)
-        t.submit_to(slot, self._started, call, j)
+        t.submit_to(slot, self._started, fn, j)
 
-    def _started(self, call: Callable[[int], Any], j: int) -> Any:
+    def _started(self, fn: Callable[[int], Any], j: int) -> Any:
         """Work started in a turn; the turn goes back at its first :meth:`computing`, or here."""
         mine = self._mine
         mine.granted = True
         try:
-            return call(j)  # also after a failure elsewhere, as a thread waiting for its turn did
+            return self._guarded(fn, j)  # also after a failure elsewhere, as a thread waiting for its turn did
         finally:
             if mine.granted:
                 mine.granted = False
@@ -327,35 +318,34 @@ class DeviceThreads:
 
 
 class _Countdown:
-    """A run_all's slots not yet done, and whether each finishing slot wakes the waiters (after a failure)."""
+    """A run_all's shared condition, its slots not yet done, and whether each one finishing wakes the waiters."""
 
-    __slots__ = ("left", "every")
+    __slots__ = ("cond", "left", "every")
 
     def __init__(self, n: int):
-        self.left, self.every = n, False
+        self.cond, self.left, self.every = threading.Condition(threading.Lock()), n, False
 
 
 class _Slot:
-    """One device's part of a :meth:`DeviceThreads.run_all`: the ``Future`` methods used, on one condition shared by the
-    call's slots, so the caller wakes once per call (when the last is done, or at a failure), not once per device."""
+    """One device's part of a :meth:`DeviceThreads.run_all` (the ``Future`` methods its thread calls), on the call's
+    shared condition: the caller wakes once per call (the last done, or a failure), not once per device."""
 
-    __slots__ = ("_cond", "_left", "_done", "_result", "_error")
+    __slots__ = ("_cond", "_left", "done", "result", "error")
 
-    def __init__(self, cond: threading.Condition, left: _Countdown):
-        self._cond = cond
-        self._left = left
-        self._done = False
-        self._result: Any = None
-        self._error: BaseException | None = None
+    def __init__(self, left: _Countdown):
+        self._cond, self._left = left.cond, left
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
 
     def set_result(self, result: Any) -> None:
         with self._cond:
-            self._result, self._done = result, True
+            self.result, self.done = result, True
             self._finished()
 
     def set_exception(self, exc: BaseException) -> None:
         with self._cond:
-            self._error, self._done = exc, True
+            self.error, self.done = exc, True
             self._left.every = True  # failed: from now on every slot wakes the waiters
             self._finished()
 
@@ -369,22 +359,16 @@ class _Slot:
         if left.left == 0 or left.every:
             self._cond.notify_all()
 
-    def done(self) -> bool:
-        return self._done
-
     def wait(self, timeout: float | None) -> bool:
-        if not self._done:
+        if not self.done:
             with self._cond:
-                return self._cond.wait_for(lambda: self._done, timeout)
+                return self._cond.wait_for(lambda: self.done, timeout)
         return True
 
-    def exception(self) -> BaseException | None:
-        return self._error
 
-
-_DONE = _Slot(threading.Condition(threading.Lock()), _Countdown(0))
+_DONE = _Slot(_Countdown(0))
 """A part already done (:meth:`DeviceThreads.run_beside`'s own, on the caller's thread)."""
-_DONE._done = True
+_DONE.done = True
 
 
 def caller_context(device_types: Sequence[str] = ("cuda", "cpu"), grad: bool = True
