@@ -39,34 +39,29 @@ class Layout:
     """Segments of each chunk."""
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
+    """``n`` rounded up to whole ``ALIGN`` elements."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def make_layout(plan: Plan, layer_pids: list[list[int]], numels: list[int],
-                segment: int | None = None) -> Layout:
+def make_layout(plan: Plan, layer_pids: list[list[int]], numels: list[int], segment: int) -> Layout:
     offsets = [0] * len(numels)
     param_chunk = [0] * len(numels)
-    bounds, counts = [], []
+    bounds, counts, segments, segment_chunk, chunk_segments = [], [], [], [], []
     pos = 0
     for c, chunk in enumerate(plan):
-        lo, n = pos, 0
+        lo = pos
         for layer in chunk:
             for pid in layer_pids[layer]:
                 offsets[pid] = pos
                 param_chunk[pid] = c
-                pos += _align(numels[pid])
-                n += 1
+                pos += align(numels[pid])
         bounds.append((lo, pos))
-        counts.append(n)
-    step = _align(segment) if segment else 0
-    segments, segment_chunk, chunk_segments = [], [], []
-    for c, (lo, hi) in enumerate(bounds):
-        first = len(segments)
-        cuts = list(range(lo, hi, step)) if step else [lo]
-        segments += zip(cuts, cuts[1:] + [hi])
+        counts.append(sum(len(layer_pids[layer]) for layer in chunk))
+        cuts = list(range(lo, pos, align(segment)))
+        chunk_segments.append(range(len(segments), len(segments) + len(cuts)))
+        segments += zip(cuts, cuts[1:] + [pos])
         segment_chunk += [c] * len(cuts)
-        chunk_segments.append(range(first, len(segments)))
     return Layout(plan, offsets, list(numels), param_chunk, bounds, counts, pos,
                   segments, segment_chunk, chunk_segments)
 

@@ -8,6 +8,7 @@ at one point, :meth:`StepMarks.reset`.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -65,8 +66,11 @@ class DeviceHooks:
         self.views: list[torch.Tensor | None] = [None] * len(params)
         """Each parameter's gradient view into the flat buffer (what ``.grad`` must be)."""
         self.param_chunk: list[int] = [0] * len(params)
-        self.mode = HookMode()
-        """What every hook of this device does this backward (one record, read by every hook)."""
+        self.mode = SimpleNamespace(streaming=False, timing=False, note=None)
+        """What every hook of this device does this backward (one record, read by every hook): ``streaming``, send
+        chunks (mode 'cgdp'; else only mark parameters touched); ``timing``, stamp when each parameter was ready;
+        ``note``, called with each arriving gradient's chunk while streaming (CUDA: notes the stream its send waits
+        for)."""
         self._handles = [p.register_post_accumulate_grad_hook(self._make(pid, marks, j))
                          for pid, p in enumerate(params)]
 
@@ -111,16 +115,3 @@ class DeviceHooks:
             h.remove()
         self._handles = []
 
-
-class HookMode:
-    """What the hooks of one device do in this backward."""
-
-    __slots__ = ("streaming", "timing", "note")
-
-    def __init__(self) -> None:
-        self.streaming = False
-        """Send chunks (mode 'cgdp'); otherwise only mark parameters touched."""
-        self.timing = False
-        """Stamp when each parameter was ready (timed steps)."""
-        self.note: Callable[[int], None] | None = None
-        """Called with each arriving gradient's chunk while streaming (CUDA: notes the stream its send waits for)."""

@@ -20,10 +20,11 @@ collectives in the same order.
 """
 from __future__ import annotations
 
+import functools
+import operator
 import queue
 import threading
 import time
-from functools import partial
 from typing import Callable
 
 import torch
@@ -54,13 +55,6 @@ class Arrivals:
             self.counts[u] += 1
             if self.counts[u] == self.devices:
                 self._q.put(u)  # under the lock: units are queued in the order they completed
-
-
-def _places(segs: list[tuple[int, int]], ring: int, width: int) -> list[tuple[int, int]]:
-    """Each segment's place: its own in full-size rows, slot ``s mod ring`` (``width`` columns) in a ring."""
-    if not ring:
-        return list(segs)
-    return [((s % ring) * width, (s % ring) * width + hi - lo) for s, (lo, hi) in enumerate(segs)]
 
 
 class HostAccumulator:
@@ -110,13 +104,14 @@ class HostAccumulator:
         between steps."""
         segs = layout.segments
         width = max((b - a for a, b in segs), default=1) if ring else layout.total
-        ring = min(ring, len(segs)) if ring else 0
-        cols = max(ring * width if ring else layout.total, 1)
+        ring = min(ring, len(segs))
         wide = sum_dtype(self.dtype)
         keep_wide = wide != self.dtype and self.comm is not None  # the float32 sum for the allreduce
-        self._allocate_rows(cols, wide, keep_wide)
+        self._allocate_rows(max((ring or 1) * width, 1), wide, keep_wide)
         self.ring = ring
-        places = _places(segs, ring, width)
+        # each segment's place: its own in full-size rows, slot ``s mod ring`` (``width`` columns) in a ring
+        places = segs if not ring else [((s % ring) * width, (s % ring) * width + hi - lo)
+                                        for s, (lo, hi) in enumerate(segs)]
         self._split_rows(places, wide, keep_wide)
         self.units = [range(s, s + 1) for s in range(len(segs))] if ring else list(layout.chunk_segments)
         self.labels = [f"chunk {c}" for c in layout.segment_chunk]
@@ -139,23 +134,22 @@ class HostAccumulator:
         self._host = self._rows[0]
 
     def _split_rows(self, places: list[tuple[int, int]], wide: torch.dtype, keep_wide: bool) -> None:
-        """Each segment's views of the rows: the parts, the sum (``_out``), the row back (``_back``), what comm and
-        sumsq read."""
+        """Each segment's views of the rows: the parts, the sum (``_out``, what comm and sumsq read), the row back
+        (``_back``)."""
         g = len(self.devices)
         rows = host_array(self._host)
         wide_row = self._rows[1].numpy() if keep_wide else None
-        self._parts, self._out, self._back, self._post = [], [], [], []
+        self._parts, self._out, self._back = [], [], []
         for a, b in places:
             self._parts.append(tuple(rows[j, a:b] for j in range(g)))
             if wide == self.dtype:  # summed in place in the row that goes back
-                out, back, post = rows[g, a:b], None, rows[g, a:b]
+                out, back = rows[g, a:b], None
             elif keep_wide:  # float32 sum, allreduced, then rounded into the row that goes back
-                out, back, post = wide_row[a:b], rows[g, a:b], wide_row[a:b]
+                out, back = wide_row[a:b], rows[g, a:b]
             else:  # rounded in the summing pass: the float32 sum never reaches memory
-                out, back, post = None, rows[g, a:b], None
+                out, back = None, rows[g, a:b]
             self._out.append(out)
             self._back.append(back)
-            self._post.append(post)
 
     def _routes(self, segs: list[tuple[int, int]], places: list[tuple[int, int]],
                 flats: list[torch.Tensor], stages: list[torch.Tensor] | None) -> list[Routes]:
@@ -244,7 +238,7 @@ class HostAccumulator:
         # post in plan order only: the same collectives in the same order on every rank
         while self._next_post < self._nseg and self._ready[self._next_post]:
             k = self._next_post
-            self.comm.post(k, self._post[k], partial(self._reduced, k, time.perf_counter()))
+            self.comm.post(k, self._out[k], functools.partial(self._reduced, k, time.perf_counter()))
             self._next_post += 1
 
     def _reduced(self, s: int, t_post: float) -> None:
@@ -252,9 +246,9 @@ class HostAccumulator:
         if self.trace is not None:
             self.trace("host", "comm", self.labels[s], t_post, time.perf_counter())
         if self.want_sumsq:  # the global norm: of the values summed across ranks (one more read)
-            self.sumsq[s] = sum_of_squares(self._post[s])
+            self.sumsq[s] = sum_of_squares(self._out[s])
         if self._back[s] is not None:  # the float32 sum over all ranks, rounded once
-            round_into(self._post[s], self._back[s])
+            round_into(self._out[s], self._back[s])
         self._give_back(s)
 
     def _give_back(self, s: int) -> None:
@@ -282,10 +276,7 @@ class HostAccumulator:
 
     def sum_of_squares(self) -> float:
         """Of this step's averaged gradient, once every segment is back (segment order)."""
-        total = 0.0
-        for sq in self.sumsq:
-            total += sq
-        return total
+        return functools.reduce(operator.add, self.sumsq, 0.0)  # left to right, as the step's order (not sum()'s)
 
     def drain(self, timeout: float = 30.0) -> bool:
         """Wait until the accumulator thread has finished what was queued (after a failed step)."""
@@ -305,4 +296,4 @@ class HostAccumulator:
         self._thread.join(timeout=10)
         self._rows = []
         self._host = None
-        self._parts = self._out = self._back = self._post = []
+        self._parts = self._out = self._back = []

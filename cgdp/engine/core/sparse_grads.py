@@ -11,6 +11,8 @@ A part of :class:`cgdp.engine.core.gradients.Gradients` (its invariant holds). R
 """
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Sequence
 
 import torch
@@ -20,12 +22,9 @@ from cgdp.engine.core.gradients import GradPart
 
 
 def sparse_parameters(module: nn.Module) -> list[nn.Parameter]:
-    out: list[nn.Parameter] = []
-    for m in module.modules():
-        sparse = isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
-        if sparse and all(m.weight is not p for p in out):
-            out.append(m.weight)
-    return out
+    weights = (m.weight for m in module.modules()
+               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad)
+    return list({id(w): w for w in weights}.values())  # each once, where it first appears
 
 
 class SparseGrads(GradPart):
@@ -88,14 +87,9 @@ class SparseGrads(GradPart):
     def _copy_from_first(self) -> None:
         for k, p in enumerate(self.params[0]):
             for j in range(1, len(self.params)):
-                self.params[j][k].grad = None if p.grad is None else _to(p.grad, self.devices[j])
+                self.params[j][k].grad = None if p.grad is None else p.grad.to(self.devices[j], copy=True)  # its own
         self._joined: list[torch.Tensor | None] = [p.grad for p in self.params[0]]
         """What the last join (or mirror) put in replica 0's ``.grad``: another object there is a user change."""
-
-
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of ``t`` of its own on ``device`` (emulated devices share the host: still a copy)."""
-    return t.clone() if t.device == device else t.to(device)
 
 
 def _join(grads: Sequence[torch.Tensor | None], dst: torch.device) -> torch.Tensor | None:
@@ -107,7 +101,4 @@ def _join(grads: Sequence[torch.Tensor | None], dst: torch.device) -> torch.Tens
         values = torch.cat([g._values().to(dst) for g in present], 0)
         # the indices are the replicas' own, valid for this shape: no invariant check needed
         return torch.sparse_coo_tensor(indices, values, present[0].shape, device=dst, check_invariants=False)
-    total = present[0].to(dst).to_dense()
-    for g in present[1:]:
-        total = total + g.to(dst).to_dense()
-    return total
+    return functools.reduce(operator.add, (g.to(dst).to_dense() for g in present))  # in device order

@@ -27,7 +27,7 @@ from torch import nn
 from cgdp.comm import Comm
 from cgdp.engine.backend.base import Device, TraceSink
 from cgdp.engine.core.clip import device_norm, scale_gradients
-from cgdp.engine.core.flatgrad import ALIGN, Layout, attach_grads, make_layout
+from cgdp.engine.core.flatgrad import Layout, align, attach_grads, make_layout
 from cgdp.engine.core.hooks import DeviceHooks, StepMarks
 from cgdp.engine.core.host import HostAccumulator
 from cgdp.engine.core.layers import nonfinite_layers
@@ -54,6 +54,8 @@ class GradientStream:
         self.streaming = streaming
         self.transfer = transfer
         """The dtype on the wire, when it is not ``dtype`` (only ``torch.bfloat16``)."""
+        self.wire_itemsize = (transfer or dtype).itemsize
+        """Bytes per element over the bus."""
         self.flats: list[torch.Tensor] = []
         self.stages: list[torch.Tensor] | None = None
         self.layout: Layout | None = None
@@ -96,16 +98,13 @@ class GradientStream:
             self.hooks[j].set_layout(layout.param_chunk, views)
         self.marks.set_layout(layout.chunk_params)
         self.layout = layout
-        self._split_large()
-        if self.host is not None:
-            for dev, routes in zip(self.devs, self.host.set_layout(layout, self.flats, self.stages, self.ring)):
-                dev.set_routes(routes)
-
-    def _split_large(self) -> None:
-        """Which parameters arrive whole in a Trainer's step (see :data:`LARGE_ELEMS`)."""
+        # which parameters arrive whole in a Trainer's step (see :data:`LARGE_ELEMS`)
         self.large = [pid for pid, n in enumerate(self.numels) if n >= LARGE_ELEMS]
         self.large_mask = bytes(n >= LARGE_ELEMS for n in self.numels)
         self.small_views = [[v for v, large in zip(views, self.large_mask) if not large] for views in self.views]
+        if self.host is not None:
+            for dev, routes in zip(self.devs, self.host.set_layout(layout, self.flats, self.stages, self.ring)):
+                dev.set_routes(routes)
 
     def arm(self, timing: bool = False, sink: TraceSink | None = None, sending: bool = True) -> None:
         """Ready hooks and host for one backward, flat buffers kept; ``sending=False``: hooks only mark touched."""
@@ -123,22 +122,18 @@ class GradientStream:
 
     def _chunk_done(self, j: int, dev: Device) -> Callable[[int], None]:
         """What device j's hooks call on a complete chunk; it holds the stream weakly (no stream <-> hooks cycle)."""
-        sent = self.marks.sent[j]
+        sent, ready = self.marks.sent[j], self.marks.ready[j]
         if self.ring:
-            ring = weak_call(self._ring_chunk, j)
+            send_ring = weak_call(self._send_ring, j, False)  # never waits in a hook: a busy slot is sent later
 
             def done(c: int) -> None:
-                sent[c] = 1
-                ring(c)
+                sent[c] = ready[c] = 1
+                send_ring()
             return done
         def done(c: int) -> None:
             sent[c] = 1
             dev.send(c)  # one call per chunk: one event wait, one context
         return done
-
-    def _ring_chunk(self, j: int, c: int) -> None:
-        self.marks.ready[j][c] = 1
-        self._send_ring(j, block=False)  # never waits in a hook: a busy slot is sent later
 
     def _send_ring(self, j: int, block: bool) -> bool:
         """Ring: send device j's complete segments in plan order while slots are free (``block``: wait). All sent?"""
@@ -258,11 +253,6 @@ class GradientStream:
         self.flats = []
         self.stages = None
 
-    @property
-    def wire_itemsize(self) -> int:
-        """Bytes per element over the bus."""
-        return (self.transfer or self.dtype).itemsize
-
     def profile_inputs(self) -> dict[str, Any]:
         """What :func:`cgdp.engine.trainer.timing.build_profile` needs of the stream."""
         host = self.host  # registered host bytes, and the host bytes moved per step (0 without a host)
@@ -298,7 +288,7 @@ def ring_slots(host_memory: int, devices: int, segment_bytes: int, wire_itemsize
                widened: bool = False) -> int:
     """Slots of ``devices + 1`` rows (plus a float32 row for a widened allreduce) that fit in ``host_memory``."""
     check_sizes(segment_bytes, host_memory)
-    elems = -(-(segment_bytes // wire_itemsize) // ALIGN) * ALIGN
+    elems = align(segment_bytes // wire_itemsize)
     slot = (devices + 1) * elems * wire_itemsize + (4 * elems if widened else 0)
     slots = host_memory // slot
     if slots < MIN_SLOTS:
