@@ -30,13 +30,12 @@ class StepMarks:
         self.ready_at: list[list[Any]] = [[0.0] * params for _ in range(replicas)]
         self.pending: list[list[int]] = [[] for _ in range(replicas)]
         """Per chunk: parameters still to come."""
-        self.sent = [bytearray() for _ in range(replicas)]  # per chunk
-        self.ready = [bytearray() for _ in range(replicas)]
-        """Ring (``host_memory``): per chunk, complete or flushed."""
+        self.sent = [bytearray() for _ in range(replicas)]
+        """Per chunk: complete or flushed (sent; with a ring, ``host_memory``, sent in plan order as slots free)."""
         self.next = [0] * replicas
         """Ring: the next segment to send (plan order)."""
         self._shape, self._size = (replicas, params), replicas * params
-        self._rows = list(zip(self.pending, self.sent, self.ready))
+        self._rows = list(zip(self.pending, self.sent))
         self._start: tuple = ([], b"", bytes(len(self._flags)), [0] * replicas)
 
     def set_layout(self, chunk_params: list[int]) -> None:
@@ -46,9 +45,9 @@ class StepMarks:
     def reset(self) -> None:
         """The one reset point: before a backward, and once a backward was recorded (a hook after it is the next's)."""
         chunk_params, no_chunk, no_flag, zeros = self._start
-        for pending, sent, ready in self._rows:
+        for pending, sent in self._rows:
             pending[:] = chunk_params
-            sent[:] = ready[:] = no_chunk
+            sent[:] = no_chunk
         self._flags[:] = no_flag
         self.next[:] = zeros
 
@@ -59,14 +58,14 @@ class StepMarks:
 
 class DeviceHooks:
     def __init__(self, params: list[torch.nn.Parameter], marks: StepMarks, j: int, send: Callable[[int], None],
-                 stamp: Callable[[], Any]):
+                 stamp: Callable[[], Any], note: Callable[[int], None] | None = None):
         """Replica ``j``'s hooks; ``send(c)``: chunk c is complete."""
         self._send = send
         self._stamp = stamp
         self.views: list[torch.Tensor | None] = [None] * len(params)
         """Each parameter's gradient view into the flat buffer (what ``.grad`` must be)."""
         self.param_chunk: list[int] = [0] * len(params)
-        self.mode = SimpleNamespace(streaming=False, timing=False, note=None)
+        self.mode = SimpleNamespace(streaming=False, timing=False, note=note)
         """What every hook of this device does this backward (one record, read by every hook): ``streaming``, send
         chunks (mode 'cgdp'; else only mark parameters touched); ``timing``, stamp when each parameter was ready;
         ``note``, called with each arriving gradient's chunk while streaming (CUDA: notes the stream its send waits

@@ -66,10 +66,8 @@ class GradientStream:
             widened=(transfer or dtype) in LOW_PRECISION and comm is not None)
         """Host slots in the ring (0: full-size rows)."""
         self._sends = [self._chunk_done(j, dev) for j, dev in enumerate(self.devs)]
-        self.hooks = [DeviceHooks(self.params[j], marks, j, self._sends[j], dev.stamp)  # disarmed
+        self.hooks = [DeviceHooks(self.params[j], marks, j, self._sends[j], dev.stamp, dev.note_stream)  # disarmed
                       for j, dev in enumerate(self.devs)]
-        for hooks, dev in zip(self.hooks, self.devs):
-            hooks.mode.note = dev.note_stream
         self.views = [h.views for h in self.hooks]
         """Per replica, each parameter's gradient view into its flat buffer (what ``.grad`` must be)."""
         if streaming:
@@ -122,12 +120,12 @@ class GradientStream:
 
     def _chunk_done(self, j: int, dev: Device) -> Callable[[int], None]:
         """What device j's hooks call on a complete chunk; it holds the stream weakly (no stream <-> hooks cycle)."""
-        sent, ready = self.marks.sent[j], self.marks.ready[j]
+        sent = self.marks.sent[j]
         if self.ring:
             send_ring = weak_call(self._send_ring, j, False)  # never waits in a hook: a busy slot is sent later
 
             def done(c: int) -> None:
-                sent[c] = ready[c] = 1
+                sent[c] = 1
                 send_ring()
             return done
         def done(c: int) -> None:
@@ -138,8 +136,8 @@ class GradientStream:
     def _send_ring(self, j: int, block: bool) -> bool:
         """Ring: send device j's complete segments in plan order while slots are free (``block``: wait). All sent?"""
         lay, ring, host, dev = self.layout, self.ring, self.host, self.devs[j]
-        pending, s, n = self.marks.ready[j], self.marks.next[j], len(lay.segments)
-        while s < n and pending[lay.segment_chunk[s]]:
+        complete, s, n = self.marks.sent[j], self.marks.next[j], len(lay.segments)
+        while s < n and complete[lay.segment_chunk[s]]:
             if s >= ring and host.summed.done < s - ring + 1:  # its slot still holds segment s - ring
                 if not block:
                     break
@@ -171,7 +169,7 @@ class GradientStream:
                 views[pid].zero_()
                 self.params[j][pid].grad = views[pid]
         if self.ring:
-            m.ready[j][:] = b"\x01" * len(m.ready[j])
+            m.sent[j][:] = b"\x01" * len(m.sent[j])
             self._send_ring(j, block=True)
         else:  # the chunks backward never completed (layers unused this step), in plan order
             for c, done in enumerate(m.sent[j]):
@@ -184,7 +182,7 @@ class GradientStream:
             for j in range(len(self.devs)):
                 self.flush(j)
             return
-        for p in self.marks.ready:
+        for p in self.marks.sent:
             p[:] = b"\x01" * len(p)
         while True:
             seen = self.host.summed.done  # before the round: a slot freed during it is not missed
