@@ -40,7 +40,6 @@ class Layout:
 
 
 def align(n: int) -> int:
-    """``n`` rounded up to whole ``ALIGN`` elements."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 

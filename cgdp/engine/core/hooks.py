@@ -59,17 +59,17 @@ class StepMarks:
 class DeviceHooks:
     def __init__(self, params: list[torch.nn.Parameter], marks: StepMarks, j: int, send: Callable[[int], None],
                  stamp: Callable[[], Any], note: Callable[[int], None] | None = None):
-        """Replica ``j``'s hooks; ``send(c)``: chunk c is complete."""
+        """Replica ``j``'s hooks; ``send(c)``: chunk c is complete; ``note(c)``: a gradient of chunk c arrived while
+        streaming (CUDA: notes the stream its send waits for)."""
         self._send = send
         self._stamp = stamp
+        self._note = note
         self.views: list[torch.Tensor | None] = [None] * len(params)
         """Each parameter's gradient view into the flat buffer (what ``.grad`` must be)."""
         self.param_chunk: list[int] = [0] * len(params)
-        self.mode = SimpleNamespace(streaming=False, timing=False, note=note)
+        self.mode = SimpleNamespace(streaming=False, timing=False)
         """What every hook of this device does this backward (one record, read by every hook): ``streaming``, send
-        chunks (mode 'cgdp'; else only mark parameters touched); ``timing``, stamp when each parameter was ready;
-        ``note``, called with each arriving gradient's chunk while streaming (CUDA: notes the stream its send waits
-        for)."""
+        chunks (mode 'cgdp'; else only mark parameters touched); ``timing``, stamp when each parameter was ready."""
         self._handles = [p.register_post_accumulate_grad_hook(self._make(pid, marks, j))
                          for pid, p in enumerate(params)]
 
@@ -81,7 +81,7 @@ class DeviceHooks:
         views, chunk_of, mode = self.views, self.param_chunk, self.mode
         touched, replaced, stolen, pending, ready_at = (
             marks.touched[j], marks.replaced[j], marks.stolen[j], marks.pending[j], marks.ready_at[j])
-        send, stamp = self._send, self._stamp
+        send, stamp, note = self._send, self._stamp, self._note
 
         def hook(p: torch.Tensor) -> None:
             view, grad = views[pid], p.grad  # read once: another thread may zero_grad
@@ -100,7 +100,6 @@ class DeviceHooks:
                 ready_at[pid] = stamp()
             if mode.streaming:
                 c = chunk_of[pid]
-                note = mode.note
                 if note is not None:
                     note(c)
                 left = pending[c] - 1

@@ -117,7 +117,21 @@ class HostAccumulator:
         self.labels = [f"chunk {c}" for c in layout.segment_chunk]
         self._nseg = len(segs)
         self._elems = sum(b - a for a, b in segs)
-        return self._routes(segs, places, flats, stages)
+        # every device's routes: flat gradient (through its stage) to its slot row, and back from the sum row
+        g, host = len(self.devices), self._host
+        seg_bytes = [(b - a) * host.element_size() for a, b in segs]
+        unit_bytes = [max((seg_bytes[s] for s in u), default=0) * len(u) for u in self.units]
+        routes = []
+        for j, flat in enumerate(flats):
+            stage = stages[j] if stages else None
+            d2h, h2d = [], []
+            for (lo, hi), (a, b) in zip(segs, places):
+                st = None if stage is None else stage[lo:hi]
+                d2h.append((flat[lo:hi], host[j, a:b], st))
+                h2d.append((host[g, a:b], flat[lo:hi], st))
+            routes.append(Routes(d2h, h2d, self.units, unit_bytes, seg_bytes, self.labels,
+                                 self.arrivals.arrived, self.ring))
+        return routes
 
     def _allocate_rows(self, cols: int, wide: torch.dtype, keep_wide: bool) -> None:
         """(Re)allocate the registered rows only when their width or the float32 row changed."""
@@ -150,26 +164,6 @@ class HostAccumulator:
                 out, back = None, rows[g, a:b]
             self._out.append(out)
             self._back.append(back)
-
-    def _routes(self, segs: list[tuple[int, int]], places: list[tuple[int, int]],
-                flats: list[torch.Tensor], stages: list[torch.Tensor] | None) -> list[Routes]:
-        """Every device's routes: flat gradient (through its stage) to its slot row, and back from the sum row."""
-        g = len(self.devices)
-        host = self._host
-        itemsize = host.element_size()
-        seg_bytes = [(b - a) * itemsize for a, b in segs]
-        unit_bytes = [max((seg_bytes[s] for s in u), default=0) * len(u) for u in self.units]
-        routes = []
-        for j, flat in enumerate(flats):
-            stage = stages[j] if stages else None
-            d2h, h2d = [], []
-            for (lo, hi), (a, b) in zip(segs, places):
-                st = None if stage is None else stage[lo:hi]
-                d2h.append((flat[lo:hi], host[j, a:b], st))
-                h2d.append((host[g, a:b], flat[lo:hi], st))
-            routes.append(Routes(d2h, h2d, self.units, unit_bytes, seg_bytes, self.labels,
-                                 self.arrivals.arrived, self.ring))
-        return routes
 
     def traffic(self) -> dict[str, int]:
         """Bytes the host side moves per step, by what moves them (all devices together)."""
