@@ -16,12 +16,11 @@ single accumulator thread, which waits for each device's copy in turn, sums in d
 on arrival order) and issues the copies back. With a comm, segments are posted in plan order so every rank runs the same
 collectives in the same order.
 
-``want_sumsq``: the summing pass also takes each segment's sum of squares; :meth:`sum_of_squares` adds them in order.
+``want_sumsq``: the summing pass also takes each segment's sum of squares (``sumsq``, added in segment order).
 """
 from __future__ import annotations
 
 import functools
-import operator
 import queue
 import threading
 import time
@@ -65,13 +64,13 @@ class HostAccumulator:
         """The dtype on the wire and in the slots."""
         self.comm = comm
         self._guard = guard
-        self._threads = threads
         self.trace: TraceSink | None = None
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.arrivals = Arrivals(len(devices), self._q)
         # named after its first device: it works under that device (CUDA), and two trainers' host threads (two
         # in-process ranks) tell apart
-        self._thread = threading.Thread(target=self._run, name=f"cgdp-host-{devices[0].name}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(threads,), name=f"cgdp-host-{devices[0].name}",
+                                        daemon=True)
         self._thread.start()
         self.ring = 0
         self._rows: list[torch.Tensor] = []
@@ -97,7 +96,6 @@ class HostAccumulator:
         self.units: list[range] = []
         self._nseg = self._elems = 0
 
-    # ------------------------------------------------------------------ layout
     def set_layout(self, layout: Layout, flats: list[torch.Tensor], stages: list[torch.Tensor] | None,
                    ring: int = 0) -> list[Routes]:
         """Lay out the rows for ``layout`` (``ring`` slots, or 0 for full-size) and return every device's routes;
@@ -148,22 +146,15 @@ class HostAccumulator:
         self._host = self._rows[0]
 
     def _split_rows(self, places: list[tuple[int, int]], wide: torch.dtype, keep_wide: bool) -> None:
-        """Each segment's views of the rows: the parts, the sum (``_out``, what comm and sumsq read), the row back
-        (``_back``)."""
+        """Each segment's views of the rows: the parts; the sum (``_out``, what comm and sumsq read): in place in the
+        row that goes back, or (wider than the wire) a float32 row allreduced and then rounded into the row back
+        (``_back``), or None: rounded in the summing pass, the float32 sum never reaches memory."""
         g = len(self.devices)
         rows = host_array(self._host)
         wide_row = self._rows[1].numpy() if keep_wide else None
-        self._parts, self._out, self._back = [], [], []
-        for a, b in places:
-            self._parts.append(tuple(rows[j, a:b] for j in range(g)))
-            if wide == self.dtype:  # summed in place in the row that goes back
-                out, back = rows[g, a:b], None
-            elif keep_wide:  # float32 sum, allreduced, then rounded into the row that goes back
-                out, back = wide_row[a:b], rows[g, a:b]
-            else:  # rounded in the summing pass: the float32 sum never reaches memory
-                out, back = None, rows[g, a:b]
-            self._out.append(out)
-            self._back.append(back)
+        self._parts = [tuple(rows[j, a:b] for j in range(g)) for a, b in places]
+        self._back = [None if wide == self.dtype else rows[g, a:b] for a, b in places]
+        self._out = [rows[g, a:b] if wide == self.dtype else wide_row[a:b] if keep_wide else None for a, b in places]
 
     def traffic(self) -> dict[str, int]:
         """Bytes the host side moves per step, by what moves them (all devices together)."""
@@ -176,7 +167,6 @@ class HostAccumulator:
         out["total"] = sum(out.values())
         return out
 
-    # ------------------------------------------------------------------ one step
     def begin_step(self) -> None:
         n = self._nseg
         self.arrivals.counts = [0] * len(self.units)
@@ -190,8 +180,8 @@ class HostAccumulator:
         if n == 0:
             self.returned.set()
 
-    def _run(self) -> None:
-        set_threads(self._threads)  # Numba's thread count is per calling thread: set it here
+    def _run(self, threads: int) -> None:
+        set_threads(threads)  # Numba's thread count is per calling thread: set it here
         try:  # CUDA: this thread's event waits and copies back use a device of this process
             self.devices[0].bind_thread()
         except BaseException as exc:
@@ -267,10 +257,6 @@ class HostAccumulator:
         if self.ring or self._host is None or sum_dtype(self.dtype) == self.dtype:
             return None
         return self._host[len(self.devices)]
-
-    def sum_of_squares(self) -> float:
-        """Of this step's averaged gradient, once every segment is back (segment order)."""
-        return functools.reduce(operator.add, self.sumsq, 0.0)  # left to right, as the step's order (not sum()'s)
 
     def drain(self, timeout: float = 30.0) -> bool:
         """Wait until the accumulator thread has finished what was queued (after a failed step)."""

@@ -17,7 +17,9 @@ reset the marks): :meth:`arm` → backward (hooks send) → per device :meth:`fl
 """
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -231,7 +233,7 @@ class GradientStream:
         if self.host is not None:
             if not self.host.want_sumsq:
                 raise RuntimeError("set stream.want_norm = True before the step to get its gradient norm")
-            return math.sqrt(self.host.sum_of_squares())
+            return math.sqrt(functools.reduce(operator.add, self.host.sumsq, 0.0))  # segment order (not sum()'s)
         return device_norm(self.flats[0], read)
 
     def scale_grads(self, coef: torch.Tensor, j: int | None = None) -> None:
