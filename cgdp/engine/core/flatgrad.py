@@ -69,9 +69,8 @@ def attach_grads(flat: torch.Tensor, params: list[torch.nn.Parameter], layout: L
     """Point every ``param.grad`` at its slice of ``flat``; return the views (by pid). A dense non-contiguous parameter
     (``channels_last``) gets a view of its own strides, as autograd's layout contract gives it."""
     views = []
-    for pid, p in enumerate(params):
-        off = layout.offsets[pid]
-        part = flat[off:off + layout.numels[pid]]
+    for p, off, n in zip(params, layout.offsets, layout.numels):
+        part = flat[off:off + n]
         p.grad = part.as_strided(p.shape, p.stride()) if _dense_not_contiguous(p) else part.view_as(p)
         views.append(p.grad)
     return views
