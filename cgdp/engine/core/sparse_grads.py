@@ -87,9 +87,14 @@ class SparseGrads(GradPart):
     def _copy_from_first(self) -> None:
         for k, p in enumerate(self.params[0]):
             for j in range(1, len(self.params)):
-                self.params[j][k].grad = None if p.grad is None else p.grad.to(self.devices[j], copy=True)  # its own
+                self.params[j][k].grad = None if p.grad is None else _to(p.grad, self.devices[j])
         self._joined: list[torch.Tensor | None] = [p.grad for p in self.params[0]]
         """What the last join (or mirror) put in replica 0's ``.grad``: another object there is a user change."""
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``t`` of its own on ``device`` (emulated devices share the host: still a copy)."""
+    return t.clone() if t.device == device else t.to(device)
 
 
 def _join(grads: Sequence[torch.Tensor | None], dst: torch.device) -> torch.Tensor | None:
