@@ -252,8 +252,7 @@ class DenseGrads(GradPart):
 
     def attached(self, grads: list[torch.Tensor | None] | None = None) -> bool:
         """Whether replica 0's ``.grad`` are still what the record left: views with a gradient, None elsewhere."""
-        if grads is None:
-            grads = [p.grad for p in self.stream.params[0]]
+        grads = [p.grad for p in self.stream.params[0]] if grads is None else grads
         return all(map(operator.is_, grads, self._left))  # in C: no bytecode per parameter
 
     def set_none(self) -> None:

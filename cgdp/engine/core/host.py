@@ -40,8 +40,6 @@ class Arrivals:
     """Counts, per unit, the devices that sent it and queues it once all have. Refers to no device (no routes <-> host
     cycle)."""
 
-    __slots__ = ("counts", "devices", "_lock", "_q")
-
     def __init__(self, devices: int, q: queue.SimpleQueue):
         self.counts: list[int] = []
         self.devices = devices
