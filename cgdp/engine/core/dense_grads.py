@@ -45,20 +45,12 @@ class DenseGrads(GradPart):
         self.marks = stream.marks  # the owner's: the stream's hooks write them, the owner resets them
         self.param_hooks = param_hooks
         self._comm, self._timeout_s = comm, timeout_s
-        self.has_grad = np.array([g is not None for g in initial], bool)
+        self.has_grad = np.zeros(len(initial), bool)
         self._warned = self._warned_data = False
         self._aside: dict[int, torch.Tensor] = {}  # gradients set aside while hooks run on a sum
         self._window_bits: torch.Tensor | None = None  # replica 0's bits after a backward inside no_sync()
         self._window_sums: list[tuple[torch.Tensor, torch.Tensor]] = []  # (after it, before the next)
-        views = stream.views[0]
-        with torch.no_grad():
-            for pid, g in enumerate(initial):
-                if g is not None:
-                    views[pid].copy_(g)
-            for flat in stream.flats[1:]:
-                flat.copy_(stream.flats[0])
-        self.set_none()
-        self.record()
+        self._mirror(initial)
 
     def begin(self, sync: bool, whole: bool) -> None:
         """Gather's backward: the user's gradient hooks off (they run on the sum), buffers prepared, hooks armed."""
@@ -101,12 +93,11 @@ class DenseGrads(GradPart):
         if hooked:  # the user's gradient hooks, on the sum (the host's norm is of the sum before them)
             if sync and self._comm is not None:
                 self._average_aside()
+            aside, self._aside = self._aside, {}
             try:  # each hooked gradient: the one set aside plus what its hooks make of the sum, everywhere
-                self.param_hooks.run(touched, st.views, self._aside)
+                self.param_hooks.run(touched, st.views, aside)
             except Exception as exc:  # the user's error, after every copy is back: nothing in flight
-                self._aside = {}
                 raise UserFault(exc) from exc
-            self._aside = {}
         self.has_grad |= touched > 0
         self.set_none()
         self.record()
@@ -220,7 +211,6 @@ class DenseGrads(GradPart):
 
     def follow_edits(self, whole: bool, data: bool = True) -> bool:
         st = self.stream
-        views0 = st.views[0]
         grads = [p.grad for p in st.params[0]]
         changed = st.flats[0]._version != self.versions[0] or not self.attached(grads)
         through_data = (data and not changed and whole and len(st.flats) > 1
@@ -240,6 +230,13 @@ class DenseGrads(GradPart):
                       "torch.nn.utils.clip_grad_norm_(model.parameters(), ...)); cgdp.DataParallel "
                       "copies them to every replica, which moves the whole gradient between devices. "
                       "Use model.clip_grad_norm_(max_norm) to clip without that copy")
+        self._mirror(grads)
+        return True
+
+    def _mirror(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Replica 0's ``grads`` into its views and copied to every replica; ``.grad`` and the record cgdp's."""
+        st = self.stream
+        views0 = st.views[0]
         with torch.no_grad():
             for pid, g in enumerate(grads):
                 if g is None:
@@ -252,12 +249,10 @@ class DenseGrads(GradPart):
         self._attach()
         self.set_none()
         self.record()
-        return True
 
     def attached(self, grads: list[torch.Tensor | None] | None = None) -> bool:
         """Whether replica 0's ``.grad`` are still what the record left: views with a gradient, None elsewhere."""
-        if grads is None:
-            grads = [p.grad for p in self.stream.params[0]]
+        grads = [p.grad for p in self.stream.params[0]] if grads is None else grads
         return all(map(operator.is_, grads, self._left))  # in C: no bytecode per parameter
 
     def set_none(self) -> None:

@@ -39,34 +39,28 @@ class Layout:
     """Segments of each chunk."""
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def make_layout(plan: Plan, layer_pids: list[list[int]], numels: list[int],
-                segment: int | None = None) -> Layout:
+def make_layout(plan: Plan, layer_pids: list[list[int]], numels: list[int], segment: int) -> Layout:
     offsets = [0] * len(numels)
     param_chunk = [0] * len(numels)
-    bounds, counts = [], []
+    bounds, counts, segments, segment_chunk, chunk_segments = [], [], [], [], []
     pos = 0
     for c, chunk in enumerate(plan):
-        lo, n = pos, 0
+        lo = pos
         for layer in chunk:
             for pid in layer_pids[layer]:
                 offsets[pid] = pos
                 param_chunk[pid] = c
-                pos += _align(numels[pid])
-                n += 1
+                pos += align(numels[pid])
         bounds.append((lo, pos))
-        counts.append(n)
-    step = _align(segment) if segment else 0
-    segments, segment_chunk, chunk_segments = [], [], []
-    for c, (lo, hi) in enumerate(bounds):
-        first = len(segments)
-        cuts = list(range(lo, hi, step)) if step else [lo]
-        segments += zip(cuts, cuts[1:] + [hi])
+        counts.append(sum(len(layer_pids[layer]) for layer in chunk))
+        cuts = list(range(lo, pos, align(segment)))
+        chunk_segments.append(range(len(segments), len(segments) + len(cuts)))
+        segments += zip(cuts, cuts[1:] + [pos])
         segment_chunk += [c] * len(cuts)
-        chunk_segments.append(range(first, len(segments)))
     return Layout(plan, offsets, list(numels), param_chunk, bounds, counts, pos,
                   segments, segment_chunk, chunk_segments)
 
@@ -75,9 +69,8 @@ def attach_grads(flat: torch.Tensor, params: list[torch.nn.Parameter], layout: L
     """Point every ``param.grad`` at its slice of ``flat``; return the views (by pid). A dense non-contiguous parameter
     (``channels_last``) gets a view of its own strides, as autograd's layout contract gives it."""
     views = []
-    for pid, p in enumerate(params):
-        off = layout.offsets[pid]
-        part = flat[off:off + layout.numels[pid]]
+    for p, off, n in zip(params, layout.offsets, layout.numels):
+        part = flat[off:off + n]
         p.grad = part.as_strided(p.shape, p.stride()) if _dense_not_contiguous(p) else part.view_as(p)
         views.append(p.grad)
     return views
@@ -85,7 +78,7 @@ def attach_grads(flat: torch.Tensor, params: list[torch.nn.Parameter], layout: L
 
 def _dense_not_contiguous(t: torch.Tensor) -> bool:
     """Whether ``t`` is dense and non-overlapping but not row-major."""
-    if t.is_contiguous() or t.numel() == 0:
+    if t.is_contiguous():  # also every empty tensor
         return False
     expected = 1
     for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):

@@ -124,7 +124,7 @@ class Gradients:
         hooks = self.dense.param_hooks
         if not hooks.taken:
             return False
-        hooks.run(touched, hook_views(self.dense.stream.views))
+        hooks.run(touched, hook_views(self.dense.stream.views), {})
         return True
 
     def put_back_hooks(self) -> None:

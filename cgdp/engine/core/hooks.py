@@ -8,6 +8,7 @@ at one point, :meth:`StepMarks.reset`.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -29,13 +30,12 @@ class StepMarks:
         self.ready_at: list[list[Any]] = [[0.0] * params for _ in range(replicas)]
         self.pending: list[list[int]] = [[] for _ in range(replicas)]
         """Per chunk: parameters still to come."""
-        self.sent = [bytearray() for _ in range(replicas)]  # per chunk
-        self.ready = [bytearray() for _ in range(replicas)]
-        """Ring (``host_memory``): per chunk, complete or flushed."""
+        self.sent = [bytearray() for _ in range(replicas)]
+        """Per chunk: complete or flushed (sent; with a ring, ``host_memory``, sent in plan order as slots free)."""
         self.next = [0] * replicas
         """Ring: the next segment to send (plan order)."""
         self._shape, self._size = (replicas, params), replicas * params
-        self._rows = list(zip(self.pending, self.sent, self.ready))
+        self._rows = list(zip(self.pending, self.sent))
         self._start: tuple = ([], b"", bytes(len(self._flags)), [0] * replicas)
 
     def set_layout(self, chunk_params: list[int]) -> None:
@@ -45,9 +45,9 @@ class StepMarks:
     def reset(self) -> None:
         """The one reset point: before a backward, and once a backward was recorded (a hook after it is the next's)."""
         chunk_params, no_chunk, no_flag, zeros = self._start
-        for pending, sent, ready in self._rows:
+        for pending, sent in self._rows:
             pending[:] = chunk_params
-            sent[:] = ready[:] = no_chunk
+            sent[:] = no_chunk
         self._flags[:] = no_flag
         self.next[:] = zeros
 
@@ -58,15 +58,18 @@ class StepMarks:
 
 class DeviceHooks:
     def __init__(self, params: list[torch.nn.Parameter], marks: StepMarks, j: int, send: Callable[[int], None],
-                 stamp: Callable[[], Any]):
-        """Replica ``j``'s hooks; ``send(c)``: chunk c is complete."""
+                 stamp: Callable[[], Any], note: Callable[[int], None] | None = None):
+        """Replica ``j``'s hooks; ``send(c)``: chunk c is complete; ``note(c)``: a gradient of chunk c arrived while
+        streaming (CUDA: notes the stream its send waits for)."""
         self._send = send
         self._stamp = stamp
+        self._note = note
         self.views: list[torch.Tensor | None] = [None] * len(params)
         """Each parameter's gradient view into the flat buffer (what ``.grad`` must be)."""
         self.param_chunk: list[int] = [0] * len(params)
-        self.mode = HookMode()
-        """What every hook of this device does this backward (one record, read by every hook)."""
+        self.mode = SimpleNamespace(streaming=False, timing=False)
+        """What every hook of this device does this backward (one record, read by every hook): ``streaming``, send
+        chunks (mode 'cgdp'; else only mark parameters touched); ``timing``, stamp when each parameter was ready."""
         self._handles = [p.register_post_accumulate_grad_hook(self._make(pid, marks, j))
                          for pid, p in enumerate(params)]
 
@@ -78,7 +81,7 @@ class DeviceHooks:
         views, chunk_of, mode = self.views, self.param_chunk, self.mode
         touched, replaced, stolen, pending, ready_at = (
             marks.touched[j], marks.replaced[j], marks.stolen[j], marks.pending[j], marks.ready_at[j])
-        send, stamp = self._send, self._stamp
+        send, stamp, note = self._send, self._stamp, self._note
 
         def hook(p: torch.Tensor) -> None:
             view, grad = views[pid], p.grad  # read once: another thread may zero_grad
@@ -97,7 +100,6 @@ class DeviceHooks:
                 ready_at[pid] = stamp()
             if mode.streaming:
                 c = chunk_of[pid]
-                note = mode.note
                 if note is not None:
                     note(c)
                 left = pending[c] - 1
@@ -111,16 +113,3 @@ class DeviceHooks:
             h.remove()
         self._handles = []
 
-
-class HookMode:
-    """What the hooks of one device do in this backward."""
-
-    __slots__ = ("streaming", "timing", "note")
-
-    def __init__(self) -> None:
-        self.streaming = False
-        """Send chunks (mode 'cgdp'); otherwise only mark parameters touched."""
-        self.timing = False
-        """Stamp when each parameter was ready (timed steps)."""
-        self.note: Callable[[int], None] | None = None
-        """Called with each arriving gradient's chunk while streaming (CUDA: notes the stream its send waits for)."""

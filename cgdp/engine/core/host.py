@@ -16,14 +16,14 @@ single accumulator thread, which waits for each device's copy in turn, sums in d
 on arrival order) and issues the copies back. With a comm, segments are posted in plan order so every rank runs the same
 collectives in the same order.
 
-``want_sumsq``: the summing pass also takes each segment's sum of squares; :meth:`sum_of_squares` adds them in order.
+``want_sumsq``: the summing pass also takes each segment's sum of squares (``sumsq``, added in segment order).
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
-from functools import partial
 from typing import Callable
 
 import torch
@@ -40,8 +40,6 @@ class Arrivals:
     """Counts, per unit, the devices that sent it and queues it once all have. Refers to no device (no routes <-> host
     cycle)."""
 
-    __slots__ = ("counts", "devices", "_lock", "_q")
-
     def __init__(self, devices: int, q: queue.SimpleQueue):
         self.counts: list[int] = []
         self.devices = devices
@@ -56,13 +54,6 @@ class Arrivals:
                 self._q.put(u)  # under the lock: units are queued in the order they completed
 
 
-def _places(segs: list[tuple[int, int]], ring: int, width: int) -> list[tuple[int, int]]:
-    """Each segment's place: its own in full-size rows, slot ``s mod ring`` (``width`` columns) in a ring."""
-    if not ring:
-        return list(segs)
-    return [((s % ring) * width, (s % ring) * width + hi - lo) for s, (lo, hi) in enumerate(segs)]
-
-
 class HostAccumulator:
     def __init__(self, devices: list[Device], dtype: torch.dtype, guard: Guard, comm: Comm | None,
                  threads: int):
@@ -71,13 +62,13 @@ class HostAccumulator:
         """The dtype on the wire and in the slots."""
         self.comm = comm
         self._guard = guard
-        self._threads = threads
         self.trace: TraceSink | None = None
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.arrivals = Arrivals(len(devices), self._q)
         # named after its first device: it works under that device (CUDA), and two trainers' host threads (two
         # in-process ranks) tell apart
-        self._thread = threading.Thread(target=self._run, name=f"cgdp-host-{devices[0].name}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(threads,), name=f"cgdp-host-{devices[0].name}",
+                                        daemon=True)
         self._thread.start()
         self.ring = 0
         self._rows: list[torch.Tensor] = []
@@ -103,26 +94,40 @@ class HostAccumulator:
         self.units: list[range] = []
         self._nseg = self._elems = 0
 
-    # ------------------------------------------------------------------ layout
     def set_layout(self, layout: Layout, flats: list[torch.Tensor], stages: list[torch.Tensor] | None,
                    ring: int = 0) -> list[Routes]:
         """Lay out the rows for ``layout`` (``ring`` slots, or 0 for full-size) and return every device's routes;
         between steps."""
         segs = layout.segments
         width = max((b - a for a, b in segs), default=1) if ring else layout.total
-        ring = min(ring, len(segs)) if ring else 0
-        cols = max(ring * width if ring else layout.total, 1)
+        ring = min(ring, len(segs))
         wide = sum_dtype(self.dtype)
         keep_wide = wide != self.dtype and self.comm is not None  # the float32 sum for the allreduce
-        self._allocate_rows(cols, wide, keep_wide)
+        self._allocate_rows(max((ring or 1) * width, 1), wide, keep_wide)
         self.ring = ring
-        places = _places(segs, ring, width)
+        # each segment's place: its own in full-size rows, slot ``s mod ring`` (``width`` columns) in a ring
+        places = segs if not ring else [((s % ring) * width, (s % ring) * width + hi - lo)
+                                        for s, (lo, hi) in enumerate(segs)]
         self._split_rows(places, wide, keep_wide)
         self.units = [range(s, s + 1) for s in range(len(segs))] if ring else list(layout.chunk_segments)
         self.labels = [f"chunk {c}" for c in layout.segment_chunk]
         self._nseg = len(segs)
         self._elems = sum(b - a for a, b in segs)
-        return self._routes(segs, places, flats, stages)
+        # every device's routes: flat gradient (through its stage) to its slot row, and back from the sum row
+        g, host = len(self.devices), self._host
+        seg_bytes = [(b - a) * host.element_size() for a, b in segs]
+        unit_bytes = [max((seg_bytes[s] for s in u), default=0) * len(u) for u in self.units]
+        routes = []
+        for j, flat in enumerate(flats):
+            stage = stages[j] if stages else None
+            d2h, h2d = [], []
+            for (lo, hi), (a, b) in zip(segs, places):
+                st = None if stage is None else stage[lo:hi]
+                d2h.append((flat[lo:hi], host[j, a:b], st))
+                h2d.append((host[g, a:b], flat[lo:hi], st))
+            routes.append(Routes(d2h, h2d, self.units, unit_bytes, seg_bytes, self.labels,
+                                 self.arrivals.arrived, self.ring))
+        return routes
 
     def _allocate_rows(self, cols: int, wide: torch.dtype, keep_wide: bool) -> None:
         """(Re)allocate the registered rows only when their width or the float32 row changed."""
@@ -139,43 +144,15 @@ class HostAccumulator:
         self._host = self._rows[0]
 
     def _split_rows(self, places: list[tuple[int, int]], wide: torch.dtype, keep_wide: bool) -> None:
-        """Each segment's views of the rows: the parts, the sum (``_out``), the row back (``_back``), what comm and
-        sumsq read."""
+        """Each segment's views of the rows: the parts; the sum (``_out``, what comm and sumsq read): in place in the
+        row that goes back, or (wider than the wire) a float32 row allreduced and then rounded into the row back
+        (``_back``), or None: rounded in the summing pass, the float32 sum never reaches memory."""
         g = len(self.devices)
         rows = host_array(self._host)
         wide_row = self._rows[1].numpy() if keep_wide else None
-        self._parts, self._out, self._back, self._post = [], [], [], []
-        for a, b in places:
-            self._parts.append(tuple(rows[j, a:b] for j in range(g)))
-            if wide == self.dtype:  # summed in place in the row that goes back
-                out, back, post = rows[g, a:b], None, rows[g, a:b]
-            elif keep_wide:  # float32 sum, allreduced, then rounded into the row that goes back
-                out, back, post = wide_row[a:b], rows[g, a:b], wide_row[a:b]
-            else:  # rounded in the summing pass: the float32 sum never reaches memory
-                out, back, post = None, rows[g, a:b], None
-            self._out.append(out)
-            self._back.append(back)
-            self._post.append(post)
-
-    def _routes(self, segs: list[tuple[int, int]], places: list[tuple[int, int]],
-                flats: list[torch.Tensor], stages: list[torch.Tensor] | None) -> list[Routes]:
-        """Every device's routes: flat gradient (through its stage) to its slot row, and back from the sum row."""
-        g = len(self.devices)
-        host = self._host
-        itemsize = host.element_size()
-        seg_bytes = [(b - a) * itemsize for a, b in segs]
-        unit_bytes = [max((seg_bytes[s] for s in u), default=0) * len(u) for u in self.units]
-        routes = []
-        for j, flat in enumerate(flats):
-            stage = stages[j] if stages else None
-            d2h, h2d = [], []
-            for (lo, hi), (a, b) in zip(segs, places):
-                st = None if stage is None else stage[lo:hi]
-                d2h.append((flat[lo:hi], host[j, a:b], st))
-                h2d.append((host[g, a:b], flat[lo:hi], st))
-            routes.append(Routes(d2h, h2d, self.units, unit_bytes, seg_bytes, self.labels,
-                                 self.arrivals.arrived, self.ring))
-        return routes
+        self._parts = [tuple(rows[j, a:b] for j in range(g)) for a, b in places]
+        self._back = [None if wide == self.dtype else rows[g, a:b] for a, b in places]
+        self._out = [rows[g, a:b] if wide == self.dtype else wide_row[a:b] if keep_wide else None for a, b in places]
 
     def traffic(self) -> dict[str, int]:
         """Bytes the host side moves per step, by what moves them (all devices together)."""
@@ -188,7 +165,6 @@ class HostAccumulator:
         out["total"] = sum(out.values())
         return out
 
-    # ------------------------------------------------------------------ one step
     def begin_step(self) -> None:
         n = self._nseg
         self.arrivals.counts = [0] * len(self.units)
@@ -202,8 +178,8 @@ class HostAccumulator:
         if n == 0:
             self.returned.set()
 
-    def _run(self) -> None:
-        set_threads(self._threads)  # Numba's thread count is per calling thread: set it here
+    def _run(self, threads: int) -> None:
+        set_threads(threads)  # Numba's thread count is per calling thread: set it here
         try:  # CUDA: this thread's event waits and copies back use a device of this process
             self.devices[0].bind_thread()
         except BaseException as exc:
@@ -244,7 +220,7 @@ class HostAccumulator:
         # post in plan order only: the same collectives in the same order on every rank
         while self._next_post < self._nseg and self._ready[self._next_post]:
             k = self._next_post
-            self.comm.post(k, self._post[k], partial(self._reduced, k, time.perf_counter()))
+            self.comm.post(k, self._out[k], functools.partial(self._reduced, k, time.perf_counter()))
             self._next_post += 1
 
     def _reduced(self, s: int, t_post: float) -> None:
@@ -252,9 +228,9 @@ class HostAccumulator:
         if self.trace is not None:
             self.trace("host", "comm", self.labels[s], t_post, time.perf_counter())
         if self.want_sumsq:  # the global norm: of the values summed across ranks (one more read)
-            self.sumsq[s] = sum_of_squares(self._post[s])
+            self.sumsq[s] = sum_of_squares(self._out[s])
         if self._back[s] is not None:  # the float32 sum over all ranks, rounded once
-            round_into(self._post[s], self._back[s])
+            round_into(self._out[s], self._back[s])
         self._give_back(s)
 
     def _give_back(self, s: int) -> None:
@@ -280,13 +256,6 @@ class HostAccumulator:
             return None
         return self._host[len(self.devices)]
 
-    def sum_of_squares(self) -> float:
-        """Of this step's averaged gradient, once every segment is back (segment order)."""
-        total = 0.0
-        for sq in self.sumsq:
-            total += sq
-        return total
-
     def drain(self, timeout: float = 30.0) -> bool:
         """Wait until the accumulator thread has finished what was queued (after a failed step)."""
         ev = threading.Event()
@@ -305,4 +274,4 @@ class HostAccumulator:
         self._thread.join(timeout=10)
         self._rows = []
         self._host = None
-        self._parts = self._out = self._back = self._post = []
+        self._parts = self._out = self._back = []

@@ -57,10 +57,9 @@ class ParamHooks:
         self.taken = {}
 
     def run(self, touched: Sequence[float], views: Sequence[Sequence[torch.Tensor]],
-            kept: dict[int, torch.Tensor] | None = None) -> None:
+            kept: dict[int, torch.Tensor]) -> None:
         """After the backward, with the sum in ``views[0]``: every taken parameter gets, in every replica, ``kept[pid]``
-        plus its hooks' result on the sum if ``touched[pid]``; then the hooks are put back."""
-        kept = {} if kept is None else kept
+        (taken out) plus its hooks' result on the sum if ``touched[pid]``; then the hooks are put back."""
         with torch.no_grad():  # as autograd calls them
             for pid in self.taken:
                 new = self.apply(pid, views[0][pid].clone()) if touched[pid] else None

@@ -11,6 +11,8 @@ A part of :class:`cgdp.engine.core.gradients.Gradients` (its invariant holds). R
 """
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Sequence
 
 import torch
@@ -20,12 +22,9 @@ from cgdp.engine.core.gradients import GradPart
 
 
 def sparse_parameters(module: nn.Module) -> list[nn.Parameter]:
-    out: list[nn.Parameter] = []
-    for m in module.modules():
-        sparse = isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
-        if sparse and all(m.weight is not p for p in out):
-            out.append(m.weight)
-    return out
+    weights = (m.weight for m in module.modules()
+               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad)
+    return list({id(w): w for w in weights}.values())  # each once, where it first appears
 
 
 class SparseGrads(GradPart):
@@ -107,7 +106,4 @@ def _join(grads: Sequence[torch.Tensor | None], dst: torch.device) -> torch.Tens
         values = torch.cat([g._values().to(dst) for g in present], 0)
         # the indices are the replicas' own, valid for this shape: no invariant check needed
         return torch.sparse_coo_tensor(indices, values, present[0].shape, device=dst, check_invariants=False)
-    total = present[0].to(dst).to_dense()
-    for g in present[1:]:
-        total = total + g.to(dst).to_dense()
-    return total
+    return functools.reduce(operator.add, (g.to(dst).to_dense() for g in present))  # in device order

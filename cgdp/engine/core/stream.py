@@ -17,7 +17,9 @@ reset the marks): :meth:`arm` → backward (hooks send) → per device :meth:`fl
 """
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -27,7 +29,7 @@ from torch import nn
 from cgdp.comm import Comm
 from cgdp.engine.backend.base import Device, TraceSink
 from cgdp.engine.core.clip import device_norm, scale_gradients
-from cgdp.engine.core.flatgrad import ALIGN, Layout, attach_grads, make_layout
+from cgdp.engine.core.flatgrad import Layout, align, attach_grads, make_layout
 from cgdp.engine.core.hooks import DeviceHooks, StepMarks
 from cgdp.engine.core.host import HostAccumulator
 from cgdp.engine.core.layers import nonfinite_layers
@@ -54,6 +56,8 @@ class GradientStream:
         self.streaming = streaming
         self.transfer = transfer
         """The dtype on the wire, when it is not ``dtype`` (only ``torch.bfloat16``)."""
+        self.wire_itemsize = (transfer or dtype).itemsize
+        """Bytes per element over the bus."""
         self.flats: list[torch.Tensor] = []
         self.stages: list[torch.Tensor] | None = None
         self.layout: Layout | None = None
@@ -64,10 +68,8 @@ class GradientStream:
             widened=(transfer or dtype) in LOW_PRECISION and comm is not None)
         """Host slots in the ring (0: full-size rows)."""
         self._sends = [self._chunk_done(j, dev) for j, dev in enumerate(self.devs)]
-        self.hooks = [DeviceHooks(self.params[j], marks, j, self._sends[j], dev.stamp)  # disarmed
+        self.hooks = [DeviceHooks(self.params[j], marks, j, self._sends[j], dev.stamp, dev.note_stream)  # disarmed
                       for j, dev in enumerate(self.devs)]
-        for hooks, dev in zip(self.hooks, self.devs):
-            hooks.mode.note = dev.note_stream
         self.views = [h.views for h in self.hooks]
         """Per replica, each parameter's gradient view into its flat buffer (what ``.grad`` must be)."""
         if streaming:
@@ -96,16 +98,13 @@ class GradientStream:
             self.hooks[j].set_layout(layout.param_chunk, views)
         self.marks.set_layout(layout.chunk_params)
         self.layout = layout
-        self._split_large()
-        if self.host is not None:
-            for dev, routes in zip(self.devs, self.host.set_layout(layout, self.flats, self.stages, self.ring)):
-                dev.set_routes(routes)
-
-    def _split_large(self) -> None:
-        """Which parameters arrive whole in a Trainer's step (see :data:`LARGE_ELEMS`)."""
+        # which parameters arrive whole in a Trainer's step (see :data:`LARGE_ELEMS`)
         self.large = [pid for pid, n in enumerate(self.numels) if n >= LARGE_ELEMS]
         self.large_mask = bytes(n >= LARGE_ELEMS for n in self.numels)
         self.small_views = [[v for v, large in zip(views, self.large_mask) if not large] for views in self.views]
+        if self.host is not None:
+            for dev, routes in zip(self.devs, self.host.set_layout(layout, self.flats, self.stages, self.ring)):
+                dev.set_routes(routes)
 
     def arm(self, timing: bool = False, sink: TraceSink | None = None, sending: bool = True) -> None:
         """Ready hooks and host for one backward, flat buffers kept; ``sending=False``: hooks only mark touched."""
@@ -125,26 +124,22 @@ class GradientStream:
         """What device j's hooks call on a complete chunk; it holds the stream weakly (no stream <-> hooks cycle)."""
         sent = self.marks.sent[j]
         if self.ring:
-            ring = weak_call(self._ring_chunk, j)
+            send_ring = weak_call(self._send_ring, j, False)  # never waits in a hook: a busy slot is sent later
 
             def done(c: int) -> None:
                 sent[c] = 1
-                ring(c)
+                send_ring()
             return done
         def done(c: int) -> None:
             sent[c] = 1
             dev.send(c)  # one call per chunk: one event wait, one context
         return done
 
-    def _ring_chunk(self, j: int, c: int) -> None:
-        self.marks.ready[j][c] = 1
-        self._send_ring(j, block=False)  # never waits in a hook: a busy slot is sent later
-
     def _send_ring(self, j: int, block: bool) -> bool:
         """Ring: send device j's complete segments in plan order while slots are free (``block``: wait). All sent?"""
         lay, ring, host, dev = self.layout, self.ring, self.host, self.devs[j]
-        pending, s, n = self.marks.ready[j], self.marks.next[j], len(lay.segments)
-        while s < n and pending[lay.segment_chunk[s]]:
+        complete, s, n = self.marks.sent[j], self.marks.next[j], len(lay.segments)
+        while s < n and complete[lay.segment_chunk[s]]:
             if s >= ring and host.summed.done < s - ring + 1:  # its slot still holds segment s - ring
                 if not block:
                     break
@@ -176,7 +171,7 @@ class GradientStream:
                 views[pid].zero_()
                 self.params[j][pid].grad = views[pid]
         if self.ring:
-            m.ready[j][:] = b"\x01" * len(m.ready[j])
+            m.sent[j][:] = b"\x01" * len(m.sent[j])
             self._send_ring(j, block=True)
         else:  # the chunks backward never completed (layers unused this step), in plan order
             for c, done in enumerate(m.sent[j]):
@@ -189,7 +184,7 @@ class GradientStream:
             for j in range(len(self.devs)):
                 self.flush(j)
             return
-        for p in self.marks.ready:
+        for p in self.marks.sent:
             p[:] = b"\x01" * len(p)
         while True:
             seen = self.host.summed.done  # before the round: a slot freed during it is not missed
@@ -238,7 +233,7 @@ class GradientStream:
         if self.host is not None:
             if not self.host.want_sumsq:
                 raise RuntimeError("set stream.want_norm = True before the step to get its gradient norm")
-            return math.sqrt(self.host.sum_of_squares())
+            return math.sqrt(functools.reduce(operator.add, self.host.sumsq, 0.0))  # segment order (not sum()'s)
         return device_norm(self.flats[0], read)
 
     def scale_grads(self, coef: torch.Tensor, j: int | None = None) -> None:
@@ -257,11 +252,6 @@ class GradientStream:
                 p.grad = p.grad.clone() if keep_grads and j == 0 and p.grad is not None else None
         self.flats = []
         self.stages = None
-
-    @property
-    def wire_itemsize(self) -> int:
-        """Bytes per element over the bus."""
-        return (self.transfer or self.dtype).itemsize
 
     def profile_inputs(self) -> dict[str, Any]:
         """What :func:`cgdp.engine.trainer.timing.build_profile` needs of the stream."""
@@ -298,7 +288,7 @@ def ring_slots(host_memory: int, devices: int, segment_bytes: int, wire_itemsize
                widened: bool = False) -> int:
     """Slots of ``devices + 1`` rows (plus a float32 row for a widened allreduce) that fit in ``host_memory``."""
     check_sizes(segment_bytes, host_memory)
-    elems = -(-(segment_bytes // wire_itemsize) // ALIGN) * ALIGN
+    elems = align(segment_bytes // wire_itemsize)
     slot = (devices + 1) * elems * wire_itemsize + (4 * elems if widened else 0)
     slots = host_memory // slot
     if slots < MIN_SLOTS:
