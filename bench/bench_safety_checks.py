@@ -37,7 +37,7 @@ import cgdp  # noqa: E402
 from bench_engine import FULL, LR, QUICK, params_of, rel_err  # noqa: E402
 from cgdp.engine.core.module_hooks import ModuleHooks  # noqa: E402
 from cgdp.engine.core.param_hooks import ParamHooks  # noqa: E402
-from cgdp.engine.dataparallel import dense  # noqa: E402
+from cgdp.engine.core import dense_grads as dense  # noqa: E402
 from common import command_line, fmt, interleaved, machine, machine_md, median, table, write_results  # noqa: E402
 
 

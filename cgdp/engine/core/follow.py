@@ -31,7 +31,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from cgdp.engine.core.module_hooks import ModuleHooks, fingerprint, hook_count
+from cgdp.engine.core.module_hooks import ModuleHooks, hook_count
 from cgdp.engine.core.user_warning import warn_user
 
 _TRAINING = operator.attrgetter("training")
@@ -59,7 +59,6 @@ class Follow:
         self._names = [n for n, _ in replicas[0].named_modules()]
         self._children = [[(k, id(c)) for k, c in m._modules.items()] for m in self.modules[0]]
         self._child_ids = [c for children in self._children for _, c in children]  # the tree, flat
-        self._print = fingerprint(self.modules[0])
         self._lookups = _Lookups(self.modules, self.params)
         _watch_registrations(+1)
         me = weakref.ref(self)  # the model (often still held by the user) must not keep this alive
@@ -104,9 +103,7 @@ class Follow:
             m0 = self.modules[0]
             if list(map(id, chain.from_iterable(map(dict.values, map(_CHILDREN, m0))))) != self._child_ids:
                 self._refuse_new_children()
-            fp = fingerprint(m0)
-            relisted = self.hooks.follow(moved=fp != self._print)
-            self._print = fp
+            relisted = self.hooks.follow(moved=True)
         if now[3] != seen[3]:  # a buffer assigned or registered: listed again, every one copied
             self.buffers = [list(r.buffers()) for r in self.replicas]
             now[5] = list(map(_VERSION, self.buffers[0]))

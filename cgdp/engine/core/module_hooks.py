@@ -64,7 +64,7 @@ class ModuleHooks:
 
     def follow(self, moved: bool = False) -> bool:
         """Before a forward, on the caller's thread: whether some replica's buffers changed. ``moved``: replica 0's
-        tensors changed without a hook registration."""
+        module tree changed (look even without a hook registration)."""
         seen = hook_count()
         if seen == self._seen and not moved:
             return False
