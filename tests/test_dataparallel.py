@@ -931,3 +931,19 @@ def test_a_later_first_draw_keeps_the_buffer_writes_before_it(devices, make, nam
         drop.train()
         model(torch.randn(8, 4))
         assert [dict(r.named_buffers())[name].item() for r in model.replicas] == [4] * len(devices)
+
+
+def test_a_leaf_that_is_a_tensor_on_some_replicas_only_is_none_with_a_warning():
+    """Not gathered as a tensor, and not kept as replica 0's own when another replica's equals it as a number."""
+    from cgdp.engine.dataparallel.scatter import gather
+    with pytest.warns(UserWarning, match="a tensor on some replicas only"):
+        out = gather([{"loss": torch.tensor(2.0), "x": torch.ones(2)}, {"loss": 2.0, "x": torch.ones(2)}], [2, 2],
+                     torch.device("cpu"), None)
+    assert out["loss"] is None and out["x"].shape == (4,)
+
+
+def test_output_device_is_where_the_outputs_are_and_read_only():
+    with cgdp.DataParallel(nn.Linear(4, 2), ["cpu:0", "cpu:1"], chunks=1) as model:
+        assert model(torch.randn(4, 4)).device == model.output_device == torch.device("cpu")
+        with pytest.raises(AttributeError):
+            model.output_device = torch.device("meta")

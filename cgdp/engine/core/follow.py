@@ -243,7 +243,7 @@ def _load_ends(me: Callable[[], Follow | None], module: nn.Module, keys: Any) ->
     follow = me()
     if follow is not None and follow._outer[0] is module and follow._outer[1] is keys.missing_keys:
         follow._outer = (None, None)
-        follow.broadcast(follow.modules[0].index(module))
+        follow.broadcast(next(i for i, m in enumerate(follow.modules[0]) if m is module))
 
 
 _registrations = 0

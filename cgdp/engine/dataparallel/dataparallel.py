@@ -141,8 +141,6 @@ class DataParallel(nn.Module):
         self._comm: Comm | None = None
         try:
             self._devs = self._life.start(self, module, devices, share_devices)
-            self.output_device = self._devs[0].torch_device
-            """Where the gathered outputs are (``devices[0]``): put the targets there."""
             self._comm = self._life.open_comm(comm, timeout_s,
                                               lambda: signature("DataParallel", module, infos, len(devices), dtype,
                                                                 **settings(update=update, segment_bytes=segment_bytes,
@@ -189,6 +187,11 @@ class DataParallel(nn.Module):
                                            weak_call(self._parameter_maps), self._stream, self._comm, tuner,
                                            self._guard.timeout_s, HostMasters(devs, params) if self._host_update else None)
         res.push(lambda: [b.close() for b in list(steps.bindings)])
+
+    @property
+    def output_device(self) -> torch.device:
+        """Where the gathered outputs are (``devices[0]``): put the targets there."""
+        return self._devs[0].torch_device
 
     @property
     def replicas(self) -> list[nn.Module]:

@@ -219,6 +219,8 @@ def gather(outputs: Sequence[Any], sizes: Sequence[int], dst: torch.device,
             lengths.append([v.shape[0] if v.dim() else 0 for v in vals])
             tensors += vals
             result.append(_GATHERED)  # filled below
+        elif any(isinstance(v, torch.Tensor) for v in vals):  # (equal to a number elsewhere is not the same)
+            result.append(_none_said(name, "Tensor", "it is a tensor on some replicas only"))
         else:
             result.append(_same_or_none(vals, name))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -237,10 +239,11 @@ def _same_or_none(vals: list[Any], name: str) -> Any:
         same = False
     if same:
         return first
-    key = f"{name}:{type(first).__name__}"
-    if key not in _warned:
-        _warned.add(key)
-        warn_user(f"cgdp.DataParallel cannot gather {name} ({type(first).__name__}): it differs "
-                  f"between replicas and is not a tensor; it is None in the gathered output "
+    return _none_said(name, type(first).__name__, "it differs between replicas and is not a tensor")
+
+
+def _none_said(name: str, kind: str, why: str) -> None:
+    if f"{name}:{kind}" not in _warned:
+        _warned.add(f"{name}:{kind}")
+        warn_user(f"cgdp.DataParallel cannot gather {name} ({kind}): {why}; it is None in the gathered output "
                   f"(for transformers models, pass use_cache=False)")
-    return None
