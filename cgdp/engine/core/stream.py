@@ -13,7 +13,7 @@ segment whose slot is busy waits, without blocking the hook, for a later hook or
 
 The stream is transport: the gradients' state belongs to :mod:`cgdp.engine.core.gradients`. Per backward (the owner
 reset the marks): :meth:`arm` → backward (hooks send) → per device :meth:`flush`, :meth:`wait_returned` →
-:meth:`bad_count` → :meth:`disarm`. :meth:`set_plan` and :attr:`want_norm` only between steps.
+:meth:`bad_count` → :meth:`disarm`. :meth:`set_plan` and :meth:`want_norm` only between steps.
 """
 from __future__ import annotations
 
@@ -217,22 +217,17 @@ class GradientStream:
         chunks = sorted({self.layout.segment_chunk[s] for s, b in enumerate(self.host.bad) if b})
         return ", ".join(names[i] or "<root>" for c in chunks for i in self.layout.plan[c]) or "unknown"
 
-    @property
-    def want_norm(self) -> bool:
-        """Whether the host computes the gradient norm while it sums (set between steps)."""
-        return self.host is not None and self.host.want_sumsq
-
-    @want_norm.setter
     def want_norm(self, on: bool) -> None:
+        """Whether the host computes the gradient norm while it sums (set between steps)."""
         if self.host is not None:
-            self.host.want_sumsq = bool(on)
+            self.host.want_sumsq = on
 
     def grad_norm(self, read: bool = True) -> float | torch.Tensor:
         """The 2-norm of the averaged gradient (over all ranks), after :meth:`wait_returned`: from the host's sum
         (``want_norm``) or from device 0's flat buffer (``read=False``: a float64 device scalar)."""
         if self.host is not None:
             if not self.host.want_sumsq:
-                raise RuntimeError("set stream.want_norm = True before the step to get its gradient norm")
+                raise RuntimeError("call stream.want_norm(True) before the step to get its gradient norm")
             return math.sqrt(functools.reduce(operator.add, self.host.sumsq, 0.0))  # segment order (not sum()'s)
         return device_norm(self.flats[0], read)
 

@@ -177,7 +177,7 @@ class Trainer:
         self._stream = dense.stream
         self._grads = Gradients(dense, None, [d.torch_device for d in self._devs])
         self._update.attach(self._stream, self._grads, self._max_norm is not None, self._guard, res, self.replicas[0])
-        self._stream.want_norm = self._max_norm is not None
+        self._stream.want_norm(self._max_norm is not None)
         self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._timing,
                                     after_forward(self._follow.after_forward, self._update))
 
