@@ -217,15 +217,12 @@ class GradientStream:
         chunks = sorted({self.layout.segment_chunk[s] for s, b in enumerate(self.host.bad) if b})
         return ", ".join(names[i] or "<root>" for c in chunks for i in self.layout.plan[c]) or "unknown"
 
-    @property
-    def want_norm(self) -> bool:
-        """Whether the host computes the gradient norm while it sums (set between steps)."""
-        return self.host is not None and self.host.want_sumsq
-
-    @want_norm.setter
-    def want_norm(self, on: bool) -> None:
+    def _set_want_norm(self, on: bool) -> None:
+        """Whether the host computes the gradient norm while it sums (set between steps; never read back)."""
         if self.host is not None:
             self.host.want_sumsq = bool(on)
+
+    want_norm = property(fset=_set_want_norm, doc=_set_want_norm.__doc__)
 
     def grad_norm(self, read: bool = True) -> float | torch.Tensor:
         """The 2-norm of the averaged gradient (over all ranks), after :meth:`wait_returned`: from the host's sum
