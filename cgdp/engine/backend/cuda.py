@@ -102,7 +102,7 @@ class CudaDevice(Device):
 
     def send(self, unit):
         rt, r = self.rt, self._routes
-        timed = self.trace is not None and self._anchor is not None  # inside a timed step
+        timed = self.trace is not None  # inside a timed step (begin_timing set the anchor)
         current = rt.current_stream(self.index)
         ready = self._ready[unit]
         ready.record(current)
@@ -131,7 +131,7 @@ class CudaDevice(Device):
 
     def give_back(self, s):
         rt, r = self.rt, self._routes
-        timed = self.trace is not None and self._anchor is not None
+        timed = self.trace is not None
         src, dst, stage = r.h2d[s]
         with rt.stream(self.h2d):
             if timed:
@@ -178,7 +178,7 @@ class CudaDevice(Device):
         return ev
 
     def stamp(self) -> Any:
-        if self.trace is None or self._anchor is None:  # not inside a timed step (``trace`` is set for those only)
+        if self.trace is None:  # not inside a timed step (``trace`` is set for those only)
             return time.perf_counter()
         return self._event_on(self.rt.current_stream(self.index))
 

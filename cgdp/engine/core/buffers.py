@@ -29,9 +29,7 @@ class BufferWatch:
 
     def changed(self, comm: Comm | None) -> list[bool] | torch.Tensor:
         """Per buffer: written on some replica (or rank) since the last sync; without a comm, a device bool tensor."""
-        if len(self.buffers) == 1 and comm is None:  # nothing to make identical
-            return [False] * len(self.buffers[0])
-        if not self.buffers[0]:
+        if not self.buffers[0] or (len(self.buffers) == 1 and comm is None):  # nothing to make identical
             return []
         with torch.no_grad():
             # NaN != NaN: a NaN buffer counts as written, and is averaged (it stays NaN).
@@ -81,7 +79,7 @@ def sync_buffers(buffers: list[list[torch.Tensor]], weights: list[float], comm: 
     mask = only if isinstance(only, torch.Tensor) else None
     if only is not None and mask is None:
         buffers = [[b for b, keep in zip(bufs, only) if keep] for bufs in buffers]
-    if not buffers[0] or (len(buffers) == 1 and comm is None):
+    if not buffers[0]:  # (one replica without a comm: the callers pass nothing to average)
         return
     with torch.no_grad():
         first = buffers[0]

@@ -75,7 +75,7 @@ def claim(engine: Any, module: nn.Module, what: str) -> Claim:
                            f"one's gradients go wrong: call close() on the other {kind} first (or keep "
                            f"using it)")
     ref = weakref.ref(engine)
-    ids = list(dict.fromkeys(id(p) for p in module.parameters()))
+    ids = [id(p) for p in module.parameters()]
     with _lock:
         for i in ids:
             _CLAIMS[i] = ref

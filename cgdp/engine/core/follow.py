@@ -46,10 +46,10 @@ class Follow:
     adds of an optimizer the face does not step."""
 
     def __init__(self, replicas: Sequence[nn.Module], devices: Sequence[torch.device], name: str, again: str,
-                 after_load: Callable[[], None] | None = None, unbound: tuple[str, str] = ("", "")):
+                 after_load: Callable[[], None], unbound: tuple[str, str] = ("", "")):
         self.replicas = list(replicas)
         self.name, self.again, self.unbound = name, again, unbound
-        self.after_load = after_load or (lambda: None)
+        self.after_load = after_load
         self.modules = [list(r.modules()) for r in replicas]  # same order on every replica
         self.params = [list(r.parameters()) for r in replicas]  # trainable or not
         self.buffers = [list(r.buffers()) for r in replicas]

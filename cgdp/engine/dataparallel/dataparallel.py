@@ -230,7 +230,8 @@ class DataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         for d in self._devs:
             d.check_caller("model(...)")  # CUDA: the replicas run on the default streams, as must the gather
-        self._state.before_forward()  # what the user changed on model.module since
+        if self._state.follow.before_step():  # what the user changed on model.module since; buffers relisted (prune)
+            self._state.rebuild_buffers()
         parts, sizes = scatter(args, kwargs, self._torch_devices)
         g = len(parts)
         counts = watch_counts(parts, self._torch_devices) if self._scalar_outputs == "auto" else []

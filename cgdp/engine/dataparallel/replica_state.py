@@ -35,10 +35,6 @@ class ReplicaState:
         # which of them a forward wrote; the others (counters) kept too: a forward done again restores them
         self.buffer_watch = BufferWatch(self.buffers_f, split_buffers(self.replicas)[1])
 
-    def before_forward(self) -> None:
-        if self.follow.before_step():  # a hook registration changed the buffers (prune)
-            self.rebuild_buffers()
-
     def broadcast_buffers(self) -> None:
         copy_from_first([[b.data for b in r.buffers()] for r in self.replicas])
         self.buffer_watch.synced()
