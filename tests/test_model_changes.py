@@ -155,12 +155,15 @@ def token_batches(n):
     return [(torch.randint(0, 20, (8, 3), generator=g), torch.randint(0, 20, (8,), generator=g)) for _ in range(n)]
 
 
-def one_device(model, data):
+def one_device(model, data, change=None, at=None, loss=F.cross_entropy):
+    """A copy of ``model`` trained on one device on ``data``, ``change`` made to it before step ``at``."""
     ref = copy.deepcopy(model)
     opt = sgd(ref.parameters())
-    for x, y in data:
+    for i, (x, y) in enumerate(data):
+        if i == at:
+            change(ref)
         opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
+        loss(ref(x), y).backward()
         opt.step()
     return ref
 
@@ -383,14 +386,7 @@ def test_load_state_dict_on_a_submodule_reaches_every_replica_buffers_too(face):
     statistics on every replica (the load is followed on every submodule, not only the root)."""
     state, data = pretrained_body(), batches(3)
     change = lambda m: m.body.load_state_dict(state)  # noqa: E731
-    ref = Body()
-    ropt = sgd(ref.parameters())
-    for i, (x, y) in enumerate(data):
-        if i == 1:
-            change(ref)
-        ropt.zero_grad()
-        F.mse_loss(ref(x), y).backward()
-        ropt.step()
+    ref = one_device(Body(), data, change, at=1, loss=F.mse_loss)
     model = Body()
     run_face(face, model, data, change, at=1)
     assert_params_close(model, ref)
@@ -478,14 +474,7 @@ def test_a_buffer_changed_in_place_between_steps_reaches_every_replica(face):
         with torch.no_grad():
             m.scale.mul_(0.5)
 
-    ref = copy.deepcopy(net)
-    ropt = sgd(ref.parameters())
-    for i, (x, y) in enumerate(data):
-        if i == 1:
-            change(ref)
-        ropt.zero_grad()
-        F.mse_loss(ref(x), y).backward()
-        ropt.step()
+    ref = one_device(net, data, change, at=1, loss=F.mse_loss)
     run_face(face, net, data, change, at=1)  # replicas identical after every step
     for (name, a), b in zip(ref.state_dict().items(), net.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
@@ -502,3 +491,4 @@ def test_reset_running_stats_on_the_model_reaches_every_replica():
         x = torch.randn(8, 4)
         with torch.no_grad():
             torch.testing.assert_close(model(x), net(x))
+
