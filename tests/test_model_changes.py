@@ -359,13 +359,13 @@ def pretrained_body():
     return copy.deepcopy(body.state_dict())
 
 
-def run_face(face, model, data, change=None, at=None, loss=F.mse_loss):
+def run_face(face, model, data, change=None, at=None, loss=F.mse_loss, devices=DEVS):
     """``model`` trained by ``face`` on ``data``, ``change`` made to it before step ``at``."""
     if face == "trainer":
-        engine = cgdp.Trainer(model, sgd, DEVS, chunks=1)
+        engine = cgdp.Trainer(model, sgd, devices, chunks=1)
         step = lambda x, y: engine.step(x, y, loss)  # noqa: E731
     else:
-        engine = cgdp.DataParallel(model, DEVS, chunks=1)
+        engine = cgdp.DataParallel(model, devices, chunks=1)
         opt = engine.bind(sgd(engine.parameters()))
 
         def step(x, y):
@@ -492,3 +492,17 @@ def test_reset_running_stats_on_the_model_reaches_every_replica():
         with torch.no_grad():
             torch.testing.assert_close(model(x), net(x))
 
+
+@pytest.mark.parametrize("face", ["trainer", "dataparallel"])
+def test_the_first_step_that_draws_keeps_the_batchnorm_updates_before_it_on_one_device(face):
+    """Dropout off for the first steps, then on: on an emulated device the first forward that draws is done again
+    with the device's own stream, from the buffers every earlier step wrote (nothing is averaged on one device, and
+    the baseline moves all the same). One device, so that BatchNorm sees the whole batch as the reference does."""
+    torch.manual_seed(0)
+    net, data = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 5)), batches(4)
+    net[2].eval()
+    change = lambda m: m[2].train()  # noqa: E731
+    ref = one_device(net, data, change, at=3, loss=F.mse_loss)
+    run_face(face, net, data, change, at=3, devices=["cpu:0"])
+    assert net[1].num_batches_tracked.item() == 4
+    torch.testing.assert_close(net[1].running_mean, ref[1].running_mean, rtol=1e-5, atol=1e-6)

@@ -254,6 +254,8 @@ class CudaRNG:
             self._locks = {k: _RNG_LOCKS.setdefault(k, threading.Lock())
                            for k in {d.rt.rng_key(d.index) for d in devs}}
 
+    may_rerun = False
+
     def forward_all(self, run: Callable[[], Any], restore: Callable[[], None] = lambda: None) -> Any:
         """Each replica has its own stream from the start: no forward is redone (``restore`` is never needed)."""
         return run()

@@ -21,6 +21,11 @@ class EmulatedRNG:
         self.states = [torch.Generator().manual_seed(device_seed(torch.initial_seed(), j)).get_state()
                        for j in range(num_devices)]
 
+    @property
+    def may_rerun(self) -> bool:
+        """Whether a forward may still be done again (:meth:`forward_all`): its buffer writes must be undoable."""
+        return not self.turns
+
     def forward_all(self, run: Callable[[], Any], restore: Callable[[], None] = lambda: None) -> Any:
         """``run()`` every forward; rerun with per-device streams, after ``restore()``, if it drew."""
         if self.turns:

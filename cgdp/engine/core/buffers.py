@@ -45,14 +45,16 @@ class BufferWatch:
         # every rank must average the same buffers
         return (comm.allreduce_small(written) > 0).tolist()
 
-    def synced(self, changed: Sequence[bool] | None = None, others: bool = True) -> None:
-        """The buffers now are the baseline (``changed``: only those moved; ``others=False``: drop the others')."""
-        if changed is None or isinstance(changed, torch.Tensor):  # (a device mask: copy them all)
+    def synced(self, changed: Sequence[bool] | None = None, rerun: bool = True) -> None:
+        """The buffers now are the baseline (``changed``: only those moved; a device mask: all). ``rerun``: a forward
+        may be done again (:meth:`restore`), so the counters' baseline moves too, and all of it where ``changed`` could
+        not tell (one replica: ``[]``); else the counters' is dropped."""
+        if changed is None or isinstance(changed, torch.Tensor) or (rerun and not changed and self.buffers[0]):
             self._copy(self.buffers, self._seen)
         elif any(changed):
             pick = lambda xs: [[b for b, c in zip(bufs, changed) if c] for bufs in xs]  # noqa: E731
             self._copy(pick(self.buffers), pick(self._seen))
-        if others:
+        if rerun:
             # the other buffers (counters, masks) are written by ordinary in-place ops, which bump the version counter:
             # copy only those written since their last copy
             moved = [[b._version != v for b, v in zip(bufs, vs)]

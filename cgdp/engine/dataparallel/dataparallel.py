@@ -263,7 +263,7 @@ class DataParallel(nn.Module):
             raise
         self._state.follow.after_forward(g)  # parameters the forward changed in place
         if self.module.training:  # the buffers the forward wrote (BatchNorm's statistics): the same everywhere
-            self._state.after_forward(sizes, self._comm, not (self._devs[0].is_cuda or self._rng.turns))
+            self._state.after_forward(sizes, self._comm, self._rng.may_rerun)
         sync = self._sync != _NO_SYNC
         # read again when the backward starts (autograd's thread): sync_in_backward() around it sums it
         on_backward = ((lambda me=threading.current_thread():

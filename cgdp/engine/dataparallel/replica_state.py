@@ -44,16 +44,14 @@ class ReplicaState:
         """Buffers a training forward wrote take their batch-weighted mean (only those: constants stay bitwise);
         ``rerun``: a forward may still be done again (:meth:`EmulatedRNG.forward_all`), so the counters' baseline moves
         too."""
-        bufs_f, g, n = self.buffers_f, len(sizes), len(self.replicas)
+        bufs_f, g, n, watch = self.buffers_f, len(sizes), len(self.replicas), self.buffer_watch
         self.follow.buffers_synced()  # what the forward wrote is not the user's change (made equal below)
-        if not bufs_f[0] or (n == 1 and comm is None):
-            if rerun:  # nothing to average, but a forward done again must find what this one wrote
-                self.buffer_watch.synced()
+        if not (bufs_f[0] or watch.others[0]):
             return
         weights, _ = batch_weights(sizes, comm)
-        changed = self.buffer_watch.changed(comm)
+        changed = watch.changed(comm)
         # through .data: the graph saved these buffers; writing the tensors would bump versions and fail backward
         sync_buffers([[b.data for b in bufs] for bufs in bufs_f], weights + [0.0] * (n - g), comm, changed)
-        self.buffer_watch.synced(changed, others=rerun)
+        watch.synced(changed, rerun)
         if g < n:  # replicas that got no sample: integer buffers (counters) too
             self.broadcast_buffers()

@@ -394,7 +394,7 @@ class Trainer:
         changed = self._buffer_watch.changed(self._comm)
         sync_buffers(self._buffers, self._weights, self._comm, changed)
         # a forward is done again (buffers restored) only on emulated devices without random turns
-        self._buffer_watch.synced(changed, others=not (self._devs[0].is_cuda or self._rng.turns))
+        self._buffer_watch.synced(changed, rerun=self._rng.may_rerun)
         self._follow.buffers_synced()  # what the forwards wrote is not the user's change
 
     def _account(self, fw: list, bw: list, up: list, times: tuple[float, float, float, float], samples: int,
