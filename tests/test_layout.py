@@ -1,6 +1,7 @@
 """The folders are the architecture: imports between cgdp's parts, and between the engine's rooms, run one way
 (README, Layout), and no module of cgdp imports itself back through others."""
 import ast
+import re
 import pathlib
 
 import cgdp
@@ -121,6 +122,14 @@ def test_modules_stay_small():
     big = {str(f): n for f, n in sizes.items() if n > (500 if f.parts[0] == "engine" else 600)}
     assert not big, f"split these modules (STYLE.md: a few hundred lines): {big}"
 
+
+def test_faces_leave_the_stream_to_the_owner():
+    """Neither face touches the gradient stream's hooks or flat buffers: the owner in core does (issue 34)."""
+    pattern = re.compile(r"hooks\[.*\]\.(touched|replaced|views)|\.flats")
+    found = [f"{f.relative_to(PKG)}:{n}" for face in ("dataparallel", "trainer")
+             for f in sorted((PKG / "engine" / face).rglob("*.py"))
+             for n, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, f"ask the owner (cgdp.engine.core.gradients.Gradients) instead: {found}"
 
 
 def test_engine_functions_stay_short():

@@ -59,13 +59,7 @@ class ReplicaSteps:
                 [b.opt() for b in bound if hasattr(b, "host")])
 
     def host_sum(self) -> tuple[Any, list[int], Any]:
-        """The host's sum row when every replica holds it (``SUMMED``, one machine; else None), the offsets and replica
-        0's flat gradient (:meth:`~cgdp.engine.core.host_update.HostMasters.take_grads`)."""
-        st = self._stream
-        # one replica: nothing to compare a .data edit with, so the host's row is not known to be replica 0's
-        whole = (self._grads.state is GradState.SUMMED and self._comm is None and st.host is not None
-                 and len(st.flats) > 1)
-        return st.host.sum_row() if whole else None, st.layout.offsets, st.flats[0]
+        return self._grads.host_row(self._comm is None)
 
     def end(self) -> None:
         """After every replica stepped; gives the operation lock back, whatever happens."""
