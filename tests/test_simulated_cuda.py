@@ -6,6 +6,7 @@ the defects the strict simulator found are proven in ``tests/test_cuda_strict.py
 """
 import copy
 import os
+import threading
 
 import pytest
 import torch
@@ -360,3 +361,24 @@ def test_two_ranks_on_simulated_gpus_equal_single_device_training():
             c.close()
     for m in out:
         assert_params_close(m, ref)
+
+
+class _Probe(threading.Thread):
+    """Reads, after its target has returned, what is left on its own torch mode stacks."""
+
+    def run(self) -> None:
+        super().run()
+        self.left = (torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack())
+
+
+def test_threads_leave_no_mode_behind_them():
+    """A thread started under the simulator runs watched, and pops the modes before it ends: a mode left on a thread's
+    C++ stacks is released after the join, racing the interpreter's exit (a process abort at exit, pytorch#38228)."""
+    seen = []
+    with simulated_cuda(1):
+        t = _Probe(target=lambda: seen.append((torch._C._len_torch_function_stack(),
+                                               torch._C._len_torch_dispatch_stack())))
+        t.start()
+        t.join()
+    assert seen[0][0] >= 1 and seen[0][1] >= 1  # watched while it ran
+    assert t.left == (0, 0)

@@ -517,7 +517,7 @@ class SimulatedCuda(PageLockedMemory):
         fake_cuda._sim = self
         self.checker.install_trace(self.current_device)
         self._watch()
-        self._unhook = on_new_threads(self._thread_starts)
+        self._unhook = on_new_threads(self._thread_starts, self._unwatch)
 
     def _thread_starts(self) -> None:
         """Every thread started while the simulator is active is watched from its start, whether
@@ -525,13 +525,17 @@ class SimulatedCuda(PageLockedMemory):
         if fake_cuda._sim is self and threading.current_thread() not in self._workers:
             self._watch()
 
-    def close(self) -> None:
-        if hasattr(self, "_unhook"):
-            self._unhook()
+    def _unwatch(self) -> None:
+        """The calling thread's modes popped (at its end, and the closing thread's at close)."""
         self.checker.unwatch_thread(self.mode)
         if getattr(self._local, "syncing", False):
             _pop_function_mode(self.syncs.mode)
             self._local.syncing = False
+
+    def close(self) -> None:
+        if hasattr(self, "_unhook"):
+            self._unhook()
+        self._unwatch()
         self.syncs.mode.enabled = False
         self.mode.enabled = False  # threads that outlive the simulator run their kernels plainly
         self.checker.uninstall_trace()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import re
 import sys
 import threading
@@ -331,17 +332,32 @@ class StreamChecker:
 _tls = threading.local()
 
 
-def on_new_threads(start: Callable[[], None]) -> Callable[[], None]:
+def on_new_threads(start: Callable[[], None], end: Callable[[], None] | None = None) -> Callable[[], None]:
     """Call ``start()`` on every thread started from now on, on its first Python call
     (``threading.setprofile``), so a mode can be pushed on threads that never call ``torch.cuda``;
-    returns what stops it."""
+    and ``end()`` on that thread when its target returns or raises. What ``start`` pushed, ``end``
+    must pop: torch's mode stacks are C++ thread-locals whose destructors take the GIL, and one that
+    runs after the thread was joined races with the interpreter's exit, which then aborts the
+    process ("terminate called without an active exception", pytorch#38228). A thread without a
+    target (a subclass's own ``run``) gets no ``end``. Returns what stops it."""
     prev = threading.getprofile()
 
     def hook(frame: Any, event: str, arg: Any) -> None:
         sys.setprofile(prev)
         start()
+        thread = threading.current_thread()
+        target = getattr(thread, "_target", None)  # the first call is Thread.run's: its target not run yet
+        if end is not None and target is not None:
+            thread._target = functools.partial(_then, target, end)
     threading.setprofile(hook)
     return lambda: threading.setprofile(prev)
+
+
+def _then(target: Callable[..., Any], end: Callable[[], None], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return target(*args, **kwargs)
+    finally:
+        end()
 
 
 class _Trace:
@@ -488,7 +504,8 @@ class checked:
             return None if dev is None else stream_key(cuda.current_stream(dev))
         self.mode = AccessMode(self.checker, stream_of)
         self.checker.watch_thread(self.mode)  # the caller's thread zeroes and relays buffers
-        self._unhook = on_new_threads(lambda: self.mode.enabled and self.checker.watch_thread(self.mode))
+        self._unhook = on_new_threads(lambda: self.mode.enabled and self.checker.watch_thread(self.mode),
+                                      lambda: self.checker.unwatch_thread(self.mode))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._rt, name)
