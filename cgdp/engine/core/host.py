@@ -89,8 +89,8 @@ class HostAccumulator:
         self.send_back = True
         """Whether sums are copied back (False: the host optimizer reads them, :mod:`cgdp.engine.core.host_update`)."""
         self.on_summed: Callable[[int], None] | None = None
-        """Called with each segment once its sum is final, on that thread, before it counts as returned: the host
-        update."""
+        """Called with each unit once all its sums are final (as its last segment is given back: they go in order), on
+        that thread, before it counts as returned: the host update."""
         self.units: list[range] = []
         self._nseg = self._elems = 0
 
@@ -110,6 +110,7 @@ class HostAccumulator:
                                         for s, (lo, hi) in enumerate(segs)]
         self._split_rows(places, wide, keep_wide)
         self.units = [range(s, s + 1) for s in range(len(segs))] if ring else list(layout.chunk_segments)
+        self._ends = {u[-1]: k for k, u in enumerate(self.units) if u}  # a unit's last segment -> the unit
         self.labels = [f"chunk {c}" for c in layout.segment_chunk]
         self._nseg = len(segs)
         self._elems = sum(b - a for a, b in segs)
@@ -237,8 +238,8 @@ class HostAccumulator:
         if self.send_back:
             for dev in self.devices:
                 dev.give_back(s)
-        if self.on_summed is not None:
-            self.on_summed(s)
+        if self.on_summed is not None and s in self._ends:
+            self.on_summed(self._ends[s])
         self._given.advance()
         if self._given.done == self._nseg:
             self.returned.set()

@@ -267,8 +267,7 @@ class HostUpdate(Update):
             where = {id(p): k for k, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
             self._group = [where.get(id(p)) for p in m.masters]
         m.grads_from_row(self._sum_row(), lay.offsets, ())  # again if zero_grad() dropped them
-        self._left = [len(r) for r in lay.chunk_segments]
-        self._chunks = sum(1 for n in self._left if n)  # a layer without parameters of its own has no update
+        self._chunks = sum(1 for r in lay.chunk_segments if r)  # a layer without parameters of its own has no update
         self._stepped: list[int] = []
         self._states.clear()
         self._fast = self._flat is not None and host_adam.usable(self.optimizer)
@@ -310,12 +309,8 @@ class HostUpdate(Update):
             m.wide[widen].copy_(self._rounded[widen])
         return m.wide
 
-    def _summed(self, s: int) -> None:
-        if not self._with_backward:
-            return
-        c = self._layout.segment_chunk[s]
-        self._left[c] -= 1
-        if not self._left[c]:
+    def _summed(self, c: int) -> None:
+        if self._with_backward:
             self._queue.put(c)
 
     def _update_chunk(self, c: int) -> None:

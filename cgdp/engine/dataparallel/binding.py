@@ -230,6 +230,10 @@ class Binding:
                     mapping[id(p)].copy_(p)
         self._reload(opt)
 
+    def optimizers(self) -> tuple[list[Any], list[Any]]:
+        """Per replica the optimizer stepping it (replica 0: the user's), and those stepping on the host."""
+        return [self.opt(), *self.mirrors], []
+
     def close(self) -> None:
         self.closed = True
         for h in self._handles:
@@ -308,6 +312,9 @@ class HostBinding(Binding):
                 for master, s in self.host.state.items():
                     opt.state[self._back[id(master)]] = s
             m.to_devices(steps.threads, pids)  # also after a raise: what one device holds then
+
+    def optimizers(self) -> tuple[list[Any], list[Any]]:
+        return [], [self.opt()]  # the user's: its state is the host optimizer's
 
     def close(self) -> None:
         """The optimizer gets its state back on the parameters' device (torch's own placement)."""

@@ -52,11 +52,9 @@ class ReplicaSteps:
             raise
 
     def optimizers(self) -> tuple[list[list[Any]], list[Any]]:
-        bound = [b for b in self.bindings if b.opt() is not None]
-        on_devices = [b for b in bound if not hasattr(b, "host")]
-        return ([[b.opt() for b in on_devices]] + [[b.mirrors[j - 1] for b in on_devices if b.mirrors]
-                                                   for j in range(1, len(self.devs))],
-                [b.opt() for b in bound if hasattr(b, "host")])
+        held = [b.optimizers() for b in self.bindings if b.opt() is not None]
+        return ([[per[j] for per, _ in held if j < len(per)] for j in range(len(self.devs))],
+                [o for _, host in held for o in host])
 
     def host_sum(self) -> tuple[Any, list[int], Any]:
         return self._grads.host_row(self._comm is None)
