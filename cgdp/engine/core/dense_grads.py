@@ -15,27 +15,38 @@ import numpy as np
 import torch
 
 from cgdp.comm import Comm
-from cgdp.engine.backend import host_threads
+from cgdp.engine.backend import host_threads, make_rng
 from cgdp.engine.core.drain import quiesce
 from cgdp.engine.core.hooks import StepMarks
+from cgdp.engine.core.lifetime import Lifetime
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.stream import GradientStream
+from cgdp.engine.core.threads import DeviceThreads
 from cgdp.engine.sync import Guard
-from cgdp.engine.core.gradients import GradPart, UserFault
+from cgdp.engine.core.gradients import GradPart, Gradients, UserFault
 from cgdp.engine.core.user_warning import warn_user
 
 
-def build_dense(devs: list, params: list, layer_pids: list, dtype: torch.dtype, plan: list, *, resources: Any,
-                guard: Guard, comm: Comm | None, param_hooks: ParamHooks, initial: Sequence[torch.Tensor | None],
-                keep_grads: bool, **stream_options: Any) -> DenseGrads:
-    """Either face's streaming path: the marks, the stream (closed by ``resources``, ``keep_grads`` as
-    :meth:`GradientStream.close`) laid out for ``plan``, the dense part over them."""
+def build_gradients(life: Lifetime, devs: list, params: list, layer_pids: list, dtype: torch.dtype | None,
+                    plan: list | None, *, guard: Guard, comm: Comm | None, param_hooks: ParamHooks,
+                    initial: Sequence[torch.Tensor | None], keep_grads: bool, sparse: GradPart | None = None,
+                    **stream_options: Any) -> tuple[DeviceThreads, Any, GradientStream | None, Gradients]:
+    """Either face's device side: the device threads, the random streams, and with a ``plan`` the streaming path
+    (the marks, the stream laid out for it, the dense part over them); the gradients' one owner over it and
+    ``sparse``. ``life`` closes the threads and the stream (``keep_grads``: as :meth:`GradientStream.close`)."""
+    res = life.resources
+    threads = life.threads = DeviceThreads(devs, guard)
+    res.push(threads.close)
+    rng = make_rng(devs)  # one random stream per replica, derived from torch's seed (reproducible)
+    if plan is None:  # nothing to stream
+        return threads, rng, None, Gradients(GradPart(), sparse, [d.torch_device for d in devs])
     stream = GradientStream(devs, params, layer_pids, dtype, StepMarks(len(devs), len(params[0])), guard=guard,
                             comm=comm, host_threads=host_threads(devs), **stream_options)
-    resources.drain = functools.partial(quiesce, devs, stream.host, 30.0)  # the host's copies too
-    resources.push(functools.partial(stream.close, keep_grads))
+    res.drain = functools.partial(quiesce, devs, stream.host, 30.0)  # the host's copies too
+    res.push(functools.partial(stream.close, keep_grads))
     stream.set_plan(plan)
-    return DenseGrads(stream, initial, param_hooks, comm, guard.timeout_s)
+    dense = DenseGrads(stream, initial, param_hooks, comm, guard.timeout_s)
+    return threads, rng, stream, Gradients(dense, sparse, [d.torch_device for d in devs])
 
 
 class DenseGrads(GradPart):

@@ -189,22 +189,28 @@ class Lifetime:
         if self.ops.close(self._stop, self.release):
             self.release()
 
-    def start(self, owner: object, model: torch.nn.Module, devices: Any, share_devices: bool) -> list[Any]:
+    def start(self, owner: object, model: torch.nn.Module, devices: Any, share_devices: bool,
+              build: Callable[[list[Any]], None]) -> None:
         """The start both faces share: ``model`` claimed (given back last), the devices made (closed at the end, after
-        every copy in flight), none of them on a user's stream (the engine's buffers must not live there)."""
-        from cgdp.engine.backend import make_devices
-        from cgdp.engine.core.claims import claim
-        res, name = self.resources, self.name if self.name.startswith("cgdp.") else f"cgdp.{self.name}"
-        self.claim = claim(owner, model, name)
-        res.push(self.claim.release)
-        from cgdp.engine.core.drain import quiesce
-        devs = make_devices(devices, self._stop, share_devices)
-        res.drain = functools.partial(quiesce, devs, None, 30.0)
-        for d in devs:
-            res.push(d.close)
-        for d in devs:
-            d.check_caller(f"{name}(...)")
-        return devs
+        every copy in flight), none of them on a user's stream (the engine's buffers must not live there).
+        Then the face's ``build(devs)``; the one failure path of a construction: what was built is released."""
+        try:
+            from cgdp.engine.backend import make_devices
+            from cgdp.engine.core.claims import claim
+            res, name = self.resources, self.name if self.name.startswith("cgdp.") else f"cgdp.{self.name}"
+            self.claim = claim(owner, model, name)
+            res.push(self.claim.release)
+            from cgdp.engine.core.drain import quiesce
+            devs = make_devices(devices, self._stop, share_devices)
+            res.drain = functools.partial(quiesce, devs, None, 30.0)
+            for d in devs:
+                res.push(d.close)
+            for d in devs:
+                d.check_caller(f"{name}(...)")
+            build(devs)
+        except BaseException:
+            self.close()
+            raise
 
     def open_comm(self, comm: Any, timeout_s: float | None, signature: Callable[[], dict[str, str]]) -> Any:
         """The engine's comm (None for one machine), closed with it; every rank started alike (``signature()``)."""

@@ -32,8 +32,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from cgdp.comm import Comm
-from cgdp.engine.backend import default_devices, make_rng, parse_devices
+from cgdp.engine.backend import default_devices, parse_devices
 from cgdp.engine.core.host_update import HostMasters, check_host_update
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.memory_report import memory_report
@@ -42,12 +41,12 @@ from cgdp.engine.core.padding import OwnLossCheck, labels_of
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan
 from cgdp.engine.core.replicas import make_replicas, settings, signature
-from cgdp.engine.core.stream import GradientStream, check_sizes
-from cgdp.engine.core.threads import DeviceThreads, caller_context
+from cgdp.engine.core.stream import check_sizes
+from cgdp.engine.core.threads import caller_context
 from cgdp.engine.dataparallel.binding import bind
 from cgdp.engine.dataparallel.input_grads import BackwardCheck
-from cgdp.engine.core.dense_grads import build_dense
-from cgdp.engine.core.gradients import GradPart, Gradients, UserFault
+from cgdp.engine.core.dense_grads import build_gradients
+from cgdp.engine.core.gradients import UserFault
 from cgdp.engine.dataparallel.steps import ReplicaSteps
 from cgdp.engine.dataparallel.replica_state import ReplicaState
 from cgdp.engine.dataparallel.scatter import gather, scatter, unbatched_note, watch_counts
@@ -136,23 +135,17 @@ class DataParallel(nn.Module):
         self._guard = Guard(timeout_s)
         # one operation at a time, and what close() releases (also when dropped without close())
         self._life = Lifetime(self, NAME, "wrap model.module again", _refusal, _stopped, self._guard.fail)
-        self._threads: DeviceThreads | None = None
-        self._stream: GradientStream | None = None
-        self._comm: Comm | None = None
-        try:
-            self._devs = self._life.start(self, module, devices, share_devices)
-            self._comm = self._life.open_comm(comm, timeout_s,
-                                              lambda: signature("DataParallel", module, infos, len(devices), dtype,
-                                                                **settings(update=update, segment_bytes=segment_bytes,
-                                                                           host_memory=host_memory,
-                                                                           scalar_outputs=scalar_outputs)))
-            self._build(module, infos, layer_params, dtype, chunks, segment_bytes, host_memory)
-        except BaseException:
-            self.close()
-            raise
+        self._life.start(self, module, devices, share_devices, lambda devs: self._build(
+            devs, module, comm, update, infos, layer_params, dtype, chunks, segment_bytes, host_memory))
 
-    def _build(self, module, infos, layer_params, dtype, chunks, segment_bytes, host_memory) -> None:
-        devs = self._devs
+    def _build(self, devs, module, comm, update, infos, layer_params, dtype, chunks, segment_bytes,
+               host_memory) -> None:
+        self._devs = devs
+        self._comm = self._life.open_comm(comm, self._guard.timeout_s,
+                                          lambda: signature("DataParallel", module, infos, len(devs), dtype,
+                                                            **settings(update=update, segment_bytes=segment_bytes,
+                                                                       host_memory=host_memory,
+                                                                       scalar_outputs=self._scalar_outputs)))
         before = [p.grad for layer in layer_params for p in layer]
         reps = make_replicas(module, devs)
         self._life.claim.add(p for r in reps[1:] for p in r.parameters())
@@ -167,21 +160,18 @@ class DataParallel(nn.Module):
         res = self._life.resources
         res.push(self._state.follow.close)  # its load hook: never pickled with the module
         self._param_hooks = ParamHooks(params, unsupported=sparse[0])  # they run on the sum
-        self._threads = self._life.threads = DeviceThreads(devs, self._guard)
-        res.push(self._threads.close)
-        self._rng = make_rng(devs)  # one random stream per replica
         self._backward_check = BackwardCheck()
-        dense, tuner = GradPart(), None  # nothing to stream
+        plan, tuner = None, None  # nothing to stream
         if any(info.numel for info in infos):  # dense trainable parameters: the streaming path
             # no step profiles here (the loop is the user's): the tuner measures uniform plans
             plan, tuner = first_plan(chunks, [i.numel * dtype.itemsize for i in infos], len(devs), self._comm)
-            dense = build_dense(devs, params, number_params(layer_params), dtype, plan, resources=res,
-                                guard=self._guard, comm=self._comm, param_hooks=self._param_hooks, initial=before,
-                                keep_grads=True, segment_bytes=segment_bytes, streaming=True, host_memory=host_memory)
-            self._stream = dense.stream
-            if self._comm is not None:  # the mean over ranks, as DDP's: of all the gradient, whatever path it took
-                self._stream.host.scale = 1.0 / self._comm.size
-        self._grads = Gradients(dense, SparseGrads(sparse, torch_devices) if sparse[0] else None, torch_devices)
+        self._threads, self._rng, self._stream, self._grads = build_gradients(
+            self._life, devs, params, number_params(layer_params), dtype, plan, guard=self._guard, comm=self._comm,
+            param_hooks=self._param_hooks, initial=before, keep_grads=True, segment_bytes=segment_bytes,
+            streaming=True, host_memory=host_memory, sparse=SparseGrads(sparse, torch_devices) if sparse[0] else None)
+        if self._stream is not None and self._comm is not None:
+            # the mean over ranks, as DDP's: of all the gradient, whatever path it took
+            self._stream.host.scale = 1.0 / self._comm.size
         self._params = params
         self._steps = steps = ReplicaSteps(self._life, devs, self._threads, self._grads, self._state,
                                            weak_call(self._parameter_maps), self._stream, self._comm, tuner,

@@ -21,22 +21,19 @@ import torch
 from torch import nn
 
 from cgdp.comm import Comm
-from cgdp.engine.backend import make_rng
 from cgdp.engine.core.buffers import BufferWatch, copy_from_first, sync_buffers
 from cgdp.engine.core.clip import clip_coefficient
 from cgdp.engine.core.drain import quiesce
 from cgdp.engine.core.layers import LayerInfo, number_params
 from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
 from cgdp.engine.core.follow import Follow
-from cgdp.engine.core.dense_grads import build_dense
-from cgdp.engine.core.gradients import Gradients
+from cgdp.engine.core.dense_grads import build_gradients
 from cgdp.engine.core.host_update import after_forward
 from cgdp.engine.core.memory_report import memory_report
 from cgdp.engine.core.param_hooks import ParamHooks
 from cgdp.engine.core.plan import first_plan, tuned_plan
 from cgdp.engine.core.replicas import Replicas, batch_weights, settings, signature, split_buffers
-from cgdp.engine.core.stream import GradientStream
-from cgdp.engine.core.threads import DeviceThreads, caller_context
+from cgdp.engine.core.threads import caller_context
 from cgdp.engine.sync import Guard
 from cgdp.engine.trainer.batch import micro_rounds
 from cgdp.engine.trainer.hyperparameters import (HyperparameterMismatchError, Schedulers, agree_on_step,
@@ -125,21 +122,12 @@ class Trainer:
 
         self._layer_pids = number_params(checked.layer_params)
         self._layer_bytes = [info.numel * self._dtype.itemsize for info in checked.layers]
-
-        self._threads: DeviceThreads | None = None
-        self._stream: GradientStream | None = None
-        self._comm: Comm | None = None
-        try:
-            self._devs = self._life.start(self, model, devices, share_devices)
-            self._build(model, optimizer, chunks, comm)
-            self._schedulers = Schedulers(scheduler, self.optimizers)
-            self.schedulers = self._schedulers.schedulers
-        except BaseException:
-            self.close()
-            raise
+        self._life.start(self, model, devices, share_devices,
+                         lambda devs: self._build(devs, model, optimizer, chunks, comm, scheduler))
 
     # ------------------------------------------------------------------ construction
-    def _build(self, model, optimizer, chunks, comm) -> None:
+    def _build(self, devs, model, optimizer, chunks, comm, scheduler) -> None:
+        self._devs = devs
         reps = Replicas(model, self._devs, optimizer)
         self._life.claim.add(p for r in reps.modules[1:] for p in r.parameters())
         self.replicas, self.optimizers = reps.modules, reps.optimizers
@@ -164,22 +152,19 @@ class Trainer:
         plan, self.tuner = first_plan(chunks, self._layer_bytes, len(self._devs), self._comm,
                                       tuned=self._update.streams, paper=True)
         self._tuning = self.tuner is not None
-        # one CPU random stream per emulated device, derived from torch's seed (reproducible)
-        self._rng = make_rng(self._devs)
 
-        res = self._life.resources
-        self._threads = self._life.threads = DeviceThreads(self._devs, self._guard)
-        res.push(self._threads.close)
-        dense = build_dense(self._devs, self._params, self._layer_pids, self._dtype, plan, resources=res,
-                            guard=self._guard, comm=self._comm, param_hooks=ParamHooks(reps.params),
-                            initial=[None] * len(self._params[0]), keep_grads=False, segment_bytes=self._segment,
-                            streaming=self._update.streams, transfer=self._transfer, host_memory=self._host_memory)
-        self._stream = dense.stream
-        self._grads = Gradients(dense, None, [d.torch_device for d in self._devs])
-        self._update.attach(self._stream, self._grads, self._max_norm is not None, self._guard, res, self.replicas[0])
+        self._threads, self._rng, self._stream, self._grads = build_gradients(
+            self._life, self._devs, self._params, self._layer_pids, self._dtype, plan, guard=self._guard,
+            comm=self._comm, param_hooks=ParamHooks(reps.params), initial=[None] * len(self._params[0]),
+            keep_grads=False, segment_bytes=self._segment, streaming=self._update.streams, transfer=self._transfer,
+            host_memory=self._host_memory)
+        self._update.attach(self._stream, self._grads, self._max_norm is not None, self._guard, self._life.resources,
+                            self.replicas[0])
         self._stream.want_norm(self._max_norm is not None)
         self._passes = DevicePasses(self._devs, self.replicas, self._rng, self._threads, self._stream, self._timing,
                                     after_forward(self._follow.after_forward, self._update))
+        self._schedulers = Schedulers(scheduler, self.optimizers)
+        self.schedulers = self._schedulers.schedulers
 
     def _loaded(self) -> None:
         self._buffer_watch.synced()  # the loaded buffers are the same on every replica
