@@ -234,6 +234,31 @@ class Lifetime:
         return self.broken
 
 
+class Face:
+    """What both faces show of their lifetime (``self._life``): :meth:`close`, :attr:`closed`, ``with``."""
+
+    _life: Lifetime
+
+    def close(self) -> None:
+        """Remove every hook, stop every thread, free the flat and pinned buffers (``DataParallel``: ``.module`` keeps
+        its gradients).
+
+        From another thread while an operation runs (``step()``, a backward): it stops with a ``RuntimeError`` naming
+        ``close()`` (or returns, if it was already past its last wait), and ``close()`` waits up to
+        :data:`CLOSE_WAIT_S` for it; one still running then releases everything itself when it ends."""
+        self._life.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._life.closed
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 def operation(what: str) -> Callable[[F], F]:
     """A method that is one operation of its engine (``self._life``): holds its operation lock, on a usable engine."""
     def wrap(method: F) -> F:

@@ -34,7 +34,7 @@ from torch.autograd import Variable
 
 from cgdp.engine.backend import default_devices, parse_devices
 from cgdp.engine.core.host_update import HostMasters, check_host_update
-from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
+from cgdp.engine.core.lifetime import Face, Lifetime, operation, weak_call
 from cgdp.engine.core.memory_report import memory_report
 from cgdp.engine.core.layers import find_layers, number_params, trainable_dtype
 from cgdp.engine.core.padding import OwnLossCheck, labels_of
@@ -77,7 +77,7 @@ def _say_emulated_once(devices: list[str]) -> None:
               f"train the plain module for speed")
 
 
-class DataParallel(nn.Module):
+class DataParallel(Face, nn.Module):
     """Data parallelism over ``devices`` behind your own training loop, gradients summed on the host.
 
     Args:
@@ -314,31 +314,16 @@ class DataParallel(nn.Module):
         self._life.ops.clean_stale()  # after a backward that raised: its clean-up first
         return copy.deepcopy(self.module, memo)
 
-    def close(self) -> None:
-        """Remove every hook, stop every thread, free the buffers; ``.module`` keeps its gradients. A running
-        operation stops with a ``RuntimeError`` naming ``close()`` (:mod:`cgdp.engine.core.lifetime`)."""
-        self._life.close()
-
     def memory_report(self) -> dict[str, dict[str, int]]:
         per, host = self._steps.optimizers()
         masters = self._steps.host_masters
         return memory_report(self.devices, self._params, per, self._stream,
                              None if masters is None else (masters, host))
 
-    def __enter__(self) -> "DataParallel":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     @property
     def tuning(self) -> bool:
         """Whether ``chunks="auto"`` is still timing plans."""
         return self._steps.tuner is not None
-
-    @property
-    def closed(self) -> bool:
-        return self._life.closed
 
     def _parameter_maps(self) -> list[dict[int, nn.Parameter]]:
         """Per replica j > 0: id(replica 0's parameter) -> replica j's (grad-requiring buffers' stand-ins too)."""

@@ -25,7 +25,7 @@ from cgdp.engine.core.buffers import BufferWatch, copy_from_first, sync_buffers
 from cgdp.engine.core.clip import clip_coefficient
 from cgdp.engine.core.drain import quiesce
 from cgdp.engine.core.layers import LayerInfo, number_params
-from cgdp.engine.core.lifetime import Lifetime, operation, weak_call
+from cgdp.engine.core.lifetime import Face, Lifetime, operation, weak_call
 from cgdp.engine.core.follow import Follow
 from cgdp.engine.core.dense_grads import build_gradients
 from cgdp.engine.core.host_update import after_forward
@@ -52,7 +52,7 @@ class NonFiniteGradientError(FloatingPointError):
     """The averaged gradient holds NaN or Inf; the update was not applied."""
 
 
-class Trainer:
+class Trainer(Face):
     """Data-parallel training over ``devices`` with gradients averaged on the host.
 
     Args:
@@ -284,30 +284,12 @@ class Trainer:
         if state.get("plan") is not None:
             self._relay(validate_plan(state["plan"], len(self.layers)))
 
-    def close(self) -> None:
-        """Remove every hook, stop every thread, free the flat and pinned buffers.
-
-        From another thread while ``step()`` runs: that step stops with a ``RuntimeError`` (or returns, if it was
-        already past its last wait), and ``close()`` waits up to :data:`~cgdp.engine.core.lifetime.CLOSE_WAIT_S` for it;
-        a step still running then releases everything itself when it ends (:mod:`cgdp.engine.core.lifetime`)."""
-        self._life.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._life.closed
-
     def memory_report(self) -> dict[str, dict[str, int]]:
         """Bytes of parameters, gradients, optimizer state and transfer buffers per device and on
         the host (:mod:`cgdp.engine.core.memory_report`)."""
         host = self._update.masters
         return memory_report(self.devices, self._params, [[o] for o in self._update.optimizers], self._stream,
                              None if host is None else (host, self.optimizers))
-
-    def __enter__(self) -> "Trainer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ one step
     def _tuner_plan(self) -> bool:
