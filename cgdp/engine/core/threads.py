@@ -393,13 +393,6 @@ def caller_context(device_types: Sequence[str] = ("cuda", "cpu"), grad: bool = T
 
 def _autocast_state(device_type: str) -> tuple[str, torch.dtype, bool] | None:
     """The calling thread's autocast for ``device_type``: (type, dtype, cache enabled), or None if off."""
-    try:
-        if not torch.is_autocast_enabled(device_type):
-            return None
-        dtype = torch.get_autocast_dtype(device_type)
-    except (TypeError, AttributeError):  # torch < 2.4: one function per device type
-        cpu = device_type == "cpu"
-        if not (torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()):
-            return None
-        dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
-    return device_type, dtype, torch.is_autocast_cache_enabled()
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled()
