@@ -138,12 +138,13 @@ class Gradients:
         """Per dense parameter, on how many replicas it got a gradient since the marks were reset."""
         return self.dense.marks.counts()
 
-    def host_row(self, one_machine: bool) -> tuple[Any, list[int], torch.Tensor]:
+    def host_row(self) -> tuple[Any, list[int], torch.Tensor]:
         """For :meth:`~cgdp.engine.core.host_update.HostMasters.take_grads`: the host's sum row when every replica holds
         it (``SUMMED`` on one machine; one replica: nothing compares a ``.data`` edit with it), else None; the offsets
         and replica 0's flat gradient."""
         st = self.dense.stream
-        whole = self.state is GradState.SUMMED and one_machine and st.host is not None and len(st.flats) > 1
+        whole = (self.state is GradState.SUMMED and st.host is not None and st.host.comm is None
+                 and len(st.flats) > 1)
         return st.host.sum_row() if whole else None, st.layout.offsets, st.flats[0]
 
     def device_norm(self) -> float:

@@ -375,7 +375,8 @@ def caller_context(device_types: Sequence[str] = ("cuda", "cpu"), grad: bool = T
                    ) -> Callable[[], ContextManager[Any]]:
     """A context factory that re-enters, on a device thread, the caller's autocast for ``device_types`` and (``grad``)
     its grad and inference mode, which torch keeps per thread."""
-    casts = [c for dt in device_types if (c := _autocast_state(dt)) is not None]
+    cache = torch.is_autocast_cache_enabled()
+    casts = [(dt, torch.get_autocast_dtype(dt), cache) for dt in device_types if torch.is_autocast_enabled(dt)]
     modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled()) if grad else None
     if not casts and modes is None:
         return nullcontext
@@ -390,9 +391,3 @@ def caller_context(device_types: Sequence[str] = ("cuda", "cpu"), grad: bool = T
             yield
     return enter
 
-
-def _autocast_state(device_type: str) -> tuple[str, torch.dtype, bool] | None:
-    """The calling thread's autocast for ``device_type``: (type, dtype, cache enabled), or None if off."""
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    return device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled()

@@ -301,7 +301,7 @@ class HostBinding(Binding):
                 "give parameters outside the model an optimizer of their own, or use update='devices'")
         m, pids = self.masters, self._pids
         m.follow()
-        m.take_grads(*steps.host_sum(), pids)  # the host's sum in place where every replica holds it
+        m.take_grads(*steps.grads.host_row(), pids)  # the host's sum in place where every replica holds it
         prefer_fused(self.host)
         opt._opt_called = True  # what an LR scheduler built before bind looks for (its counter is not run)
         n = len(self.host.state)

@@ -17,7 +17,7 @@ from cgdp.engine.core.host_update import HostMasters
 from cgdp.engine.core.lifetime import Lifetime
 from cgdp.engine.core.plan import tuned_plan
 from cgdp.engine.core.threads import DeviceThreads
-from cgdp.engine.core.gradients import Gradients, GradState
+from cgdp.engine.core.gradients import Gradients
 from cgdp.engine.dataparallel.replica_state import ReplicaState
 
 
@@ -28,7 +28,7 @@ class ReplicaSteps:
         """``maps()``: per replica j > 0, id(replica 0's parameter) -> replica j's; ``tuner``: None once fixed."""
         self.host_masters = host_masters
         self._life, self.devs, self.threads = life, devs, threads
-        self._grads, self._state, self.parameter_maps = grads, state, maps
+        self.grads, self._state, self.parameter_maps = grads, state, maps
         self.kept = grads.kept  # whether replica 0 stepped on the gradients its mirrors hold
         self._stream, self._comm, self._timeout_s = stream, comm, timeout_s
         self.ranks = 1 if comm is None else comm.size
@@ -46,7 +46,7 @@ class ReplicaSteps:
             self._life.check_usable()
             for d in self.devs:  # the copies back are ordered before the default streams only
                 d.check_caller("optimizer.step()")
-            self._grads.check_step()
+            self.grads.check_step()
         except BaseException:
             ops.give()
             raise
@@ -55,9 +55,6 @@ class ReplicaSteps:
         held = [b.optimizers() for b in self.bindings if b.opt() is not None]
         return ([[per[j] for per, _ in held if j < len(per)] for j in range(len(self.devs))],
                 [o for _, host in held for o in host])
-
-    def host_sum(self) -> tuple[Any, list[int], Any]:
-        return self._grads.host_row(self._comm is None)
 
     def end(self) -> None:
         """After every replica stepped; gives the operation lock back, whatever happens."""
@@ -77,7 +74,7 @@ class ReplicaSteps:
             if plan != st.plan:  # the flat buffers relaid (contents kept), with nothing in flight
                 quiesce(self.devs, st.host, self._timeout_s)
                 st.set_plan(plan)
-                self._grads.relaid()
+                self.grads.relaid()
             if done:
                 self.tuner = None
             now = time.perf_counter()  # the switch is not part of the next iteration

@@ -1,7 +1,7 @@
 """``cgdp.Trainer``'s modes, and its arguments checked before anything is built.
 
 A mode is its update strategy (:mod:`cgdp.engine.core.update`, via :data:`UPDATES`); nothing else looks at the mode's
-name. ``update="host"`` replaces it by :class:`~cgdp.engine.core.host_update.HostUpdate` (:func:`make_update`).
+name. ``update="host"`` replaces it by :class:`~cgdp.engine.core.host_update.HostUpdate` (``Checked.strategy``).
 :func:`check_arguments` checks every argument that needs no device, first wrong one reported, before anything exists.
 """
 from __future__ import annotations
@@ -30,12 +30,6 @@ UPDATES: dict[str, Callable[..., Update]] = {
 MODES = tuple(UPDATES)
 
 
-def make_update(mode: str, host: bool, devs: Sequence[Any], optimizers: Sequence[torch.optim.Optimizer],
-                params: Sequence[Sequence[nn.Parameter]], factory: Callable[..., torch.optim.Optimizer]) -> Update:
-    """The strategy of ``mode``, or the host optimizer (``update="host"``) over the factory's optimizer."""
-    return HostUpdate(devs, optimizers, params, factory) if host else UPDATES[mode](devs, optimizers, params)
-
-
 @dataclass(frozen=True)
 class Checked:
     """What the checks found out about the model and the options."""
@@ -51,6 +45,8 @@ class Checked:
     micro_batches: int
     host_update: bool
     """``update="host"``: one optimizer over float32 masters in host memory."""
+    strategy: Callable[..., Update]
+    """The mode's update strategy, or the host optimizer over the factory's optimizer (``update="host"``)."""
 
 
 def check_arguments(model: Any, optimizer: Any, devices: Sequence[str], *, mode: str, share_devices: bool,
@@ -87,7 +83,8 @@ def check_arguments(model: Any, optimizer: Any, devices: Sequence[str], *, mode:
     check_timeout(timeout_s)
     check_sizes(segment_bytes, None)  # host_memory: where the ring is sized (core.stream.ring_slots)
     return Checked(infos, layer_params, dtype, transfer, check_max_norm(clip_grad_norm),
-                   check_micro_batches(micro_batches), host_update)
+                   check_micro_batches(micro_batches), host_update,
+                   partial(HostUpdate, factory=optimizer) if host_update else UPDATES[mode])
 
 
 def refusal(what: str, running: str, inside: bool) -> str:

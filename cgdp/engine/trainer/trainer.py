@@ -40,7 +40,7 @@ from cgdp.engine.trainer.hyperparameters import (HyperparameterMismatchError, Sc
                                                  check_hyperparameters, verdict)
 from cgdp.engine.trainer.losses import loss_weights, parse_step
 from cgdp.engine.core.padding import OwnLossCheck, labels_of
-from cgdp.engine.trainer.options import check_arguments, make_update, refusal, stopped
+from cgdp.engine.trainer.options import check_arguments, refusal, stopped
 from cgdp.engine.trainer.passes import DevicePasses, loss_values
 from cgdp.engine.trainer.state import check_state
 from cgdp.engine.trainer.timing import Timing, step_stats
@@ -103,7 +103,7 @@ class Trainer(Face):
                                   grad_transfer=grad_transfer, timeout_s=timeout_s, segment_bytes=segment_bytes,
                                   clip_grad_norm=clip_grad_norm, micro_batches=micro_batches, update=update,
                                   comm=comm)
-        self._host_update = checked.host_update
+        self._host_update, self._strategy = checked.host_update, checked.strategy
         self._dtype, self._transfer = checked.dtype, checked.transfer
         self._segment = segment_bytes
         self._host_memory = host_memory
@@ -138,7 +138,7 @@ class Trainer(Face):
         self._follow = Follow(reps.modules, [d.torch_device for d in self._devs], "cgdp.Trainer",
                               "close() it and create a new Trainer", after_load=weak_call(self._loaded))
         self._life.resources.push(self._follow.close)
-        self._update = make_update(self.mode, self._host_update, self._devs, reps.optimizers, reps.params, optimizer)
+        self._update = self._strategy(self._devs, reps.optimizers, reps.params)
         self.optimizers = self._update.shown()
 
         opt = reps.optimizers[0]
