@@ -56,8 +56,9 @@ class EndingComm(OrderedComm):
         if self._error is None and self.abort_on_failure:
             # before any other thread can see the error: the caller may take the GIL and never give
             # it back (a C call), so that no Python thread (the abort timer) runs again; this C
-            # watchdog ends the process anyway
+            # watchdog ends the process anyway, and the error is in the file already
             abort.deadline(self.abort_grace_s + 2 * abort.HARD_EXIT_S)
+            abort.record(f"cgdp: rank {self.rank}: {type(exc).__name__}: {exc}")
         super()._set_error(exc)
 
     def _on_failure(self, exc: BaseException) -> None:
@@ -67,8 +68,9 @@ class EndingComm(OrderedComm):
         if self._abort_armed:
             return
         self._abort_armed = True
-        abort.record(f"cgdp: rank {self.rank}: {type(exc).__name__}: {exc}\n"
-                     f"cgdp: rank {self.rank}: aborting the {self.job} when this process exits (in "
+        if exc is not self._error:  # (the first error was written when it was set)
+            abort.record(f"cgdp: rank {self.rank}: {type(exc).__name__}: {exc}")
+        abort.record(f"cgdp: rank {self.rank}: aborting the {self.job} when this process exits (in "
                      f"{self.abort_grace_s:g} s at most), so that no rank waits forever")
         timer = threading.Timer(self.abort_grace_s, self._abort)  # backed by the deadline (_set_error)
         timer.daemon = True

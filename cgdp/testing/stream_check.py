@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
 __all__ = ["StreamChecker", "StreamRaceError", "AccessMode", "checked", "tensor_bytes", "stream_key", "HOST",
            "on_new_threads"]
@@ -324,7 +324,8 @@ class StreamChecker:
 
     @staticmethod
     def unwatch_thread(mode: "AccessMode") -> None:
-        if getattr(_tls, "mode", None) is mode:
+        """Pop ``mode`` off the calling thread if it is what this thread last pushed and still on top."""
+        if getattr(_tls, "mode", None) is mode and _get_current_dispatch_mode() is mode:
             _pop_mode()
             _tls.mode = None
 
