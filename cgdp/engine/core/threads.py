@@ -375,8 +375,8 @@ def caller_context(device_types: Sequence[str] = ("cuda", "cpu"), grad: bool = T
                    ) -> Callable[[], ContextManager[Any]]:
     """A context factory that re-enters, on a device thread, the caller's autocast for ``device_types`` and (``grad``)
     its grad and inference mode, which torch keeps per thread."""
-    cache = torch.is_autocast_cache_enabled()
-    casts = [(dt, torch.get_autocast_dtype(dt), cache) for dt in device_types if torch.is_autocast_enabled(dt)]
+    casts = [(dt, torch.get_autocast_dtype(dt), torch.is_autocast_cache_enabled()) for dt in device_types
+             if torch.is_autocast_enabled(dt)]
     modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled()) if grad else None
     if not casts and modes is None:
         return nullcontext

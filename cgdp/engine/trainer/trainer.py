@@ -103,7 +103,7 @@ class Trainer(Face):
                                   grad_transfer=grad_transfer, timeout_s=timeout_s, segment_bytes=segment_bytes,
                                   clip_grad_norm=clip_grad_norm, micro_batches=micro_batches, update=update,
                                   comm=comm)
-        self._host_update, self._strategy = checked.host_update, checked.strategy
+        self._host_update = checked.host_update
         self._dtype, self._transfer = checked.dtype, checked.transfer
         self._segment = segment_bytes
         self._host_memory = host_memory
@@ -123,10 +123,10 @@ class Trainer(Face):
         self._layer_pids = number_params(checked.layer_params)
         self._layer_bytes = [info.numel * self._dtype.itemsize for info in checked.layers]
         self._life.start(self, model, devices, share_devices,
-                         lambda devs: self._build(devs, model, optimizer, chunks, comm, scheduler))
+                         lambda devs: self._build(devs, model, optimizer, checked.strategy, chunks, comm, scheduler))
 
     # ------------------------------------------------------------------ construction
-    def _build(self, devs, model, optimizer, chunks, comm, scheduler) -> None:
+    def _build(self, devs, model, optimizer, strategy, chunks, comm, scheduler) -> None:
         self._devs = devs
         reps = Replicas(model, self._devs, optimizer)
         self._life.claim.add(p for r in reps.modules[1:] for p in r.parameters())
@@ -138,7 +138,7 @@ class Trainer(Face):
         self._follow = Follow(reps.modules, [d.torch_device for d in self._devs], "cgdp.Trainer",
                               "close() it and create a new Trainer", after_load=weak_call(self._loaded))
         self._life.resources.push(self._follow.close)
-        self._update = self._strategy(self._devs, reps.optimizers, reps.params)
+        self._update = strategy(self._devs, reps.optimizers, reps.params)
         self.optimizers = self._update.shown()
 
         opt = reps.optimizers[0]
