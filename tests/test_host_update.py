@@ -601,13 +601,16 @@ def test_flat_adam_steps_bitwise_as_torch_fused_on_other_cpu_capabilities(capabi
     assert out.stdout.split()[0] == capability.upper()
 
 
-def test_flat_moments_step_as_torch_and_a_rejected_step_leaves_them_bitwise():
-    """update='host' with the flat moments against the same trainer stepping with torch's fused step (a chunk per
-    optimizer call, the state copied aside): the same bits, through a NaN-rejected step, an lr change and a
-    state_dict round trip; the rejected step leaves masters and state exactly as before, no warning."""
+@pytest.mark.parametrize("make", [partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+                                  partial(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)],
+                         ids=["adamw", "sgd_momentum"])
+def test_flat_moments_step_as_torch_and_a_rejected_step_leaves_them_bitwise(make):
+    """update='host' with the flat state (Adam's moments, SGD's momentum) against the same trainer stepping with
+    torch's fused step (a chunk per optimizer call, the state copied aside): the same bits, through a NaN-rejected
+    step, an lr change and a state_dict round trip; the rejected step leaves masters and state exactly as before, no
+    warning."""
     torch.manual_seed(0)
     model, data = _FirstLayerPoisoned(), batches(6)
-    make = partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     trainers = [cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=2, update="host")
                 for _ in range(2)]
     try:
