@@ -4,9 +4,6 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import os
-import subprocess
-import sys
 from functools import partial
 
 import pytest
@@ -15,7 +12,7 @@ import torch.nn.functional as F
 
 import cgdp
 from helpers import mlp
-from test_host_update import _states_equal, batches
+from test_host_update import _states_equal, batches, on_capability, steps_bitwise
 
 CONFIGS = [dict(lr=0.1, momentum=0.9), dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.1),
            dict(lr=0.05, momentum=0.8, nesterov=True, weight_decay=1e-3),
@@ -39,23 +36,7 @@ def _flat_sgd_bitwise():
         opts = [torch.optim.SGD([{"params": ps[:5]}, {"params": ps[5:], "lr": kw["lr"] * 3}], fused=True, **kw)
                 for ps in (ref, mine)]
         assert usable(opts[1])
-        fs = FlatSGD(opts[1], mine, offs, flat)
-        for s in range(4):
-            row = torch.randn(sum(n)) * 2
-            live = [k for k in range(len(shapes)) if s != 1 or k % 3]
-            for k, p in enumerate(ref):
-                p.grad = row[offs[k]:offs[k] + n[k]].view(shapes[k]).clone() if k in live else None
-            opts[0].step()
-            before = flat.clone()
-            fs.sync()
-            if s == 2:  # stepped, then discarded: the next try starts from the same state
-                fs.step(live, [int(k >= 5) for k in live], row, offs)
-                fs.discard()
-                flat.copy_(before)
-            fs.step(live, [int(k >= 5) for k in live], row, offs)
-            fs.commit()
-            assert all(torch.equal(a, b) for a, b in zip(mine, ref)), (kw, s)
-            assert _states_equal(opts[1].state_dict(), opts[0].state_dict()), (kw, s)
+        steps_bitwise(FlatSGD(opts[1], mine, offs, flat), opts[0], ref, flat, offs, kw)
 
 
 def test_flat_sgd_steps_bitwise_as_torch_fused():
@@ -65,15 +46,7 @@ def test_flat_sgd_steps_bitwise_as_torch_fused():
 @pytest.mark.parametrize("capability", ["default", "avx2"])
 def test_flat_sgd_steps_bitwise_as_torch_fused_on_other_cpu_capabilities(capability):
     """Each capability's build rounds differently (fused multiply-adds, vector width): the kernel follows it."""
-    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("the CPU has no AVX2")
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = "import test_host_flat_sgd as t, torch; print(torch.backends.cpu.get_cpu_capability()); t._flat_sgd_bitwise()"
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability,
-               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[0] == capability.upper()
+    on_capability(capability, "test_host_flat_sgd", "_flat_sgd_bitwise")
 
 
 def test_only_what_matches_torch_is_stepped_flat():
