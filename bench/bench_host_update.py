@@ -24,6 +24,11 @@ out-of-place call), against the memory limit (28 B/elem over the streaming bandw
 fastest of copy, add and an in-place add); then ``update="host"`` before and after against ``update="devices"``, all fused AdamW, G = 2
 (``bench/results/host_update_flat.md``). Checked first: the flat step bitwise equal to torch's.
 
+``--flat-sgd`` measures the same for SGD with momentum (:mod:`cgdp.engine.core.host_sgd`): ``update="host"`` before
+(torch's fused step per chunk, the state copied aside) and after (the flat momentum) against ``update="devices"``, G = 2,
+on the GPT-2 structure (default chunks) and the 4x2048 MLP (``chunks=2``) (``bench/results/host_update_flat_sgd.md``).
+Checked first: before and after bitwise equal.
+
 ``--wire`` measures instead ``grad_transfer="bf16"`` with ``update="host"`` (the parameters go
 back in bf16, the host reads its own bf16 sum) against float32 on the wire and against
 ``update="devices"`` with the bf16 wire: the 4x2048 MLP, G = 2, AdamW; step time, what is left
@@ -250,24 +255,28 @@ def _deepspeed_adam(start: torch.Tensor, row: torch.Tensor) -> dict:
     return {"DeepSpeedCPUAdam (adamw_mode, 1 thread)": ds.step}
 
 
-def flat_trainer(rounds: int) -> list[dict]:
+def flat_trainer(rounds: int, make=functools.partial(OPTS["adamw"], fused=True), model=mlp4x2048, chunks=2,
+                 args: tuple = (*mlp_batch(32), F.cross_entropy)) -> list[dict]:
     """update='host' before (torch's step per chunk, the state copied aside) and after (flat), update='devices'."""
-    fused = functools.partial(OPTS["adamw"], fused=True)
-    x, y = mlp_batch(32)
-    trainers = {k: cgdp.Trainer(mlp4x2048(), fused, ["cpu:0", "cpu:1"], chunks=2, update=u)
+    trainers = {k: cgdp.Trainer(model(), make, ["cpu:0", "cpu:1"], chunks=chunks, update=u)
                 for k, u in (("host, after (flat)", "host"), ("host, before", "host"), ("devices", "devices"))}
     trainers["host, before"]._update._flat = None
     try:
+        assert trainers["host, after (flat)"]._update._flat is not None, "the flat state does not take this optimizer"
         for _ in range(2):  # check: before and after hold the same bits
             for tr in trainers.values():
-                tr.step(x, y, F.cross_entropy)
+                tr.step(*args)
         a, b = (trainers[k].replicas[0].state_dict() for k in ("host, after (flat)", "host, before"))
         assert all(torch.equal(v, b[k]) for k, v in a.items()), "flat update='host' differs from torch's step"
-        times = interleaved({k: (lambda tr=tr: tr.step(x, y, F.cross_entropy)) for k, tr in trainers.items()},
-                            rounds, warmup=2)
+        hu: dict[str, list[float]] = {k: [] for k in trainers}  # the host optimizer's time, each timed step
+
+        def step(k: str) -> None:
+            trainers[k].step(*args)
+            hu[k].append(trainers[k].stats.get("host_update_s", float("nan")))
+        times = interleaved({k: functools.partial(step, k) for k in trainers}, rounds, warmup=2)
         dev = median(times["devices"])
-        return [{"case": k, "step_s": median(v), "of_devices": median(v) / dev,
-                 "host_update_s": trainers[k].stats.get("host_update_s", float("nan"))} for k, v in times.items()]
+        return [{"case": k, "step_s": median(v), "of_devices": median(v) / dev, "host_update_s": median(hu[k][2:])}
+                for k, v in times.items()]
     finally:
         for tr in trainers.values():
             tr.close()
@@ -295,6 +304,26 @@ def main_flat(args: argparse.Namespace) -> None:
     write_results("\n".join(md), {"isolated": iso, "trainer": steps}, info, command_line(), args.md, args.json)
 
 
+def main_flat_sgd(args: argparse.Namespace) -> None:
+    info = machine()
+    rounds = 5 if args.quick else 15
+    cases = {"GPT-2 structure (width 32), batch 16, default chunks": dict(
+                 model=gpt2_structure, chunks="auto", args=(gpt2_batch(16), gpt2_loss)),
+             "4x2048 MLP, batch 32, chunks=2": dict(model=mlp4x2048, chunks=2, args=(*mlp_batch(32), F.cross_entropy))}
+    rows = {name: flat_trainer(rounds, OPTS["sgd_momentum"], **kw) for name, kw in cases.items()}
+    md = [f"# update='host': SGD's momentum flat, stepped out of place\n\n{machine_md(info)}\n\n"
+          f"Command: `{command_line()}`\n\nG = 2 emulated devices, `SGD(lr=1e-2, momentum=0.9)` (fused on the host: "
+          f"cgdp sets it; torch's default kernel on the devices). 'before': torch's fused step per chunk, the chunk's "
+          f"state copied aside first (cgdp's path before the flat momentum); 'after': one out-of-place call per chunk. "
+          f"Checked before timing: before and after bitwise equal after two steps.\n"]
+    for name, rs in rows.items():
+        md += [f"\n## {name}\n",
+               table(["case", "step ms", "÷ devices", "host optimizer ms per step"],
+                     [[r["case"], fmt(r["step_s"] * 1e3, 1), fmt(r["of_devices"], 2),
+                       fmt(r["host_update_s"] * 1e3, 2)] for r in rs])]
+    write_results("\n".join(md), rows, info, command_line(), args.md, args.json)
+
+
 def main_wire(args: argparse.Namespace) -> None:
     info = machine()
     rows = wire_times(3 if args.quick else 7)
@@ -318,11 +347,14 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--wire", action="store_true", help="only: the bf16 wire with update='host'")
     ap.add_argument("--flat", action="store_true", help="only: the host AdamW before and after its flat moments")
+    ap.add_argument("--flat-sgd", action="store_true", help="only: the host SGD before and after its flat momentum")
     args = ap.parse_args()
     if args.wire:
         return main_wire(args)
     if args.flat:
         return main_flat(args)
+    if args.flat_sgd:
+        return main_flat_sgd(args)
     rounds = 3 if args.quick else 5
     info = machine()
     bw = optimizer_bandwidth(args.elements if not args.quick else 1 << 20, rounds)

@@ -565,22 +565,29 @@ def _flat_adam_bitwise():
         assert usable(opts[1])
         fa = FlatAdam(opts[1], mine, offs, flat)
         fa.nt = nt  # non-temporal stores for runs of 256 aligned elements (the largest tensor has them)
-        for s in range(4):
-            row = torch.randn(sum(n)) * 2
-            live = [k for k in range(len(shapes)) if s != 1 or k % 3]
-            for k, p in enumerate(ref):
-                p.grad = row[offs[k]:offs[k] + n[k]].view(shapes[k]).clone() if k in live else None
-            opts[0].step()
-            before = flat.clone()
-            fa.sync()
-            if s == 2:  # stepped, then discarded: the next try starts from the same state
-                fa.step(live, [int(k >= 5) for k in live], row, offs)
-                fa.discard()
-                flat.copy_(before)
-            fa.step(live, [int(k >= 5) for k in live], row, offs)
-            fa.commit()
-            assert all(torch.equal(a, b) for a, b in zip(mine, ref)), (cls, kw, s)
-            assert _states_equal(opts[1].state_dict(), opts[0].state_dict()), (cls, kw, s)
+        steps_bitwise(fa, opts[0], ref, flat, offs, (cls, kw))
+
+
+def steps_bitwise(fs, opt, ref, flat, offs, what, steps=4):
+    """``fs`` (flat state over views of ``flat``) against ``opt`` (torch's, over ``ref``) for ``steps`` steps: a
+    parameter skipped in step 1, step 2 discarded once first; masters and state bitwise after each."""
+    n = [p.numel() for p in ref]
+    for s in range(steps):
+        row = torch.randn(sum(n)) * 2
+        live = [k for k in range(len(ref)) if s != 1 or k % 3]
+        for k, p in enumerate(ref):
+            p.grad = row[offs[k]:offs[k] + n[k]].view(p.shape).clone() if k in live else None
+        opt.step()
+        before = flat.clone()
+        fs.sync()
+        if s == 2:  # stepped, then discarded: the next try starts from the same state
+            fs.step(live, [int(k >= 5) for k in live], row, offs)
+            fs.discard()
+            flat.copy_(before)
+        fs.step(live, [int(k >= 5) for k in live], row, offs)
+        fs.commit()
+        assert all(torch.equal(a, b) for a, b in zip(fs.masters, ref)), (what, s)
+        assert _states_equal(fs.opt.state_dict(), opt.state_dict()), (what, s)
 
 
 def test_flat_adam_steps_bitwise_as_torch_fused():
@@ -590,10 +597,15 @@ def test_flat_adam_steps_bitwise_as_torch_fused():
 @pytest.mark.parametrize("capability", ["default", "avx2"])
 def test_flat_adam_steps_bitwise_as_torch_fused_on_other_cpu_capabilities(capability):
     """Each capability's build rounds differently (fused multiply-adds, vector width): the kernel follows it."""
+    on_capability(capability, "test_host_update", "_flat_adam_bitwise")
+
+
+def on_capability(capability: str, module: str, fn: str) -> None:
+    """``module.fn()`` in a process on torch's CPU ``capability`` (ATEN_CPU_CAPABILITY)."""
     if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("the CPU has no AVX2")
     here = os.path.dirname(os.path.abspath(__file__))
-    code = "import test_host_update as t, torch; print(torch.backends.cpu.get_cpu_capability()); t._flat_adam_bitwise()"
+    code = f"import {module} as t, torch; print(torch.backends.cpu.get_cpu_capability()); t.{fn}()"
     env = dict(os.environ, ATEN_CPU_CAPABILITY=capability,
                PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -601,13 +613,16 @@ def test_flat_adam_steps_bitwise_as_torch_fused_on_other_cpu_capabilities(capabi
     assert out.stdout.split()[0] == capability.upper()
 
 
-def test_flat_moments_step_as_torch_and_a_rejected_step_leaves_them_bitwise():
-    """update='host' with the flat moments against the same trainer stepping with torch's fused step (a chunk per
-    optimizer call, the state copied aside): the same bits, through a NaN-rejected step, an lr change and a
-    state_dict round trip; the rejected step leaves masters and state exactly as before, no warning."""
+@pytest.mark.parametrize("make", [partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+                                  partial(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)],
+                         ids=["adamw", "sgd_momentum"])
+def test_flat_moments_step_as_torch_and_a_rejected_step_leaves_them_bitwise(make):
+    """update='host' with the flat state (Adam's moments, SGD's momentum) against the same trainer stepping with
+    torch's fused step (a chunk per optimizer call, the state copied aside): the same bits, through a NaN-rejected
+    step, an lr change and a state_dict round trip; the rejected step leaves masters and state exactly as before, no
+    warning."""
     torch.manual_seed(0)
     model, data = _FirstLayerPoisoned(), batches(6)
-    make = partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     trainers = [cgdp.Trainer(copy.deepcopy(model), make, ["cpu:0", "cpu:1"], chunks=2, update="host")
                 for _ in range(2)]
     try:

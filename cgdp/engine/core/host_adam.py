@@ -1,23 +1,13 @@
-"""Adam/AdamW on the host without a copy to undo: the moments flat, in two sides, stepped out of place.
+"""Adam/AdamW on the host, its moments flat in two sides (:class:`~cgdp.engine.core.host_flat.FlatState`).
 
-:class:`FlatAdam` keeps the masters' ``exp_avg`` and ``exp_avg_sq`` in flat buffers, two sides each. A chunk's step reads
-its parameters' moments from their current side and writes the other (one compiled call per chunk and parameter group,
-the masters in place: they are taken again from the replicas after a failure). :meth:`FlatAdam.commit` makes the
-written side current (the optimizer's state entries are views of it); :meth:`FlatAdam.discard` forgets it, so a failed
-or rejected step leaves masters and optimizer state bitwise as before, at no cost.
-
-The arithmetic is torch's fused CPU kernel's (``torch._fused_adam_``/``_fused_adamw_``,
-``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``) for float32, bit for bit, on each CPU capability: per tensor, its
-first ``n - n % VW`` elements as torch's vector loop (``VW`` 16 on AVX512, 8 otherwise), the rest as its scalar loop,
-of which the compiler vectorises ``EW`` elements at a time first (8 on AVX512; none on AVX2), a rounding different from its
-scalar remainder's; fused multiply-adds where torch's build has them (none on the DEFAULT capability). Double-precision
-bias corrections per tensor, as torch. Only what matches is taken (:func:`usable`): Adam/AdamW with ``fused=True``, no
-amsgrad, capturable, differentiable, tensor lr or betas, nor a grad scaler; the rest keeps torch's step.
+:class:`FlatAdam` keeps the masters' ``exp_avg`` and ``exp_avg_sq`` flat and steps a chunk out of place, torch's fused
+CPU kernel's arithmetic (``torch._fused_adam_``/``_fused_adamw_``, ``aten/src/ATen/native/cpu/FusedAdamKernel.cpp``)
+for float32, bit for bit, on each CPU capability; double-precision bias corrections per tensor, as torch. Only what
+matches is taken (:func:`usable`): Adam/AdamW with ``fused=True``, no amsgrad, capturable, differentiable, tensor lr
+or betas, nor a grad scaler; the rest keeps torch's step.
 """
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 from typing import Sequence
 
@@ -27,22 +17,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from cgdp.engine.core.host_state import may_write_then_raise
-
-_WIDTHS = {"AVX512": (16, 8, True), "AVX2": (8, 0, True), "DEFAULT": (8, 0, False)}
-"""CPU capability → (torch's vector width, its compiler's epilogue width, fused multiply-adds)."""
-
-
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """float32 fused multiply-add (one rounding), as ``vec::fmadd`` and the compiler's contractions on AVX2/AVX512."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        f = ir.FloatType()
-        return builder.call(builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f])), args)
-    return sig, codegen
-
+from cgdp.engine.core.host_flat import FlatState, fma as _fma, runs
 
 @intrinsic
 def _sqrt(typingctx, a):
@@ -134,12 +109,8 @@ def _chunk(p, g, ma, mb, va, vb, plo, glo, sizes, side, ks, flags, vw, ew, fused
     for j in range(plo.shape[0]):
         n, a, b = sizes[j], plo[j], glo[j]
         m0, v0, m1, v1 = (ma, va, mb, vb) if side[j] == 0 else (mb, vb, ma, va)
-        vec = n - n % vw
-        ep = vec + ((n - vec) // ew) * ew if ew else vec
-        cuts = (0, vec, ep, n)
-        for r in range(3):  # with nt, the vector loop's 64-byte aligned runs of NT_RUN stored non-temporally
-            lo, hi, mode = cuts[r], cuts[r + 1], 2 if not fused else (1 if r == 2 else 0)
-            s = min(hi, lo + (-(a + lo)) % 16) if nt and r == 0 else hi  # the moments' buffers are 64-byte aligned
+        for lo, hi, mode in runs(n, vw, ew, fused):  # with nt, the vector loop's 64-byte aligned runs of NT_RUN
+            s = min(hi, lo + (-(a + lo)) % 16) if nt and lo == 0 else hi  # stored non-temporally (buffers aligned)
             e = s + (hi - s) // NT_RUN * NT_RUN
             for x, y, t in ((lo, s, False), (s, e, True), (e, hi, False)):
                 if y > x:
@@ -148,98 +119,29 @@ def _chunk(p, g, ma, mb, va, vb, plo, glo, sizes, side, ks, flags, vw, ew, fused
     _fence()
 
 
-def usable(opt: torch.optim.Optimizer) -> bool:
-    """Whether :class:`FlatAdam` steps ``opt`` as ``opt.step()`` would, bit for bit (torch's own step: not a
-    user's, nor one with post-hooks)."""
-    if (type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or may_write_then_raise(opt)
-            or torch.backends.cpu.get_cpu_capability() not in _WIDTHS or not agrees_with_torch()):
-        return False
-    if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
-        return False
-    return all(g.get("fused") and not g.get("amsgrad") and not g.get("capturable") and not g.get("differentiable")
-               and not any(isinstance(x, torch.Tensor) for x in (g["lr"], *g["betas"], g["eps"], g["weight_decay"]))
-               for g in opt.param_groups)
-
-
-@functools.cache
-def agrees_with_torch() -> bool:
-    """Once per process: two steps of tensors with vector runs and tails, Adam with L2 and AdamW, against torch's own
-    (a build of torch compiled otherwise may round otherwise; then torch's step is kept)."""
-    gen = torch.Generator().manual_seed(0)
-    # vector runs and every kind of tail (n % 16 below and from 8: AVX-512's vectorised epilogue), both lerp branches
-    sizes, same = [37, 5, 48, 25, 9, 15], True
-    offsets = [0, *itertools.accumulate(sizes)][:-1]
-    for cls, kw in ((torch.optim.Adam, {"weight_decay": 0.1}), (torch.optim.AdamW, {"weight_decay": 0.1}),
-                    (torch.optim.AdamW, {"maximize": True, "betas": (0.3, 0.95)})):
-        flat = torch.randn(sum(sizes), generator=gen)
-        ref = [torch.nn.Parameter(t.clone()) for t in flat.split(sizes)]
-        ps = [torch.nn.Parameter(t) for t in flat.split(sizes)]
-        opts = [cls(q, lr=0.1, fused=True, **kw) for q in (ref, ps)]
-        mine = FlatAdam(opts[1], ps, offsets, flat)
-        for _ in range(2):
-            row = torch.randn(sum(sizes), generator=gen)
-            for p, g in zip(ref, row.split(sizes)):
-                p.grad = g.clone()
-            opts[0].step()
-            mine.sync(), mine.step(list(range(len(sizes))), [0] * len(sizes), row, offsets), mine.commit()
-            same = same and all(torch.equal(a, b) and all(torch.equal(opts[0].state[a][k], opts[1].state[b][k])
-                                                          for k in ("exp_avg", "exp_avg_sq"))
-                                for a, b in zip(ref, ps))
-    return same
-
-
-class FlatAdam:
+class FlatAdam(FlatState):
     """The moments of ``masters`` (float32 tensors at ``offsets`` of one flat buffer) in two flat sides each."""
+
+    keys = ("exp_avg", "exp_avg_sq")
+    classes = (torch.optim.Adam, torch.optim.AdamW)
+    # both lerp branches (1 - beta1 above 0.5 too), Adam's L2 and AdamW's decay, maximize
+    checks = ((torch.optim.Adam, {"weight_decay": 0.1}), (torch.optim.AdamW, {"weight_decay": 0.1}),
+              (torch.optim.AdamW, {"maximize": True, "betas": (0.3, 0.95)}))
 
     def __init__(self, opt: torch.optim.Optimizer, masters: Sequence[torch.Tensor], offsets: Sequence[int],
                  flat: torch.Tensor):
-        self.opt, self.masters = opt, list(masters)
-        total = flat.numel()
-        self._m = [torch.zeros(total), torch.zeros(total)]  # separate storages: a saved state holds one side
-        self._v = [torch.zeros(total), torch.zeros(total)]
-        self._storages = {t.untyped_storage().data_ptr() for t in self._m + self._v}
-        self._np = (flat.numpy(), *(t.numpy() for t in self._m), *(t.numpy() for t in self._v))
-        self.offsets = np.asarray(offsets, dtype=np.int64)
-        self.sizes = np.asarray([t.numel() for t in self.masters], dtype=np.int64)
-        self.side = np.zeros(len(self.masters), dtype=np.int64)
-        self.steps = np.zeros(len(self.masters))  # each master's step count (0: no state)
-        self._views = [[(m[o:o + n].view(t.shape), v[o:o + n].view(t.shape)) for o, n, t
-                        in zip(self.offsets, self.sizes, self.masters)] for m, v in zip(self._m, self._v)]
-        self._pending: list[int] = []
-        self.vw, self.ew, self.fused = _WIDTHS[torch.backends.cpu.get_cpu_capability()]
+        super().__init__(opt, masters, offsets, flat)
         # non-temporal stores need 64-byte alignment; they pay where the moments do not stay in cache between steps
-        self.nt = total >= NT_FROM and all(a.ctypes.data % 64 == 0 for a in self._np[1:])
+        self.nt = flat.numel() >= NT_FROM and all(a.ctypes.data % 64 == 0 for a in self._np[1:])
 
-    def sync(self) -> None:
-        """Before a step (caller's thread): state entries that are not this side's views (a load, a step of torch's
-        own that created state, a user's edit) are copied in and replaced by views."""
-        state = self.opt.state
-        for pid, t in enumerate(self.masters):
-            s, (em, ev) = state.get(t), self._views[self.side[pid]][pid]
-            if not s:
-                if self.steps[pid]:
-                    em.zero_(), ev.zero_()
-                self.steps[pid] = 0
-                continue
-            if s.get("exp_avg") is not em or s.get("exp_avg_sq") is not ev:
-                with torch.no_grad():
-                    em.copy_(s["exp_avg"]), ev.copy_(s["exp_avg_sq"])
-                s["exp_avg"], s["exp_avg_sq"] = em, ev
-            self.steps[pid] = float(s["step"])
+    @staticmethod
+    def takes(group: dict) -> bool:
+        return not group.get("amsgrad")
 
-    def step(self, pids: Sequence[int], groups: Sequence[int], row: torch.Tensor, goffsets: Sequence[int]) -> None:
-        """One out-of-place step of ``pids`` (their group indices ``groups``), gradients ``row[goffsets[pid]:]``."""
-        pids = np.asarray(pids, dtype=np.int64)
-        if not len(pids):
-            return
-        groups = np.asarray(groups)
-        glo = np.asarray(goffsets, dtype=np.int64)[pids]
-        for k in np.unique(groups):
-            sel = pids[groups == k]
-            ks, flags = self._constants(self.opt.param_groups[k], self.steps[sel] + 1)
-            _chunk(self._np[0], row.numpy(), *self._np[1:], self.offsets[sel], glo[groups == k],
-                   self.sizes[sel], self.side[sel], ks, flags, self.vw, self.ew, self.fused, self.nt)
-        self._pending.extend(pids.tolist())
+    def _kernel(self, group: dict, pids: np.ndarray, glo: np.ndarray, row: np.ndarray) -> None:
+        ks, flags = self._constants(group, self.steps[pids] + 1)
+        _chunk(self._np[0], row, *self._np[1:], self.offsets[pids], glo, self.sizes[pids], self.side[pids], ks, flags,
+               self.vw, self.ew, self.fused, self.nt)
 
     @staticmethod
     def _constants(group: dict, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -251,28 +153,17 @@ class FlatAdam:
         ks = np.array([rows[st] for st in steps.tolist()], dtype=np.float32)  # cast to float32 as it does
         return ks, np.asarray([group["maximize"], adamw, wd != 0], dtype=np.bool_)
 
-    def unshown_bytes(self) -> int:
-        """Bytes of the flat sides that ``optimizer.state`` does not show (the other side; both before a first step),
-        for ``memory_report()``."""
-        shown = sum(v.numel() * 4 for t in self.masters for k, v in self.opt.state.get(t, {}).items()
-                    if k in ("exp_avg", "exp_avg_sq") and v.untyped_storage().data_ptr() in self._storages)
-        return 4 * sum(t.numel() for t in self._m + self._v) - shown
-
     def commit(self) -> None:
-        """The step succeeded: the written sides become current, state entries their views, steps counted."""
+        """As :meth:`FlatState.commit`, and each stepped tensor's ``step`` counted."""
         state, counts = self.opt.state, []
         for pid in self._pending:
-            self.side[pid] ^= 1
-            self.steps[pid] += 1
             s = state[self.masters[pid]]
             if "step" not in s:
                 s["step"] = torch.zeros((), dtype=torch.float32)
             counts.append(s["step"])
-            s["exp_avg"], s["exp_avg_sq"] = self._views[self.side[pid]][pid]
         if counts:
             torch._foreach_add_(counts, 1)  # one call, as torch's step (one += per tensor: 3 us each)
-        self._pending = []
+        super().commit()
 
-    def discard(self) -> None:
-        """The step failed: the written sides are scratch again."""
-        self._pending = []
+
+usable = FlatAdam.usable

@@ -29,7 +29,9 @@ import torch
 from torch import nn
 
 from cgdp.engine.backend.base import Device
-from cgdp.engine.core import host_adam
+from cgdp.engine.core.host_adam import FlatAdam
+from cgdp.engine.core.host_flat import FlatState
+from cgdp.engine.core.host_sgd import FlatSGD
 from cgdp.engine.core.host_state import StateSnapshot, has_step_hooks, prefer_fused, step_or_undo
 from cgdp.engine.core.host_wire import Bf16Wire, masters_in_state_dict
 from cgdp.engine.core.lifetime import Resources, weak_call
@@ -57,6 +59,10 @@ class HostMasters:
     def __init__(self, devs: Sequence[Device], params: Sequence[Sequence[torch.Tensor]]):
         self.devs = list(devs)
         self.params = [list(p) for p in params]
+        if not self.params[0]:
+            raise ValueError("update='host' steps float32 masters of the model's dense trainable parameters, and this "
+                             "model has none (no parameter requires grad, or only sparse embeddings): use "
+                             "update='devices'")
         odd = next((p for p in self.params[0] if not p.is_contiguous()), None)
         if odd is not None:
             raise ValueError(f"update='host' keeps float32 masters laid out row-major on the host, and a parameter "
@@ -181,9 +187,10 @@ class HostUpdate(Update):
     its sum is final, on the host update thread, while devices compute the layers below (``overlap == "with backward"``;
     the optimizer is lent the chunk's masters for one ``step()``); otherwise after backward. A NaN/Inf chunk stops the
     step's overlapped updates; the step is rejected, the masters retake the (unchanged) replicas' parameters, and the
-    chunks stepped get their optimizer state back, as after any failure: Adam/AdamW's flat moments forget the side the
-    step wrote (:class:`~cgdp.engine.core.host_adam.FlatAdam`, every chunk), other optimizers' state is restored from
-    a copy (:class:`~cgdp.engine.core.host_state.StateSnapshot`; every chunk but the last is saved)."""
+    chunks stepped get their optimizer state back, as after any failure: Adam/AdamW's flat moments and SGD's flat
+    momentum forget the side the step wrote (:class:`~cgdp.engine.core.host_flat.FlatState`, every chunk), other
+    optimizers' state is restored from a copy (:class:`~cgdp.engine.core.host_state.StateSnapshot`; every chunk but
+    the last is saved)."""
 
     streams = True
     sums = True
@@ -204,7 +211,7 @@ class HostUpdate(Update):
         self._open = False  # an overlapped step began and was not finished (masters maybe ahead)
         self._with_backward = self._hooked = False  # this step's
         self._states = StateSnapshot()  # of the chunks stepped with backward, for a failure
-        self._flat: host_adam.FlatAdam | None = None  # Adam/AdamW's moments in two sides: no copy to undo
+        self._flat: FlatState | None = None  # Adam/AdamW's moments, SGD's momentum in two sides: no copy to undo
         self._fast = False  # this step's chunks go to ``_flat``
         self._seconds = 0.0
         self._rounded: torch.Tensor | None = None  # a bf16 sum row, widened into ``masters.wide``
@@ -238,9 +245,10 @@ class HostUpdate(Update):
             resources.push(functools.partial(thread.join, 30.0))
             resources.push(functools.partial(self._queue.put, None))  # the stack runs backwards: stopped, then joined
             host.on_summed = weak_call(self._summed)
-            if host_adam.usable(self.optimizer):
-                self._flat = host_adam.FlatAdam(self.optimizer, m.masters, m.offsets, m.flat)
-                m.unshown_bytes = self._flat.unshown_bytes  # the moments' other side (the state shows one)
+            flat = next((k for k in (FlatAdam, FlatSGD) if k.usable(self.optimizer)), None)
+            if flat is not None:
+                self._flat = flat(self.optimizer, m.masters, m.offsets, m.flat)
+                m.unshown_bytes = self._flat.unshown_bytes  # the state's other side (the optimizer shows one)
 
     def shown(self) -> list[torch.optim.Optimizer]:
         return [self.optimizer]  # the replicas' are never stepped
@@ -270,7 +278,7 @@ class HostUpdate(Update):
         self._chunks = sum(1 for r in lay.chunk_segments if r)  # a layer without parameters of its own has no update
         self._stepped: list[int] = []
         self._states.clear()
-        self._fast = self._flat is not None and host_adam.usable(self.optimizer)
+        self._fast = self._flat is not None and self._flat.usable(self.optimizer)
         if self._fast:
             self._flat.discard()
             self._flat.sync()
