@@ -1,6 +1,7 @@
 """cgdp.DataParallel: the user's own loop on CPU-emulated devices against the same loop on one device."""
 import contextlib
 import copy
+from collections import OrderedDict, UserDict, defaultdict
 import re
 import pathlib
 import warnings
@@ -252,6 +253,103 @@ def test_structured_outputs_and_model_computed_loss():
         want["loss"].backward()
         assert_grads_identical(model)
         torch.testing.assert_close(net.fc.weight.grad, ref.fc.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+class Keyed(nn.Module):
+    """Takes a dict of batches, notes what each replica got, and returns one per key in sorted order: a defaultdict
+    (its factory a lambda each replica makes) for a defaultdict, else the argument's own type."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+        self.seen = []
+
+    def forward(self, batch):
+        self.seen.append((type(batch), getattr(batch, "default_factory", None), list(batch),
+                          [(v.device, v.shape[0]) for v in batch.values()], self.fc.weight.device))
+        out = defaultdict(lambda: -1) if isinstance(batch, defaultdict) else type(batch)()
+        for k in sorted(batch):
+            out[k] = self.fc(batch[k])
+        return out
+
+
+def _zero():
+    return 0
+
+
+@pytest.mark.parametrize("kind", [defaultdict, OrderedDict])
+def test_dict_subclasses_are_split_and_gathered_as_themselves(kind):
+    """A defaultdict argument reaches every replica as one with the same factory, an OrderedDict in its order, each
+    value that replica's part on its device; the same types come back gathered (keys in the replicas' order, a
+    defaultdict's factory replica 0's), and backward equals one device's. Was a bare TypeError for a defaultdict."""
+    from cgdp.testing import simulated_cuda
+    items = {"b": torch.randn(7, 5), "a": torch.randn(7, 5)}
+    batch = defaultdict(_zero, items) if kind is defaultdict else OrderedDict(items)
+    net = Keyed()
+    ref = copy.deepcopy(net)
+    with simulated_cuda(3), cgdp.DataParallel(net, [f"cuda:{i}" for i in range(3)], chunks=1) as model:
+        out = model(batch)
+        want = ref(batch)
+        for (got, factory, keys, parts, dev), n in zip([r.seen[0] for r in model.replicas], [3, 2, 2]):
+            assert got is kind and factory is getattr(batch, "default_factory", None) and keys == ["b", "a"]
+            assert parts == [(dev, n), (dev, n)]
+        assert type(out) is type(want) and list(out) == ["a", "b"]
+        assert kind is not defaultdict or out["missing"] == -1
+        for k in want:
+            assert out[k].device == model.output_device
+            torch.testing.assert_close(out[k], want[k], rtol=1e-6, atol=0)
+        (out["a"] * out["b"]).mean().backward()
+        (want["a"] * want["b"]).mean().backward()
+        assert_grads_identical(model)
+        torch.testing.assert_close(net.fc.weight.grad, ref.fc.weight.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(net.fc.bias.grad, ref.fc.bias.grad, rtol=1e-5, atol=1e-7)
+
+
+class Pair(dict):
+    """A dict whose constructor takes its values, not its items."""
+    def __init__(self, x, y):
+        super().__init__(x=x, y=y)
+
+
+class Settings(dict):
+    """A dict whose constructor takes a path and drops what it is given."""
+    def __init__(self, path=None):
+        super().__init__()
+
+
+class Paired(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x, y=None):
+        return Pair(self.fc(x), self.fc(x)) if y is None else self.fc(x["x"])
+
+
+@pytest.mark.parametrize("cls, made", [(Pair, lambda t: Pair(t, t)), (Settings, None)])
+def test_a_dict_that_cannot_be_made_again_from_its_items_is_said(cls, made):
+    """As an argument (split) and as an output (gathered): a sentence that names the class and what to do, never
+    the constructor's bare TypeError (or a dict that silently lost its items); the model stays usable."""
+    said = rf"test_dataparallel\.{cls.__name__}\(items\) does not: pass or return a plain dict \(dict\(x\)\)"
+    with cgdp.DataParallel(Paired(), devs(2), chunks=1) as model:
+        x = torch.randn(4, 5)
+        arg = made(x) if made else Settings()
+        if not made:
+            arg.update(x=x)
+        with pytest.raises(TypeError, match=said):
+            model(arg, y=True)
+        if made:
+            with pytest.raises(TypeError, match=said):
+                model(x)
+        assert model(dict(arg), y=True).shape == (4, 3)
+
+
+def test_a_mapping_that_is_not_a_dict_goes_whole_as_in_nn_data_parallel():
+    """Not walked (as nn.DataParallel's scatter, documented in docs/migration.md): alone it runs whole on replica 0."""
+    net = Keyed()
+    with cgdp.DataParallel(net, devs(2), chunks=1) as model:
+        out = model(UserDict(a=torch.randn(6, 5)))
+        assert net.seen[0][0] is UserDict and net.seen[0][3][0][1] == 6 and model.replicas[1].seen == []
+        assert type(out) is UserDict and out["a"].shape == (6, 3)
 
 
 def test_auto_chunks_tune_while_training_and_change_nothing():

@@ -305,15 +305,13 @@ class _Lookups:
         if not self.weights:
             return
         self.ids = {}
+        # read nowhere, but keeps the weights' grad accumulators for the forward (a new one would raise base's count)
         self.edges = [get_gradient_edge(w) for ws in self.weights.values() for w in ws if w.requires_grad]
         self.base = {i: [w._use_count() for w in ws] for i, ws in self.weights.items()}
 
     def take(self) -> dict[int, list[torch.Tensor]]:
         """After it: the indices looked up per weight."""
-        looked = self.ids
-        if looked is None:
-            return {}
-        self.ids, self.edges = None, []
+        looked, self.ids, self.edges = self.ids or {}, None, []
         return looked
 
 

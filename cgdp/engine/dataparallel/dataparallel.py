@@ -239,8 +239,7 @@ class DataParallel(Face, nn.Module):
                     return self._rng.on_device(j, lambda: self._replicas[j](*parts[j][0], **parts[j][1]))
             except Exception as exc:  # the user's own error, said where it happened
                 exc.add_note(f"(raised in replica {j} of cgdp.DataParallel, on {self.devices[j]})")
-                hint = unbatched_note(args, kwargs, sizes)
-                if hint:
+                if hint := unbatched_note(args, kwargs, sizes):
                     exc.add_note(hint)
                 raise
 

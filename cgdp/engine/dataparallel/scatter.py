@@ -20,6 +20,7 @@ One autograd function (:class:`_Gather`) makes every gathered tensor, so a backw
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from typing import Any, Callable, Sequence
 
 import torch
@@ -34,9 +35,9 @@ def _flatten(obj: Any, leaves: list[Any]) -> Any:
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return _LEAF
-    if isinstance(obj, dict):
-        keys = list(obj.keys())
-        return ("map", type(obj), keys, [_flatten(obj[k], leaves) for k in keys])
+    if isinstance(obj, dict):  # a dict only, as nn.DataParallel: another Mapping (a UserDict) is a leaf
+        keys, factory = list(obj.keys()), _Factory(getattr(obj, "default_factory", None))
+        return ("map", type(obj), keys, [_flatten(obj[k], leaves) for k in keys], factory)
     if isinstance(obj, (tuple, list)):
         return ("seq", type(obj), [_flatten(o, leaves) for o in obj])
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -56,7 +57,27 @@ def _unflatten(spec: Any, it) -> Any:
     values = {k: _unflatten(s, it) for k, s in zip(spec[2], spec[3])}
     if kind == "dc" or dataclasses.is_dataclass(cls):  # ModelOutput: a dict and a dataclass
         return cls(**values)
-    return cls(values.items()) if cls is not dict else values
+    return values if cls is dict else _rebuilt(cls, spec[4].factory, values)
+
+
+@dataclasses.dataclass
+class _Factory:
+    """A defaultdict's factory in a spec, not compared: each replica's forward may make its own (a lambda)."""
+    factory: Any = dataclasses.field(compare=False)
+
+
+def _rebuilt(cls: type, factory: Any, values: dict) -> dict:
+    """A dict subclass made again from its items, ``cls(items)`` as torch's scatter and gather (a defaultdict with its
+    factory); a class whose constructor takes other arguments, or drops items, is refused with a sentence."""
+    try:
+        out = cls(factory, values) if issubclass(cls, defaultdict) else cls(values)
+        if list(out.keys()) == list(values):
+            return out
+        raise ValueError(f"{cls.__qualname__}(items) made the keys {list(out.keys())}, not {list(values)}")
+    except Exception as e:  # (the user's constructor: anything)
+        raise TypeError(f"cgdp.DataParallel makes each dict of the arguments and outputs again from its items, and "
+                        f"{cls.__module__}.{cls.__qualname__}(items) does not: pass or return a plain dict (dict(x)), "
+                        f"or give {cls.__qualname__} a constructor that takes its items as dict's does") from e
 
 
 def _paths(spec: Any, prefix: str = "output") -> list[str]:
@@ -169,12 +190,11 @@ class _Gather(torch.autograd.Function):
         if plan.on_backward is not None:
             plan.on_backward()  # before any replica's gradient exists: DataParallel arms the engine
         out: list[torch.Tensor | None] = [None]
-        for i, (kind, grad) in enumerate(zip(plan.kinds, grads)):
-            devs = plan.devices[i]
+        for kind, grad, devs, lengths in zip(plan.kinds, grads, plan.devices, plan.lengths):
             if grad is None or kind == "stack":
                 out += [None] * len(devs)
             elif kind == "cat":
-                out += [p.to(d, non_blocking=True) for p, d in zip(torch.split(grad, plan.lengths[i]), devs)]
+                out += [p.to(d, non_blocking=True) for p, d in zip(torch.split(grad, lengths), devs)]
             else:
                 out += [(grad * w).to(d, non_blocking=True) for w, d in zip(plan.weights, devs)]
         return tuple(out)
@@ -237,9 +257,7 @@ def _same_or_none(vals: list[Any], name: str) -> Any:
         same = all(v is first or bool(v == first) for v in vals[1:])
     except Exception:  # objects without a usable ==
         same = False
-    if same:
-        return first
-    return _none_said(name, type(first).__name__, "it differs between replicas and is not a tensor")
+    return first if same else _none_said(name, type(first).__name__, "it differs between replicas and is not a tensor")
 
 
 def _none_said(name: str, kind: str, why: str) -> None:
