@@ -42,7 +42,8 @@ from bench.common import command_line, fmt, interleaved, machine, machine_md, me
 
 import cgdp  # noqa: E402
 from cgdp.engine.core import host_adam  # noqa: E402
-from cgdp.engine.core.host_adam import _WIDTHS, FlatAdam, _adam, _sqrt  # noqa: E402
+from cgdp.engine.core.host_adam import FlatAdam, _adam, _sqrt  # noqa: E402
+from cgdp.engine.core.host_flat import WIDTHS  # noqa: E402
 
 STEP = 20000
 
@@ -85,7 +86,7 @@ def kernels(n: int, rounds: int) -> list[dict]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        vw = _WIDTHS[torch.backends.cpu.get_cpu_capability()][0]
+        vw = WIDTHS[torch.backends.cpu.get_cpu_capability()][0]
         n -= n % 256  # torch's vector loop only: no tail on any capability
         gen = torch.Generator().manual_seed(0)
         p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)

@@ -124,12 +124,13 @@ def test_modules_stay_small():
 
 
 def test_engine_stays_within_its_budget():
-    """``cgdp/engine`` at most 9,151 lines, ``dataparallel/`` at most 1,500 (issue 34): a new case is a state of the
+    """``cgdp/engine`` at most 9,166 lines, ``dataparallel/`` at most 1,500 (issue 34): a new case is a state of the
     one owner, not code beside it. Raising a budget is a decision, made here."""
     lines = {f: len(f.read_text().splitlines()) for f in (PKG / "engine").rglob("*.py")}
     face = sum(n for f, n in lines.items() if "dataparallel" in f.parts)
     # 9,000 + 151: SGD's momentum flat in two sides for update='host' (host_flat.py, shared with Adam; host_sgd.py)
-    assert sum(lines.values()) <= 9151 and face <= 1500, (sum(lines.values()), face)
+    # + 15: DataParallel makes dict subclasses again (a defaultdict with its factory), or refuses them with a sentence
+    assert sum(lines.values()) <= 9166 and face <= 1500, (sum(lines.values()), face)
 
 
 def test_faces_leave_the_stream_to_the_owner():
