@@ -1,7 +1,7 @@
 """How far ``update="host"``'s AdamW can go on this machine: what holds it behind DeepSpeed's CPU Adam, and the
 least ``update="host"`` ÷ ``update="devices"`` the cores allow.
 
-    python bench/bench_update_bounds.py                 # ~2 min on 2 cores
+    python bench/bench_update_bounds.py                 # ~20 s on 2 cores
     python bench/bench_update_bounds.py --quick         # fewer rounds, smaller tensor
 
 1. **One AdamW step, one thread, one float32 tensor** of ``--elements`` (default 37.7 M), at a step count where

@@ -98,3 +98,28 @@ def test_a_model_without_dense_trainable_parameters_is_refused_by_update_host(sp
     with pytest.raises(ValueError, match="has none .* use update='devices'"):
         cgdp.DataParallel(_Frozen(sparse), ["cpu:0", "cpu:1"], update="host")
     cgdp.DataParallel(_Frozen(sparse), ["cpu:0", "cpu:1"]).close()
+
+
+def test_a_none_momentum_buffer_is_no_buffer_as_torch_reads_it():
+    """A state entry whose momentum_buffer is None (an SGD state saved with momentum=0, then resumed with momentum):
+    torch's step takes the gradient as the buffer; the flat step does the same, bit for bit."""
+    from cgdp.engine.core.host_sgd import FlatSGD
+    torch.manual_seed(0)
+    shapes, kw = [(37,), (5, 7)], {"lr": 0.1, "momentum": 0.9}
+    ref = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    flat = torch.cat([p.detach().flatten() for p in ref])
+    offs = [0, 37]
+    mine = [torch.nn.Parameter(flat[o:o + p.numel()].view(p.shape)) for o, p in zip(offs, ref)]
+    opts = [torch.optim.SGD(ps, fused=True, **kw) for ps in (ref, mine)]
+    for o, ps in zip(opts, (ref, mine)):
+        for p in ps:
+            o.state[p] = {"momentum_buffer": None}
+    fs = FlatSGD(opts[1], mine, offs, flat)
+    for _ in range(2):
+        row = torch.randn(flat.numel())
+        for p, o in zip(ref, offs):
+            p.grad = row[o:o + p.numel()].view(p.shape).clone()
+        opts[0].step()
+        fs.sync(), fs.step([0, 1], [0, 0], row, offs), fs.commit()
+        assert all(torch.equal(a, b) and torch.equal(opts[0].state[a]["momentum_buffer"],
+                                                    opts[1].state[b]["momentum_buffer"]) for a, b in zip(ref, mine))

@@ -102,7 +102,7 @@ class FlatState:
         state = self.opt.state
         for pid, t in enumerate(self.masters):
             s, views = state.get(t), self._views[self.side[pid]][pid]
-            if not s:
+            if not s or any(s.get(k) is None for k in self.keys):  # a None buffer: none yet, as torch's SGD reads it
                 if self.steps[pid]:
                     for v in views:
                         v.zero_()

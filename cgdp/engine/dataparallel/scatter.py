@@ -36,7 +36,7 @@ def _flatten(obj: Any, leaves: list[Any]) -> Any:
         leaves.append(obj)
         return _LEAF
     if isinstance(obj, dict):  # a dict only, as nn.DataParallel: another Mapping (a UserDict) is a leaf
-        keys, factory = list(obj.keys()), _Factory(getattr(obj, "default_factory", None))
+        keys, factory = list(obj.keys()), _Factory(obj.default_factory) if isinstance(obj, defaultdict) else None
         return ("map", type(obj), keys, [_flatten(obj[k], leaves) for k in keys], factory)
     if isinstance(obj, (tuple, list)):
         return ("seq", type(obj), [_flatten(o, leaves) for o in obj])
@@ -57,7 +57,7 @@ def _unflatten(spec: Any, it) -> Any:
     values = {k: _unflatten(s, it) for k, s in zip(spec[2], spec[3])}
     if kind == "dc" or dataclasses.is_dataclass(cls):  # ModelOutput: a dict and a dataclass
         return cls(**values)
-    return values if cls is dict else _rebuilt(cls, spec[4].factory, values)
+    return values if cls is dict else _rebuilt(cls, spec[4] and spec[4].factory, values)
 
 
 @dataclasses.dataclass
